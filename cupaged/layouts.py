@@ -1,0 +1,108 @@
+"""Paged KV-cache layouts: shapes, geometry checks and NHD views.
+
+Layouts (``layout=``):
+
+- ``"NHD"`` (default): k and v ``[num_blocks, block_size, num_kv_heads, head_dim]``
+- ``"HND"``: k and v ``[num_blocks, num_kv_heads, block_size, head_dim]``
+- ``"vllm"``: k ``[num_blocks, num_kv_heads, head_dim // x, block_size, x]`` with
+  ``x = 16 // itemsize``; v ``[num_blocks, num_kv_heads, head_dim, block_size]``
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ._arrays import FLOAT_DTYPES, check_choice
+
+LAYOUTS = ("NHD", "HND", "vllm")
+
+
+class CacheGeometry(NamedTuple):
+    """Sizes read off a (k_cache, v_cache) pair."""
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def vllm_x(dtype) -> int:
+    """Elements per 16 bytes: the innermost key extent of the vllm layout."""
+    return 16 // np.dtype(dtype).itemsize
+
+
+def cache_shapes(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype):
+    """Shapes ``(k_shape, v_shape)`` of a cache in ``layout``."""
+    check_choice("layout", layout, LAYOUTS)
+    if layout == "NHD":
+        s = (num_blocks, block_size, num_kv_heads, head_dim)
+        return s, s
+    if layout == "HND":
+        s = (num_blocks, num_kv_heads, block_size, head_dim)
+        return s, s
+    x = vllm_x(dtype)
+    if head_dim % x:
+        raise ValueError(f"head_dim: expected a multiple of {x} for the vllm layout, got {head_dim}")
+    return ((num_blocks, num_kv_heads, head_dim // x, block_size, x),
+            (num_blocks, num_kv_heads, head_dim, block_size))
+
+
+def cache_geometry(k_cache, v_cache, layout="NHD") -> CacheGeometry:
+    """Validate a cache pair in ``layout`` and return its geometry.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On an unknown layout, wrong ranks, shapes that disagree, mixed or unsupported
+        dtypes, or non-contiguous caches.
+    """
+    check_choice("layout", layout, LAYOUTS)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {c.dtype}")
+        if not c.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous array, got strides {c.strides}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"v_cache: expected dtype {k_cache.dtype} like k_cache, got {v_cache.dtype}")
+    want_k = 5 if layout == "vllm" else 4
+    if k_cache.ndim != want_k:
+        raise ValueError(f"k_cache: expected {want_k} dimensions for layout {layout!r}, "
+                         f"got shape {tuple(k_cache.shape)}")
+    if v_cache.ndim != 4:
+        raise ValueError(f"v_cache: expected 4 dimensions for layout {layout!r}, "
+                         f"got shape {tuple(v_cache.shape)}")
+    if layout == "NHD":
+        nb, bs, hk, d = k_cache.shape
+    elif layout == "HND":
+        nb, hk, bs, d = k_cache.shape
+    else:
+        nb, hk, dx, bs, x = k_cache.shape
+        d = dx * x
+        if x != vllm_x(k_cache.dtype):
+            raise ValueError(f"k_cache: expected innermost extent {vllm_x(k_cache.dtype)} "
+                             f"(16 bytes) for layout 'vllm', got {x}")
+    geo = CacheGeometry(int(nb), int(bs), int(hk), int(d))
+    want_v = cache_shapes(layout, *geo, k_cache.dtype)[1]
+    if tuple(v_cache.shape) != want_v:
+        raise ValueError(f"v_cache: expected shape {list(want_v)} to match k_cache, "
+                         f"got {tuple(v_cache.shape)}")
+    return geo
+
+
+def k_as_nhd(k_cache, layout):
+    """View (or copy, for vllm) of a key cache as ``[num_blocks, block_size, Hk, D]``."""
+    if layout == "NHD":
+        return k_cache
+    if layout == "HND":
+        return k_cache.transpose(0, 2, 1, 3)
+    nb, hk, dx, bs, x = k_cache.shape
+    return k_cache.transpose(0, 3, 1, 2, 4).reshape(nb, bs, hk, dx * x)
+
+
+def v_as_nhd(v_cache, layout):
+    """View of a value cache as ``[num_blocks, block_size, Hk, D]``."""
+    if layout == "NHD":
+        return v_cache
+    if layout == "HND":
+        return v_cache.transpose(0, 2, 1, 3)
+    return v_cache.transpose(0, 3, 1, 2)

@@ -1,0 +1,7 @@
+"""NumPy reference backend: the specification every kernel is tested against.
+
+Written from the math of design.md, computing in float64; independent of the kernels.
+Submodules: ``attention`` (masked softmax attention, varlen, paged, decode, mixed, merge),
+``cache`` (cache write, copy, swap in every layout), ``sink`` (sink softmax and seed 000's
+unified sink attention), ``rope``, ``sparse`` (vertical+slash estimate, index, BSR).
+"""
