@@ -1,0 +1,77 @@
+"""Timing with CUDA events, the bandwidth ceiling measured in the same run, and tables."""
+from __future__ import annotations
+
+import functools
+import statistics
+
+
+def time_gpu(fn, *, warmup=3, reps=20):
+    """Median seconds of ``fn()`` over ``reps`` runs, each timed with CUDA events.
+
+    ``fn`` should rotate its inputs itself when they would fit in L2 (60 MB on an H200).
+    """
+    import cupy
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e-3)
+    return statistics.median(times)
+
+
+@functools.lru_cache(maxsize=None)
+def copy_bandwidth(nbytes=2 << 30):
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import cupy
+    a = cupy.empty(nbytes, dtype=cupy.uint8)
+    a.fill(1)
+    b = cupy.empty_like(a)
+    t = time_gpu(lambda: b.__setitem__(Ellipsis, a), reps=20)
+    del a, b
+    return 2 * nbytes / t
+
+
+def rotating(make, nbytes_each, min_total=256 << 20):
+    """Build enough input sets (``make()`` each) that cycling through them defeats L2.
+
+    Returns a zero-argument function returning the next set on every call.
+    """
+    count = max(2, -(-min_total // max(nbytes_each, 1)))
+    sets = [make() for _ in range(min(count, 16))]
+    state = {"i": 0}
+
+    def nxt():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return sets[state["i"]]
+    return nxt
+
+
+def torch_or_none():
+    """torch if importable with CUDA (for peer figures), else None."""
+    try:
+        import torch
+    except Exception:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def format_table(rows, columns=None):
+    """Plain-text table of dict rows; floats to 3 significant digits."""
+    if not rows:
+        return "(no rows)"
+    columns = columns or list(rows[0])
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return "" if v is None else str(v)
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
