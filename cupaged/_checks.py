@@ -1,0 +1,112 @@
+"""Argument checks shared by the attention ops (decode, prefill, sink, sparse).
+
+Each check raises ValueError/TypeError naming the argument, the expected and the actual
+value. Checks on index values work on host copies (``_arrays.host``), which syncs for
+CuPy inputs; plan/run wrappers do them once in ``plan()``.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from ._arrays import FLOAT_DTYPES, check_array, check_head_dim, check_range, host
+
+
+class AttentionOptions(NamedTuple):
+    """Scalar and per-head options after validation (``sm_scale`` resolved)."""
+    sm_scale: float
+    window_left: int
+    alibi_slopes: object  # float32 [num_q_heads] or None
+    sinks: object         # float32 [num_q_heads] or None
+    logits_soft_cap: float
+
+
+def check_options(xp, num_q_heads, head_dim, *, sm_scale=None, window_left=-1,
+                  alibi_slopes=None, sinks=None, logits_soft_cap=0.0) -> AttentionOptions:
+    """Validate the options every attention op takes; resolve ``sm_scale``."""
+    if sm_scale is None:
+        sm_scale = head_dim ** -0.5
+    if not isinstance(sm_scale, (int, float, np.floating)) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: expected a finite float, got {sm_scale!r}")
+    if not isinstance(window_left, (int, np.integer)) or window_left < -1:
+        raise ValueError(f"window_left: expected an int >= -1 (-1: no window), got {window_left!r}")
+    if (not isinstance(logits_soft_cap, (int, float, np.floating))
+            or not math.isfinite(logits_soft_cap) or logits_soft_cap < 0):
+        raise ValueError(f"logits_soft_cap: expected a finite float >= 0 (0: off), got {logits_soft_cap!r}")
+    for name, arr in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if arr is not None:
+            check_array(name, arr, shape=(num_q_heads,), dtypes=np.float32, xp=xp)
+    return AttentionOptions(float(sm_scale), int(window_left), alibi_slopes, sinks,
+                            float(logits_soft_cap))
+
+
+def check_query(name, q, xp, ndim=3):
+    """Validate a query ``[tokens, num_q_heads, head_dim]``; return its shape."""
+    check_array(name, q, ndim=ndim, dtypes=FLOAT_DTYPES, xp=xp)
+    check_head_dim(f"{name}.shape[-1]", q.shape[-1])
+    return tuple(int(s) for s in q.shape)
+
+
+def check_gqa(num_q_heads, num_kv_heads, kv_name="k"):
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"{kv_name}: num_kv_heads ({num_kv_heads}) must divide the number of "
+                         f"query heads ({num_q_heads})")
+
+
+def check_cu_seqlens(name, cu, xp, total=None):
+    """Validate int32 ``[batch + 1]`` cumulative lengths; return the host copy.
+
+    Starts at 0, never decreases, and (when ``total`` is given) ends at ``total``.
+    """
+    check_array(name, cu, ndim=1, dtypes=np.int32, xp=xp)
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name}: expected shape [batch_size + 1] with at least one entry, got {tuple(cu.shape)}")
+    h = host(cu)
+    if h[0] != 0:
+        raise ValueError(f"{name}: expected {name}[0] == 0, got {int(h[0])}")
+    d = np.diff(h)
+    if (d < 0).any():
+        i = int(np.argmax(d < 0))
+        raise ValueError(f"{name}: expected non-decreasing entries, got {int(h[i])} then {int(h[i + 1])} at index {i}")
+    if total is not None and int(h[-1]) != total:
+        raise ValueError(f"{name}: expected last entry {total} (the number of tokens), got {int(h[-1])}")
+    return h
+
+
+def check_block_tables(block_tables, seq_lens, geometry, xp, *, batch=None, extra_tokens=0):
+    """Validate a paged batch's block tables and kv lengths; return host copies.
+
+    Parameters
+    ----------
+    block_tables : int32 ``[batch, max_blocks_per_seq]``
+    seq_lens : int32 ``[batch]``
+        Keys of each sequence in the cache; ``extra_tokens`` more must also fit (the
+        in-place append of decode).
+    geometry : layouts.CacheGeometry
+
+    The first ``ceil((seq_len + extra_tokens) / block_size)`` entries of each row must be
+    block ids in ``[0, num_blocks)``; later entries are not read (conventionally -1).
+    """
+    check_array("block_tables", block_tables, ndim=2, dtypes=np.int32, xp=xp)
+    b = block_tables.shape[0] if batch is None else batch
+    check_array("block_tables", block_tables, shape=(b, None))
+    check_array("seq_lens", seq_lens, shape=(b,), dtypes=np.int32, xp=xp)
+    bt, sl = host(block_tables), host(seq_lens)
+    check_range("seq_lens", sl, 0, np.iinfo(np.int32).max)
+    bs, max_blocks = geometry.block_size, bt.shape[1]
+    need = -(-(sl.astype(np.int64) + extra_tokens) // bs)
+    if (need > max_blocks).any():
+        i = int(np.argmax(need > max_blocks))
+        raise ValueError(f"seq_lens: sequence {i} needs {int(need[i])} blocks of {bs} for "
+                         f"{int(sl[i]) + extra_tokens} tokens, but block_tables has {max_blocks} per sequence")
+    used = np.arange(max_blocks)[None, :] < need[:, None]
+    check_range("block_tables", np.where(used, bt, 0), 0, geometry.num_blocks)
+    return bt, sl
+
+
+def check_out(out, shape, dtype, xp):
+    """Validate a caller-provided output buffer."""
+    check_array("out", out, shape=shape, dtypes=dtype, xp=xp)
+    return out
