@@ -1,0 +1,391 @@
+"""Reference attention: the specification every attention kernel is tested against.
+
+Everything is computed in float64 straight from the math of design.md; inputs are NumPy
+arrays already validated by the public ops. For one sequence with ``q_len`` queries and
+``kv_len`` keys, query ``i`` sits at absolute position ``p = kv_len - q_len + i``
+(bottom-right alignment, with or without ``causal``) and its score against key ``j`` is
+built in this order:
+
+1. ``s = sm_scale * q_i . k_j`` (``sm_scale`` defaults to ``head_dim ** -0.5``);
+2. soft-cap, if ``logits_soft_cap = c > 0``: ``s = c * tanh(s / c)``;
+3. ALiBi, if ``alibi_slopes`` is given: ``s += slope_h * (j - p)``;
+4. mask: key ``j`` is visible iff ``j <= p`` (when ``causal``) and ``j >= p - w`` (when
+   ``window_left = w >= 0``); hidden keys drop out of the softmax.
+
+With a sink logit ``sink_h`` (raw, not scaled) the softmax denominator gains one term:
+``out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink_h - m))`` with
+``m = max(max_j s_j, sink_h)``, and ``lse = m + log(denominator)``. A row with no visible
+key returns zeros and ``lse = -inf`` (``sink_h`` with sinks). Query head ``h`` reads kv head
+``h // (Hq // Hk)`` (GQA/MQA).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..layouts import cache_geometry, k_as_nhd, v_as_nhd
+from .cache import write_kv_cache
+
+
+# ----------------------------------------------------------------------------- one sequence
+def query_positions(q_len, kv_len):
+    """Absolute positions ``p = kv_len - q_len + i`` of the queries, int64 ``[q_len]``."""
+    return np.arange(q_len, dtype=np.int64) + (kv_len - q_len)
+
+
+def visible_keys(q_len, kv_len, *, causal=True, window_left=-1):
+    """Mask of the keys each query sees, bool ``[q_len, kv_len]``.
+
+    Key ``j`` is visible to query ``i`` (position ``p``) iff ``j <= p`` when ``causal`` and
+    ``j >= p - window_left`` when ``window_left >= 0``.
+    """
+    p = query_positions(q_len, kv_len)[:, None]
+    j = np.arange(kv_len, dtype=np.int64)[None, :]
+    visible = np.ones((q_len, kv_len), dtype=bool)
+    if causal:
+        visible &= j <= p
+    if window_left >= 0:
+        visible &= j >= p - window_left
+    return visible
+
+
+def softmax_with_sink(s, sinks=None):
+    """Softmax over the last axis with an optional sink term in the denominator.
+
+    Parameters
+    ----------
+    s : numpy.ndarray
+        float64 ``[..., H, rows, n]`` scores; ``-inf`` marks hidden keys.
+    sinks : numpy.ndarray, optional
+        ``[H]`` raw sink logits, broadcast over the leading axes and the rows.
+
+    Returns
+    -------
+    probs : numpy.ndarray
+        float64 ``[..., H, rows, n]``, excluding the sink column; each row sums to
+        ``1 - p_sink``. Rows whose scores and sink are all ``-inf`` are zeros.
+    lse : numpy.ndarray
+        float64 ``[..., H, rows]``: ``log(sum_j exp(s_j) + exp(sink_h))``, ``-inf`` for an
+        empty row.
+    """
+    s = np.asarray(s, dtype=np.float64)
+    m = s.max(axis=-1, initial=-np.inf)
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)[:, None]
+        m = np.maximum(m, sink)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m_safe[..., None])
+    denom = e.sum(axis=-1)
+    if sinks is not None:
+        denom = denom + np.exp(sink - m_safe)
+    with np.errstate(divide="ignore"):
+        lse = m_safe + np.log(denom)
+    probs = e / np.where(denom > 0, denom, 1.0)[..., None]
+    return probs, lse
+
+
+def attention_scores(q, k, *, sm_scale=None, alibi_slopes=None, logits_soft_cap=0.0):
+    """Unmasked scores of one sequence, steps 1-3 of the module docstring.
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``[q_len, Hq, D]``.
+    k : numpy.ndarray
+        ``[kv_len, Hk, D]``, ``Hq % Hk == 0``.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64 ``[Hq, q_len, kv_len]``.
+    """
+    q_len, num_q_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[:2]
+    scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+    k_per_q_head = np.repeat(k.astype(np.float64), num_q_heads // num_kv_heads, axis=1)
+    s = scale * np.einsum("ihd,jhd->hij", q.astype(np.float64), k_per_q_head)
+    if logits_soft_cap > 0:
+        s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+    if alibi_slopes is not None:
+        distance = np.arange(kv_len)[None, :] - query_positions(q_len, kv_len)[:, None]
+        s = s + np.asarray(alibi_slopes, np.float64)[:, None, None] * distance[None]
+    return s
+
+
+def attend_masked(q, k, v, visible, *, sm_scale=None, alibi_slopes=None, sinks=None,
+                  logits_soft_cap=0.0):
+    """Attention of one sequence under an explicit visibility mask.
+
+    Same as :func:`attend` with the mask (step 4) given as ``visible``, bool
+    ``[q_len, kv_len]``. Returns ``(out, lse)``: float64 ``[q_len, Hq, D]`` and
+    ``[q_len, Hq]``.
+    """
+    s = attention_scores(q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
+                         logits_soft_cap=logits_soft_cap)
+    s = np.where(visible[None], s, -np.inf)
+    probs, lse = softmax_with_sink(s, sinks)
+    v_per_q_head = np.repeat(v.astype(np.float64), q.shape[1] // v.shape[1], axis=1)
+    out = np.einsum("hij,jhd->ihd", probs, v_per_q_head)
+    return out, lse.T
+
+
+def attend(q, k, v, *, causal=True, sm_scale=None, window_left=-1, alibi_slopes=None,
+           sinks=None, logits_soft_cap=0.0):
+    """Attention of one sequence: the definition of every attention op in cupaged.
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``[q_len, Hq, D]``, any float dtype; ``q_len`` may be 0.
+    k, v : numpy.ndarray
+        ``[kv_len, Hk, D]``, ``Hq % Hk == 0``; ``kv_len`` may be 0.
+    causal : bool
+        Key ``j`` visible only if ``j <= p = kv_len - q_len + i``.
+    sm_scale : float, optional
+        Score scale, default ``D ** -0.5``.
+    window_left : int
+        ``w >= 0`` also hides keys ``j < p - w``; ``-1`` for no window.
+    alibi_slopes : numpy.ndarray, optional
+        float32 ``[Hq]``; adds ``slope_h * (j - p)`` after the soft-cap.
+    sinks : numpy.ndarray, optional
+        float32 ``[Hq]`` raw sink logits, one extra denominator term per row.
+    logits_soft_cap : float
+        ``c > 0`` maps scores to ``c * tanh(s / c)`` before ALiBi.
+
+    Returns
+    -------
+    out : numpy.ndarray
+        float64 ``[q_len, Hq, D]``; zeros for a row with no visible key.
+    lse : numpy.ndarray
+        float64 ``[q_len, Hq]`` natural-log sum of exponentials including the sink;
+        ``-inf`` (or ``sink_h``) for a row with no visible key.
+    """
+    visible = visible_keys(q.shape[0], k.shape[0], causal=causal, window_left=window_left)
+    return attend_masked(q, k, v, visible, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
+                         sinks=sinks, logits_soft_cap=logits_soft_cap)
+
+
+# ----------------------------------------------------------------------------- batches
+def _attend_batch(q, cu_seqlens_q, kv_of, return_lse, options):
+    """Run :func:`attend` per sequence; ``kv_of(i)`` gives sequence ``i``'s ``(k, v)``."""
+    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
+    out = np.zeros(q.shape, dtype=np.float64)
+    lse = np.full(q.shape[:2], -np.inf)
+    for i in range(len(cu_q) - 1):
+        rows = slice(cu_q[i], cu_q[i + 1])
+        k_i, v_i = kv_of(i)
+        out[rows], lse[rows] = attend(q[rows], k_i, v_i, **options)
+    out = out.astype(q.dtype)
+    return (out, lse.astype(np.float32)) if return_lse else out
+
+
+def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, sm_scale=None,
+                   window_left=-1, alibi_slopes=None, sinks=None, logits_soft_cap=0.0,
+                   return_lse=False):
+    """Attention over a ragged batch of sequences packed along the token axis.
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``[total_q, Hq, D]``, float16, bfloat16 or float32.
+    k, v : numpy.ndarray
+        ``[total_k, Hk, D]``.
+    cu_seqlens_q, cu_seqlens_k : numpy.ndarray
+        int32 ``[B + 1]`` prefix sums: sequence ``i`` owns query rows
+        ``[cu_seqlens_q[i], cu_seqlens_q[i+1])`` and key rows likewise; lengths may be 0.
+    causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap
+        As in :func:`attend`, positions counted per sequence.
+    return_lse : bool
+        Also return the LSE.
+
+    Returns
+    -------
+    out : numpy.ndarray
+        ``[total_q, Hq, D]`` in q's dtype.
+    lse : numpy.ndarray
+        float32 ``[total_q, Hq]``, only with ``return_lse``.
+    """
+    cu_k = np.asarray(cu_seqlens_k, dtype=np.int64)
+
+    def kv_of(i):
+        return k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+
+    options = dict(causal=causal, sm_scale=sm_scale, window_left=window_left,
+                   alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
+    return _attend_batch(q, cu_seqlens_q, kv_of, return_lse, options)
+
+
+# ----------------------------------------------------------------------------- paged caches
+def gather_kv(k_cache, v_cache, block_table, kv_len, layout="NHD"):
+    """The first ``kv_len`` keys and values of one sequence of a paged cache.
+
+    Parameters
+    ----------
+    k_cache, v_cache : numpy.ndarray
+        Paged caches in ``layout`` (see ``cupaged.layouts``).
+    block_table : numpy.ndarray
+        int32 ``[max_blocks]``; token ``t`` lives in block ``block_table[t // block_size]``
+        at offset ``t % block_size``. Entries past the last used block may be -1.
+    kv_len : int
+        Number of tokens to gather.
+    layout : {"NHD", "HND", "vllm"}
+
+    Returns
+    -------
+    k, v : numpy.ndarray
+        ``[kv_len, Hk, D]`` in the cache dtype (copies).
+    """
+    _, block_size, num_kv_heads, head_dim = cache_geometry(k_cache, v_cache, layout)
+    num_used = -(-int(kv_len) // block_size)
+    blocks = np.asarray(block_table[:num_used], dtype=np.int64)
+    if num_used > len(blocks) or (blocks < 0).any():
+        raise ValueError(f"block_table: expected {num_used} valid block ids for {kv_len} "
+                         f"tokens, got {blocks.tolist()}")
+    shape = (num_used * block_size, num_kv_heads, head_dim)
+    k = k_as_nhd(k_cache[blocks], layout).reshape(shape)[:kv_len]
+    v = v_as_nhd(v_cache[blocks], layout).reshape(shape)[:kv_len]
+    return k, v
+
+
+def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
+                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
+                  logits_soft_cap=0.0, layout="NHD", return_lse=False):
+    """Attention of new query tokens against paged caches (chunked prefill, prefix reuse).
+
+    Sequence ``i``'s queries are the last ``q_len_i`` positions of its ``seq_lens[i]``
+    cached tokens (bottom-right alignment); with ``q_len_i > seq_lens[i]`` the leading
+    rows see no key under ``causal`` and give zeros. Decode rows are ``q_len_i = 1``, so
+    this also defines mixed batches (:func:`paged_attention`).
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``[total_q, Hq, D]``.
+    k_cache, v_cache : numpy.ndarray
+        Paged caches in ``layout``, already holding the new tokens' keys and values.
+    cu_seqlens_q : numpy.ndarray
+        int32 ``[B + 1]`` query prefix sums.
+    block_tables : numpy.ndarray
+        int32 ``[B, max_blocks]``, -1 padded.
+    seq_lens : numpy.ndarray
+        int32 ``[B]`` key counts including the new tokens.
+    causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap
+        As in :func:`attend`.
+    layout : {"NHD", "HND", "vllm"}
+    return_lse : bool
+
+    Returns
+    -------
+    out : numpy.ndarray
+        ``[total_q, Hq, D]`` in q's dtype.
+    lse : numpy.ndarray
+        float32 ``[total_q, Hq]``, only with ``return_lse``.
+    """
+    def kv_of(i):
+        return gather_kv(k_cache, v_cache, block_tables[i], int(seq_lens[i]), layout)
+
+    options = dict(causal=causal, sm_scale=sm_scale, window_left=window_left,
+                   alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
+    return _attend_batch(q, cu_seqlens_q, kv_of, return_lse, options)
+
+
+paged_attention = paged_prefill
+"""Mixed batches of decode rows (``q_len = 1``) and prefill rows: :func:`paged_prefill`."""
+
+
+def append_slots(block_tables, positions, block_size):
+    """Cache slots of token ``positions[i]`` of each sequence, int64 ``[B]``.
+
+    ``slot = block_tables[i, p // block_size] * block_size + p % block_size``.
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    blocks = np.asarray(block_tables, dtype=np.int64)[np.arange(len(pos)), pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
+                 sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
+                 logits_soft_cap=0.0, layout="NHD", return_lse=False):
+    """One query token per sequence against paged caches, optionally appending first.
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``[B, Hq, D]``.
+    k_cache, v_cache : numpy.ndarray
+        Paged caches in ``layout``; modified in place when ``k_new`` is given.
+    block_tables : numpy.ndarray
+        int32 ``[B, max_blocks]``, -1 padded.
+    seq_lens : numpy.ndarray
+        int32 ``[B]`` cached lengths. Without ``k_new`` the query attends over these
+        keys; with it, these are the lengths before the append (seed 004's
+        ``cache_seqlens``).
+    k_new, v_new : numpy.ndarray, optional
+        ``[B, Hk, D]`` the new token's key and value, written in place at position
+        ``seq_lens[i]`` of sequence ``i`` before attending over ``seq_lens[i] + 1`` keys.
+    sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap
+        As in :func:`attend`; the query sits at position ``kv_len - 1``.
+    layout : {"NHD", "HND", "vllm"}
+    return_lse : bool
+
+    Returns
+    -------
+    out : numpy.ndarray
+        ``[B, Hq, D]`` in q's dtype; zeros for a sequence with no keys.
+    lse : numpy.ndarray
+        float32 ``[B, Hq]``, only with ``return_lse``.
+    """
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new, v_new: expected both or neither, got only one")
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    if k_new is not None:
+        block_size = cache_geometry(k_cache, v_cache, layout).block_size
+        slots = append_slots(block_tables, lens, block_size)
+        write_kv_cache(k_new, v_new, k_cache, v_cache, slots, layout)
+        lens = lens + 1
+    cu_q = np.arange(q.shape[0] + 1, dtype=np.int32)
+    return paged_prefill(q, k_cache, v_cache, cu_q, block_tables, lens, causal=True,
+                         sm_scale=sm_scale, window_left=window_left,
+                         alibi_slopes=alibi_slopes, sinks=sinks,
+                         logits_soft_cap=logits_soft_cap, layout=layout,
+                         return_lse=return_lse)
+
+
+# ----------------------------------------------------------------------------- merging
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Combine two partial attentions over disjoint key sets into one.
+
+    ``out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / (exp(lse_a - m) + exp(lse_b - m))``
+    and ``lse = m + log(exp(lse_a - m) + exp(lse_b - m))`` with ``m = max(lse_a, lse_b)``.
+
+    Parameters
+    ----------
+    out_a, out_b : numpy.ndarray
+        ``[T, H, D]`` partial outputs, each normalised over its own keys; rows of an
+        empty part (LSE ``-inf``) are ignored, whatever they hold.
+    lse_a, lse_b : numpy.ndarray
+        float32 ``[T, H]`` their LSEs; ``-inf`` marks an empty part.
+
+    Returns
+    -------
+    out : numpy.ndarray
+        ``[T, H, D]`` in out_a's dtype; zeros where both sides are empty.
+    lse : numpy.ndarray
+        float32 ``[T, H]``; ``-inf`` where both sides are empty.
+    """
+    la, lb = np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)
+    m = np.maximum(la, lb)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    wa, wb = np.exp(la - m_safe), np.exp(lb - m_safe)
+    total = wa + wb
+    with np.errstate(divide="ignore"):
+        lse = m_safe + np.log(total)
+    denom = np.where(total > 0, total, 1.0)[..., None]
+    out = (_weighted(wa, out_a) + _weighted(wb, out_b)) / denom
+    return out.astype(out_a.dtype), lse.astype(np.float32)
+
+
+def _weighted(weight, out):
+    """``weight[..., None] * out`` in float64; a zero weight (empty part) ignores ``out``."""
+    w = weight[..., None]
+    with np.errstate(invalid="ignore"):
+        return np.where(w > 0, w * out.astype(np.float64), 0.0)
