@@ -1,0 +1,259 @@
+"""The ``cupaged`` command line: ``info``, ``check-kernels``, ``demo`` and ``bench``.
+
+Each command is a thin wrapper over the library; library errors (bad arguments, failed
+compiles) become ``click.ClickException`` (a message and exit status 1, no traceback).
+Run it installed (``cupaged ...``) or from a checkout (``python3 -m cupaged.cli ...``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import json
+import platform
+import re
+
+import click
+
+from . import __version__
+from ._arrays import cupy_module, gpu_available
+from .bench.timing import format_table
+
+BENCHES = ("decode", "prefill", "cache", "sparse", "rope")
+# benchmark columns worth a line in summaries: rates and ratios to a ceiling or a peer
+HEADLINE_COLUMN = re.compile(r"TB/s|GB/s|TFLOP|frac|ratio|speedup|vs", re.IGNORECASE)
+
+
+# ----------------------------------------------------------------------------- shared
+def library_errors(fn):
+    """Turn library errors into ``click.ClickException`` (exit status 1, one line)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError, RuntimeError, ImportError, OSError) as e:
+            raise click.ClickException(f"{type(e).__name__}: {e}") from e
+    return wrapper
+
+
+quick_option = click.option("--quick", is_flag=True, help="Small sizes and few repetitions.")
+json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False),
+                           help="Also write the rows to this JSON file.")
+device_option = click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]),
+                             default="auto", show_default=True,
+                             help="gpu: CUDA kernels (CuPy); cpu: NumPy reference; "
+                                  "auto: gpu when CuPy sees a device.")
+arch_option = click.option("--arch", "archs", multiple=True, metavar="SM",
+                           help="Target architecture (repeatable), e.g. sm_80, sm_90. "
+                                "Default: the local GPU's, else sm_80 and sm_90.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cupaged")
+def main():
+    """Paged-attention kernels for LLM serving, compiled at run time by CuPy."""
+
+
+# ----------------------------------------------------------------------------- info
+def environment():
+    """``(label, value)`` rows describing the installation and the GPU."""
+    import ml_dtypes
+    import numpy
+    from . import _compile
+    rows = [("cupaged", __version__), ("python", platform.python_version()),
+            ("numpy", numpy.__version__), ("ml_dtypes", ml_dtypes.__version__)]
+    cp = cupy_module()
+    rows.append(("cupy", cp.__version__ if cp is not None else "not importable"))
+    try:
+        rows.append(("NVRTC", ".".join(map(str, _compile._nvrtc().getVersion()))))
+    except Exception as e:  # no CuPy, or no NVRTC library
+        rows.append(("NVRTC", f"unavailable ({type(e).__name__}: {e})"))
+    rows.append(("CUDA include dir", _compile.cuda_include_dir() or "not found"))
+    rows.append(("kernel cache dir", str(_compile.cache_dir())))
+    if gpu_available():
+        for i in range(cp.cuda.runtime.getDeviceCount()):
+            props = cp.cuda.runtime.getDeviceProperties(i)
+            cc = cp.cuda.Device(i).compute_capability
+            rows.append((f"GPU {i}", f"{props['name'].decode()} (sm_{cc}, "
+                                     f"{props['totalGlobalMem'] / 2**30:.0f} GiB)"))
+        rows.append(("CUDA driver / runtime", f"{cp.cuda.runtime.driverGetVersion()} / "
+                                              f"{cp.cuda.runtime.runtimeGetVersion()}"))
+    else:
+        rows.append(("GPU", "none (NumPy reference backend only)"))
+    return rows
+
+
+@main.command()
+def info():
+    """Versions, GPU, NVRTC and the kernel cache directory."""
+    rows = environment()
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        click.echo(f"{label.ljust(width)}  {value}")
+
+
+# ----------------------------------------------------------------------------- check-kernels
+def default_archs():
+    """The local GPU's architecture, else ``("sm_80", "sm_90")``."""
+    if gpu_available():
+        from ._compile import device_arch
+        return (device_arch(),)
+    return ("sm_80", "sm_90")
+
+
+@main.command("check-kernels")
+@arch_option
+@click.option("--jobs", type=int, default=None, help="Parallel NVRTC processes (default: CPUs).")
+@library_errors
+def check_kernels(archs, jobs):
+    """Compile every kernel specialisation with NVRTC; report registers, spills, stack, smem.
+
+    Exits with status 1 on a compile error or when any kernel spills registers.
+    """
+    from . import _compile
+    reports = []
+    for arch in archs or default_archs():
+        reports += sorted(_compile.check_kernels(arch, jobs=jobs))
+    rows = [{"kernel": r.expr, "arch": r.arch, "registers": r.registers,
+             "spill bytes": r.spill_bytes, "stack bytes": r.stack_bytes,
+             "smem bytes": r.smem_bytes} for r in reports]
+    click.echo(format_table(rows))
+    spilling = [r for r in reports if r.spill_bytes]
+    click.echo(f"{len(reports)} kernels compiled, {len(spilling)} spilling")
+    if spilling:
+        raise click.ClickException("register spills in: " + ", ".join(
+            f"{r.expr} ({r.arch}, {r.spill_bytes} bytes)" for r in spilling))
+
+
+# ----------------------------------------------------------------------------- demo
+def _demo_options(fn):
+    """One ``--option`` per DemoConfig field, typed and documented from the field."""
+    from .demo import DemoConfig
+    for f in reversed(dataclasses.fields(DemoConfig)):
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):
+            decl, kind = (f"{flag}/--no-{f.name.replace('_', '-')}",), None
+        else:
+            choices = f.metadata["choices"]
+            decl, kind = (flag,), (click.Choice(choices) if choices else type(f.default))
+        fn = click.option(*decl, type=kind, default=f.default, show_default=True,
+                          help=f.metadata["help"])(fn)
+    return fn
+
+
+@main.command()
+@device_option
+@_demo_options
+@library_errors
+def demo(device, **options):
+    """Continuous-batching simulation: random requests through the paged cache and attention."""
+    from .demo import CHECK_TOLERANCE, DemoConfig, array_module_for, run_demo
+    cfg = DemoConfig(**options)
+    xp = array_module_for(device)
+    with click.progressbar(length=cfg.requests, label="requests", show_pos=True) as bar:
+        stats = run_demo(cfg, xp, progress=bar.update)
+    width = max(len(label) for label, _ in stats.summary())
+    for label, value in stats.summary():
+        click.echo(f"{label.ljust(width)}  {value}")
+    if cfg.check and stats.max_rel_error is None:
+        click.echo("check: nothing to compare on the CPU (the reference runs the demo)")
+    elif cfg.check and stats.max_rel_error > CHECK_TOLERANCE[cfg.dtype]:
+        raise click.ClickException(f"kernel output differs from the reference: relative error "
+                                   f"{stats.max_rel_error:.2e} > {CHECK_TOLERANCE[cfg.dtype]:g}")
+
+
+# ----------------------------------------------------------------------------- bench
+def load_bench(name):
+    """The module ``cupaged.bench.<name>``; ClickException if it does not exist."""
+    module = f"cupaged.bench.{name}"
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise click.ClickException(f"benchmark {name!r} is not available: {module} "
+                                   "does not exist in this installation") from None
+
+
+def run_bench(name, quick):
+    """Rows (dicts) of ``cupaged.bench.<name>.run(quick)``; needs a CUDA device."""
+    module = load_bench(name)
+    if not gpu_available():
+        raise click.ClickException(f"benchmark {name!r} needs a CUDA device (CuPy sees none)")
+    return list(module.run(quick))
+
+
+def _numeric_columns(rows):
+    return [c for c in rows[0] if all(isinstance(r.get(c), (int, float))
+                                      and not isinstance(r.get(c), bool) for r in rows)]
+
+
+def headline(rows, max_columns=3):
+    """One line summarising benchmark rows: the range of each rate or ratio column."""
+    if not rows:
+        return "no rows"
+    numeric = _numeric_columns(rows)
+    cols = [c for c in numeric if HEADLINE_COLUMN.search(c)] or numeric[-1:]
+    parts = [f"{len(rows)} rows"]
+    for c in cols[:max_columns]:
+        lo, hi = min(r[c] for r in rows), max(r[c] for r in rows)
+        parts.append(f"{c} {lo:.3g}" + ("" if lo == hi else f"..{hi:.3g}"))
+    return "; ".join(parts)
+
+
+def _jsonable(value):
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+def save_rows(rows, path):
+    """Write benchmark rows to ``path`` as JSON (NumPy scalars as numbers)."""
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1, default=_jsonable)
+
+
+def plot_rows(rows, path, title, column=None):
+    """Horizontal bar chart of one numeric column of ``rows`` (default: the last numeric)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib (pip install matplotlib)") from None
+    numeric = _numeric_columns(rows)
+    if column is None and not numeric:
+        raise click.ClickException("--plot: the rows have no numeric column")
+    column = column or numeric[-1]
+    if column not in numeric:
+        raise click.ClickException(f"--plot-column: expected one of {numeric}, got {column!r}")
+    labels = [" ".join(str(r[c]) for c in rows[0] if c not in numeric) for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 1 + 0.35 * len(rows)))
+    ax.barh(range(len(rows)), [r[column] for r in rows])
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(column)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@main.command()
+@click.argument("name", type=click.Choice(BENCHES))
+@quick_option
+@json_option
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Also draw a bar chart to this image file (needs matplotlib).")
+@click.option("--plot-column", default=None, help="Column to plot (default: last numeric).")
+@library_errors
+def bench(name, quick, json_path, plot_path, plot_column):
+    """Time one op family on the GPU and print its table (``cupaged.bench.NAME``)."""
+    rows = run_bench(name, quick)
+    click.echo(format_table(rows))
+    if json_path:
+        save_rows(rows, json_path)
+    if plot_path and rows:
+        plot_rows(rows, plot_path, f"cupaged bench {name}", plot_column)
+
+
+if __name__ == "__main__":
+    main(prog_name="cupaged")

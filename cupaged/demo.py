@@ -1,0 +1,347 @@
+"""A continuous-batching simulation over the paged KV cache (``cupaged demo``).
+
+Requests with random prompt and output lengths arrive over time. A scheduler admits them
+while the block pool can hold them, and every step runs one mixed batch: a decode token for
+each request past its prompt plus prefill chunks of prompts, up to a token budget. Each
+step appends the batch's tokens to the block tables, writes their K/V through
+``cupaged.write_kv_cache`` and runs ``cupaged.paged_attention`` over the whole batch;
+finished requests free their blocks. Queries, keys and values are random (no model), so
+the run measures the cache and attention path only.
+
+The same code runs on NumPy (reference backend) and CuPy (CUDA kernels).
+
+Admission reserves a request's final size (prompt + output - 1 tokens, rounded up to
+blocks) against the pool, so appends never run out of blocks and nothing is preempted.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._arrays import HEAD_DIMS, as_dtype, check_head_dim, cupy_module, gpu_available, host
+from .layouts import LAYOUTS
+
+# relative tolerance ||out - ref|| / ||ref|| of the --check comparison, per dtype
+CHECK_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
+
+
+def _opt(default, help, choices=None):
+    """A DemoConfig field whose metadata becomes the ``cupaged demo`` option's help."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Sizes of a simulation; every field is a ``cupaged demo`` option of the same name."""
+    requests: int = _opt(48, "Requests in the run.")
+    seed: int = _opt(0, "Random seed (lengths, arrivals, q/k/v).")
+    num_blocks: int = _opt(192, "Blocks in the KV cache pool.")
+    block_size: int = _opt(16, "Tokens per cache block.")
+    num_q_heads: int = _opt(8, "Query heads.")
+    num_kv_heads: int = _opt(2, "Key/value heads (GQA group = num_q_heads / num_kv_heads).")
+    head_dim: int = _opt(64, f"Head size, one of {HEAD_DIMS}.")
+    dtype: str = _opt("float16", "Cache and activation dtype.",
+                      ["float16", "bfloat16", "float32"])
+    layout: str = _opt("NHD", "KV cache layout.", list(LAYOUTS))
+    max_seqs: int = _opt(16, "Requests running at once.")
+    max_batch_tokens: int = _opt(256, "Token budget of a step (decode tokens + prefill chunks).")
+    min_prompt: int = _opt(8, "Shortest prompt.")
+    max_prompt: int = _opt(300, "Longest prompt.")
+    min_output: int = _opt(4, "Fewest generated tokens.")
+    max_output: int = _opt(64, "Most generated tokens.")
+    arrival_rate: float = _opt(1.5, "Mean requests arriving per step (Poisson).")
+    check: bool = _opt(False, "Compare every GPU step with the NumPy reference (slow).")
+
+    @property
+    def max_seq_len(self) -> int:
+        """Tokens of the longest possible request (prompt + output - 1 in the cache)."""
+        return self.max_prompt + self.max_output - 1
+
+    def validate(self):
+        """Raise ValueError/TypeError naming the first bad field."""
+        for name in ("requests", "num_blocks", "block_size", "num_q_heads", "num_kv_heads",
+                     "max_seqs", "max_batch_tokens", "min_prompt", "min_output"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+        for lo, hi in (("min_prompt", "max_prompt"), ("min_output", "max_output")):
+            if getattr(self, hi) < getattr(self, lo):
+                raise ValueError(f"{hi}: expected >= {lo} = {getattr(self, lo)}, "
+                                 f"got {getattr(self, hi)}")
+        check_head_dim("head_dim", self.head_dim)
+        as_dtype(self.dtype)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads = "
+                             f"{self.num_q_heads}, got {self.num_kv_heads}")
+        if self.max_seqs > self.max_batch_tokens:
+            raise ValueError(f"max_seqs: expected <= max_batch_tokens = {self.max_batch_tokens} "
+                             f"(one decode token each), got {self.max_seqs}")
+        if blocks_for(self.max_seq_len, self.block_size) > self.num_blocks:
+            raise ValueError(f"num_blocks: the longest request needs "
+                             f"{blocks_for(self.max_seq_len, self.block_size)} blocks of "
+                             f"{self.block_size} tokens, got {self.num_blocks}")
+        if not self.arrival_rate > 0:
+            raise ValueError(f"arrival_rate: expected > 0, got {self.arrival_rate}")
+
+
+def blocks_for(tokens, block_size) -> int:
+    return -(-tokens // block_size)
+
+
+@dataclass
+class Request:
+    """One request: lengths fixed on arrival, progress counted by the scheduler."""
+    rid: int
+    arrival: int
+    prompt_len: int
+    output_len: int
+    seq_id: int = -1
+    prefilled: int = 0
+    generated: int = 0
+
+    @property
+    def final_len(self) -> int:
+        """Tokens in the cache when done (the last generated token is never appended)."""
+        return self.prompt_len + self.output_len - 1
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.output_len
+
+
+def make_requests(cfg, rng):
+    """Requests with Poisson arrivals and uniform prompt and output lengths."""
+    gaps = rng.poisson(1.0 / cfg.arrival_rate, cfg.requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    prompts = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, cfg.requests)
+    outputs = rng.integers(cfg.min_output, cfg.max_output + 1, cfg.requests)
+    return [Request(i, int(a), int(p), int(o))
+            for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
+
+
+@dataclass
+class StepPlan:
+    """Host arrays of one step's batch, rows in ``rows`` order."""
+    rows: list                   # [(Request, num_tokens)]
+    slot_mapping: np.ndarray     # int64 [num_tokens]
+    cu_seqlens_q: np.ndarray     # int32 [batch + 1]
+    block_tables: np.ndarray     # int32 [batch, max_blocks_per_seq]
+    seq_lens: np.ndarray         # int32 [batch], kv lengths including the new tokens
+    num_decode: int              # leading rows that decode one token
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens_q[-1])
+
+
+class Scheduler:
+    """Admission, batch building and retirement over one ``BlockTable`` (host side only)."""
+
+    def __init__(self, cfg, requests, table):
+        self.cfg = cfg
+        self.table = table
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival))
+        self.waiting = deque()
+        self.running = []
+        self.free_ids = list(range(cfg.max_seqs - 1, -1, -1))
+
+    @property
+    def finished(self) -> bool:
+        return not (self.pending or self.waiting or self.running)
+
+    def arrive(self, step):
+        """Move requests that arrived by ``step`` to the waiting queue; return the step,
+        advanced to the next arrival when nothing else is left to run."""
+        if not (self.waiting or self.running) and self.pending:
+            step = max(step, self.pending[0].arrival)
+        while self.pending and self.pending[0].arrival <= step:
+            self.waiting.append(self.pending.popleft())
+        return step
+
+    def admit(self):
+        """Start waiting requests, first come first served, while their final sizes fit."""
+        bs = self.cfg.block_size
+        reserved = sum(blocks_for(r.final_len, bs) for r in self.running)
+        while self.waiting and self.free_ids:
+            need = blocks_for(self.waiting[0].final_len, bs)
+            if reserved + need > self.cfg.num_blocks:
+                break
+            r = self.waiting.popleft()
+            r.seq_id = self.free_ids.pop()
+            self.running.append(r)
+            reserved += need
+
+    def plan(self) -> StepPlan:
+        """Choose this step's rows (decode tokens first, then prefill chunks) and append them.
+
+        Never empty after ``arrive`` and ``admit`` while requests remain: the budget always
+        leaves room for a prefill chunk or a decode token (``max_seqs <= max_batch_tokens``).
+        """
+        rows = [(r, 1) for r in self.running if r.prefilled == r.prompt_len]
+        num_decode = len(rows)
+        budget = self.cfg.max_batch_tokens - num_decode
+        for r in self.running:
+            if r.prefilled < r.prompt_len and budget > 0:
+                n = min(r.prompt_len - r.prefilled, budget)
+                rows.append((r, n))
+                budget -= n
+        slots = [self.table.append(r.seq_id, n) for r, n in rows]
+        ids = [r.seq_id for r, _ in rows]
+        cu = np.zeros(len(rows) + 1, np.int32)
+        cu[1:] = np.cumsum([n for _, n in rows])
+        return StepPlan(rows, np.concatenate(slots), cu, self.table.block_tables[ids],
+                        self.table.seq_lens[ids], num_decode)
+
+    def complete(self, plan) -> int:
+        """Account for a step's tokens, free finished requests; return how many finished."""
+        for r, n in plan.rows:
+            if r.prefilled < r.prompt_len:
+                r.prefilled += n
+                r.generated += r.prefilled == r.prompt_len  # last prompt chunk emits a token
+            else:
+                r.generated += 1
+        done = [r for r in self.running if r.done]
+        for r in done:
+            self.table.free(r.seq_id)
+            self.free_ids.append(r.seq_id)
+            self.running.remove(r)
+        return len(done)
+
+
+@dataclass
+class DemoStats:
+    """What a run did and how fast.
+
+    Throughput leaves out the first step, which compiles (or loads) the kernels.
+    """
+    backend: str
+    steps: int = 0
+    finished: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    seconds: float = 0.0           # wall time after the first step
+    first_step_seconds: float = 0.0
+    first_step_tokens: int = 0
+    occupancy: list = field(default_factory=list)   # used fraction of the pool per step
+    max_rel_error: float | None = None               # with check: worst step vs reference
+
+    @property
+    def tokens_per_s(self) -> float:
+        timed = self.prefill_tokens + self.decode_tokens - self.first_step_tokens
+        return timed / max(self.seconds, 1e-9)
+
+    def summary(self):
+        """Rows ``(label, value)`` for printing."""
+        occ = np.asarray(self.occupancy or [0.0])
+        rows = [("backend", self.backend), ("requests finished", self.finished),
+                ("steps", self.steps), ("prefill tokens", self.prefill_tokens),
+                ("decode tokens", self.decode_tokens),
+                ("first step (kernel build/load)", f"{self.first_step_seconds:.2f} s"),
+                ("later steps", f"{self.seconds:.2f} s"),
+                ("tokens/s", f"{self.tokens_per_s:,.0f}"),
+                ("pool occupancy", f"mean {occ.mean():.0%}, peak {occ.max():.0%}")]
+        if self.max_rel_error is not None:
+            rows.append(("max rel. error vs reference", f"{self.max_rel_error:.2e}"))
+        return rows
+
+
+def array_module_for(device):
+    """``numpy`` for ``"cpu"``, ``cupy`` for ``"gpu"``; ``"auto"`` picks the GPU if usable."""
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"device: expected 'auto', 'cpu' or 'gpu', got {device!r}")
+    if device == "cpu" or (device == "auto" and not gpu_available()):
+        return np
+    if not gpu_available():
+        raise ValueError("device: 'gpu' asked for, but CuPy sees no CUDA device")
+    return cupy_module()
+
+
+def _randn(gen, shape, dtype):
+    return gen.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def launch_step(plan, cache, xp, gen, cfg):
+    """Write the batch's random K/V into the cache and attend; return ``out``."""
+    import cupaged
+    dtype = as_dtype(cfg.dtype)
+    t = plan.num_tokens
+    q = _randn(gen, (t, cfg.num_q_heads, cfg.head_dim), dtype)
+    k = _randn(gen, (t, cfg.num_kv_heads, cfg.head_dim), dtype)
+    v = _randn(gen, (t, cfg.num_kv_heads, cfg.head_dim), dtype)
+    cupaged.write_kv_cache(k, v, cache.k, cache.v, xp.asarray(plan.slot_mapping),
+                           layout=cfg.layout)
+    return q, cupaged.paged_attention(q, cache.k, cache.v, xp.asarray(plan.cu_seqlens_q),
+                                      xp.asarray(plan.block_tables),
+                                      xp.asarray(plan.seq_lens), causal=True,
+                                      layout=cfg.layout)
+
+
+def reference_error(plan, q, out, cache, cfg) -> float:
+    """Relative error ``||out - ref|| / ||ref||`` of a step against the NumPy reference."""
+    from .reference.attention import paged_attention
+    ref = paged_attention(host(q), host(cache.k), host(cache.v), plan.cu_seqlens_q,
+                          plan.block_tables, plan.seq_lens, causal=True, layout=cfg.layout)
+    ref = np.asarray(ref, np.float64)
+    diff = host(out).astype(np.float64) - ref
+    return float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-30))
+
+
+def run_demo(cfg=DemoConfig(), xp=None, progress=None) -> DemoStats:
+    """Run the simulation to the last request.
+
+    Parameters
+    ----------
+    cfg : DemoConfig
+    xp : module, optional
+        ``numpy`` (reference backend) or ``cupy`` (kernels); default: cupy if a GPU is usable.
+    progress : callable, optional
+        Called after every step with the number of requests that finished in it.
+
+    Returns
+    -------
+    DemoStats
+    """
+    from .blocks import BlockTable
+    from .kv_cache import PagedKVCache
+    cfg.validate()
+    xp = array_module_for("auto") if xp is None else xp
+    gen = xp.random.default_rng(cfg.seed + 1)
+    cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim,
+                         dtype=cfg.dtype, layout=cfg.layout, xp=xp)
+    table = BlockTable(cache.pool, cfg.max_seqs, blocks_for(cfg.max_seq_len, cfg.block_size))
+    sched = Scheduler(cfg, make_requests(cfg, np.random.default_rng(cfg.seed)), table)
+    stats = DemoStats(backend="numpy (reference)" if xp is np else "cupy (CUDA kernels)")
+    start, step = time.perf_counter(), 0
+    while not sched.finished:
+        step = sched.arrive(step) + 1
+        sched.admit()
+        plan = sched.plan()
+        q, out = launch_step(plan, cache, xp, gen, cfg)
+        if cfg.check and xp is not np:
+            err = reference_error(plan, q, out, cache, cfg)
+            stats.max_rel_error = max(err, stats.max_rel_error or 0.0)
+        stats.decode_tokens += plan.num_decode
+        stats.prefill_tokens += plan.num_tokens - plan.num_decode
+        stats.occupancy.append(1.0 - cache.pool.num_free / cfg.num_blocks)
+        done = sched.complete(plan)
+        stats.finished += done
+        stats.steps += 1
+        if stats.steps == 1:
+            _sync(xp)
+            stats.first_step_seconds = time.perf_counter() - start
+            stats.first_step_tokens = plan.num_tokens
+            start = time.perf_counter()
+        if progress is not None:
+            progress(done)
+    _sync(xp)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _sync(xp):
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()

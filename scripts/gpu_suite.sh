@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# GPU suite for a CUDA machine: the GPU tests (optionally under compute-sanitizer), the
+# kernel compile report for the local GPU, and the benchmarks. Logs go to $OUT; a short
+# summary (pass/fail/skip per test file, sanitizer errors, spills, bench headlines) is
+# printed last and saved as $OUT/summary.txt. Needs no install: runs `python3 -m cupaged.cli`
+# from this checkout.
+#
+#   OUT=/tmp/out scripts/gpu_suite.sh
+#   QUICK=1 TESTS="tests/test_decode.py" BENCHES="decode" scripts/gpu_suite.sh
+#   RUN_TESTS=0 CHECK=0 BENCHES= SANITIZE=1 scripts/gpu_suite.sh    # sanitizers only
+#
+# Environment (all optional):
+#   OUT              output directory (default: ./gpu-suite-out)
+#   TESTS            pytest paths or node ids (default: tests)
+#   PYTEST_ARGS      extra pytest arguments, e.g. "-x -k decode"
+#   RUN_TESTS=0      skip the plain GPU test run
+#   SANITIZE=1       also run SANITIZE_TESTS (default: $TESTS) under compute-sanitizer
+#                    memcheck and RACECHECK_TESTS (default: the decode and prefill tests)
+#                    under racecheck, with CuPy's and torch's memory pools off
+#   CHECK=0          skip `cupaged check-kernels` (local architecture)
+#   BENCHES          benchmark names (default: "decode prefill cache sparse rope"; set
+#                    empty for none); missing modules are reported, not failed
+#   QUICK=1          pass --quick to the benchmarks
+#   TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT   seconds per step (default 900, 1800, 600)
+# Exit status: 1 if a test, a sanitizer run, the kernel check or a present benchmark failed.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-suite-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
+TESTS=${TESTS:-tests}
+BENCHES=${BENCHES-decode prefill cache sparse rope}
+quick_flag=""
+[ "${QUICK:-0}" = 1 ] && quick_flag=--quick
+status=0
+
+# run LOG TIMEOUT CMD...: CMD's output to LOG (and the terminal), killed after TIMEOUT s
+run() {
+  local log=$1 limit=$2
+  shift 2
+  echo "+ $*" | tee "$log"
+  timeout -s INT -k 30 "$limit" "$@" 2>&1 | tee -a "$log"
+  return "${PIPESTATUS[0]}"
+}
+
+python3 -m cupaged.cli info > "$OUT/info.txt" 2>&1
+cat "$OUT/info.txt"
+
+if [ "${RUN_TESTS:-1}" != 0 ]; then
+  # shellcheck disable=SC2086
+  run "$OUT/pytest.log" "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -rfE \
+    --junitxml="$OUT/junit-gpu.xml" ${PYTEST_ARGS:-} $TESTS || status=1
+fi
+
+if [ "${SANITIZE:-0}" = 1 ]; then
+  if command -v compute-sanitizer >/dev/null; then
+    racecheck_default=$(ls tests/test_decode.py tests/test_prefill.py 2>/dev/null | tr '\n' ' ')
+    for tool in memcheck racecheck; do
+      if [ $tool = memcheck ]; then files=${SANITIZE_TESTS:-$TESTS}
+      else files=${RACECHECK_TESTS:-$racecheck_default}; fi
+      [ -n "${files// /}" ] || continue
+      # shellcheck disable=SC2086
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "$OUT/sanitize-$tool.log" "${SANITIZE_TIMEOUT:-1800}" \
+        compute-sanitizer --tool $tool --error-exitcode 99 \
+        python3 -m pytest -m gpu -q -p sanitize_plugin --junitxml="$OUT/junit-$tool.xml" \
+        ${PYTEST_ARGS:-} $files || status=1
+    done
+  else
+    echo "compute-sanitizer not found on PATH" | tee "$OUT/sanitize-missing.log"
+    status=1
+  fi
+fi
+
+if [ "${CHECK:-1}" != 0 ]; then
+  run "$OUT/check-kernels.log" 900 python3 -m cupaged.cli check-kernels || status=1
+fi
+
+for name in $BENCHES; do
+  if ! python3 -c "import importlib.util, sys; \
+sys.exit(importlib.util.find_spec('cupaged.bench.$name') is None)" 2>/dev/null; then
+    echo "missing" > "$OUT/bench-$name.status"
+    continue
+  fi
+  # shellcheck disable=SC2086
+  if run "$OUT/bench-$name.log" "${BENCH_TIMEOUT:-600}" python3 -m cupaged.cli bench "$name" \
+       $quick_flag --json "$OUT/bench-$name.json"; then
+    echo "ok" > "$OUT/bench-$name.status"
+  else
+    echo "failed (exit $?, see bench-$name.log)" > "$OUT/bench-$name.status"
+    status=1
+  fi
+done
+
+echo
+echo "================================ summary ================================"
+python3 scripts/suite_summary.py "$OUT" | tee "$OUT/summary.txt"
+exit $status

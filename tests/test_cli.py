@@ -1,0 +1,290 @@
+"""The ``cupaged`` command line, the continuous-batching demo and the GPU suite scripts."""
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cupaged import _compile, cli
+from cupaged._arrays import gpu_available
+from cupaged.blocks import BlockPool, BlockTable
+from cupaged.demo import DemoConfig, Scheduler, blocks_for, make_requests
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli.main, [str(a) for a in args], catch_exceptions=False)
+
+
+# ----------------------------------------------------------------------------- info
+def test_info_lists_versions_and_cache_dir():
+    res = invoke("info")
+    assert res.exit_code == 0, res.output
+    for label in ("cupaged", "numpy", "ml_dtypes", "cupy", "NVRTC", "kernel cache dir", "GPU"):
+        assert label in res.output
+    assert str(_compile.cache_dir()) in res.output
+
+
+def test_version():
+    res = invoke("--version")
+    assert res.exit_code == 0 and "0.1.0" in res.output
+
+
+# ----------------------------------------------------------------------------- check-kernels
+def _report(expr, arch, spill=0):
+    return _compile.KernelReport(expr, arch, 96, spill, spill, 4096)
+
+
+@pytest.fixture
+def fake_check(monkeypatch):
+    """Replace the NVRTC run by canned reports; record (arch, jobs) per call."""
+    calls, spills = [], {}
+
+    def check_kernels(arch, specs=None, jobs=None):
+        calls.append((arch, jobs))
+        return [_report("decode<__half, 128>", arch, spills.get(arch, 0)),
+                _report("prefill<float, 64>", arch)]
+    monkeypatch.setattr(_compile, "check_kernels", check_kernels)
+    return calls, spills
+
+
+def test_check_kernels_reports_each_kernel(fake_check):
+    calls, _ = fake_check
+    res = invoke("check-kernels", "--arch", "sm_90", "--jobs", 3)
+    assert res.exit_code == 0, res.output
+    assert calls == [("sm_90", 3)]
+    assert "decode<__half, 128>" in res.output and "prefill<float, 64>" in res.output
+    assert "registers" in res.output and "spill bytes" in res.output
+    assert "2 kernels compiled, 0 spilling" in res.output
+
+
+def test_check_kernels_default_archs(fake_check, monkeypatch):
+    calls, _ = fake_check
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    assert invoke("check-kernels").exit_code == 0
+    assert [a for a, _ in calls] == ["sm_80", "sm_90"]
+
+
+def test_check_kernels_fails_on_a_spill(fake_check):
+    _, spills = fake_check
+    spills["sm_80"] = 64
+    res = invoke("check-kernels", "--arch", "sm_80", "--arch", "sm_90")
+    assert res.exit_code == 1
+    assert "register spills in: decode<__half, 128> (sm_80, 64 bytes)" in res.output
+
+
+def test_check_kernels_fails_on_a_compile_error(monkeypatch):
+    def broken(arch, specs=None, jobs=None):
+        raise RuntimeError("NVRTC failed on decode.cu for sm_80: error: expected a ';'")
+    monkeypatch.setattr(_compile, "check_kernels", broken)
+    res = invoke("check-kernels", "--arch", "sm_80")
+    assert res.exit_code == 1 and "NVRTC failed on decode.cu" in res.output
+    assert "Traceback" not in res.output
+
+
+# ----------------------------------------------------------------------------- bench
+ROWS = [{"layout": "NHD", "tokens": 65536, "TB/s": 3.5, "frac copy": 0.82},
+        {"layout": "vllm", "tokens": 65536, "TB/s": np.float64(3.1), "frac copy": 0.73}]
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    """A ``cupaged.bench.decode`` module returning ROWS; the GPU check passes."""
+    calls = []
+    mod = types.ModuleType("cupaged.bench.decode")
+    mod.run = lambda quick=False: calls.append(quick) or ROWS
+    monkeypatch.setitem(sys.modules, "cupaged.bench.decode", mod)
+    monkeypatch.setattr(cli, "gpu_available", lambda: True)
+    return calls
+
+
+def test_bench_prints_rows_and_saves_json(fake_bench, tmp_path):
+    out = tmp_path / "rows.json"
+    res = invoke("bench", "decode", "--quick", "--json", out)
+    assert res.exit_code == 0, res.output
+    assert fake_bench == [True]
+    header, *lines = res.output.strip().splitlines()
+    assert header.split() == ["layout", "tokens", "TB/s", "frac", "copy"]
+    assert lines[1].split() == ["vllm", "65536", "3.1", "0.73"]
+    assert json.loads(out.read_text()) == [{k: float(v) if k == "TB/s" else v
+                                            for k, v in r.items()} for r in ROWS]
+
+
+def test_bench_missing_module_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupaged.bench.sparse", None)  # import fails
+    res = invoke("bench", "sparse")
+    assert res.exit_code == 1
+    assert "benchmark 'sparse' is not available" in res.output
+
+
+def test_bench_needs_a_gpu(fake_bench, monkeypatch):
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    res = invoke("bench", "decode")
+    assert res.exit_code == 1 and "needs a CUDA device" in res.output
+    assert fake_bench == []
+
+
+def test_bench_unknown_name_is_refused():
+    res = invoke("bench", "everything")
+    assert res.exit_code == 2 and "everything" in res.output
+
+
+def test_bench_plot_without_matplotlib(fake_bench, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    res = invoke("bench", "decode", "--plot", tmp_path / "p.png")
+    assert res.exit_code == 1 and "--plot needs matplotlib" in res.output
+    assert "vllm" in res.output  # the table is printed first
+
+
+def test_bench_plot(fake_bench, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "p.png"
+    res = invoke("bench", "decode", "--plot", path, "--plot-column", "TB/s")
+    assert res.exit_code == 0, res.output
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_headline_summarises_rates():
+    line = cli.headline(ROWS)
+    assert line == "2 rows; TB/s 3.1..3.5; frac copy 0.73..0.82"
+    assert cli.headline([{"name": "a", "us": 5.0}]) == "1 rows; us 5"
+
+
+# ----------------------------------------------------------------------------- demo: scheduler
+def _drive(cfg):
+    """Run the scheduler alone (no kernels); check its invariants every step."""
+    pool = BlockPool(cfg.num_blocks, cfg.block_size)
+    table = BlockTable(pool, cfg.max_seqs, blocks_for(cfg.max_seq_len, cfg.block_size))
+    reqs = make_requests(cfg, np.random.default_rng(cfg.seed))
+    sched, step, steps = Scheduler(cfg, reqs, table), 0, 0
+    while not sched.finished:
+        step = sched.arrive(step) + 1
+        sched.admit()
+        reserved = sum(blocks_for(r.final_len, cfg.block_size) for r in sched.running)
+        assert reserved <= cfg.num_blocks and len(sched.running) <= cfg.max_seqs
+        plan = sched.plan()
+        q_lens = np.diff(plan.cu_seqlens_q)
+        assert plan.num_tokens <= cfg.max_batch_tokens and (q_lens > 0).all()
+        assert (q_lens[:plan.num_decode] == 1).all()
+        assert plan.slot_mapping.dtype == np.int64 and plan.slot_mapping.size == plan.num_tokens
+        ids = [r.seq_id for r, _ in plan.rows]
+        assert len(set(ids)) == len(ids)
+        np.testing.assert_array_equal(plan.seq_lens, table.seq_lens[ids])
+        for (r, n), kv in zip(plan.rows, plan.seq_lens):
+            assert kv == r.prefilled + max(r.generated - 1, 0) + n
+            assert r.arrival < step
+        sched.complete(plan)
+        steps += 1
+    assert pool.num_free == cfg.num_blocks
+    assert all(r.done and r.generated == r.output_len and r.prefilled == r.prompt_len
+               for r in reqs)
+    return steps
+
+
+@pytest.mark.parametrize("cfg", [
+    DemoConfig(requests=40, seed=3),
+    DemoConfig(requests=30, num_blocks=40, block_size=8, max_prompt=200, max_output=9,
+               max_seqs=5, max_batch_tokens=7, arrival_rate=5.0),   # tight pool and budget
+    DemoConfig(requests=12, min_prompt=1, max_prompt=1, min_output=1, max_output=1),
+], ids=["default", "tight", "single-token"])
+def test_scheduler_invariants(cfg):
+    assert _drive(cfg) > 0
+
+
+def test_demo_config_errors_name_the_field():
+    for bad, field in [(dict(num_blocks=2), "num_blocks"), (dict(max_seqs=300), "max_seqs"),
+                       (dict(num_kv_heads=3), "num_kv_heads"), (dict(head_dim=65), "head_dim"),
+                       (dict(max_prompt=4), "max_prompt"), (dict(dtype="int8"), "dtype"),
+                       (dict(layout="NDH"), "layout"), (dict(requests=0), "requests")]:
+        with pytest.raises((ValueError, TypeError), match=field):
+            DemoConfig(**bad).validate()
+
+
+# ----------------------------------------------------------------------------- demo: CLI
+def test_demo_on_cpu():
+    res = invoke("demo", "--device", "cpu", "--requests", 10, "--seed", 5, "--layout", "vllm",
+                 "--dtype", "bfloat16")
+    assert res.exit_code == 0, res.output
+    cfg = DemoConfig(requests=10, seed=5)
+    reqs = make_requests(cfg, np.random.default_rng(5))
+    out = res.output
+    assert "numpy (reference)" in out and "tokens/s" in out and "pool occupancy" in out
+    assert f"prefill tokens                  {sum(r.prompt_len for r in reqs)}" in out
+    assert f"decode tokens                   {sum(r.output_len - 1 for r in reqs)}" in out
+    assert "requests finished               10" in out
+
+
+def test_demo_bad_options_are_click_errors():
+    res = invoke("demo", "--device", "cpu", "--num-blocks", 3)
+    assert res.exit_code == 1 and "num_blocks" in res.output and "Traceback" not in res.output
+    res = invoke("demo", "--layout", "NDH")
+    assert res.exit_code == 2
+
+
+@pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
+def test_demo_gpu_without_device():
+    res = invoke("demo", "--device", "gpu")
+    assert res.exit_code == 1 and "no CUDA device" in res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_demo_on_gpu_matches_reference(layout, dtype):
+    res = invoke("demo", "--device", "gpu", "--requests", 12, "--layout", layout,
+                 "--dtype", dtype, "--head-dim", 128 if dtype == "bfloat16" else 64,
+                 "--max-prompt", 120, "--max-output", 24, "--check")
+    assert res.exit_code == 0, res.output
+    assert "cupy (CUDA kernels)" in res.output and "max rel. error vs reference" in res.output
+
+
+# ----------------------------------------------------------------------------- scripts
+def _script(*args, env=None, timeout=120):
+    return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("script", ["demo.py", "bench.py"])
+def test_scripts_run_from_a_checkout(script):
+    res = _script(sys.executable, f"scripts/{script}", "--help")
+    assert res.returncode == 0 and "Usage" in res.stdout
+
+
+def test_gpu_suite_degrades_gracefully(tmp_path):
+    """Tests of one file, a missing benchmark, no kernel check: summary last, status 0."""
+    res = _script("bash", "scripts/gpu_suite.sh", env={
+        "OUT": str(tmp_path), "TESTS": "tests/test_interop.py", "CHECK": "0",
+        "BENCHES": "no_such_bench", "QUICK": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = res.stdout.split("summary")[-1]
+    assert "tests/test_interop.py" in summary and "no_such_bench  missing" in summary
+    assert (tmp_path / "junit-gpu.xml").exists() and (tmp_path / "summary.txt").exists()
+
+
+def test_suite_summary_counts_outcomes(tmp_path):
+    (tmp_path / "junit-gpu.xml").write_text("""<testsuites><testsuite>
+      <testcase classname="tests.test_decode" name="a"/>
+      <testcase classname="tests.test_decode" name="b"><failure message="x"/></testcase>
+      <testcase classname="tests.test_decode.TestPlan" name="c"><skipped/></testcase>
+      <testcase classname="tests.test_prefill" name="d"><error message="y"/></testcase>
+      </testsuite></testsuites>""")
+    (tmp_path / "sanitize-memcheck.log").write_text("...\n========= ERROR SUMMARY: 3 errors\n")
+    (tmp_path / "check-kernels.log").write_text("table\n12 kernels compiled, 0 spilling\n")
+    (tmp_path / "bench-cache.status").write_text("ok\n")
+    (tmp_path / "bench-cache.json").write_text(json.dumps([{"layout": "NHD", "TB/s": 3.9}]))
+    (tmp_path / "bench-rope.status").write_text("missing\n")
+    res = _script(sys.executable, "scripts/suite_summary.py", str(tmp_path))
+    lines = [line.split() for line in res.stdout.splitlines()]
+    assert res.returncode == 0, res.stderr
+    assert ["tests/test_decode.py", "1", "1", "0", "1"] in lines
+    assert ["tests/test_prefill.py", "0", "0", "1", "0"] in lines
+    assert ["total", "1", "1", "1", "1"] in lines
+    assert "sanitize-memcheck: 3 errors reported" in res.stdout
+    assert "check-kernels: 12 kernels compiled, 0 spilling" in res.stdout
+    assert ["cache", "ok", "1", "rows;", "TB/s", "3.9"] in lines and ["rope", "missing"] in lines
