@@ -1,9 +1,14 @@
-"""Cache ops: reference vs an element-by-element oracle, public ops on NumPy and CuPy."""
+"""Cache ops: reference vs element-by-element oracles, NumPy path, bad input, GPU kernels."""
 import numpy as np
 import pytest
 
-from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+import cupaged
+from cupaged import cache_ops
+from cupaged._arrays import bfloat16
+from cupaged.layouts import LAYOUTS, CacheGeometry, cache_shapes, k_as_nhd, v_as_nhd
 from cupaged.reference import cache as ref
+
+DTYPES = [np.float16, bfloat16, np.float32]
 
 
 def _rand(rng, shape, dtype):
@@ -17,12 +22,22 @@ def _slots(rng, num_tokens, num_slots, skip=0.2):
     return s
 
 
+def _caches(rng, layout, nb, bs, hk, d, dtype, xp=np):
+    ks, vs = cache_shapes(layout, nb, bs, hk, d, dtype)
+    return xp.asarray(_rand(rng, ks, dtype)), xp.asarray(_rand(rng, vs, dtype))
+
+
+def _bits(a):
+    a = a.get() if hasattr(a, "get") else np.asarray(a)
+    return a.view(np.uint8)
+
+
+# ----------------------------------------------------------------------------- reference
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_reference_write_matches_loop(rng, layout, dtype):
     nb, bs, hk, d, t = 5, 4, 3, 16, 11
-    ks, vs = cache_shapes(layout, nb, bs, hk, d, dtype)
-    k, v = _rand(rng, ks, dtype), _rand(rng, vs, dtype)
+    k, v = _caches(rng, layout, nb, bs, hk, d, dtype)
     k0, v0 = k.copy(), v.copy()
     key, value = _rand(rng, (t, hk, d), dtype), _rand(rng, (t, hk, d), dtype)
     slots = _slots(rng, t, nb * bs)
@@ -34,3 +49,325 @@ def test_reference_write_matches_loop(rng, layout, dtype):
             want_v[s // bs, s % bs] = value[i]
     np.testing.assert_array_equal(k_as_nhd(k, layout), want_k)
     np.testing.assert_array_equal(v_as_nhd(v, layout), want_v)
+
+
+def test_reference_vllm_key_layout_by_hand():
+    k, v = (np.zeros(s, np.float16) for s in cache_shapes("vllm", 2, 4, 1, 16, np.float16))
+    key = np.arange(16, dtype=np.float16).reshape(1, 1, 16)
+    ref.write_kv_cache(key, key + 100, k, v, np.array([6], np.int64), "vllm")
+    np.testing.assert_array_equal(k[1, 0, 1, 2], np.arange(8, 16))     # x = 8
+    np.testing.assert_array_equal(v[1, 0, :, 2], np.arange(16) + 100)
+    assert np.count_nonzero(k) == 15 and np.count_nonzero(v) == 16
+
+
+def test_reference_copy_and_swap_match_loop(rng):
+    k, v = _rand(rng, (6, 2, 3), np.float32), _rand(rng, (6, 2, 3), np.float32)
+    pairs = np.array([[0, 3], [1, 5], [0, 4]])
+    want_k, want_v = k.copy(), v.copy()
+    for s, d in pairs:
+        want_k[d], want_v[d] = k[s], v[s]
+    ref.copy_blocks(k, v, pairs)
+    np.testing.assert_array_equal(k, want_k)
+    np.testing.assert_array_equal(v, want_v)
+    dst = np.zeros((3, 2, 3), np.float32)
+    ref.swap_blocks(k, dst, np.array([[5, 0], [2, 2]]))
+    np.testing.assert_array_equal(dst, np.stack([k[5], np.zeros((2, 3)), k[2]]))
+
+
+# ----------------------------------------------------------------------------- NumPy path
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_public_numpy_path_is_reference(rng, layout):
+    dtype = bfloat16
+    k, v = _caches(rng, layout, 4, 8, 2, 64, dtype)
+    k1, v1 = k.copy(), v.copy()
+    key, value = _rand(rng, (13, 2, 64), dtype), _rand(rng, (13, 2, 64), dtype)
+    slots = _slots(rng, 13, 32)
+    out = cupaged.write_kv_cache(key, value, k, v, slots, layout=layout)
+    assert out[0] is k and out[1] is v
+    ref.write_kv_cache(key, value, k1, v1, slots, layout)
+    assert (_bits(k) == _bits(k1)).all() and (_bits(v) == _bits(v1)).all()
+    pairs = np.array([[0, 2], [1, 3]], np.int32)
+    cupaged.copy_blocks(k, v, pairs)
+    ref.copy_blocks(k1, v1, pairs)
+    assert (_bits(k) == _bits(k1)).all() and (_bits(v) == _bits(v1)).all()
+    host = np.zeros_like(v)
+    assert cupaged.swap_blocks(v, host, [[3, 0]]) is host
+    assert (_bits(host[0]) == _bits(v[3])).all() and not host[1:].any()
+
+
+def _write_args(rng, layout="NHD"):
+    k, v = _caches(rng, layout, 4, 8, 2, 64, np.float16)
+    key, value = _rand(rng, (5, 2, 64), np.float16), _rand(rng, (5, 2, 64), np.float16)
+    return dict(key=key, value=value, k_cache=k, v_cache=v,
+                slot_mapping=np.array([0, 9, -1, 31, 4], np.int64), layout=layout)
+
+
+WRITE_ERRORS = [
+    ("layout", "HDN", ValueError, "layout: expected one of"),
+    ("key", lambda a: a["key"].astype(np.float32), TypeError, "key: expected dtype float16"),
+    ("key", lambda a: a["key"][:, :1], ValueError, r"key: expected shape \[\*, 2, 64\]"),
+    ("value", lambda a: a["value"][:4], ValueError, r"value: expected shape \[5, 2, 64\]"),
+    ("value", lambda a: a["value"][..., ::-1], ValueError, "value: expected a C-contiguous"),
+    ("k_cache", lambda a: np.ascontiguousarray(a["k_cache"][:, :4]), ValueError,
+     r"v_cache: expected shape \[4, 4, 2, 64\] to match k_cache"),
+    ("k_cache", lambda a: a["k_cache"][:, ::-1], ValueError, "k_cache: expected a C-contiguous"),
+    ("v_cache", lambda a: a["v_cache"].astype(np.float32), TypeError, "v_cache: expected dtype"),
+    ("slot_mapping", lambda a: a["slot_mapping"].astype(np.int32), TypeError,
+     "slot_mapping: expected dtype int64"),
+    ("slot_mapping", lambda a: a["slot_mapping"][:4], ValueError, r"slot_mapping: expected shape \[5\]"),
+    ("slot_mapping", lambda a: np.array([0, 9, -1, 32, 4]), ValueError,
+     r"slot_mapping: expected entries in \[0, 32\) or \[-1\], got 32 at index 3"),
+    ("slot_mapping", lambda a: np.array([0, 9, -2, 3, 4]), ValueError, "got -2 at index 2"),
+    ("slot_mapping", lambda a: np.array([0, 9, -1, 9, 4]), ValueError, "slot 9 appears more"),
+    ("key", lambda a: list(a["key"]), TypeError, "expected numpy.ndarray or cupy.ndarray"),
+]
+
+
+@pytest.mark.parametrize("arg, bad, err, msg", WRITE_ERRORS)
+def test_write_bad_input_raises_and_changes_nothing(rng, arg, bad, err, msg):
+    args = _write_args(rng)
+    k, v = args["k_cache"], args["v_cache"]
+    k0, v0 = k.copy(), v.copy()
+    args[arg] = bad(args) if callable(bad) else bad
+    with pytest.raises(err, match=msg):
+        cupaged.write_kv_cache(**args)
+    np.testing.assert_array_equal(k, k0)
+    np.testing.assert_array_equal(v, v0)
+
+
+def test_write_rejects_short_rows(rng):
+    k = v = np.zeros((4, 8, 2, 4), np.float16)
+    key = np.zeros((1, 2, 4), np.float16)
+    with pytest.raises(ValueError, match="k_cache: expected head_dim .* multiple of 16 bytes"):
+        cupaged.write_kv_cache(key, key, k, v, np.zeros(1, np.int64))
+
+
+def test_write_bad_vllm_geometry(rng):
+    args = _write_args(rng, "vllm")
+    args["k_cache"] = args["k_cache"].reshape(4, 2, 4, 8, 2, 8)
+    with pytest.raises(ValueError, match="k_cache: expected 5 dimensions"):
+        cupaged.write_kv_cache(**args)
+
+
+@pytest.mark.parametrize("mapping, err, msg", [
+    ([[0, 4]], ValueError, r"destination blocks\): expected entries in \[0, 4\)"),
+    ([[-1, 2]], ValueError, r"source blocks\): expected entries in \[0, 4\), got -1"),
+    ([[0, 2], [1, 2]], ValueError, "block 2 appears more than once"),
+    ([[0, 2], [2, 3]], ValueError, "block 2 is both a source and a destination"),
+    ([[0.0, 2.0]], TypeError, "expected an integer array"),
+    ([0, 2], ValueError, r"expected shape \[num_pairs, 2\]"),
+])
+def test_copy_blocks_bad_mapping_changes_nothing(rng, mapping, err, msg):
+    k, v = _rand(rng, (4, 3, 8), np.float16), _rand(rng, (4, 3, 8), np.float16)
+    k0, v0 = k.copy(), v.copy()
+    with pytest.raises(err, match=msg):
+        cupaged.copy_blocks(k, v, np.asarray(mapping))
+    np.testing.assert_array_equal(k, k0)
+    np.testing.assert_array_equal(v, v0)
+
+
+def test_copy_and_swap_bad_caches(rng):
+    k = _rand(rng, (4, 3, 8), np.float16)
+    with pytest.raises(ValueError, match="v_cache: expected 4 blocks"):
+        cupaged.copy_blocks(k, _rand(rng, (5, 3, 8), np.float16), [[0, 1]])
+    with pytest.raises(TypeError, match="v_cache: expected dtype float16"):
+        cupaged.copy_blocks(k, k.astype(np.float32), [[0, 1]])
+    with pytest.raises(ValueError, match=r"dst_cache: expected blocks of shape \(3, 8\)"):
+        cupaged.swap_blocks(k, np.zeros((4, 3, 4), np.float16), [[0, 1]])
+    with pytest.raises(ValueError, match="src_cache: expected a cache"):
+        cupaged.swap_blocks(k[0, 0], k[0, 0], [[0, 1]])
+    with pytest.raises(ValueError, match="method: expected one of"):
+        cupaged.swap_blocks(k, k.copy(), [[0, 1]], method="dma")
+    with pytest.raises(ValueError, match=r"source blocks\): expected entries in \[0, 4\), got 9"):
+        cupaged.swap_blocks(k, np.zeros((9, 3, 8), np.float16), [[9, 1]])
+    with pytest.raises(ValueError, match="both a source and a destination"):
+        cupaged.swap_blocks(k, k, [[0, 1], [1, 2]])        # same memory: must be disjoint
+    assert not cupaged.swap_blocks(k, np.zeros_like(k), np.zeros((0, 2), np.int64)).any()
+
+
+# ----------------------------------------------------------------------------- planning
+def test_write_launch_config():
+    geo = CacheGeometry(10, 16, 8, 128)
+    expr, grid, smem, ints = cache_ops.write_launch_config(1001, geo, 2, "NHD")
+    assert expr == "cupaged::write_rows<false>" and ints[1] == 7 and ints[2] == 128
+    assert grid == (501,) and smem == 0                     # 2 tokens per 256-thread CTA
+    expr, grid, _, ints = cache_ops.write_launch_config(1001, CacheGeometry(10, 16, 1, 64), 2, "HND")
+    assert expr == "cupaged::write_rows<true>" and ints[1] == 3 and grid == (-(-1001 // 32),)
+    expr, grid, smem, ints = cache_ops.write_launch_config(65, geo, 4, "vllm")
+    assert expr == "cupaged::write_vllm<unsigned int>" and grid == (3, 8)
+    assert smem == 2 * 32 * 33 * 16                          # 32 vectors per row, padded to 33
+    assert cache_ops.write_launch_config(65, CacheGeometry(1, 1, 1, 256), 4, "vllm")[2] > 48 << 10
+
+
+def test_copy_grid_and_block_runs():
+    assert cache_ops.copy_grid(70000, 32768, 2) == (70000, 2, 2)
+    assert cache_ops.copy_grid(3, 16, 1) == (3, 1, 1)
+    pairs = np.array([[5, 9], [3, 1], [4, 2], [6, 10], [8, 0], [7, 20]])
+    np.testing.assert_array_equal(cache_ops.block_runs(pairs),
+                                  [[3, 1, 2], [5, 9, 2], [7, 20, 1], [8, 0, 1]])
+
+
+def test_kernel_specializations_cover_launches():
+    exprs = {s.expr for s in cache_ops.kernel_specializations()}
+    for layout in LAYOUTS:
+        for itemsize in (2, 4):
+            geo = CacheGeometry(4, 16, 2, 64)
+            assert cache_ops.write_launch_config(5, geo, itemsize, layout)[0] in exprs
+    assert "cupaged::copy_blocks_kernel" in exprs
+
+
+# ----------------------------------------------------------------------------- GPU
+def _check_gpu_write(rng, cp, layout, dtype, nb, bs, hk, d, t):
+    k, v = _caches(rng, layout, nb, bs, hk, d, dtype)
+    key, value = _rand(rng, (t, hk, d), dtype), _rand(rng, (t, hk, d), dtype)
+    slots = _slots(rng, t, nb * bs)
+    dk, dv = cp.asarray(k), cp.asarray(v)
+    cupaged.write_kv_cache(cp.asarray(key), cp.asarray(value), dk, dv, cp.asarray(slots),
+                           layout=layout)
+    ref.write_kv_cache(key, value, k, v, slots, layout)
+    assert (_bits(dk) == _bits(k)).all(), "key cache differs"
+    assert (_bits(dv) == _bits(v)).all(), "value cache differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [1, 8, 16, 32, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_write_bit_exact(rng, cp, layout, dtype, bs):
+    nb = max(3, 300 // bs)
+    _check_gpu_write(rng, cp, layout, dtype, nb, bs, 3, 128, min(nb * bs, 257))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 80, 96, 112, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_write_head_dims(rng, cp, layout, dtype, d):
+    _check_gpu_write(rng, cp, layout, dtype, 7, 16, 5, d, 97)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_write_consecutive_prefill_slots(rng, cp, layout):
+    """A prefill writes consecutive slots; also the zero-token and all-skipped cases."""
+    k, v = _caches(rng, layout, 40, 16, 8, 128, bfloat16)
+    dk, dv = cp.asarray(k), cp.asarray(v)
+    key, value = _rand(rng, (611, 8, 128), bfloat16), _rand(rng, (611, 8, 128), bfloat16)
+    slots = np.arange(3, 614, dtype=np.int64)
+    cupaged.write_kv_cache(cp.asarray(key), cp.asarray(value), dk, dv, cp.asarray(slots),
+                           layout=layout)
+    ref.write_kv_cache(key, value, k, v, slots, layout)
+    none = cp.full(5, -1, cp.int64)
+    cupaged.write_kv_cache(cp.asarray(key[:5]), cp.asarray(value[:5]), dk, dv, none,
+                           layout=layout)
+    cupaged.write_kv_cache(cp.asarray(key[:0]), cp.asarray(value[:0]), dk, dv, none[:0],
+                           layout=layout)
+    assert (_bits(dk) == _bits(k)).all() and (_bits(dv) == _bits(v)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_copy_blocks(rng, cp, layout, dtype):
+    k, v = _caches(rng, layout, 50, 16, 3, 64, dtype)
+    dk, dv = cp.asarray(k), cp.asarray(v)
+    perm = rng.permutation(50)
+    pairs = np.stack([perm[:17], perm[17:34]], axis=1).astype(np.int32)
+    cupaged.copy_blocks(dk, dv, cp.asarray(pairs))
+    ref.copy_blocks(k, v, pairs)
+    assert (_bits(dk) == _bits(k)).all() and (_bits(dv) == _bits(v)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["kernel", "memcpy", "auto"])
+def test_gpu_swap_round_trip(rng, cp, method):
+    import cupyx
+    k, _ = _caches(rng, "HND", 64, 16, 4, 128, np.float16)
+    dev = cp.asarray(k)
+    host = cupyx.empty_pinned((20,) + k.shape[1:], np.float16)
+    host[...] = _rand(rng, host.shape, np.float16)
+    expect_host = host.copy()
+    out_pairs = np.array([[5, 0], [6, 1], [7, 2], [40, 9], [2, 19], [3, 18]])
+    ref.swap_blocks(k, expect_host, out_pairs)
+    assert cupaged.swap_blocks(dev, host, out_pairs, method=method) is host
+    cp.cuda.get_current_stream().synchronize()
+    assert (_bits(host) == _bits(expect_host)).all()
+    in_pairs = np.array([[0, 60], [1, 61], [9, 5], [19, 0], [12, 30]])
+    ref.swap_blocks(expect_host, k, in_pairs)
+    cupaged.swap_blocks(host, dev, in_pairs, method=method)
+    assert (_bits(dev) == _bits(k)).all()
+    other = cp.asarray(_rand(rng, (8,) + k.shape[1:], np.float16))
+    expect_other = other.get()
+    ref.swap_blocks(k, expect_other, in_pairs[:3, ::-1] % 8)
+    cupaged.swap_blocks(dev, other, in_pairs[:3, ::-1] % 8, method=method)
+    assert (_bits(other) == _bits(expect_other)).all()
+
+
+@pytest.mark.gpu
+def test_gpu_swap_needs_pinned_host(rng, cp):
+    dev = cp.zeros((4, 16, 64), cp.float16)
+    pageable = np.ones((4, 16, 64), np.float16)
+    with pytest.raises(ValueError, match="dst_cache: expected a NumPy array in pinned"):
+        cupaged.swap_blocks(dev, pageable, [[0, 1]])
+    with pytest.raises(TypeError, match="mix NumPy"):
+        cupaged.copy_blocks(dev, pageable, [[0, 1]])
+    assert (pageable == 1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_cache_past_2_31_elements(rng, cp, layout):
+    """Blocks starting beyond 2**31 elements: write there, copy down and back up."""
+    bs, hk, d = 16, 8, 128
+    per_block = bs * hk * d
+    nb = 2 ** 31 // per_block + 64                    # 4.3 GB per fp16 cache
+    ks, vs = cache_shapes(layout, nb, bs, hk, d, np.float16)
+    dk, dv = cp.empty(ks, cp.float16), cp.empty(vs, cp.float16)
+    top = np.arange(nb - 8, nb)
+    low = np.arange(8)
+    for blocks in (top, low):
+        for c in (dk, dv):
+            c[blocks[0]:blocks[-1] + 1] = cp.asarray(_rand(rng, (8,) + c.shape[1:], np.float16))
+    assert int(top[0]) * per_block >= 2 ** 31
+    hk_, hv_ = dk[nb - 8:].get(), dv[nb - 8:].get()   # reference on the top 8 blocks only
+    slots = _slots(rng, 101, 8 * bs)
+    key, value = _rand(rng, (101, hk, d), np.float16), _rand(rng, (101, hk, d), np.float16)
+    dev_slots = np.where(slots >= 0, slots + (nb - 8) * bs, -1)
+    cupaged.write_kv_cache(cp.asarray(key), cp.asarray(value), dk, dv, cp.asarray(dev_slots),
+                           layout=layout)
+    ref.write_kv_cache(key, value, hk_, hv_, slots, layout)
+    assert (_bits(dk[nb - 8:]) == _bits(hk_)).all() and (_bits(dv[nb - 8:]) == _bits(hv_)).all()
+    cupaged.copy_blocks(dk, dv, np.stack([top[:4], low[:4]], axis=1))
+    cupaged.copy_blocks(dk, dv, np.stack([low[4:], top[4:]], axis=1))
+    assert (_bits(dk[:4]) == _bits(hk_[:4])).all() and (_bits(dv[:4]) == _bits(hv_[:4])).all()
+    assert (_bits(dk[nb - 4:]) == _bits(dk[4:8])).all()
+    assert (_bits(dv[nb - 4:]) == _bits(dv[4:8])).all()
+    del dk, dv
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.gpu
+def test_gpu_torch_tensors_on_side_stream(rng):
+    torch = pytest.importorskip("torch")
+    dev = torch.device("cuda")
+    k, v = _caches(rng, "vllm", 12, 16, 2, 64, np.float16)
+    tk, tv = torch.from_numpy(k.copy()).to(dev), torch.from_numpy(v.copy()).to(dev)
+    key, value = _rand(rng, (37, 2, 64), np.float16), _rand(rng, (37, 2, 64), np.float16)
+    slots = _slots(rng, 37, 12 * 16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        tkey, tval = torch.from_numpy(key).to(dev), torch.from_numpy(value).to(dev)
+        tslots = torch.from_numpy(slots).to(dev)
+        ok, ov = cupaged.write_kv_cache(tkey, tval, tk, tv, tslots, layout="vllm")
+        assert isinstance(ok, torch.Tensor) and ok.data_ptr() == tk.data_ptr()
+        assert ov.data_ptr() == tv.data_ptr()
+        pairs = torch.tensor([[0, 5], [1, 6]], dtype=torch.int64, device=dev)
+        ck, _ = cupaged.copy_blocks(tk, tv, pairs)
+        assert ck.data_ptr() == tk.data_ptr()
+        host = torch.empty((3,) + tuple(tk.shape[1:]), dtype=torch.float16).pin_memory()
+        cupaged.swap_blocks(tk, host.numpy(), [[5, 0], [6, 1], [7, 2]])
+    stream.synchronize()
+    ref.write_kv_cache(key, value, k, v, slots, "vllm")
+    ref.copy_blocks(k, v, [[0, 5], [1, 6]])
+    assert (tk.cpu().numpy() == k).all() and (tv.cpu().numpy() == v).all()
+    assert (host.numpy() == k[5:8]).all()

@@ -1,0 +1,338 @@
+"""Cache ops: write new keys/values into a paged cache, copy blocks, swap blocks.
+
+NumPy inputs run ``cupaged.reference.cache``; CuPy inputs (and torch/JAX CUDA tensors,
+taken zero-copy) run the kernels of ``kernels_cu/cache_ops.cu`` on the current stream
+(the caller's torch stream for torch tensors). All three ops move bits: the kernels match
+the reference exactly. Every argument, index included, is checked before anything runs;
+index checks read a host copy of the indices (a sync for CuPy indices).
+
+Swaps between a device cache and a pinned host cache are asynchronous on the current
+stream. Two mechanisms, chosen per call by ``method=``:
+
+- ``"memcpy"``: one ``cudaMemcpyAsync`` per run of consecutive blocks (copy engines; best
+  when runs are long, costs a few microseconds of host time per run);
+- ``"kernel"``: one launch of the block-copy kernel over the mapped pinned memory (SMs
+  read or write host memory directly; best for many scattered blocks);
+- ``"auto"`` (default): ``memcpy`` when the runs average at least ``MEMCPY_MIN_RUN_BYTES``,
+  else ``kernel``. ``cupaged.bench.cache`` measures both.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._arrays import (accepts_dlpack, array_module, check_array, check_choice, check_range,
+                      host, is_cupy)
+from ._compile import Spec, get_kernel
+from .layouts import LAYOUTS, cache_geometry
+from .reference import cache as ref
+
+THREADS = 256
+VLLM_TILE = 32
+COPY_UNROLL = 4
+MEMCPY_MIN_RUN_BYTES = 1 << 20
+SWAP_METHODS = ("auto", "memcpy", "kernel")
+_ELEMENT_TYPES = {2: "unsigned short", 4: "unsigned int"}
+
+
+def kernel_specializations():
+    """Every kernel specialisation this module can launch."""
+    exprs = (["cupaged::write_rows<false>", "cupaged::write_rows<true>"]
+             + [f"cupaged::write_vllm<{e}>" for e in _ELEMENT_TYPES.values()]
+             + ["cupaged::copy_blocks_kernel"])
+    return [Spec("cache_ops", e) for e in exprs]
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_row_bytes(name, head_dim, dtype):
+    if (head_dim * np.dtype(dtype).itemsize) % 16:
+        raise ValueError(f"{name}: expected head_dim * itemsize to be a multiple of 16 bytes, "
+                         f"got head_dim {head_dim} of {np.dtype(dtype)}")
+
+
+def _check_aligned(named_arrays):
+    for name, a in named_arrays:
+        if is_cupy(a) and a.data.ptr % 16:
+            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, "
+                             f"got {a.data.ptr:#x}")
+
+
+def _check_write(key, value, k_cache, v_cache, slot_mapping, layout):
+    """Validate write_kv_cache's arguments; return (array module, geometry)."""
+    check_choice("layout", layout, LAYOUTS)
+    xp = array_module(key, value, k_cache, v_cache, slot_mapping)
+    geo = cache_geometry(k_cache, v_cache, layout)
+    _check_row_bytes("k_cache", geo.head_dim, k_cache.dtype)
+    hk, d = geo.num_kv_heads, geo.head_dim
+    check_array("key", key, shape=(None, hk, d), dtypes=k_cache.dtype)
+    tokens = key.shape[0]
+    check_array("value", value, shape=(tokens, hk, d), dtypes=k_cache.dtype)
+    check_array("slot_mapping", slot_mapping, shape=(tokens,), dtypes=np.int64)
+    slots = host(slot_mapping)
+    check_range("slot_mapping", slots, 0, geo.num_blocks * geo.block_size, allow=(-1,))
+    used = np.sort(slots[slots >= 0])
+    dup = used[1:] == used[:-1]
+    if dup.any():
+        raise ValueError(f"slot_mapping: expected distinct slots (or -1), slot "
+                         f"{used[1:][dup][0]} appears more than once")
+    _check_aligned([("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)])
+    return xp, geo
+
+
+def _check_pairs(block_mapping, num_src, num_dst, disjoint):
+    """Validate ``(src, dst)`` pairs; return a host int64 ``[n, 2]`` copy.
+
+    Destinations must be distinct; with ``disjoint`` (both ends in one cache) no source may
+    also be a destination, so that the copies are independent of their order.
+    """
+    pairs = host(block_mapping) if is_cupy(block_mapping) else np.asarray(block_mapping)
+    if pairs.size == 0:
+        return np.zeros((0, 2), np.int64)
+    if pairs.dtype.kind not in "iu":
+        raise TypeError(f"block_mapping: expected an integer array, got dtype {pairs.dtype}")
+    if pairs.ndim != 2 or pairs.shape[1] != 2:
+        raise ValueError(f"block_mapping: expected shape [num_pairs, 2] of (src, dst), "
+                         f"got {tuple(pairs.shape)}")
+    pairs = pairs.astype(np.int64)
+    check_range("block_mapping[:, 0] (source blocks)", pairs[:, 0], 0, num_src)
+    check_range("block_mapping[:, 1] (destination blocks)", pairs[:, 1], 0, num_dst)
+    dst = np.sort(pairs[:, 1])
+    dup = dst[1:] == dst[:-1]
+    if dup.any():
+        raise ValueError(f"block_mapping: expected distinct destination blocks, block "
+                         f"{dst[1:][dup][0]} appears more than once")
+    if disjoint:
+        both = np.intersect1d(pairs[:, 0], pairs[:, 1])
+        if both.size:
+            raise ValueError(f"block_mapping: block {both[0]} is both a source and a "
+                             f"destination; expected disjoint sets")
+    return pairs
+
+
+def _check_blocks(names, a, b, same_shape):
+    """Two caches ``[num_blocks, ...]`` of one dtype; return the bytes of one block.
+
+    With ``same_shape`` their blocks must have one shape, else only one size (the key and
+    value caches of the vllm layout).
+    """
+    for name, c in zip(names, (a, b)):
+        if not (isinstance(c, np.ndarray) or is_cupy(c)):
+            raise TypeError(f"{name}: expected a numpy.ndarray or cupy.ndarray, "
+                            f"got {type(c).__name__}")
+        if c.ndim < 2:
+            raise ValueError(f"{name}: expected a cache [num_blocks, ...] of 2 or more "
+                             f"dimensions, got shape {tuple(c.shape)}")
+        check_array(name, c)
+    if a.dtype != b.dtype:
+        raise TypeError(f"{names[1]}: expected dtype {a.dtype} like {names[0]}, got {b.dtype}")
+    block_bytes = [int(np.prod(c.shape[1:])) * c.dtype.itemsize for c in (a, b)]
+    if same_shape and a.shape[1:] != b.shape[1:]:
+        raise ValueError(f"{names[1]}: expected blocks of shape {tuple(a.shape[1:])} like "
+                         f"{names[0]}, got {tuple(b.shape[1:])}")
+    if block_bytes[0] != block_bytes[1]:
+        raise ValueError(f"{names[1]}: expected blocks of {block_bytes[0]} bytes like "
+                         f"{names[0]}, got {block_bytes[1]}")
+    if block_bytes[0] % 16 and (is_cupy(a) or is_cupy(b)):
+        raise ValueError(f"{names[0]}: expected blocks of a multiple of 16 bytes, "
+                         f"got {block_bytes[0]}")
+    _check_aligned(zip(names, (a, b)))
+    return block_bytes[0]
+
+
+def _same_memory(a, b):
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return np.shares_memory(a, b)
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
+
+
+def _pinned_pointer(name, a):
+    """Device pointer of a NumPy array in pinned (page-locked, mapped) host memory."""
+    import cupy
+    attrs = cupy.cuda.runtime.pointerGetAttributes(a.ctypes.data)
+    if attrs.type != cupy.cuda.runtime.memoryTypeHost:
+        raise ValueError(f"{name}: expected a NumPy array in pinned host memory (for example "
+                         f"from cupyx.empty_pinned) to swap with a device cache, got pageable "
+                         f"memory")
+    return attrs.devicePointer
+
+
+# ----------------------------------------------------------------------------- planning
+def write_launch_config(num_tokens, geo, itemsize, layout):
+    """(kernel expression, grid, dynamic shared bytes, extra int args) of a cache write."""
+    head_vecs = geo.head_dim * itemsize // 16
+    if layout == "vllm":
+        smem = 2 * VLLM_TILE * (head_vecs | 1) * 16
+        grid = (-(-num_tokens // VLLM_TILE), geo.num_kv_heads)
+        return (f"cupaged::write_vllm<{_ELEMENT_TYPES[itemsize]}>", grid, smem,
+                (num_tokens, geo.num_kv_heads, head_vecs, geo.block_size))
+    row_vecs = geo.num_kv_heads * head_vecs
+    tpt_log2 = min(8, (row_vecs - 1).bit_length())
+    grid = (-(-num_tokens // (THREADS >> tpt_log2)),)
+    return (f"cupaged::write_rows<{'true' if layout == 'HND' else 'false'}>", grid, 0,
+            (num_tokens, tpt_log2, row_vecs, head_vecs, geo.num_kv_heads, geo.block_size))
+
+
+def copy_grid(num_pairs, block_bytes, num_caches):
+    """Grid of copy_blocks_kernel: pairs x chunks of a block x caches."""
+    chunks = -(-(block_bytes // 16) // (THREADS * COPY_UNROLL))
+    return (num_pairs, min(chunks, 65535), num_caches)
+
+
+def block_runs(pairs):
+    """Runs of consecutive sources mapped to consecutive destinations.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 ``[num_runs, 3]`` of (first source, first destination, blocks in the run).
+    """
+    p = pairs[np.argsort(pairs[:, 0], kind="stable")]
+    brk = np.flatnonzero((np.diff(p[:, 0]) != 1) | (np.diff(p[:, 1]) != 1)) + 1
+    starts = np.concatenate([[0], brk])
+    counts = np.diff(np.concatenate([starts, [len(p)]]))
+    return np.stack([p[starts, 0], p[starts, 1], counts], axis=1)
+
+
+# ----------------------------------------------------------------------------- launches
+def _launch_write(key, value, k_cache, v_cache, slot_mapping, geo, layout):
+    expr, grid, smem, ints = write_launch_config(key.shape[0], geo, k_cache.dtype.itemsize,
+                                                 layout)
+    kernel = get_kernel("cache_ops", expr)
+    if smem > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel(grid, (THREADS,), (key, value, k_cache, v_cache, slot_mapping,
+                              *(np.int32(i) for i in ints)), shared_mem=smem)
+
+
+def _launch_copy(ptrs, pairs, block_bytes, num_caches):
+    """Block-copy kernel; ``ptrs`` = (src0, dst0, src1, dst1) arrays or device addresses."""
+    import cupy
+    kernel = get_kernel("cache_ops", "cupaged::copy_blocks_kernel")
+    args = tuple(p if is_cupy(p) else np.uint64(p) for p in ptrs)
+    kernel(copy_grid(len(pairs), block_bytes, num_caches), (THREADS,),
+           (*args, cupy.asarray(pairs), np.int64(block_bytes // 16)))
+
+
+def _swap_memcpy(src_cache, dst_cache, pairs, block_bytes):
+    import cupy
+    rt = cupy.cuda.runtime
+    stream = cupy.cuda.get_current_stream().ptr
+    src_base, dst_base = _address(src_cache), _address(dst_cache)
+    for s, d, n in block_runs(pairs).tolist():
+        rt.memcpyAsync(dst_base + d * block_bytes, src_base + s * block_bytes,
+                       n * block_bytes, rt.memcpyDefault, stream)
+
+
+def _address(a):
+    return a.data.ptr if is_cupy(a) else a.ctypes.data
+
+
+# ----------------------------------------------------------------------------- public ops
+@accepts_dlpack
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD"):
+    """Write one key and one value row per token into its cache slot, in place.
+
+    Parameters
+    ----------
+    key, value : array
+        ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype (float16, bfloat16,
+        float32), C-contiguous; ``head_dim * itemsize`` a multiple of 16 bytes.
+    k_cache, v_cache : array
+        Paged caches in ``layout`` (shapes from ``cupaged.layouts.cache_shapes``).
+    slot_mapping : array
+        int64 ``[num_tokens]``: slot ``block * block_size + offset`` of each token, distinct,
+        in ``[0, num_blocks * block_size)``, or ``-1`` to skip the token.
+    layout : {"NHD", "HND", "vllm"}
+
+    Returns
+    -------
+    (k_cache, v_cache)
+        The caches, modified in place (same memory; torch tensors for torch inputs).
+    """
+    xp, geo = _check_write(key, value, k_cache, v_cache, slot_mapping, layout)
+    if xp is np:
+        ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout)
+    elif key.shape[0]:
+        _launch_write(key, value, k_cache, v_cache, slot_mapping, geo, layout)
+    return k_cache, v_cache
+
+
+@accepts_dlpack
+def copy_blocks(k_cache, v_cache, block_mapping):
+    """Copy whole blocks ``src -> dst`` in a key and a value cache (copy-on-write).
+
+    Parameters
+    ----------
+    k_cache, v_cache : array
+        Caches of any layout, ``[num_blocks, ...]`` with blocks of one shape and dtype.
+    block_mapping : array-like
+        Integer ``[num_pairs, 2]`` of ``(src, dst)`` block ids (NumPy, CuPy or a list, e.g.
+        ``BlockTable.take_copies()``); destinations distinct, no block both a source and a
+        destination.
+
+    Returns
+    -------
+    (k_cache, v_cache)
+        The caches, modified in place.
+    """
+    xp = array_module(k_cache, v_cache)
+    block_bytes = _check_blocks(("k_cache", "v_cache"), k_cache, v_cache, same_shape=False)
+    if k_cache.shape[0] != v_cache.shape[0]:
+        raise ValueError(f"v_cache: expected {k_cache.shape[0]} blocks like k_cache, "
+                         f"got {v_cache.shape[0]}")
+    pairs = _check_pairs(block_mapping, k_cache.shape[0], k_cache.shape[0], disjoint=True)
+    if xp is np:
+        ref.copy_blocks(k_cache, v_cache, pairs)
+    elif len(pairs):
+        _launch_copy((k_cache, k_cache, v_cache, v_cache), pairs, block_bytes, 2)
+    return k_cache, v_cache
+
+
+@accepts_dlpack
+def swap_blocks(src_cache, dst_cache, block_mapping, *, method="auto"):
+    """Copy blocks ``src_cache[src] -> dst_cache[dst]``: swap out to or in from the host.
+
+    Parameters
+    ----------
+    src_cache, dst_cache : array
+        ``[num_blocks_src, ...]`` and ``[num_blocks_dst, ...]``, one key or value cache
+        each, with blocks of one shape and dtype. A CuPy cache pairs with a CuPy cache or
+        with a NumPy cache in pinned host memory (``cupyx.empty_pinned``); two NumPy caches
+        run the reference.
+    block_mapping : array-like
+        Integer ``[num_pairs, 2]`` of ``(src, dst)`` block ids; destinations distinct.
+    method : {"auto", "memcpy", "kernel"}
+        Transfer mechanism for device swaps (see the module notes).
+
+    Returns
+    -------
+    dst_cache
+        Modified in place. Device swaps are asynchronous on the current stream: synchronise
+        it before reading a host destination or reusing a host source.
+    """
+    check_choice("method", method, SWAP_METHODS)
+    block_bytes = _check_blocks(("src_cache", "dst_cache"), src_cache, dst_cache,
+                                same_shape=True)
+    pairs = _check_pairs(block_mapping, src_cache.shape[0], dst_cache.shape[0],
+                         disjoint=_same_memory(src_cache, dst_cache))
+    on_device = is_cupy(src_cache) or is_cupy(dst_cache)
+    pinned = {name: _pinned_pointer(name, c) for name, c in
+              (("src_cache", src_cache), ("dst_cache", dst_cache))
+              if on_device and isinstance(c, np.ndarray)}
+    if not on_device:
+        ref.swap_blocks(src_cache, dst_cache, pairs)
+        return dst_cache
+    if not len(pairs):
+        return dst_cache
+    if method == "auto":
+        runs = block_runs(pairs)
+        method = "memcpy" if len(pairs) * block_bytes >= MEMCPY_MIN_RUN_BYTES * len(runs) \
+            else "kernel"
+    if method == "memcpy":
+        _swap_memcpy(src_cache, dst_cache, pairs, block_bytes)
+    else:
+        src = pinned.get("src_cache", src_cache)
+        dst = pinned.get("dst_cache", dst_cache)
+        _launch_copy((src, dst, src, dst), pairs, block_bytes, 1)
+    return dst_cache

@@ -1,0 +1,95 @@
+"""A paged KV cache: key and value arrays in one layout plus the pool of their blocks."""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+from ._arrays import as_dtype, check_choice, cupy_module, gpu_available
+from .blocks import BlockPool
+from .cache_ops import _check_row_bytes, copy_blocks, write_kv_cache
+from .layouts import LAYOUTS, cache_shapes
+
+
+def _positive(name, value):
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+    if v < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {v}")
+    return v
+
+
+class PagedKVCache:
+    """Key and value caches of ``num_blocks`` blocks and the ``BlockPool`` over them.
+
+    Parameters
+    ----------
+    num_blocks, block_size, num_kv_heads, head_dim : int
+        Cache geometry; ``head_dim * itemsize`` must be a multiple of 16 bytes.
+    dtype : str or dtype
+        float16 (default), bfloat16 or float32.
+    layout : {"NHD", "HND", "vllm"}
+        ``k`` and ``v`` shapes are ``cupaged.layouts.cache_shapes(layout, ...)``, e.g. NHD
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    xp : module, optional
+        ``numpy`` or ``cupy``; default cupy when a CUDA device is usable, else numpy.
+
+    Attributes
+    ----------
+    k, v : array
+        The caches (zero-filled), in ``xp``.
+    pool : BlockPool
+        Free list and refcounts of the blocks; build ``BlockTable`` objects on it.
+    """
+
+    def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, dtype="float16",
+                 layout="NHD", xp=None):
+        check_choice("layout", layout, LAYOUTS)
+        self.num_blocks = _positive("num_blocks", num_blocks)
+        self.block_size = _positive("block_size", block_size)
+        self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
+        self.head_dim = _positive("head_dim", head_dim)
+        self.dtype = as_dtype(dtype)
+        _check_row_bytes("head_dim", self.head_dim, self.dtype)
+        if xp is None:
+            xp = cupy_module() if gpu_available() else np
+        if xp is not np and xp is not cupy_module():
+            raise TypeError(f"xp: expected numpy or cupy, got {xp!r}")
+        self.xp = xp
+        self.layout = layout
+        k_shape, v_shape = cache_shapes(layout, self.num_blocks, self.block_size,
+                                        self.num_kv_heads, self.head_dim, self.dtype)
+        self.k = xp.zeros(k_shape, self.dtype)
+        self.v = xp.zeros(v_shape, self.dtype)
+        self.pool = BlockPool(self.num_blocks, self.block_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by ``k`` and ``v``."""
+        return int(self.k.nbytes + self.v.nbytes)
+
+    def write(self, key, value, slots):
+        """Write token rows into their slots (``cupaged.write_kv_cache`` in this layout).
+
+        Parameters
+        ----------
+        key, value : array
+            ``[num_tokens, num_kv_heads, head_dim]`` of the cache's dtype and array module.
+        slots : array
+            int64 ``[num_tokens]`` slot mapping (``BlockTable.append``'s result), -1 skips;
+            a NumPy mapping is uploaded for a CuPy cache.
+        """
+        if self.xp is not np and isinstance(slots, np.ndarray):
+            slots = self.xp.asarray(slots)
+        write_kv_cache(key, value, self.k, self.v, slots, layout=self.layout)
+
+    def copy_blocks(self, block_mapping):
+        """Copy blocks ``(src, dst)`` in ``k`` and ``v`` (``BlockTable.take_copies()``)."""
+        copy_blocks(self.k, self.v, block_mapping)
+
+    def __repr__(self):
+        return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype}, layout={self.layout!r}, xp={self.xp.__name__})")

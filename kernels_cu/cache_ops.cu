@@ -1,0 +1,143 @@
+// Cache kernels: scatter new key/value rows into a paged cache, copy whole blocks.
+//
+// These kernels move bits and never convert them, so element types matter only through
+// their size: rows are moved as 16-byte vectors (uint4) and the vllm value layout as
+// 2- or 4-byte elements. Every offset into a cache is 64-bit (i64), counted in vectors
+// (or elements) from the cache's base pointer, which the host checks is 16-byte aligned.
+#include "common.cuh"
+
+namespace cupaged {
+
+constexpr int THREADS = 256;
+constexpr int VLLM_TILE = 32;   // tokens per CTA in write_vllm: one per lane
+constexpr int COPY_UNROLL = 4;  // vectors in flight per thread in copy_blocks_kernel
+
+// -- write_rows: NHD ([b, o, h, :]) and HND ([b, h, o, :]) layouts --------------------------
+// Grid:  x = ceil(num_tokens / (THREADS >> tpt_log2)).
+// Block: THREADS threads in groups of tpt = 1 << tpt_log2 threads, one group per token.
+// Each thread copies the 16-byte vectors v = lane, lane + tpt, ... < row_vecs of its token's
+// key and value rows ([num_kv_heads, head_dim] = row_vecs vectors, head_vecs per head) to
+// the token's slot. Loads are issued before the slot is known; tokens with slot -1 skip the
+// stores.
+template <bool HND>
+__global__ void __launch_bounds__(THREADS) write_rows(
+    const uint4* __restrict__ key, const uint4* __restrict__ value,
+    uint4* __restrict__ k_cache, uint4* __restrict__ v_cache,
+    const i64* __restrict__ slot_mapping, int num_tokens, int tpt_log2,
+    int row_vecs, int head_vecs, int num_kv_heads, int block_size) {
+  const int t = blockIdx.x * (THREADS >> tpt_log2) + (threadIdx.x >> tpt_log2);
+  if (t >= num_tokens) return;
+  const int tpt = 1 << tpt_log2;
+  const i64 slot = __ldg(slot_mapping + t);
+  const i64 blk = slot / block_size;
+  const i64 off = slot - blk * block_size;
+  const uint4* k_row = key + (i64)t * row_vecs;
+  const uint4* v_row = value + (i64)t * row_vecs;
+  for (int v = threadIdx.x & (tpt - 1); v < row_vecs; v += tpt) {
+    // -- load both rows' vectors, then place them --
+    const uint4 kk = __ldg(k_row + v);
+    const uint4 vv = __ldg(v_row + v);
+    if (slot < 0) return;
+    i64 dst;
+    if (HND) {
+      const int h = v / head_vecs;
+      dst = ((blk * num_kv_heads + h) * block_size + off) * head_vecs + (v - h * head_vecs);
+    } else {
+      dst = (blk * block_size + off) * row_vecs + v;
+    }
+    k_cache[dst] = kk;
+    v_cache[dst] = vv;
+  }
+}
+
+// -- write_vllm: key [b, h, d / X, o, X] (X elements = 16 bytes), value [b, h, d, o] -------
+// Grid:  x = ceil(num_tokens / VLLM_TILE) token tiles, y = num_kv_heads (head h).
+// Block: THREADS threads.
+// Stage 1: the tile's key and value rows of head h (head_vecs 16-byte vectors each) are
+// loaded, coalesced along each row, into shared memory; rows are padded to an odd number of
+// vectors so that 8 lanes reading one vector of 8 different rows hit distinct banks.
+// Stage 2: lanes run over the tile's tokens (lane = token) and vectors over warps: a thread
+// stores key vector j of its token as one 16 bytes and value vector j as X elements, so
+// tokens in consecutive slots of a block make contiguous stores. Slot -1 tokens are skipped.
+template <typename E>  // an unsigned integer type of the element size (2 or 4 bytes)
+__global__ void __launch_bounds__(THREADS) write_vllm(
+    const uint4* __restrict__ key, const uint4* __restrict__ value,
+    uint4* __restrict__ k_cache, E* __restrict__ v_cache,
+    const i64* __restrict__ slot_mapping, int num_tokens, int num_kv_heads, int head_vecs,
+    int block_size) {
+  constexpr int X = 16 / sizeof(E);
+  extern __shared__ uint4 smem[];  // [2][VLLM_TILE][row_stride]
+  __shared__ i64 s_blk[VLLM_TILE];
+  __shared__ int s_off[VLLM_TILE];
+  const int row_stride = head_vecs | 1;
+  uint4* s_key = smem;
+  uint4* s_val = smem + VLLM_TILE * row_stride;
+  const int t0 = blockIdx.x * VLLM_TILE;
+  const int h = blockIdx.y;
+  const int tile = min(VLLM_TILE, num_tokens - t0);
+
+  // -- slots of the tile --
+  if (threadIdx.x < VLLM_TILE) {
+    const i64 slot = threadIdx.x < tile ? __ldg(slot_mapping + t0 + threadIdx.x) : -1;
+    const i64 blk = slot < 0 ? -1 : slot / block_size;
+    s_blk[threadIdx.x] = blk;
+    s_off[threadIdx.x] = (int)(slot - blk * block_size);
+  }
+  // -- stage 1: rows of head h into shared memory --
+  const i64 row_vecs = (i64)num_kv_heads * head_vecs;
+  for (int i = threadIdx.x; i < tile * head_vecs; i += THREADS) {
+    const int tok = i / head_vecs, j = i - tok * head_vecs;
+    const i64 src = (t0 + tok) * row_vecs + (i64)h * head_vecs + j;
+    s_key[tok * row_stride + j] = __ldg(key + src);
+    s_val[tok * row_stride + j] = __ldg(value + src);
+  }
+  __syncthreads();
+
+  // -- stage 2: lane = token; key vectors whole, value vectors element by element --
+  const int head_dim = head_vecs * X;
+  for (int i = threadIdx.x; i < VLLM_TILE * head_vecs; i += THREADS) {
+    const int tok = i % VLLM_TILE, j = i / VLLM_TILE;
+    const i64 blk = s_blk[tok];
+    if (blk < 0) continue;
+    const i64 head_base = blk * num_kv_heads + h;
+    const int off = s_off[tok];
+    k_cache[(head_base * head_vecs + j) * block_size + off] = s_key[tok * row_stride + j];
+    const uint4 vv = s_val[tok * row_stride + j];
+    const E* e = reinterpret_cast<const E*>(&vv);
+    E* v_dst = v_cache + (head_base * head_dim + (i64)j * X) * block_size + off;
+#pragma unroll
+    for (int x = 0; x < X; ++x) v_dst[(i64)x * block_size] = e[x];
+  }
+}
+
+// -- copy_blocks_kernel: whole blocks, src[pairs[p][0]] -> dst[pairs[p][1]] -----------------
+// Grid:  x = pair p, y = chunks of a block (grid-strided), z = cache (0: src0 -> dst0,
+// 1: src1 -> dst1; key and value caches in one launch).
+// Block: THREADS threads; each moves up to COPY_UNROLL 16-byte vectors per chunk, all loads
+// before all stores. Sources are never destinations (checked on the host), so the copies
+// of one launch are independent. Pointers may be device memory or mapped pinned host memory.
+__global__ void __launch_bounds__(THREADS) copy_blocks_kernel(
+    const uint4* __restrict__ src0, uint4* __restrict__ dst0,
+    const uint4* __restrict__ src1, uint4* __restrict__ dst1,
+    const i64* __restrict__ pairs, i64 block_vecs) {
+  const uint4* src = blockIdx.z ? src1 : src0;
+  uint4* dst = blockIdx.z ? dst1 : dst0;
+  src += __ldg(pairs + 2 * (i64)blockIdx.x) * block_vecs;
+  dst += __ldg(pairs + 2 * (i64)blockIdx.x + 1) * block_vecs;
+  const i64 chunk = (i64)THREADS * COPY_UNROLL;
+  for (i64 v0 = blockIdx.y * chunk + threadIdx.x; v0 < block_vecs; v0 += gridDim.y * chunk) {
+    uint4 r[COPY_UNROLL];
+#pragma unroll
+    for (int u = 0; u < COPY_UNROLL; ++u) {
+      const i64 v = v0 + u * THREADS;
+      if (v < block_vecs) r[u] = src[v];
+    }
+#pragma unroll
+    for (int u = 0; u < COPY_UNROLL; ++u) {
+      const i64 v = v0 + u * THREADS;
+      if (v < block_vecs) dst[v] = r[u];
+    }
+  }
+}
+
+}  // namespace cupaged

@@ -1,0 +1,93 @@
+"""PagedKVCache: construction, and a serving round (append, write, fork, copy-on-write)."""
+import sys
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged._arrays import bfloat16
+from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", np.float32])
+def test_shapes_and_attributes(layout, dtype):
+    c = cupaged.PagedKVCache(5, 16, 2, 64, dtype=dtype, layout=layout, xp=np)
+    ks, vs = cache_shapes(layout, 5, 16, 2, 64, c.dtype)
+    assert c.k.shape == ks and c.v.shape == vs and c.k.dtype == c.dtype == np.dtype(dtype)
+    assert isinstance(c.k, np.ndarray) and not c.k.any()
+    assert c.layout == layout and c.pool.num_blocks == 5 and c.pool.block_size == 16
+    assert c.nbytes == c.k.nbytes + c.v.nbytes
+
+
+def test_default_module_and_import_hygiene():
+    c = cupaged.PagedKVCache(2, 4, 1, 64)
+    assert c.xp is (sys.modules.get("cupy") if cupaged.gpu_available() else np)
+    assert c.dtype == np.float16 and c.layout == "NHD"
+
+
+@pytest.mark.parametrize("kwargs, err, msg", [
+    (dict(num_blocks=0), ValueError, "num_blocks: expected an int >= 1, got 0"),
+    (dict(block_size=2.5), TypeError, "block_size: expected an int"),
+    (dict(head_dim=4), ValueError, "head_dim: expected head_dim \\* itemsize"),
+    (dict(dtype="int8"), TypeError, "dtype: expected one of"),
+    (dict(layout="NDH"), ValueError, "layout: expected one of"),
+    (dict(xp=object()), TypeError, "xp: expected numpy or cupy"),
+])
+def test_bad_arguments(kwargs, err, msg):
+    args = dict(num_blocks=4, block_size=8, num_kv_heads=2, head_dim=64, xp=np)
+    args.update(kwargs)
+    with pytest.raises(err, match=msg):
+        cupaged.PagedKVCache(**args)
+
+
+def _gather(cache, table, seq):
+    """A sequence's keys and values ``[len, Hk, D]`` read through its block table."""
+    bs = cache.block_size
+    pos = np.arange(int(table.seq_lens[seq]))
+    blocks = table.block_tables[seq, pos // bs]
+    k = k_as_nhd(cache.k, cache.layout)[blocks, pos % bs]
+    v = v_as_nhd(cache.v, cache.layout)[blocks, pos % bs]
+    return (k.get(), v.get()) if hasattr(k, "get") else (k, v)
+
+
+def _serving_round(rng, xp, layout):
+    cache = cupaged.PagedKVCache(12, 8, 2, 64, dtype=bfloat16, layout=layout, xp=xp)
+    table = cupaged.BlockTable(cache.pool, max_seqs=4, max_blocks_per_seq=5)
+    hist = {}
+
+    def step(seq, n):
+        slots = table.append(seq, n)
+        cache.copy_blocks(table.take_copies())
+        kv = rng.standard_normal((2, n, 2, 64)).astype(bfloat16)
+        cache.write(xp.asarray(kv[0]), xp.asarray(kv[1]), slots)
+        old = hist.get(seq, np.zeros((2, 0, 2, 64), bfloat16))
+        hist[seq] = np.concatenate([old, kv], axis=1)
+
+    step(0, 21)                      # blocks: 8 + 8 + 5 of 8
+    table.fork(0, 1)
+    hist[1] = hist[0]
+    step(1, 3)                       # copy on write of the shared partial block
+    step(0, 2)                       # sequence 0 alone in its block now: in place
+    table.fork(1, 2)
+    hist[2] = hist[1]
+    step(2, 9)
+    step(1, 1)
+    table.free(0)
+    del hist[0]
+    step(3, 17)                      # reuses freed blocks
+    for seq, (k, v) in hist.items():
+        gk, gv = _gather(cache, table, seq)
+        assert gk.view(np.uint16).tolist() == k.view(np.uint16).tolist(), f"seq {seq} keys"
+        assert (gv.view(np.uint16) == v.view(np.uint16)).all(), f"seq {seq} values"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_serving_round_numpy(rng, layout):
+    _serving_round(rng, np, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_serving_round_gpu(rng, cp, layout):
+    _serving_round(rng, cp, layout)
