@@ -99,14 +99,14 @@ template <typename T> __global__ void scale(T* x, int n) {
 
 HUNGRY = """
 __global__ void hungry(const float* __restrict__ in, float* __restrict__ out) {
-  float r[96];
+  float r[64];
 #pragma unroll
-  for (int i = 0; i < 96; ++i) r[i] = in[threadIdx.x * 96 + i];
+  for (int i = 0; i < 64; ++i) r[i] = in[threadIdx.x * 64 + i];
   float acc = 0.f;
 #pragma unroll
-  for (int i = 0; i < 96; ++i)
+  for (int i = 0; i < 64; ++i)
 #pragma unroll
-    for (int j = 0; j < 96; ++j) acc += r[i] * r[(i * 7 + j) % 96];
+    for (int j = 0; j < 8; ++j) acc += r[i] * r[(i * 7 + j) % 64];
   out[threadIdx.x] = acc;
 }
 """
