@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._arrays import HEAD_DIMS, as_dtype, check_head_dim, cupy_module, gpu_available, host
+from ._arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cupy_module,
+                      gpu_available, host)
 from .layouts import LAYOUTS
 
 # relative tolerance ||out - ref|| / ||ref|| of the --check comparison, per dtype
@@ -72,8 +73,7 @@ class DemoConfig:
                                  f"got {getattr(self, hi)}")
         check_head_dim("head_dim", self.head_dim)
         as_dtype(self.dtype)
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
+        check_choice("layout", self.layout, LAYOUTS)
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads = "
                              f"{self.num_q_heads}, got {self.num_kv_heads}")
@@ -114,9 +114,9 @@ class Request:
 
 
 def make_requests(cfg, rng):
-    """Requests with Poisson arrivals and uniform prompt and output lengths."""
-    gaps = rng.poisson(1.0 / cfg.arrival_rate, cfg.requests)
-    arrivals = np.cumsum(gaps) - gaps[0]
+    """Requests with Poisson arrivals (the first at step 0) and uniform lengths."""
+    times = np.cumsum(rng.exponential(1.0 / cfg.arrival_rate, cfg.requests))
+    arrivals = (times - times[0]).astype(np.int64)
     prompts = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, cfg.requests)
     outputs = rng.integers(cfg.min_output, cfg.max_output + 1, cfg.requests)
     return [Request(i, int(a), int(p), int(o))
@@ -251,8 +251,7 @@ class DemoStats:
 
 def array_module_for(device):
     """``numpy`` for ``"cpu"``, ``cupy`` for ``"gpu"``; ``"auto"`` picks the GPU if usable."""
-    if device not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"device: expected 'auto', 'cpu' or 'gpu', got {device!r}")
+    check_choice("device", device, ("auto", "cpu", "gpu"))
     if device == "cpu" or (device == "auto" and not gpu_available()):
         return np
     if not gpu_available():
@@ -265,7 +264,15 @@ def _randn(gen, shape, dtype):
 
 
 def launch_step(plan, cache, xp, gen, cfg):
-    """Write the batch's random K/V into the cache and attend; return ``out``."""
+    """Write the batch's random K/V into the cache and attend.
+
+    Returns
+    -------
+    q : array
+        The step's random queries ``[num_tokens, num_q_heads, head_dim]``.
+    out : array
+        ``paged_attention`` output, same shape and dtype as ``q``.
+    """
     import cupaged
     dtype = as_dtype(cfg.dtype)
     t = plan.num_tokens
