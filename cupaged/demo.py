@@ -37,7 +37,7 @@ def _opt(default, help, choices=None):
 @dataclass(frozen=True)
 class DemoConfig:
     """Sizes of a simulation; every field is a ``cupaged demo`` option of the same name."""
-    requests: int = _opt(48, "Requests in the run.")
+    requests: int = _opt(64, "Requests in the run.")
     seed: int = _opt(0, "Random seed (lengths, arrivals, q/k/v).")
     num_blocks: int = _opt(192, "Blocks in the KV cache pool.")
     block_size: int = _opt(16, "Tokens per cache block.")
