@@ -25,7 +25,8 @@ class HostDLPack:
 # ----------------------------------------------------------------------------- CPU
 def _imported_after(code):
     probe = f"import sys; {code}; print(' '.join(m for m in ('torch', 'cupy', 'jax') if m in sys.modules))"
-    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout.split()
 
 
