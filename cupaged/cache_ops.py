@@ -27,6 +27,7 @@ from .layouts import LAYOUTS, cache_geometry
 from .reference import cache as ref
 
 THREADS = 256
+ROWS_UNROLL = 2
 VLLM_TILE = 32
 COPY_UNROLL = 4
 MEMCPY_MIN_RUN_BYTES = 1 << 20
@@ -50,10 +51,11 @@ def _check_row_bytes(name, head_dim, dtype):
 
 
 def _check_aligned(named_arrays):
+    """16-byte aligned data of arrays a kernel will touch (CuPy, or pinned NumPy)."""
     for name, a in named_arrays:
-        if is_cupy(a) and a.data.ptr % 16:
+        if _address(a) % 16:
             raise ValueError(f"{name}: expected a 16-byte aligned data pointer, "
-                             f"got {a.data.ptr:#x}")
+                             f"got {_address(a):#x}")
 
 
 def _check_write(key, value, k_cache, v_cache, slot_mapping, layout):
@@ -74,7 +76,9 @@ def _check_write(key, value, k_cache, v_cache, slot_mapping, layout):
     if dup.any():
         raise ValueError(f"slot_mapping: expected distinct slots (or -1), slot "
                          f"{used[1:][dup][0]} appears more than once")
-    _check_aligned([("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)])
+    if xp is not np:
+        _check_aligned([("key", key), ("value", value), ("k_cache", k_cache),
+                        ("v_cache", v_cache)])
     return xp, geo
 
 
@@ -131,10 +135,11 @@ def _check_blocks(names, a, b, same_shape):
     if block_bytes[0] != block_bytes[1]:
         raise ValueError(f"{names[1]}: expected blocks of {block_bytes[0]} bytes like "
                          f"{names[0]}, got {block_bytes[1]}")
-    if block_bytes[0] % 16 and (is_cupy(a) or is_cupy(b)):
-        raise ValueError(f"{names[0]}: expected blocks of a multiple of 16 bytes, "
-                         f"got {block_bytes[0]}")
-    _check_aligned(zip(names, (a, b)))
+    if is_cupy(a) or is_cupy(b):
+        if block_bytes[0] % 16:
+            raise ValueError(f"{names[0]}: expected blocks of a multiple of 16 bytes, "
+                             f"got {block_bytes[0]}")
+        _check_aligned(zip(names, (a, b)))
     return block_bytes[0]
 
 
@@ -142,7 +147,7 @@ def _same_memory(a, b):
     if type(a) is not type(b):
         return False
     if isinstance(a, np.ndarray):
-        return np.shares_memory(a, b)
+        return np.may_share_memory(a, b)
     return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
@@ -168,7 +173,7 @@ def write_launch_config(num_tokens, geo, itemsize, layout):
                 (num_tokens, geo.num_kv_heads, head_vecs, geo.block_size))
     row_vecs = geo.num_kv_heads * head_vecs
     tpt_log2 = min(8, (row_vecs - 1).bit_length())
-    grid = (-(-num_tokens // (THREADS >> tpt_log2)),)
+    grid = (-(-num_tokens // (ROWS_UNROLL * (THREADS >> tpt_log2))),)
     return (f"cupaged::write_rows<{'true' if layout == 'HND' else 'false'}>", grid, 0,
             (num_tokens, tpt_log2, row_vecs, head_vecs, geo.num_kv_heads, geo.block_size))
 

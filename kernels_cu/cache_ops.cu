@@ -9,44 +9,59 @@
 namespace cupaged {
 
 constexpr int THREADS = 256;
+constexpr int ROWS_UNROLL = 2;  // tokens per thread group in write_rows
 constexpr int VLLM_TILE = 32;   // tokens per CTA in write_vllm: one per lane
 constexpr int COPY_UNROLL = 4;  // vectors in flight per thread in copy_blocks_kernel
 
 // -- write_rows: NHD ([b, o, h, :]) and HND ([b, h, o, :]) layouts --------------------------
-// Grid:  x = ceil(num_tokens / (THREADS >> tpt_log2)).
-// Block: THREADS threads in groups of tpt = 1 << tpt_log2 threads, one group per token.
-// Each thread copies the 16-byte vectors v = lane, lane + tpt, ... < row_vecs of its token's
-// key and value rows ([num_kv_heads, head_dim] = row_vecs vectors, head_vecs per head) to
-// the token's slot. Loads are issued before the slot is known; tokens with slot -1 skip the
-// stores.
+// Grid:  x = ceil(num_tokens / (ROWS_UNROLL * (THREADS >> tpt_log2))).
+// Block: THREADS threads in groups of tpt = 1 << tpt_log2 threads; a group owns ROWS_UNROLL
+// tokens, THREADS >> tpt_log2 apart. Each thread copies the 16-byte vectors v = lane,
+// lane + tpt, ... < row_vecs of its tokens' key and value rows ([num_kv_heads, head_dim] =
+// row_vecs vectors, head_vecs per head) to the tokens' slots: all loads of a step before
+// its stores. Tokens with slot -1 are skipped.
 template <bool HND>
 __global__ void __launch_bounds__(THREADS) write_rows(
     const uint4* __restrict__ key, const uint4* __restrict__ value,
     uint4* __restrict__ k_cache, uint4* __restrict__ v_cache,
     const i64* __restrict__ slot_mapping, int num_tokens, int tpt_log2,
     int row_vecs, int head_vecs, int num_kv_heads, int block_size) {
-  const int t = blockIdx.x * (THREADS >> tpt_log2) + (threadIdx.x >> tpt_log2);
-  if (t >= num_tokens) return;
+  const int tokens_per_pass = THREADS >> tpt_log2;
+  const int t0 = blockIdx.x * tokens_per_pass * ROWS_UNROLL + (threadIdx.x >> tpt_log2);
   const int tpt = 1 << tpt_log2;
-  const i64 slot = __ldg(slot_mapping + t);
-  const i64 blk = slot / block_size;
-  const i64 off = slot - blk * block_size;
-  const uint4* k_row = key + (i64)t * row_vecs;
-  const uint4* v_row = value + (i64)t * row_vecs;
+  i64 blk[ROWS_UNROLL], off[ROWS_UNROLL];
+#pragma unroll
+  for (int u = 0; u < ROWS_UNROLL; ++u) {
+    const int t = t0 + u * tokens_per_pass;
+    const i64 slot = t < num_tokens ? __ldg(slot_mapping + t) : -1;
+    blk[u] = slot < 0 ? -1 : slot / block_size;
+    off[u] = slot - blk[u] * block_size;
+  }
   for (int v = threadIdx.x & (tpt - 1); v < row_vecs; v += tpt) {
-    // -- load both rows' vectors, then place them --
-    const uint4 kk = __ldg(k_row + v);
-    const uint4 vv = __ldg(v_row + v);
-    if (slot < 0) return;
-    i64 dst;
-    if (HND) {
-      const int h = v / head_vecs;
-      dst = ((blk * num_kv_heads + h) * block_size + off) * head_vecs + (v - h * head_vecs);
-    } else {
-      dst = (blk * block_size + off) * row_vecs + v;
+    // -- load every token's vectors, then place them --
+    uint4 kk[ROWS_UNROLL], vv[ROWS_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ROWS_UNROLL; ++u) {
+      const i64 t = t0 + u * tokens_per_pass;
+      if (t < num_tokens) {
+        kk[u] = __ldg(key + t * row_vecs + v);
+        vv[u] = __ldg(value + t * row_vecs + v);
+      }
     }
-    k_cache[dst] = kk;
-    v_cache[dst] = vv;
+#pragma unroll
+    for (int u = 0; u < ROWS_UNROLL; ++u) {
+      if (blk[u] < 0) continue;
+      i64 dst;
+      if (HND) {
+        const int h = v / head_vecs;
+        dst = ((blk[u] * num_kv_heads + h) * block_size + off[u]) * head_vecs
+              + (v - h * head_vecs);
+      } else {
+        dst = (blk[u] * block_size + off[u]) * row_vecs + v;
+      }
+      k_cache[dst] = kk[u];
+      v_cache[dst] = vv[u];
+    }
   }
 }
 

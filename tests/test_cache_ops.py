@@ -190,9 +190,9 @@ def test_write_launch_config():
     geo = CacheGeometry(10, 16, 8, 128)
     expr, grid, smem, ints = cache_ops.write_launch_config(1001, geo, 2, "NHD")
     assert expr == "cupaged::write_rows<false>" and ints[1] == 7 and ints[2] == 128
-    assert grid == (501,) and smem == 0                     # 2 tokens per 256-thread CTA
+    assert grid == (251,) and smem == 0                     # 2 x 2 tokens per CTA
     expr, grid, _, ints = cache_ops.write_launch_config(1001, CacheGeometry(10, 16, 1, 64), 2, "HND")
-    assert expr == "cupaged::write_rows<true>" and ints[1] == 3 and grid == (-(-1001 // 32),)
+    assert expr == "cupaged::write_rows<true>" and ints[1] == 3 and grid == (-(-1001 // 64),)
     expr, grid, smem, ints = cache_ops.write_launch_config(65, geo, 4, "vllm")
     assert expr == "cupaged::write_vllm<unsigned int>" and grid == (3, 8)
     assert smem == 2 * 32 * 33 * 16                          # 32 vectors per row, padded to 33
@@ -298,8 +298,9 @@ def test_gpu_swap_round_trip(rng, cp, method):
     assert (_bits(dev) == _bits(k)).all()
     other = cp.asarray(_rand(rng, (8,) + k.shape[1:], np.float16))
     expect_other = other.get()
-    ref.swap_blocks(k, expect_other, in_pairs[:3, ::-1] % 8)
-    cupaged.swap_blocks(dev, other, in_pairs[:3, ::-1] % 8, method=method)
+    dev_pairs = np.array([[60, 0], [61, 1], [5, 7]])        # device to device
+    ref.swap_blocks(k, expect_other, dev_pairs)
+    cupaged.swap_blocks(dev, other, dev_pairs, method=method)
     assert (_bits(other) == _bits(expect_other)).all()
 
 

@@ -1,0 +1,147 @@
+"""Benchmark of the cache ops: write_kv_cache per layout, copy_blocks, swap_blocks both ways.
+
+Reports milliseconds, TB/s counting bytes read plus bytes written, and the fraction of the
+device-to-device copy bandwidth measured in the same run (``timing.copy_bandwidth``). The
+kernel figure (``ms``) times the launch alone; ``public_ms`` times the public call, whose
+checks copy the indices to the host (a sync). Every timed configuration is checked against
+the reference first. Run: ``python -m cupaged.bench.cache [--quick]``.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .. import cache_ops
+from .._arrays import bfloat16
+from ..layouts import LAYOUTS, CacheGeometry, cache_shapes
+from ..reference import cache as ref
+from .timing import copy_bandwidth, format_table, time_gpu
+
+BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, bfloat16
+
+
+def _random(shape, seed):
+    """Random bf16 values (host-generated, never zeros) as a CuPy array."""
+    import cupy
+    rng = np.random.default_rng(seed)
+    return cupy.asarray(rng.standard_normal(shape, np.float32).astype(DTYPE))
+
+
+def _filled(shape):
+    import cupy
+    a = cupy.empty(shape, DTYPE)
+    a.view(cupy.uint16).fill(0x3F80)         # 1.0: differs from every written value
+    return a
+
+
+def _same(dev, host):
+    return bool((dev.get().view(np.uint16) == host.view(np.uint16)).all())
+
+
+def _row(op, variant, note, seconds, nbytes, public=None, ok=True):
+    bw = nbytes / seconds
+    return dict(op=op, variant=variant, shape=note, ms=seconds * 1e3,
+                public_ms=None if public is None else public * 1e3,
+                TBps=bw / 1e12, frac_copy=bw / copy_bandwidth(), checked=ok)
+
+
+def bench_write(layout, tokens, check=True):
+    """One row: write ``tokens`` tokens (prefill-like: whole blocks in random order)."""
+    import cupy
+    num_blocks = tokens * 5 // (4 * BLOCK_SIZE)
+    geo = CacheGeometry(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    ks, vs = cache_shapes(layout, *geo, DTYPE)
+    k, v = _filled(ks), _filled(vs)
+    key = _random((tokens, KV_HEADS, HEAD_DIM), 0)
+    value = _random((tokens, KV_HEADS, HEAD_DIM), 1)
+    blocks = np.random.default_rng(2).permutation(num_blocks)[: tokens // BLOCK_SIZE]
+    slots = (blocks[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1).astype(np.int64)
+    slots_dev = cupy.asarray(slots)
+    ok = True
+    if check:
+        k_host, v_host = k.get(), v.get()
+        cache_ops.write_kv_cache(key, value, k, v, slots_dev, layout=layout)
+        ref.write_kv_cache(key.get(), value.get(), k_host, v_host, slots, layout)
+        ok = _same(k, k_host) and _same(v, v_host)
+    t = time_gpu(lambda: cache_ops._launch_write(key, value, k, v, slots_dev, geo, layout))
+    tp = time_gpu(lambda: cache_ops.write_kv_cache(key, value, k, v, slots_dev, layout=layout),
+                  reps=5)
+    nbytes = 2 * (key.nbytes + value.nbytes)
+    return _row("write_kv_cache", layout, f"{tokens} tok x {KV_HEADS}h x d{HEAD_DIM} bf16",
+                t, nbytes, tp, ok)
+
+
+def bench_copy(num_pairs, check=True):
+    """One row: copy_blocks of ``num_pairs`` random (src, dst) pairs in an NHD cache."""
+    num_blocks = 3 * num_pairs
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k, v = _random(shape, 3), _random(shape, 4)
+    perm = np.random.default_rng(5).permutation(num_blocks)
+    pairs = np.stack([perm[:num_pairs], perm[num_pairs:2 * num_pairs]], axis=1)
+    ok = True
+    if check:
+        k_host, v_host = k.get(), v.get()
+        cache_ops.copy_blocks(k, v, pairs)
+        ref.copy_blocks(k_host, v_host, pairs)
+        ok = _same(k, k_host) and _same(v, v_host)
+    block_bytes = k[0].nbytes
+    t = time_gpu(lambda: cache_ops._launch_copy((k, k, v, v), pairs, block_bytes, 2))
+    tp = time_gpu(lambda: cache_ops.copy_blocks(k, v, pairs), reps=5)
+    return _row("copy_blocks", "kernel", f"{num_pairs} pairs x 2 x {block_bytes >> 10} KiB",
+                t, 4 * num_pairs * block_bytes, tp, ok)
+
+
+def bench_swap(num_blocks, run, direction, method, check=True):
+    """One row: swap ``num_blocks`` blocks (runs of ``run`` consecutive) out or in."""
+    import cupy
+    import cupyx
+    shape = (4 * num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    dev = _random(shape, 6)
+    host = cupyx.empty_pinned((num_blocks,) + shape[1:], DTYPE)
+    host.view(np.uint16).fill(0x3F80)
+    starts = np.random.default_rng(7).permutation(4 * num_blocks // run)[: num_blocks // run]
+    dev_ids = (starts[:, None] * run + np.arange(run)).reshape(-1)
+    pairs = np.stack([dev_ids, np.arange(num_blocks)], axis=1)
+    src, dst = (dev, host) if direction == "out" else (host, dev)
+    if direction == "in":
+        pairs = pairs[:, ::-1].copy()
+    ok = True
+    if check:
+        expect = dst.copy() if isinstance(dst, np.ndarray) else dst.get()
+        ref.swap_blocks(src if isinstance(src, np.ndarray) else src.get(), expect, pairs)
+        cache_ops.swap_blocks(src, dst, pairs, method=method)
+        cupy.cuda.get_current_stream().synchronize()
+        got = dst if isinstance(dst, np.ndarray) else dst.get()
+        ok = bool((got.view(np.uint16) == expect.view(np.uint16)).all())
+    block_bytes = dev[0].nbytes
+    t = time_gpu(lambda: cache_ops.swap_blocks(src, dst, pairs, method=method), reps=10)
+    return _row(f"swap_blocks {direction}", method,
+                f"{num_blocks} blocks, runs of {run}, {block_bytes >> 10} KiB", t,
+                2 * num_blocks * block_bytes, None, ok)
+
+
+def run(quick=False):
+    """Time every cache op; return table rows (dicts)."""
+    import cupy
+    tokens = 8192 if quick else 65536
+    rows = [bench_write(layout, tokens) for layout in LAYOUTS]
+    rows.append(bench_copy(512 if quick else 2048))
+    n = 256 if quick else 1024
+    for direction in ("out", "in"):
+        for run_len in (1, 64):
+            for method in ("kernel", "memcpy"):
+                rows.append(bench_swap(n, run_len, direction, method))
+    cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    rows = run(quick="--quick" in argv)
+    print(f"copy bandwidth (read + write): {copy_bandwidth() / 1e12:.2f} TB/s")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
