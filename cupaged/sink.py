@@ -13,8 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import (FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_choice,
-                      check_head_dim)
+from ._arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
 from ._checks import check_cu_seqlens, check_gqa
 from ._compile import Spec, ctype, get_kernel
 from .reference import sink as ref
