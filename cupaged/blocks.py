@@ -217,6 +217,7 @@ class BlockTable:
         return view
 
     def is_live(self, seq_id) -> bool:
+        """True from a sequence's first ``append`` (or ``fork`` onto it) until ``free``."""
         return bool(self._live[self._seq("seq_id", seq_id)])
 
     def device_block_tables(self):

@@ -199,6 +199,13 @@ def block_runs(pairs):
     return np.stack([p[starts, 0], p[starts, 1], counts], axis=1)
 
 
+def swap_method(pairs, block_bytes):
+    """``"memcpy"`` when runs of consecutive blocks average ``MEMCPY_MIN_RUN_BYTES``, else
+    ``"kernel"`` (many small copies cost more host time than one launch)."""
+    runs = len(block_runs(pairs))
+    return "memcpy" if len(pairs) * block_bytes >= MEMCPY_MIN_RUN_BYTES * runs else "kernel"
+
+
 # ----------------------------------------------------------------------------- launches
 def _launch_write(key, value, k_cache, v_cache, slot_mapping, geo, layout):
     expr, grid, smem, ints = write_launch_config(key.shape[0], geo, k_cache.dtype.itemsize,
@@ -331,9 +338,7 @@ def swap_blocks(src_cache, dst_cache, block_mapping, *, method="auto"):
     if not len(pairs):
         return dst_cache
     if method == "auto":
-        runs = block_runs(pairs)
-        method = "memcpy" if len(pairs) * block_bytes >= MEMCPY_MIN_RUN_BYTES * len(runs) \
-            else "kernel"
+        method = swap_method(pairs, block_bytes)
     if method == "memcpy":
         _swap_memcpy(src_cache, dst_cache, pairs, block_bytes)
     else:

@@ -207,6 +207,14 @@ def test_copy_grid_and_block_runs():
                                   [[3, 1, 2], [5, 9, 2], [7, 20, 1], [8, 0, 1]])
 
 
+def test_swap_method_follows_run_length():
+    scattered = np.stack([np.arange(0, 64, 2), np.arange(32)], axis=1)
+    runs = np.stack([np.arange(64), np.arange(64)], axis=1)
+    assert cache_ops.swap_method(scattered, 32 << 10) == "kernel"
+    assert cache_ops.swap_method(runs, 32 << 10) == "memcpy"         # one 2 MiB run
+    assert cache_ops.swap_method(scattered[:1], 2 << 20) == "memcpy"
+
+
 def test_kernel_specializations_cover_launches():
     exprs = {s.expr for s in cache_ops.kernel_specializations()}
     for layout in LAYOUTS:

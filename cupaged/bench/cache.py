@@ -41,9 +41,9 @@ def _same(dev, host):
 
 def _row(op, variant, note, seconds, nbytes, public=None, ok=True):
     bw = nbytes / seconds
-    return dict(op=op, variant=variant, shape=note, ms=seconds * 1e3,
-                public_ms=None if public is None else public * 1e3,
-                TBps=bw / 1e12, frac_copy=bw / copy_bandwidth(), checked=ok)
+    return {"op": op, "variant": variant, "shape": note, "ms": seconds * 1e3,
+            "public_ms": None if public is None else public * 1e3, "TB/s": bw / 1e12,
+            "frac_copy": bw / copy_bandwidth(), "matches_ref": ok}
 
 
 def bench_write(layout, tokens, check=True):
