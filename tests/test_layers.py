@@ -243,7 +243,7 @@ def test_gpu_rope_layer_mixed_batch(rng, cp, layout, dtype):
                 dev["key_cache"], dev["value_cache"], metadata(dev, cp))
     assert out.dtype == dtype and out.shape == want.shape
     assert_close(out.get(), want, dtype)
-    np.testing.assert_array_equal(dev["key_cache"].get(), want_kc)
+    assert_close(dev["key_cache"].get(), want_kc, dtype)  # rotated keys: rounding may differ
     np.testing.assert_array_equal(dev["value_cache"].get(), want_vc)
 
 
