@@ -140,6 +140,8 @@ class SinkPlan(NamedTuple):
 
 
 def _uniform(name, total, batch_size):
+    if batch_size < 1:
+        raise ValueError(f"q: expected at least one sequence, got shape [{batch_size}, ...]")
     if total % batch_size:
         raise ValueError(f"{name}: expected a token count divisible by batch_size="
                          f"{batch_size}, got {total}")

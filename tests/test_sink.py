@@ -205,6 +205,7 @@ ATTN_BAD = [  # the seed's errors first, then our checks
     (dict(mode="varlen", qo_indptr=np.array([0, 4, 8], np.int64), kv_indptr=np.array([0, 4, 8], np.int32)),
      TypeError, "qo_indptr"),
     (dict(mode="incremental", q=np.zeros((3, 4, 64), np.float32)), ValueError, "divisible"),
+    (dict(mode="incremental", q=np.zeros((0, 4, 64), np.float32)), ValueError, "at least one sequence"),
 ]
 
 
