@@ -219,7 +219,6 @@ __device__ __forceinline__ void load_q_tile(const Problem<T>& P, const Tile& t, 
 }
 
 // Per-warp state: 16 packed rows; this thread owns rows g and g + 8 of them (hr = 0, 1).
-template <int D>
 struct WarpRows {
   int first, p[2], lo[2], hi[2];   // per owned row: position, visible keys [lo, hi)
   int j_lo, j_hi, hi_min, lo_max;  // keys any valid row of the warp sees; mask-free range
@@ -262,7 +261,7 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
   Tile t;
   t.init(P, P.work[blockIdx.x], C::BLOCK_M);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  WarpRows<D> w;
+  WarpRows w;
   w.init(t, warp, lane, P.window_left, P.causal);
   ScoreMap smap;
   smap.init(P.sm_scale, P.soft_cap);
@@ -459,10 +458,11 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P, int block_
       const int j = j0 + lane;
       float x = neg_inf();
       if (j < hi) {
+        const float* key = t.key_ptr(P, j, 0);  // 4-float chunk c at key + c * k_chunk
         float dot = 0.f;
 #pragma unroll 4
         for (int d = 0; d < D; d += 4) {
-          const float4 kv = *reinterpret_cast<const float4*>(t.key_ptr(P, j, d));
+          const float4 kv = *reinterpret_cast<const float4*>(key + (d / 4) * P.k_chunk);
           dot += sq[warp][d] * kv.x + sq[warp][d + 1] * kv.y + sq[warp][d + 2] * kv.z + sq[warp][d + 3] * kv.w;
         }
         x = smap(dot) + slope * (float)(j - p);
@@ -478,9 +478,10 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P, int block_
       const int steps = min(32, hi - j0);
       for (int s = 0; s < steps; ++s) {
         const float ps = __shfl_sync(0xffffffffu, pj, s);
+        const float* val = t.value_ptr(P, j0 + s, 0);  // dim d at val + d * v_dim
 #pragma unroll
         for (int i = 0; i < NV; ++i)
-          if (lane + 32 * i < D) acc[i] += ps * *t.value_ptr(P, j0 + s, lane + 32 * i);
+          if (lane + 32 * i < D) acc[i] += ps * val[(lane + 32 * i) * P.v_dim];
       }
     }
     float inv, row_lse;

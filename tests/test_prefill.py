@@ -340,3 +340,180 @@ def test_prefiller_rejects_bad_plan_and_run(rng):
         pre.run(a["q"], a["k_cache"][:1], a["v_cache"][:1])
     with pytest.raises(TypeError, match="sinks"):
         pre.run(a["q"], a["k_cache"], a["v_cache"], sinks=np.zeros(4))
+
+
+# ----------------------------------------------------------------------------- GPU
+def _dev(cp, x):
+    return cp.asarray(x) if isinstance(x, np.ndarray) else x
+
+
+def _poisoned(cp, shape, dtype):
+    return cp.asarray(np.full(shape, np.nan, dtype))
+
+
+def gpu_varlen(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, q_scale=1.0, **opts):
+    """Kernel vs reference on one random ragged batch (outputs poisoned first)."""
+    q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, hq, hk, d, dtype)
+    q = (q.astype(np.float32) * q_scale).astype(dtype)
+    out = _poisoned(cp, q.shape, dtype)
+    dev_opts = {name: _dev(cp, x) for name, x in opts.items()}
+    got, lse = cupaged.varlen_prefill(*(_dev(cp, a) for a in (q, k, v, cu_q, cu_k)), out=out,
+                                      return_lse=True, **dev_opts)
+    want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=True, **opts)
+    assert got is out
+    assert_close(got.get(), want, dtype)
+    assert_lse(lse.get(), want_lse)
+
+
+def gpu_paged(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, layout, block_size, op="paged_prefill", **opts):
+    q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, hq, hk, d, dtype)
+    kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, block_size)
+    out = _poisoned(cp, q.shape, dtype)
+    dev_opts = {name: _dev(cp, x) for name, x in opts.items()}
+    got, lse = getattr(cupaged, op)(*(_dev(cp, a) for a in (q, kc, vc, cu_q, bt, sl)),
+                                    layout=layout, out=out, return_lse=True, **dev_opts)
+    want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=True, **opts)
+    assert_close(got.get(), want, dtype)
+    assert_lse(lse.get(), want_lse)
+
+
+Q_LENS, KV_LENS = [1, 37, 130, 0, 20], [1, 50, 300, 7, 9]  # incl. q_len 0 and q_len > kv_len
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_varlen_dtypes_and_head_dims(cp, rng, dtype, head_dim):
+    gpu_varlen(cp, rng, Q_LENS, KV_LENS, 4, 2, head_dim, dtype)
+
+
+FEATURES = {
+    "non_causal": dict(causal=False),
+    "window": dict(window_left=37),
+    "window_0": dict(window_left=0, causal=False),
+    "alibi": dict(alibi_slopes="slopes"),
+    "sinks": dict(sinks="sinks"),
+    "soft_cap": dict(logits_soft_cap=3.0, q_scale=4.0),
+    "sharp_scores": dict(q_scale=6.0),
+    "sm_scale": dict(sm_scale=0.3),
+    "all": dict(window_left=70, alibi_slopes="slopes", sinks="sinks", logits_soft_cap=20.0),
+}
+
+
+def _feature_opts(rng, name, hq):
+    opts = dict(FEATURES[name])
+    if opts.get("alibi_slopes") == "slopes":
+        opts["alibi_slopes"] = (2.0 ** -np.arange(1, hq + 1)).astype(np.float32)
+    if opts.get("sinks") == "sinks":
+        opts["sinks"] = _rand(rng, hq, np.float32, 2.0)
+    return opts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("dtype, head_dim, heads", [(bfloat16, 128, (8, 2)), (np.float16, 80, (4, 4)),
+                                                    (np.float16, 256, (4, 1)), (np.float32, 64, (8, 2))])
+def test_gpu_varlen_features(cp, rng, feature, dtype, head_dim, heads):
+    gpu_varlen(cp, rng, Q_LENS, KV_LENS, *heads, head_dim, dtype, **_feature_opts(rng, feature, heads[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 6])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_paged_layouts(cp, rng, dtype, layout, block_size):
+    gpu_paged(cp, rng, Q_LENS, KV_LENS, 8, 2, 64, dtype, layout, block_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype, head_dim", [(bfloat16, 128), (np.float16, 112), (np.float16, 256)])
+def test_gpu_paged_features(cp, rng, dtype, head_dim, layout):
+    gpu_paged(cp, rng, [5, 70, 1], [300, 70, 33], 8, 2, head_dim, dtype, layout, 16,
+              **_feature_opts(rng, "all", 8))
+
+
+@pytest.mark.gpu
+def test_gpu_random_long_varlen(cp, rng):
+    lens = rng.integers(1, 5001, 4)
+    lens[0] = 5000
+    gpu_varlen(cp, rng, lens, lens + rng.integers(0, 300, 4), 2, 1, 64, bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_prefill_equals_one_shot(cp, rng):
+    q, k, v, cu_q, cu_k = ragged(rng, [700], [700], 8, 2, 128, bfloat16)
+    kc, vc, bt, _ = paged(rng, k, v, cu_k, "NHD", 16)
+    whole = cupaged.varlen_prefill(*(cp.asarray(a) for a in (q, k, v, cu_q, cu_k))).get()
+    assert_close(whole, ref.varlen_prefill(q, k, v, cu_q, cu_k), bfloat16)
+    kc, vc, bt = cp.asarray(kc), cp.asarray(vc), cp.asarray(bt)
+    for a, b in [(0, 256), (256, 601), (601, 700)]:
+        part = cupaged.paged_prefill(cp.asarray(q[a:b]), kc, vc, cp.asarray(np.array([0, b - a], np.int32)),
+                                     bt, cp.asarray(np.array([b], np.int32)))
+        assert_close(part.get(), whole[a:b], bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_mixed_batch_equals_decode_and_prefill(cp, rng, layout):
+    q_lens, kv_lens = np.array([1, 90, 1, 1, 33]), np.array([700, 90, 1, 129, 200])
+    q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, 8, 2, 128, np.float16)
+    kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, 16)
+    got = cupaged.paged_attention(*(cp.asarray(a) for a in (q, kc, vc, cu_q, bt, sl)), layout=layout).get()
+    dec, pre = q_lens == 1, q_lens > 1
+    want_dec = ref.paged_decode(q[cu_q[:-1][dec]], kc, vc, bt[dec], sl[dec], layout=layout)
+    assert_close(got[cu_q[:-1][dec]], want_dec, np.float16)
+    cu_pre = np.concatenate([[0], np.cumsum(q_lens[pre])]).astype(np.int32)
+    rows = np.concatenate([np.arange(cu_q[i], cu_q[i + 1]) for i in np.flatnonzero(pre)])
+    want_pre = ref.paged_prefill(q[rows], kc, vc, cu_pre, bt[pre], sl[pre], layout=layout)
+    assert_close(got[rows], want_pre, np.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [bfloat16, np.float32])
+def test_gpu_empty_sequences(cp, rng, dtype):
+    """Seed 004's cu_seq_lens_k [0, 0, 1, 8]: a kv-empty sequence, and a q-empty one."""
+    q, k, v, _, _ = ragged(rng, [2, 1, 3], [0, 1, 7], 4, 2, 64, dtype)
+    cu_q, cu_k = np.array([0, 2, 2, 3, 6], np.int32), np.array([0, 0, 1, 1, 8], np.int32)
+    sinks = _rand(rng, 4, np.float32)
+    for s in (None, sinks):
+        got, lse = cupaged.varlen_prefill(*(cp.asarray(a) for a in (q, k, v, cu_q, cu_k)),
+                                          sinks=_dev(cp, s), return_lse=True)
+        want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, sinks=s, return_lse=True)
+        assert (np.asarray(got[:2].get(), np.float32) == 0).all()
+        assert_close(got.get(), want, dtype)
+        assert_lse(lse.get(), want_lse)
+
+
+@pytest.mark.gpu
+def test_gpu_prefiller_plan_run_reuse(cp, rng):
+    pre = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, layout="HND", window_left=200)
+    for q_lens, kv_lens in [([1, 300, 1, 17], [1000, 300, 5, 40]), ([64, 1, 2], [64, 2048, 2])]:
+        q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, 8, 2, 128, bfloat16)
+        kc, vc, bt, sl = paged(rng, k, v, cu_k, "HND", 16)
+        pre.plan(cp.asarray(cu_q), cp.asarray(bt), cp.asarray(sl))
+        want = ref.varlen_prefill(q, k, v, cu_q, cu_k, window_left=200)
+        for layer in range(2):  # the plan serves every layer; a second layer gets new data
+            got = pre.run(cp.asarray(q), cp.asarray(kc), cp.asarray(vc)).get()
+            assert_close(got, want, bfloat16)
+            q = _rand(rng, q.shape, bfloat16)
+            want = ref.paged_prefill(q, kc, vc, cu_q, bt, sl, window_left=200, layout="HND")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_gpu_cache_beyond_2_pow_31_elements(cp, rng, layout):
+    """Blocks at the top of a cache of more than 2^31 elements (64-bit offsets)."""
+    bs, hk, d, used = 16, 2, 128, 40
+    nb = (1 << 31) // (bs * hk * d) + used
+    q, k, v, cu_q, cu_k = ragged(rng, [100, 1], [600, 30], 4, hk, d, np.float16)
+    small_k, small_v, bt, sl = paged(rng, k, v, cu_k, layout, bs, num_blocks=used)
+    ks, vs = cache_shapes(layout, nb, bs, hk, d, np.float16)
+    kc, vc = cp.empty(ks, np.float16), cp.empty(vs, np.float16)
+    kc[nb - used:], vc[nb - used:] = cp.asarray(small_k), cp.asarray(small_v)
+    bt_top = np.where(bt >= 0, bt + nb - used, -1).astype(np.int32)
+    got = cupaged.paged_prefill(*(cp.asarray(a) for a in (q,)), kc, vc, cp.asarray(cu_q),
+                                cp.asarray(bt_top), cp.asarray(sl), layout=layout)
+    assert_close(got.get(), ref.varlen_prefill(q, k, v, cu_q, cu_k), np.float16)
+    del kc, vc
+    cp.get_default_memory_pool().free_all_blocks()
