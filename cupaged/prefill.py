@@ -31,17 +31,23 @@ _SMEM_SET = set()      # kernels whose dynamic shared-memory limit was raised
 
 
 # ----------------------------------------------------------------------------- kernels
-def _expr(dtype, head_dim, v_transposed):
+def _expr(dtype, head_dim, v_transposed, mt):
     vt = "true" if v_transposed else "false"
-    return f"cupaged::prefill_kernel<{ctype(dtype)}, {head_dim}, {vt}>"
+    return f"cupaged::prefill_kernel<{ctype(dtype)}, {head_dim}, {vt}, {mt}>"
+
+
+def _kernel_mt(dtype, head_dim):
+    return 1 if np.dtype(dtype) == float32 else plan_.m_tiles(head_dim)
 
 
 def kernel_specializations():
-    """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for
-    the vllm value layout), plus fp32 x head dims (one CUDA-core kernel for all layouts)."""
-    specs = [Spec("prefill", _expr(dt, d, vt))
+    """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for the
+    vllm value layout) at the default m-tiles per warp, fp32 x head dims (one CUDA-core
+    kernel for all layouts), and the other tile config of bf16 d128 for the benchmark."""
+    specs = [Spec("prefill", _expr(dt, d, vt, _kernel_mt(dt, d)))
              for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
-    return specs + [Spec("prefill", _expr(float32, d, False)) for d in HEAD_DIMS]
+    specs += [Spec("prefill", _expr(float32, d, False, 1)) for d in HEAD_DIMS]
+    return specs + [Spec("prefill", _expr(bfloat16, 128, False, 3 - plan_.m_tiles(128)))]
 
 
 def _window(opts):
@@ -50,14 +56,17 @@ def _window(opts):
 
 
 def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides, opts,
-            causal, v_transposed, num_kv_heads):
-    """Launch one prefill kernel over ``work`` (device int32 ``[n, 4]``); no host sync."""
+            causal, v_transposed, num_kv_heads, mt=None):
+    """Launch one prefill kernel over ``work`` (device int32 ``[n, 4]``); no host sync.
+
+    ``mt`` overrides the m-tiles per warp (benchmarks; only specialised configs exist).
+    """
     n, head_dim = int(work.shape[0]), int(q.shape[2])
     if n == 0:
         return
-    expr = _expr(q.dtype, head_dim, v_transposed)
-    kernel = get_kernel("prefill", expr)
-    smem = plan_.smem_bytes(q.dtype, head_dim, v_transposed)
+    mt = _kernel_mt(q.dtype, head_dim) if mt is None else mt
+    kernel = get_kernel("prefill", _expr(q.dtype, head_dim, v_transposed, mt))
+    smem = plan_.smem_bytes(q.dtype, head_dim, v_transposed, mt)
     if smem > 48 * 1024 and (id(kernel), smem) not in _SMEM_SET:
         kernel.max_dynamic_shared_size_bytes = smem
         _SMEM_SET.add((id(kernel), smem))
@@ -70,7 +79,7 @@ def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides,
             _NULL if opts.sinks is None else opts.sinks,
             i32(q.shape[1]), i32(num_kv_heads), f32(opts.sm_scale), f32(opts.logits_soft_cap),
             i32(_window(opts)), i32(causal))
-    kernel((n,), (plan_.THREADS,), args, shared_mem=smem)
+    kernel((n,), (plan_.threads(q.dtype, head_dim, mt),), args, shared_mem=smem)
 
 
 def _outputs(q, out, return_lse, xp):

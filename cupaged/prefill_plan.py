@@ -16,22 +16,32 @@ from ._arrays import check_array, check_choice, float32, is_cupy
 from ._checks import check_cu_seqlens, check_gqa, check_query
 from .layouts import LAYOUTS
 
-BLOCK_M = 128  # packed rows per work item: MmaConfig<D>::BLOCK_M in kernels_cu/prefill.cu
-THREADS = 256  # MmaConfig<D>::THREADS (and the fp32 path's 8 warps)
+BLOCK_M = 128  # packed rows per work item: MmaConfig<D, MT>::BLOCK_M in kernels_cu/prefill.cu
 INT32_MAX = np.iinfo(np.int32).max
 
 
-def block_n(head_dim):
-    """Keys per K/V tile of the tensor-core kernel (MmaConfig<D>::BLOCK_N)."""
-    return 32 if head_dim > 128 else 64
+def m_tiles(head_dim):
+    """Default 16-row m-tiles per warp of the tensor-core kernel (template MT): 2 (each K/V
+    fragment feeds two m-tiles, 4 warps, 2 CTAs per SM) up to head size 128, else 1."""
+    return 2 if head_dim <= 128 else 1
 
 
-def smem_bytes(dtype, head_dim, v_transposed):
+def threads(dtype, head_dim, mt):
+    """Block size of a launch: 8 warps of 16 rows for MT 1 and fp32, 4 warps for MT 2."""
+    return 256 if np.dtype(dtype) == float32 else 256 // mt
+
+
+def block_n(head_dim, mt):
+    """Keys per K/V tile of the tensor-core kernel (MmaConfig<D, MT>::BLOCK_N)."""
+    return 32 if (mt == 2 and head_dim > 64) or head_dim > 128 else 64
+
+
+def smem_bytes(dtype, head_dim, v_transposed, mt):
     """Dynamic shared memory of one CTA: Q and K tiles ``[rows][D + 8]``, the V tile
     ``[BLOCK_N][D + 8]`` or, transposed (vllm values), ``[D][BLOCK_N + 8]``; 0 for fp32."""
     if np.dtype(dtype) == float32:
         return 0
-    bn, ld = block_n(head_dim), head_dim + 8
+    bn, ld = block_n(head_dim, mt), head_dim + 8
     v_elems = head_dim * (bn + 8) if v_transposed else bn * ld
     return 2 * ((BLOCK_M + bn) * ld + v_elems)
 
@@ -68,7 +78,7 @@ def work_list(q_lens, kv_lens, *, group, num_kv_heads, head_dim, causal, window_
     p_first, p_last = shift + row0 // group, shift + row_last // group
     j_begin = np.maximum(0, p_first - window_left) if window_left >= 0 else np.zeros_like(p_first)
     j_end = np.minimum(kv_lens[seq], p_last + 1) if causal else kv_lens[seq]
-    bn = block_n(head_dim)
+    bn = block_n(head_dim, m_tiles(head_dim))
     n_tiles = np.where(j_end > j_begin, (j_end - 1) // bn - j_begin // bn + 1, 0)
     order = np.argsort(-(n_tiles + 1), kind="stable")
     items = np.zeros((len(order) * num_kv_heads, 4), dtype=np.int32)

@@ -146,22 +146,26 @@ struct ScoreMap {
 };
 
 // ----------------------------------------------------------------------------- tensor cores
-template <int D>
+// Tile shape of the tensor-core kernel for head size D with MT 16-row m-tiles per warp
+// (MT = 2: each K/V fragment feeds two m-tiles, 4 warps, 2 CTAs per SM; MT = 1: 8 warps).
+template <int D, int MT_>
 struct MmaConfig {
-  static constexpr int WARPS = 8;
+  static constexpr int MT = MT_;
+  static constexpr int WARPS = 8 / MT;
   static constexpr int THREADS = 32 * WARPS;
-  static constexpr int BLOCK_M = 16 * WARPS;          // packed rows per CTA, 16 per warp
-  static constexpr int BLOCK_N = D > 128 ? 32 : 64;   // keys per K/V tile
-  static constexpr int LD = D + 8;                    // padded smem row (conflict-free ldmatrix)
-  static constexpr int LDT = BLOCK_N + 8;             // padded row of a transposed V tile
-  static constexpr int CHUNKS = D / 8;                // 16-byte chunks per row
-  static constexpr bool Q_IN_REGS = D <= 128;         // else A fragments reload from smem
+  static constexpr int MIN_BLOCKS = MT;                // CTAs per SM to fit (regs, smem)
+  static constexpr int BLOCK_M = 16 * MT * WARPS;      // packed rows per CTA (128)
+  static constexpr int BLOCK_N = (MT == 2 && D > 64) || D > 128 ? 32 : 64;  // keys per K/V tile
+  static constexpr int LD = D + 8;                     // padded smem row (conflict-free ldmatrix)
+  static constexpr int LDT = BLOCK_N + 8;              // padded row of a transposed V tile
+  static constexpr int CHUNKS = D / 8;                 // 16-byte chunks per row
+  static constexpr bool Q_IN_REGS = MT * D <= 128;     // else A fragments reload from smem
 };
 
 // K tile n (keys [n * BLOCK_N, +BLOCK_N)) -> sK [BLOCK_N][LD]; keys past kv_len zero-filled.
-template <typename T, int D>
+template <typename T, int D, int MT>
 __device__ __forceinline__ void load_k_tile(const Problem<T>& P, const Tile& t, T* sK, int n) {
-  using C = MmaConfig<D>;
+  using C = MmaConfig<D, MT>;
   const int j0 = n * C::BLOCK_N;
 #pragma unroll
   for (int idx = threadIdx.x; idx < C::BLOCK_N * C::CHUNKS; idx += C::THREADS) {
@@ -174,9 +178,9 @@ __device__ __forceinline__ void load_k_tile(const Problem<T>& P, const Tile& t, 
 
 // V tile n -> sV [BLOCK_N][LD] (V_T false: rows of d contiguous in memory), or
 // sV [D][LDT] (V_T true, the vllm value layout: keys contiguous per d).
-template <typename T, int D, bool V_T>
+template <typename T, int D, bool V_T, int MT>
 __device__ __forceinline__ void load_v_tile(const Problem<T>& P, const Tile& t, T* sV, int n) {
-  using C = MmaConfig<D>;
+  using C = MmaConfig<D, MT>;
   const int j0 = n * C::BLOCK_N;
   if constexpr (!V_T) {
 #pragma unroll
@@ -206,9 +210,9 @@ __device__ __forceinline__ void load_v_tile(const Problem<T>& P, const Tile& t, 
 }
 
 // Q tile: packed rows [row0, row0 + rows) -> sQ [BLOCK_M][LD]; rows past the tile zero-filled.
-template <typename T, int D>
+template <typename T, int D, int MT>
 __device__ __forceinline__ void load_q_tile(const Problem<T>& P, const Tile& t, T* sQ) {
-  using C = MmaConfig<D>;
+  using C = MmaConfig<D, MT>;
 #pragma unroll
   for (int idx = threadIdx.x; idx < C::BLOCK_M * C::CHUNKS; idx += C::THREADS) {
     const int r = idx / C::CHUNKS, c = idx % C::CHUNKS;
@@ -218,41 +222,128 @@ __device__ __forceinline__ void load_q_tile(const Problem<T>& P, const Tile& t, 
   }
 }
 
-// Per-warp state: 16 packed rows; this thread owns rows g and g + 8 of them (hr = 0, 1).
-struct WarpRows {
+// One 16-row m-tile of a warp; this thread owns rows g and g + 8 of it (hr = 0, 1).
+struct RowTile {
   int first, p[2], lo[2], hi[2];   // per owned row: position, visible keys [lo, hi)
-  int j_lo, j_hi, hi_min, lo_max;  // keys any valid row of the warp sees; mask-free range
-  bool active;                     // the warp holds a valid row
+  int j_lo, j_hi, hi_min, lo_max;  // keys any valid row sees; keys every valid row sees
+  bool valid;                      // the m-tile holds a valid row
 
-  __device__ __forceinline__ void init(const Tile& t, int warp, int lane, int window_left, int causal) {
-    first = 16 * warp;
+  __device__ __forceinline__ void init(const Tile& t, int first_row, int lane, int window_left,
+                                       int causal) {
+    first = first_row;
+    valid = first < t.rows;
+#pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = first + lane / 4 + 8 * hr;
       p[hr] = t.position(r);
       lo[hr] = r < t.rows ? visible_lo(p[hr], window_left) : 0;
       hi[hr] = r < t.rows ? visible_hi(p[hr], t.kv_len, causal) : 0;
     }
-    active = first < t.rows;
-    const int last = min(first + 15, t.rows - 1);
-    const int p_first = t.position(first), p_last = t.position(last);
-    j_lo = visible_lo(p_first, window_left);
-    j_hi = visible_hi(p_last, t.kv_len, causal);
-    hi_min = visible_hi(p_first, t.kv_len, causal);
-    lo_max = visible_lo(p_last, window_left);
+    j_lo = j_hi = hi_min = lo_max = 0;  // an empty m-tile sees nothing and is always masked
+    if (valid) {
+      const int p_first = t.position(first), p_last = t.position(min(first + 15, t.rows - 1));
+      j_lo = visible_lo(p_first, window_left);
+      j_hi = visible_hi(p_last, t.kv_len, causal);
+      hi_min = visible_hi(p_first, t.kv_len, causal);
+      lo_max = visible_lo(p_last, window_left);
+    }
   }
+  // some row sees a key of [j0, j0 + n)
+  __device__ __forceinline__ bool sees(int j0, int n) const { return valid && j0 < j_hi && j0 + n > j_lo; }
+  // some row does not see every key of [j0, j0 + n)
+  __device__ __forceinline__ bool needs_mask(int j0, int n) const { return j0 + n > hi_min || j0 < lo_max; }
 };
 
-// Grid: one CTA per work item; block: MmaConfig<D>::THREADS (8 warps).
-// Each warp owns 16 packed rows: Q fragments in registers (or smem for D > 128), S = Q K^T
-// and O += P V on mma.sync with an online softmax in registers. All threads fill the K/V
-// tiles with cp.async: V_n streams in during S = Q K_n^T, K_{n-1} during O += P V_n. Key
-// tiles run from the last visible one down, so masked diagonal / end tiles come first;
-// warps with no visible key in a tile skip its math. Output is staged through the warp's
-// Q rows in smem and written as 16-byte rows.
-template <typename T, int D, bool V_T>
+// Scores of one m-tile in log2 units: scale / soft-cap, ALiBi, mask; then the online softmax
+// (m_i, l_i, acc rescale) turning s into probabilities.
+template <int NT_S, int NT_O>
+__device__ __forceinline__ void softmax_step(float (&s)[NT_S][4], float (&o)[NT_O][4], float (&m)[2],
+                                             float (&l)[2], const RowTile& w, const ScoreMap& smap,
+                                             const float (&slope)[2], bool alibi, bool mask, int j0,
+                                             int lane) {
+#pragma unroll
+  for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hr = e / 2, j = j0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+      float x = smap(s[nt][e]);
+      if (alibi) x += slope[hr] * (float)(j - w.p[hr]);
+      if (mask && (j < w.lo[hr] || j >= w.hi[hr])) x = neg_inf();
+      s[nt][e] = x;
+    }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[hr], mx);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;  // no key yet: p = 0, no NaN
+    const float alpha = fast_exp2(m[hr] - m_use);
+    m[hr] = m_new;
+    float rs = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) {
+      s[nt][2 * hr] = fast_exp2(s[nt][2 * hr] - m_use);
+      s[nt][2 * hr + 1] = fast_exp2(s[nt][2 * hr + 1] - m_use);
+      rs += s[nt][2 * hr] + s[nt][2 * hr + 1];
+    }
+    l[hr] = l[hr] * alpha + rs;
+#pragma unroll
+    for (int dt = 0; dt < NT_O; ++dt) {
+      o[dt][2 * hr] *= alpha;
+      o[dt][2 * hr + 1] *= alpha;
+    }
+  }
+}
+
+// Normalise one m-tile, write its LSE, stage it in its own sQ rows and store 16-byte rows.
+template <typename T, int D, int MT>
+__device__ __forceinline__ void store_rows(const Problem<T>& P, const Tile& t, const RowTile& w,
+                                           float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
+                                           T* sQ, int lane) {
+  using C = MmaConfig<D, MT>;
+  float inv[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+    const int r = w.first + lane / 4 + 8 * hr;
+    float row_lse;
+    finish_row(m[hr], l[hr], P.sinks, t.head(min(r, t.rows - 1)), inv[hr], row_lse);
+    if (P.lse != nullptr && lane % 4 == 0 && r < t.rows)
+      P.lse[t.token_row(r) * P.num_q_heads + t.head(r)] = row_lse;
+  }
+  if (!w.valid) return;
+  T* stage = sQ + w.first * C::LD;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+      *reinterpret_cast<u32*>(stage + (lane / 4 + 8 * hr) * C::LD + dt * 8 + 2 * (lane % 4)) =
+          pack2<T>(o[dt][2 * hr] * inv[hr], o[dt][2 * hr + 1] * inv[hr]);
+  __syncwarp();
+#pragma unroll
+  for (int idx = lane; idx < 16 * C::CHUNKS; idx += 32) {
+    const int r = idx / C::CHUNKS, c = idx % C::CHUNKS;
+    if (w.first + r < t.rows)
+      *reinterpret_cast<uint4*>(P.out + (t.token_row(w.first + r) * P.num_q_heads + t.head(w.first + r)) * D + c * 8) =
+          *reinterpret_cast<const uint4*>(stage + r * C::LD + c * 8);
+  }
+}
+
+// Grid: one CTA per work item; block: MmaConfig<D, MT>::THREADS.
+// Each warp owns MT contiguous 16-row m-tiles: S = Q K^T and O += P V on mma.sync (every K/V
+// fragment loaded once feeds MT m-tiles), Q fragments in registers (or reloaded from smem),
+// online softmax in registers. All threads fill the K/V tiles with cp.async: V_n streams in
+// during S = Q K_n^T, K_{n-1} during O += P V_n. Key tiles run from the last visible one
+// down, so masked diagonal / end tiles come first; a warp none of whose rows sees a key of
+// a tile skips its math. The output is staged through the warp's own Q rows in smem.
+template <typename T, int D, bool V_T, int MT_>
 __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
-  using C = MmaConfig<D>;
-  constexpr int NT_S = C::BLOCK_N / 8, NT_O = D / 8, KS_Q = D / 16, KS_P = C::BLOCK_N / 16;
+  using C = MmaConfig<D, MT_>;
+  constexpr int MT = C::MT, NT_S = C::BLOCK_N / 8, NT_O = D / 8, KS_Q = D / 16, KS_P = C::BLOCK_N / 16;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + C::BLOCK_M * C::LD;
@@ -261,120 +352,109 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
   Tile t;
   t.init(P, P.work[blockIdx.x], C::BLOCK_M);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  WarpRows w;
-  w.init(t, warp, lane, P.window_left, P.causal);
+  RowTile w[MT];
+  float slope[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    w[mt].init(t, (warp * MT + mt) * 16, lane, P.window_left, P.causal);
+    for (int hr = 0; hr < 2; ++hr)
+      slope[mt][hr] = P.alibi == nullptr ? 0.f
+          : P.alibi[t.head(min(w[mt].first + lane / 4 + 8 * hr, t.rows - 1))] * LOG2E;
+  }
   ScoreMap smap;
   smap.init(P.sm_scale, P.soft_cap);
-  float slope[2] = {0.f, 0.f};
-  if (P.alibi != nullptr)
-    for (int hr = 0; hr < 2; ++hr) slope[hr] = P.alibi[t.head(min(w.first + lane / 4 + 8 * hr, t.rows - 1))] * LOG2E;
 
   // key tiles n_first .. n_last (inclusive) hold every key a row of the CTA sees
-  const int p_first = t.position(0), p_last = t.position(t.rows - 1);
-  const int j_begin = visible_lo(p_first, P.window_left);
-  const int j_end = visible_hi(p_last, t.kv_len, P.causal);
+  const int j_begin = visible_lo(t.position(0), P.window_left);
+  const int j_end = visible_hi(t.position(t.rows - 1), t.kv_len, P.causal);
   const int n_first = j_begin / C::BLOCK_N;
   const int n_last = j_end > j_begin ? (j_end - 1) / C::BLOCK_N : n_first - 1;
 
   // -- prologue: Q, then the first K tile --
-  load_q_tile<T, D>(P, t, sQ);
+  load_q_tile<T, D, MT>(P, t, sQ);
   cp_async_commit();
-  if (n_last >= n_first) load_k_tile<T, D>(P, t, sK, n_last);
+  if (n_last >= n_first) load_k_tile<T, D, MT>(P, t, sK, n_last);
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
-  u32 qf[C::Q_IN_REGS ? KS_Q : 1][4];
+  u32 qf[C::Q_IN_REGS ? MT : 1][C::Q_IN_REGS ? KS_Q : 1][4];
   if constexpr (C::Q_IN_REGS) {
 #pragma unroll
-    for (int kk = 0; kk < KS_Q; ++kk)
-      ldmatrix_x4(qf[kk], sQ + (w.first + ldm_a_row(lane)) * C::LD + kk * 16 + ldm_a_col(lane));
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int kk = 0; kk < KS_Q; ++kk)
+        ldmatrix_x4(qf[mt][kk], sQ + (w[mt].first + ldm_a_row(lane)) * C::LD + kk * 16 + ldm_a_col(lane));
   }
 
-  float o[NT_O][4];
+  float o[MT][NT_O][4], m[MT][2], l[MT][2];
 #pragma unroll
-  for (int i = 0; i < NT_O; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < NT_O; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+    m[mt][0] = m[mt][1] = neg_inf();
+    l[mt][0] = l[mt][1] = 0.f;
+  }
 
   for (int n = n_last; n >= n_first; --n) {
     cp_async_wait<0>();
     __syncthreads();  // K_n visible to all; every warp is done with V_{n+1}
-    load_v_tile<T, D, V_T>(P, t, sV, n);
+    load_v_tile<T, D, V_T, MT>(P, t, sV, n);
     cp_async_commit();
 
     const int j0 = n * C::BLOCK_N;
-    const bool active = w.active && j0 < w.j_hi && j0 + C::BLOCK_N > w.j_lo;
-    u32 pf[KS_P][4];
+    bool active = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) active |= w[mt].sees(j0, C::BLOCK_N);
+    u32 pf[MT][KS_P][4];
     if (active) {
       // -- compute qk --
-      float s[NT_S][4];
+      float s[MT][NT_S][4];
 #pragma unroll
-      for (int i = 0; i < NT_S; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < NT_S; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < KS_Q; ++kk) {
-        u32 a[4];
-        if constexpr (C::Q_IN_REGS) {
-          a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
-        } else {
-          ldmatrix_x4(a, sQ + (w.first + ldm_a_row(lane)) * C::LD + kk * 16 + ldm_a_col(lane));
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (C::Q_IN_REGS) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[mt][i] = qf[mt][kk][i];
+          } else {
+            ldmatrix_x4(a[mt], sQ + (w[mt].first + ldm_a_row(lane)) * C::LD + kk * 16 + ldm_a_col(lane));
+          }
         }
 #pragma unroll
         for (int nn = 0; nn < C::BLOCK_N / 16; ++nn) {
           u32 bk[4];
           ldmatrix_x4(bk, sK + (nn * 16 + ldm_bnk_row(lane)) * C::LD + kk * 16 + ldm_bnk_col(lane));
-          mma_16816<T>(s[2 * nn], a, bk[0], bk[1]);
-          mma_16816<T>(s[2 * nn + 1], a, bk[2], bk[3]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(s[mt][2 * nn], a[mt], bk[0], bk[1]);
+            mma_16816<T>(s[mt][2 * nn + 1], a[mt], bk[2], bk[3]);
+          }
         }
       }
-      // -- scores: scale / soft-cap, ALiBi, mask --
-      const bool need_mask = j0 + C::BLOCK_N > w.hi_min || j0 < w.lo_max;
+      // -- scores, mask, online softmax; p -> A fragments --
 #pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
+      for (int mt = 0; mt < MT; ++mt) {
+        const bool mask = !w[mt].sees(j0, C::BLOCK_N) || w[mt].needs_mask(j0, C::BLOCK_N);
+        softmax_step<NT_S, NT_O>(s[mt], o[mt], m[mt], l[mt], w[mt], smap, slope[mt],
+                                 P.alibi != nullptr, mask, j0, lane);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hr = e / 2, j = j0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-          float x = smap(s[nt][e]);
-          if (P.alibi != nullptr) x += slope[hr] * (float)(j - w.p[hr]);
-          if (need_mask && (j < w.lo[hr] || j >= w.hi[hr])) x = neg_inf();
-          s[nt][e] = x;
+        for (int kk = 0; kk < KS_P; ++kk) {
+          pf[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          pf[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          pf[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          pf[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
         }
-      // -- online softmax: m_i, l_i, rescale acc, s -> p --
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        float mx = neg_inf();
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[hr], mx);
-        const float m_use = m_new == neg_inf() ? 0.f : m_new;
-        const float alpha = fast_exp2(m[hr] - m_use);
-        m[hr] = m_new;
-        float rs = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
-          s[nt][2 * hr] = fast_exp2(s[nt][2 * hr] - m_use);
-          s[nt][2 * hr + 1] = fast_exp2(s[nt][2 * hr + 1] - m_use);
-          rs += s[nt][2 * hr] + s[nt][2 * hr + 1];
-        }
-        l[hr] = l[hr] * alpha + rs;
-#pragma unroll
-        for (int dt = 0; dt < NT_O; ++dt) {
-          o[dt][2 * hr] *= alpha;
-          o[dt][2 * hr + 1] *= alpha;
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < KS_P; ++kk) {
-        pf[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-        pf[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-        pf[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pf[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
       }
     }
 
     cp_async_wait<0>();
     __syncthreads();  // V_n visible to all; every warp is done with K_n
-    if (n > n_first) load_k_tile<T, D>(P, t, sK, n - 1);
+    if (n > n_first) load_k_tile<T, D, MT>(P, t, sK, n - 1);
     cp_async_commit();
 
     if (active) {
@@ -388,42 +468,18 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
             ldmatrix_x4(bv, sV + (dd * 16 + ldm_bnk_row(lane)) * C::LDT + kk * 16 + ldm_bnk_col(lane));
           else
             ldmatrix_x4_trans(bv, sV + (kk * 16 + ldm_bkn_row(lane)) * C::LD + dd * 16 + ldm_bkn_col(lane));
-          mma_16816<T>(o[2 * dd], pf[kk], bv[0], bv[1]);
-          mma_16816<T>(o[2 * dd + 1], pf[kk], bv[2], bv[3]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(o[mt][2 * dd], pf[mt][kk], bv[0], bv[1]);
+            mma_16816<T>(o[mt][2 * dd + 1], pf[mt][kk], bv[2], bv[3]);
+          }
         }
     }
   }
 
-  // -- epilogue: normalise, stage the warp's rows in its own sQ rows, write 16-byte rows --
-  float inv[2];
+  // -- epilogue --
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-    const int r = w.first + lane / 4 + 8 * hr;
-    float row_lse;
-    finish_row(m[hr], l[hr], P.sinks, t.head(min(r, t.rows - 1)), inv[hr], row_lse);
-    if (P.lse != nullptr && lane % 4 == 0 && r < t.rows)
-      P.lse[t.token_row(r) * P.num_q_heads + t.head(r)] = row_lse;
-  }
-  if (!w.active) return;
-  T* stage = sQ + w.first * C::LD;
-#pragma unroll
-  for (int dt = 0; dt < NT_O; ++dt)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int col = dt * 8 + 2 * (lane % 4);
-      *reinterpret_cast<u32*>(stage + (lane / 4 + 8 * hr) * C::LD + col) =
-          pack2<T>(o[dt][2 * hr] * inv[hr], o[dt][2 * hr + 1] * inv[hr]);
-    }
-  __syncwarp();
-#pragma unroll
-  for (int idx = lane; idx < 16 * C::CHUNKS; idx += 32) {
-    const int r = idx / C::CHUNKS, c = idx % C::CHUNKS;
-    if (w.first + r < t.rows)
-      *reinterpret_cast<uint4*>(P.out + (t.token_row(w.first + r) * P.num_q_heads + t.head(w.first + r)) * D + c * 8) =
-          *reinterpret_cast<const uint4*>(stage + r * C::LD + c * 8);
-  }
+  for (int mt = 0; mt < MT; ++mt) store_rows<T, D, MT>(P, t, w[mt], o[mt], m[mt], l[mt], sQ, lane);
 }
 
 // ----------------------------------------------------------------------------- fp32 (CUDA cores)
@@ -495,12 +551,18 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P, int block_
 }
 
 // ----------------------------------------------------------------------------- entry
-// One kernel per (element type, head dim, transposed-V smem fill); layout, paging and every
-// score option are run-time arguments (see Problem). Grid: one CTA per work item (int4
-// {sequence, kv head, first packed row, 0}); block: 256 threads. fp16/bf16 need
-// MmaConfig's dynamic shared memory, fp32 none.
-template <typename T, int D, bool V_T>
-__global__ void __launch_bounds__(256, 1)
+// One kernel per (element type, head dim, transposed-V smem fill, m-tiles per warp); layout,
+// paging and every score option are run-time arguments (see Problem). Grid: one CTA per work item (int4
+// {sequence, kv head, first packed row, 0}); block: LaunchShape<T, D, MT>::THREADS. fp16/bf16
+// need MmaConfig's dynamic shared memory, fp32 none.
+template <typename T, int D, int MT>
+struct LaunchShape {  // fp32 runs prefill_simt's 8 warps
+  static constexpr int THREADS = sizeof(T) == 4 ? 256 : MmaConfig<D, MT>::THREADS;
+  static constexpr int MIN_BLOCKS = sizeof(T) == 4 ? 1 : MmaConfig<D, MT>::MIN_BLOCKS;
+};
+
+template <typename T, int D, bool V_T, int MT>
+__global__ void __launch_bounds__(LaunchShape<T, D, MT>::THREADS, LaunchShape<T, D, MT>::MIN_BLOCKS)
 prefill_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                T* __restrict__ out, float* __restrict__ lse, const int4* __restrict__ work,
                const int* __restrict__ cu_q, const int* __restrict__ kv_info,
@@ -515,9 +577,9 @@ prefill_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                      v_dim, v_tok, alibi, sinks, num_q_heads, num_kv_heads, sm_scale,
                      soft_cap, window_left, causal};
   if constexpr (sizeof(T) == 4) {
-    prefill_simt<D>(P, MmaConfig<D>::BLOCK_M);
+    prefill_simt<D>(P, MmaConfig<D, MT>::BLOCK_M);
   } else {
-    prefill_mma<T, D, V_T>(P);
+    prefill_mma<T, D, V_T, MT>(P);
   }
 }
 

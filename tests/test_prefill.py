@@ -142,7 +142,8 @@ def test_work_list_covers_every_row_once_longest_first(rng, group, causal, windo
     cost = []
     for b, _, r0, _ in items:
         lo, hi = _tile_keys(q_lens[b], kv_lens[b], group, r0, causal, window)
-        cost.append(max(0, -(-hi // 64) - lo // 64) if hi > lo else 0)
+        bn = plan_.block_n(128, plan_.m_tiles(128))
+        cost.append(max(0, -(-hi // bn) - lo // bn) if hi > lo else 0)
     assert (np.diff(cost) <= 0).all()
 
 
@@ -155,10 +156,18 @@ def _tile_keys(q_len, kv_len, group, row0, causal, window):
     return lo, hi
 
 
-@pytest.mark.parametrize("block_n", [32, 64])
-def test_kernel_tile_logic_emulated(rng, block_n):
-    """Mirror prefill_mma's tile range, warp skipping and mask-free test in Python: every
-    visible (row, key) pair lies in a computed tile, and mask-free tiles hide nothing."""
+def _m_tile_bounds(q_len, kv_len, group, row0, first, last, causal, window):
+    """RowTile's (j_lo, j_hi, hi_min, lo_max) for valid tile rows [first, last]."""
+    pos = lambda r: kv_len - q_len + (row0 + r) // group  # noqa: E731
+    lo = lambda p: max(0, p - window) if window >= 0 else 0  # noqa: E731
+    hi = lambda p: min(kv_len, p + 1) if causal else kv_len  # noqa: E731
+    return lo(pos(first)), hi(pos(last)), hi(pos(first)), lo(pos(last))
+
+
+@pytest.mark.parametrize("block_n, rows_per_warp", [(32, 32), (64, 32), (32, 16), (64, 16)])
+def test_kernel_tile_logic_emulated(rng, block_n, rows_per_warp):
+    """Mirror prefill_mma's tile range, warp skipping and mask choice in Python: every
+    visible (row, key) pair lies in a computed tile, and unmasked tiles hide nothing."""
     for _ in range(40):
         group = int(rng.choice([1, 2, 5, 8]))
         q_len, kv_len = int(rng.integers(1, 90)), int(rng.integers(0, 300))
@@ -168,24 +177,24 @@ def test_kernel_tile_logic_emulated(rng, block_n):
             rows = min(plan_.BLOCK_M, q_len * group - row0)
             lo, hi = _tile_keys(q_len, kv_len, group, row0, causal, window)
             tiles = range(lo // block_n, (hi - 1) // block_n + 1) if hi > lo else range(0)
-            for first in range(0, rows, 16):
-                last = min(first + 15, rows - 1)
-                pos = lambda r: kv_len - q_len + (row0 + r) // group  # noqa: E731
-                lo_w = max(0, pos(first) - window) if window >= 0 else 0
-                hi_w = min(kv_len, pos(last) + 1) if causal else kv_len
-                hi_min = min(kv_len, pos(first) + 1) if causal else kv_len
-                lo_max = max(0, pos(last) - window) if window >= 0 else 0
-                done = np.zeros(kv_len, bool)
+            for warp_first in range(0, plan_.BLOCK_M, rows_per_warp):
+                m_tiles = [(f, min(f + 15, rows - 1)) for f in range(warp_first, warp_first + rows_per_warp, 16)
+                           if f < rows]
+                bounds = [_m_tile_bounds(q_len, kv_len, group, row0, f, l, causal, window) for f, l in m_tiles]
+                done = [np.zeros(kv_len, bool) for _ in m_tiles]
                 for n in tiles:
                     j0 = n * block_n
-                    if not (j0 < hi_w and j0 + block_n > lo_w):
+                    sees = [j0 < jh and j0 + block_n > jl for jl, jh, _, _ in bounds]
+                    if not any(sees):
                         continue
-                    done[j0:j0 + block_n] = True
-                    if not (j0 + block_n > hi_min or j0 < lo_max):
-                        for r in range(first, last + 1):
-                            assert vis[(row0 + r) // group, j0:j0 + block_n].all()
-                for r in range(first, last + 1):
-                    assert not (vis[(row0 + r) // group] & ~done).any()
+                    for (f, l), (_, _, hi_min, lo_max), seen, d in zip(m_tiles, bounds, sees, done):
+                        d[j0:j0 + block_n] = True
+                        if seen and not (j0 + block_n > hi_min or j0 < lo_max):
+                            for r in range(f, l + 1):
+                                assert vis[(row0 + r) // group, j0:j0 + block_n].all()
+                for (f, l), d in zip(m_tiles, done):
+                    for r in range(f, l + 1):
+                        assert not (vis[(row0 + r) // group] & ~d).any()
 
 
 @pytest.mark.parametrize("layout", ("ragged",) + LAYOUTS)
@@ -219,10 +228,12 @@ def test_smem_fits_and_specs_cover_every_head_dim():
     from cupaged.prefill import kernel_specializations
     for d in HEAD_DIMS:
         for vt in (False, True):
-            assert plan_.smem_bytes(np.float16, d, vt) <= 227 * 1024
+            for mt in (1, 2):
+                assert plan_.smem_bytes(np.float16, d, vt, mt) * mt <= 227 * 1024
     exprs = {s.expr for s in kernel_specializations()}
-    assert len(exprs) == 2 * len(HEAD_DIMS) * 2 + len(HEAD_DIMS)
-    assert "cupaged::prefill_kernel<__nv_bfloat16, 128, false>" in exprs
+    assert len(exprs) == 2 * len(HEAD_DIMS) * 2 + len(HEAD_DIMS) + 1
+    assert "cupaged::prefill_kernel<__nv_bfloat16, 128, false, 2>" in exprs
+    assert "cupaged::prefill_kernel<__nv_bfloat16, 128, false, 1>" in exprs
 
 
 # ----------------------------------------------------------------------------- CPU: bad input

@@ -6,6 +6,8 @@ Rows (bf16, H 32 query and kv heads unless said otherwise):
   S 512 .. 32K (batch chosen so each row has about 16K-32K tokens); ``flash_TFLOPs`` and
   ``cudnn_TFLOPs`` are torch SDPA on the same [B, H, S, D] problem (None without torch, or
   when the backend refuses it), ``vs_flash`` / ``vs_cudnn`` the ratios.
+- ``headline mt=1``: the headline shape on the other tile config of the kernel (8 warps
+  of 16 rows instead of 4 warps of 32), to choose the default from measurements.
 - ``varlen mixed``: one ragged batch of very different lengths (1 .. 16K).
 - ``paged``: the same problems through ``PagedPrefiller`` on an NHD cache of page 16 with
   shuffled blocks; ``vs_ragged`` is its speed relative to the ragged row (goal >= 0.9).
@@ -76,7 +78,7 @@ def _ragged_inputs(q_lens, head_dim, seed=0):
     return q, k, v, cu, cupy.asarray(cu)
 
 
-def _ragged_launcher(q, k, v, cu_host, cu_dev, causal):
+def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, mt=None):
     """Launch-only closure of varlen_prefill with its work list built once."""
     import cupy
     from .. import prefill, prefill_plan
@@ -90,7 +92,7 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal):
 
     def launch():
         prefill._launch(q, k, v, out, None, work, cu_dev, cu_dev, None, 1, strides, opts,
-                        causal, False, H)
+                        causal, False, H, mt=mt)
         return out
     return launch
 
@@ -119,12 +121,15 @@ def _paged_launcher(q, k, v, cu_host, causal, block_size=16):
     return lambda: pre.run(q, kc, vc, out=out)
 
 
-def bench_case(q_lens, head_dim, causal, label, peers=True, paged=True):
-    """Rows for one batch: ragged (with peers for equal lengths), then paged page 16."""
+def bench_case(q_lens, head_dim, causal, label, peers=True, paged=True, mt=None):
+    """Rows for one batch: ragged (with peers for equal lengths), then paged page 16.
+
+    ``mt`` picks a non-default tile config (m-tiles per warp) of the ragged kernel.
+    """
     from .. import prefill
     q, k, v, cu_host, cu_dev = _ragged_inputs(q_lens, head_dim)
     flops = _flops(q_lens, q_lens, head_dim, causal)
-    launch = _ragged_launcher(q, k, v, cu_host, cu_dev, causal)
+    launch = _ragged_launcher(q, k, v, cu_host, cu_dev, causal, mt)
     ok = _check(launch(), q, k, v, cu_host, causal)
     seconds = time_gpu(launch)
     public = time_gpu(lambda: prefill.varlen_prefill(q, k, v, cu_dev, cu_dev, causal=causal), reps=5)
@@ -152,6 +157,7 @@ def bench_case(q_lens, head_dim, causal, label, peers=True, paged=True):
 def run(quick=False):
     """All rows; ``quick`` keeps the headline shape and a few others."""
     rows = bench_case([8192] * 2, 128, True, "headline")
+    rows += bench_case([8192] * 2, 128, True, "headline mt=1", peers=False, paged=False, mt=1)
     rows += bench_case([8192] * 2, 128, False, "headline", paged=not quick)
     cases = [(s, d, c) for s in ((512, 4096) if quick else (512, 2048, 8192, 32768))
              for d in ((128,) if quick else (64, 128, 256)) for c in (True,)]
