@@ -528,3 +528,13 @@ def test_gpu_cache_beyond_2_pow_31_elements(cp, rng, layout):
     assert_close(got.get(), ref.varlen_prefill(q, k, v, cu_q, cu_k), np.float16)
     del kc, vc
     cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.gpu
+def test_gpu_torch_tensors_in_and_out(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, cu_q, cu_k = ragged(rng, [40, 3], [90, 3], 4, 2, 64, np.float16)
+    t = [torch.from_numpy(a).cuda() for a in (q, k, v, cu_q, cu_k)]
+    got = cupaged.varlen_prefill(*t, window_left=20)
+    assert isinstance(got, torch.Tensor) and got.is_cuda
+    assert_close(got.cpu().numpy(), ref.varlen_prefill(q, k, v, cu_q, cu_k, window_left=20), np.float16)
