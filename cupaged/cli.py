@@ -20,8 +20,9 @@ from ._arrays import cupy_module, gpu_available
 from .bench.timing import format_table
 
 BENCHES = ("decode", "prefill", "cache", "sparse", "rope")
-# benchmark columns worth a line in summaries: rates and ratios to a ceiling or a peer
-HEADLINE_COLUMN = re.compile(r"TB/s|GB/s|TFLOP|frac|ratio|speedup|vs", re.IGNORECASE)
+# benchmark columns worth a line in summaries: ratios to a ceiling or a peer, then rates
+RATIO_COLUMN = re.compile(r"frac|vs_|ratio|speedup", re.IGNORECASE)
+RATE_COLUMN = re.compile(r"TB/s|TBps|GB/s|TFLOP", re.IGNORECASE)
 
 
 # ----------------------------------------------------------------------------- shared
@@ -183,20 +184,38 @@ def run_bench(name, quick):
     return list(module.run(quick))
 
 
+def columns_of(rows):
+    """Every key of ``rows`` in first-seen order (rows of one benchmark may differ)."""
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _numeric_columns(rows):
-    return [c for c in rows[0] if all(isinstance(r.get(c), (int, float))
-                                      and not isinstance(r.get(c), bool) for r in rows)]
+    """Columns whose values are numbers wherever they are set."""
+    return [c for c in columns_of(rows)
+            if any(_is_number(r.get(c)) for r in rows)
+            and all(_is_number(r.get(c)) or r.get(c) is None for r in rows)]
 
 
-def headline(rows, max_columns=3):
-    """One line summarising benchmark rows: the range of each rate or ratio column."""
+def headline(rows, max_columns=4):
+    """One line summarising benchmark rows: failed checks (boolean columns that are
+    False somewhere), then the range of ratio columns, then of rate columns."""
     if not rows:
         return "no rows"
-    numeric = _numeric_columns(rows)
-    cols = [c for c in numeric if HEADLINE_COLUMN.search(c)] or numeric[-1:]
     parts = [f"{len(rows)} rows"]
-    for c in cols[:max_columns]:
-        lo, hi = min(r[c] for r in rows), max(r[c] for r in rows)
+    for c in columns_of(rows):
+        bad = sum(r.get(c) is False for r in rows)
+        if bad:
+            parts.append(f"{c} FALSE in {bad}")
+    numeric = _numeric_columns(rows)
+    picked = ([c for c in numeric if RATIO_COLUMN.search(c)]
+              + [c for c in numeric if RATE_COLUMN.search(c)]) or numeric[-1:]
+    for c in picked[:max_columns]:
+        values = [r[c] for r in rows if _is_number(r.get(c))]
+        lo, hi = min(values), max(values)
         parts.append(f"{c} {lo:.3g}" + ("" if lo == hi else f"..{hi:.3g}"))
     return "; ".join(parts)
 
@@ -225,9 +244,10 @@ def plot_rows(rows, path, title, column=None):
     column = column or numeric[-1]
     if column not in numeric:
         raise click.ClickException(f"--plot-column: expected one of {numeric}, got {column!r}")
-    labels = [" ".join(str(r[c]) for c in rows[0] if c not in numeric) for r in rows]
+    labels = [" ".join(str(r[c]) for c in columns_of(rows)
+                       if c not in numeric and isinstance(r.get(c), str)) for r in rows]
     fig, ax = plt.subplots(figsize=(8, 1 + 0.35 * len(rows)))
-    ax.barh(range(len(rows)), [r[column] for r in rows])
+    ax.barh(range(len(rows)), [r.get(column) or 0.0 for r in rows])
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(column)
@@ -248,7 +268,7 @@ def plot_rows(rows, path, title, column=None):
 def bench(name, quick, json_path, plot_path, plot_column):
     """Time one op family on the GPU and print its table (``cupaged.bench.NAME``)."""
     rows = run_bench(name, quick)
-    click.echo(format_table(rows))
+    click.echo(format_table(rows, columns_of(rows)))
     if json_path:
         save_rows(rows, json_path)
     if plot_path and rows:

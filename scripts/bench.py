@@ -14,7 +14,8 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from cupaged.bench.timing import format_table  # noqa: E402
-from cupaged.cli import BENCHES, headline, quick_option, run_bench, save_rows  # noqa: E402
+from cupaged.cli import (BENCHES, columns_of, headline, quick_option, run_bench,  # noqa: E402
+                         save_rows)
 
 
 @click.command()
@@ -30,7 +31,7 @@ def main(names, quick, out):
         except click.ClickException as e:
             summary.append({"bench": name, "result": f"skipped: {e.message}"})
             continue
-        click.echo(f"== {name}\n{format_table(rows)}\n")
+        click.echo(f"== {name}\n{format_table(rows, columns_of(rows))}\n")
         summary.append({"bench": name, "result": headline(rows)})
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)

@@ -150,10 +150,22 @@ def test_bench_plot(fake_bench, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_headline_summarises_rates():
-    line = cli.headline(ROWS)
-    assert line == "2 rows; TB/s 3.1..3.5; frac copy 0.73..0.82"
+def test_headline_summarises_ratios_then_rates():
+    assert cli.headline(ROWS) == "2 rows; frac copy 0.73..0.82; TB/s 3.1..3.5"
     assert cli.headline([{"name": "a", "us": 5.0}]) == "1 rows; us 5"
+    mixed = [{"op": "varlen", "TFLOPs": 300.0, "vs_flash": None, "checked": True},
+             {"op": "varlen", "TFLOPs": 350.0, "vs_flash": 1.1, "checked": False},
+             {"op": "paged", "TFLOPs": 310.0, "vs_ragged": 0.93, "checked": True}]
+    assert cli.headline(mixed) == ("3 rows; checked FALSE in 1; vs_flash 1.1; vs_ragged 0.93; "
+                                   "TFLOPs 300..350")
+
+
+def test_bench_table_shows_every_column(fake_bench, monkeypatch):
+    rows = [{"op": "a", "ms": 1.0}, {"op": "b", "ms": 2.0, "vs_ragged": 0.9}]
+    monkeypatch.setattr(sys.modules["cupaged.bench.decode"], "run", lambda quick=False: rows)
+    res = invoke("bench", "decode")
+    assert res.output.splitlines()[0].split() == ["op", "ms", "vs_ragged"]
+    assert res.output.splitlines()[2].split() == ["b", "2", "0.9"]
 
 
 # ----------------------------------------------------------------------------- demo: scheduler
