@@ -1,0 +1,369 @@
+"""Block-sparse attention: vertical+slash (dense, packed batches, paged caches) and BSR.
+
+Every op validates its arguments, then runs the NumPy reference (``cupaged.reference.sparse``)
+or, on CuPy, one tensor-core kernel (``kernels_cu/sparse_attention.cu``) that walks each
+64-row query tile's key blocks and then its gathered columns with an online softmax.
+Vertical+slash calls first build MInference's index with ``sparse_index.cu``, a group of
+heads at a time so the index stays within ``INDEX_BUDGET`` bytes (1M tokens fit).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .._arrays import (FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_range,
+                       host)
+from .._checks import check_block_tables, check_cu_seqlens, check_gqa, check_options, \
+    check_out, check_query
+from ..layouts import cache_geometry
+from ..reference import sparse as ref
+from . import kernels
+from .index import IndexPlan, build_index, check_block_size, check_pattern_indices
+
+INDEX_BUDGET = 1 << 30
+
+
+class Batch(NamedTuple):
+    """Validated shapes and host lengths of a sparse attention call."""
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_lens: np.ndarray     # int64 [B]
+    kv_lens: np.ndarray    # int64 [B]
+
+    @property
+    def size(self):
+        return len(self.q_lens)
+
+
+class Pattern(NamedTuple):
+    """Kernel arguments describing the pattern (see ``sparse_attention.cu``)."""
+    blk_count: object
+    blk_ptr: object
+    blk_list: object
+    list_width: int
+    entry_scale: int
+    block_width: int
+    col_count: object
+    col_index: object
+    col_width: int
+    heads: int
+    rows: int
+    m_div: int
+    causal: bool
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_kv(k, v, q, xp, names=("k", "v")):
+    for name, x in zip(names, (k, v)):
+        check_array(name, x, ndim=3, dtypes=FLOAT_DTYPES, xp=xp)
+        if x.dtype != q.dtype or x.shape[2] != q.shape[2]:
+            raise TypeError(f"{name}: expected dtype {q.dtype} and head size {q.shape[2]} like q, "
+                            f"got {x.dtype} and {x.shape[2]}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} like k, got {tuple(v.shape)}")
+    check_gqa(q.shape[1], k.shape[1])
+
+
+def _check_not_longer(q_lens, kv_lens):
+    bad = kv_lens < q_lens
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"sequence {i}: expected q_len <= kv_len (queries are the last "
+                         f"positions), got q_len {int(q_lens[i])} > kv_len {int(kv_lens[i])}")
+
+
+def _check_vs_indices(v_idx, s_idx, batch, xp, batched):
+    shape = (batch.size, batch.num_q_heads, None) if batched else (batch.num_q_heads, None)
+    check_pattern_indices("v_idx", v_idx, xp, shape)
+    check_pattern_indices("s_idx", s_idx, xp, shape)
+
+
+def _check_gpu(q, block_m, what="block_m"):
+    if q.dtype not in kernels.KERNEL_DTYPES:
+        raise TypeError(f"q: the CUDA kernels take float16 or bfloat16, got {q.dtype}")
+    if block_m % kernels.ROWS:
+        raise ValueError(f"{what}: the CUDA kernel needs a multiple of {kernels.ROWS}, got {block_m}")
+
+
+def _outputs(q, out, return_lse, xp):
+    out = xp.empty(q.shape, q.dtype) if out is None else check_out(out, q.shape, q.dtype, xp)
+    lse = xp.empty(q.shape[:2], np.float32) if return_lse else None
+    return out, lse
+
+
+def _finish_reference(result, out, lse):
+    o, l_ = result
+    out[...] = o.astype(out.dtype)
+    if lse is None:
+        return out
+    lse[...] = l_.astype(np.float32)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- launch
+def launch(q, kv, out, lse, cu_q, kv_lens, batch, pattern, opts, head0=0, heads=None):
+    """One ``sparse_attention`` launch over heads ``[head0, head0 + heads)``."""
+    heads = batch.num_q_heads if heads is None else heads
+    max_q = int(batch.q_lens.max(initial=0))
+    if max_q == 0 or heads == 0:
+        return
+    d = batch.head_dim
+    smem = kernels.attention_smem(d)
+    kern = kernels.kernel("sparse_attention", kernels.attention_expr(q.dtype, d), smem)
+    grid = (-(-max_q // kernels.ROWS), heads * kernels.column_parts(d), batch.size)
+    p = pattern
+    kern(grid, (kernels.THREADS,),
+         (q, kv.k, kv.v, out, kernels.NULL if lse is None else lse, cu_q, kv_lens, kv.cu_k)
+         + kv.args()
+         + (np.int32(batch.num_q_heads), np.int32(batch.num_q_heads // batch.num_kv_heads),
+            np.int32(head0), p.blk_count, p.blk_ptr, p.blk_list, np.int32(p.list_width),
+            np.int32(p.entry_scale), np.int32(p.block_width), p.col_count, p.col_index,
+            np.int32(p.col_width), np.int32(p.heads), np.int32(p.rows), np.int32(p.m_div),
+            np.int32(p.causal), np.float32(opts.sm_scale * kernels.LOG2E),
+            kernels.NULL if opts.sinks is None else opts.sinks),
+         shared_mem=smem)
+
+
+def index_groups(cu_q, kv_lens, v_idx, s_idx, batch, block_m, block_n):
+    """Yield ``(head0, heads, pattern)`` per group of heads whose index fits INDEX_BUDGET,
+    building that group's index on the device (CuPy) just before yielding it."""
+    import cupy
+    max_q, max_kv = int(batch.q_lens.max(initial=0)), int(batch.kv_lens.max(initial=0))
+    num_m = -(-max(max_q, 1) // block_m)
+    w_s, w_v = ref.index_widths(v_idx.shape[2], s_idx.shape[2], max_kv, block_m, block_n)
+    plan = IndexPlan(batch.size, batch.num_q_heads, num_m, block_m, block_n, w_s, w_v)
+    per_head = batch.size * num_m * (w_s + w_v + 2) * 4
+    group = max(1, min(batch.num_q_heads, INDEX_BUDGET // per_head))
+    q_lens = cupy.diff(cu_q).astype(np.int32)
+    v_sorted, s_sorted = cupy.sort(v_idx, axis=-1), cupy.sort(s_idx, axis=-1)
+    for h0 in range(0, batch.num_q_heads, group):
+        heads = min(group, batch.num_q_heads - h0)
+        bc, bo, cc, ci = build_index(plan, q_lens, kv_lens, v_sorted, s_sorted, h0, heads,
+                                     zero_fill=False)
+        yield h0, heads, Pattern(bc, kernels.NULL, bo, w_s, 1, block_n, cc, ci, w_v, heads, num_m,
+                                 block_m // kernels.ROWS, True)
+
+
+def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, kv_lens, batch, opts, out, lse, block_m,
+                       block_n):
+    """Index conversion and attention on CuPy, a group of heads at a time."""
+    for h0, heads, pattern in index_groups(cu_q, kv_lens, v_idx, s_idx, batch, block_m, block_n):
+        launch(q, kv, out, lse, cu_q, kv_lens, batch, pattern, opts, h0, heads)
+
+
+def _device_lengths(xp, q_len, kv_len):
+    return (xp.asarray([0, q_len], dtype=np.int32), xp.asarray([kv_len], dtype=np.int32),
+            xp.asarray([0, kv_len], dtype=np.int32))
+
+
+# ----------------------------------------------------------------------------- public ops
+@accepts_dlpack
+def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                             sm_scale=None, sinks=None, block_m=64, block_n=64,
+                             return_lse=False, out=None):
+    """Causal attention restricted to a vertical+slash pattern (MInference's kernel).
+
+    The pattern of each query block is given by :func:`vertical_slash_index` on
+    ``(v_idx, s_idx)``; see ``cupaged.reference.sparse`` for the exact rule.
+
+    Parameters
+    ----------
+    q : array
+        ``[q_len, Hq, D]``, or ``[total_q, Hq, D]`` with ``cu_seqlens_q``.
+    k, v : array
+        ``[kv_len, Hk, D]`` (``kv_len >= q_len``; query ``i`` at ``kv_len - q_len + i``), or
+        ``[total_k, Hk, D]`` with ``cu_seqlens_k``.
+    v_idx, s_idx : array
+        int32 ``[Hq, nv]``/``[Hq, ns]`` key positions and diagonal offsets, or
+        ``[B, Hq, n]`` for a batch (pad short rows with :data:`PAD`). Any order.
+    cu_seqlens_q, cu_seqlens_k : array, optional
+        int32 ``[B + 1]`` row offsets of a packed batch (both or neither).
+    sm_scale : float, optional
+        Default ``D ** -0.5``.
+    sinks : array, optional
+        float32 ``[Hq]`` sink logits (one extra softmax denominator term).
+    block_m, block_n : int
+        Pattern tile (the CUDA kernel needs ``block_m`` a multiple of 64).
+    return_lse : bool
+        Also return the float32 ``[tokens, Hq]`` natural-log LSE.
+    out : array, optional
+        ``[tokens, Hq, D]`` buffer for the output.
+
+    Returns
+    -------
+    out : array
+        ``[tokens, Hq, D]`` in q's dtype; ``(out, lse)`` with ``return_lse``.
+    """
+    xp = array_module(q, k, v, v_idx, s_idx, cu_seqlens_q, cu_seqlens_k, sinks, out)
+    _, hq, d = check_query("q", q, xp)
+    _check_kv(k, v, q, xp)
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q, cu_seqlens_k: expected both or neither, got one")
+    batched = cu_seqlens_q is not None
+    if batched:
+        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0])
+        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, xp, total=k.shape[0])
+        if len(cu_k) != len(cu_q):
+            raise ValueError(f"cu_seqlens_k: expected {len(cu_q)} entries like cu_seqlens_q, "
+                             f"got {len(cu_k)}")
+        q_lens, kv_lens = np.diff(cu_q.astype(np.int64)), np.diff(cu_k.astype(np.int64))
+    else:
+        q_lens, kv_lens = np.array([q.shape[0]]), np.array([k.shape[0]])
+    _check_not_longer(q_lens, kv_lens)
+    batch = Batch(hq, k.shape[1], d, q_lens, kv_lens)
+    _check_vs_indices(v_idx, s_idx, batch, xp, batched)
+    block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
+    opts = check_options(xp, hq, d, sm_scale=sm_scale, sinks=sinks)
+    out, lse = _outputs(q, out, return_lse, xp)
+    if xp is np:
+        kw = dict(block_m=block_m, block_n=block_n, sm_scale=opts.sm_scale, sinks=sinks)
+        if batched:
+            result = ref.varlen_vertical_slash_attention(q, k, v, v_idx, s_idx, cu_q, cu_k, **kw)
+        else:
+            result = ref.vertical_slash_attention(q, k, v, v_idx, s_idx, **kw)
+        return _finish_reference(result, out, lse)
+    _check_gpu(q, block_m)
+    if batched:
+        cu_q_d, kv_lens_d = cu_seqlens_q, xp.diff(cu_seqlens_k).astype(np.int32)
+        kv = kernels.dense_kv(k, v, cu_seqlens_k)
+    else:
+        cu_q_d, kv_lens_d, cu_k_d = _device_lengths(xp, q.shape[0], k.shape[0])
+        kv = kernels.dense_kv(k, v, cu_k_d)
+        v_idx, s_idx = v_idx[None], s_idx[None]
+    run_vertical_slash(q, kv, v_idx, s_idx, cu_q_d, kv_lens_d, batch, opts, out, lse,
+                       block_m, block_n)
+    return out if lse is None else (out, lse)
+
+
+@accepts_dlpack
+def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens_q, block_tables,
+                                   seq_lens, *, layout="NHD", sm_scale=None, sinks=None,
+                                   block_m=64, block_n=64, return_lse=False, out=None):
+    """Vertical+slash attention of new queries against a paged KV cache (chunked prefill).
+
+    Parameters
+    ----------
+    q : array
+        ``[total_q, Hq, D]``; sequence ``b``'s queries are the last ``q_len_b`` of its
+        ``seq_lens[b]`` cached positions.
+    k_cache, v_cache : array
+        Paged caches in ``layout`` already holding the new keys and values: ``"NHD"``
+        ``[num_blocks, block_size, Hk, D]`` or ``"HND"`` ``[num_blocks, Hk, block_size, D]``
+        (NumPy also takes ``"vllm"``).
+    v_idx, s_idx : array
+        int32 ``[B, Hq, n]`` per-sequence indices (padding :data:`PAD`).
+    cu_seqlens_q : array
+        int32 ``[B + 1]``.
+    block_tables : array
+        int32 ``[B, max_blocks]``, -1 padded.
+    seq_lens : array
+        int32 ``[B]`` keys per sequence, ``>= q_len_b``.
+    layout, sm_scale, sinks, block_m, block_n, return_lse, out
+        As in :func:`vertical_slash_attention`.
+
+    Returns
+    -------
+    out : array
+        ``[total_q, Hq, D]``; ``(out, lse)`` with ``return_lse``.
+    """
+    xp = array_module(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens_q, block_tables, seq_lens,
+                      sinks, out)
+    _, hq, d = check_query("q", q, xp)
+    geo = cache_geometry(k_cache, v_cache, layout)
+    if k_cache.dtype != q.dtype or geo.head_dim != d:
+        raise TypeError(f"k_cache: expected dtype {q.dtype} and head size {d} like q, "
+                        f"got {k_cache.dtype} and {geo.head_dim}")
+    check_gqa(hq, geo.num_kv_heads, "k_cache")
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0])
+    _, kv_host = check_block_tables(block_tables, seq_lens, geo, xp, batch=len(cu_q) - 1)
+    q_lens, kv_lens = np.diff(cu_q.astype(np.int64)), kv_host.astype(np.int64)
+    _check_not_longer(q_lens, kv_lens)
+    batch = Batch(hq, geo.num_kv_heads, d, q_lens, kv_lens)
+    _check_vs_indices(v_idx, s_idx, batch, xp, True)
+    block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
+    opts = check_options(xp, hq, d, sm_scale=sm_scale, sinks=sinks)
+    out, lse = _outputs(q, out, return_lse, xp)
+    if xp is np:
+        result = ref.paged_vertical_slash_attention(
+            q, k_cache, v_cache, v_idx, s_idx, cu_q, block_tables, kv_host, layout,
+            block_m=block_m, block_n=block_n, sm_scale=opts.sm_scale, sinks=sinks)
+        return _finish_reference(result, out, lse)
+    _check_gpu(q, block_m)
+    if layout not in ("NHD", "HND"):
+        raise ValueError(f"layout: the CUDA kernel reads 'NHD' or 'HND' caches, got {layout!r}")
+    kv = kernels.paged_kv(k_cache, v_cache, block_tables, layout)
+    run_vertical_slash(q, kv, v_idx, s_idx, cu_seqlens_q, seq_lens, batch, opts, out, lse,
+                       block_m, block_n)
+    return out if lse is None else (out, lse)
+
+
+def _check_bsr(indptr, indices, q_len, kv_len, block_m, block_n, xp):
+    rows, cols = -(-q_len // block_m), -(-kv_len // block_n)
+    ptr = check_cu_seqlens("indptr", indptr, xp)
+    if len(ptr) != rows + 1:
+        raise ValueError(f"indptr: expected shape [{rows + 1}] (ceil(q_len / block_m) + 1), "
+                         f"got {tuple(indptr.shape)}")
+    check_array("indices", indices, ndim=1, dtypes=np.int32, xp=xp)
+    if int(ptr[-1]) != indices.shape[0]:
+        raise ValueError(f"indptr: expected last entry {indices.shape[0]} (len(indices)), "
+                         f"got {int(ptr[-1])}")
+    idx = host(indices)
+    check_range("indices", idx, 0, cols)
+    row_of = np.repeat(np.arange(rows), np.diff(ptr))
+    bad = (row_of[1:] == row_of[:-1]) & (np.diff(idx.astype(np.int64)) <= 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"indices: expected strictly increasing block ids within each row, "
+                         f"got {int(idx[i])} then {int(idx[i + 1])} at index {i}")
+
+
+@accepts_dlpack
+def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal=True,
+                           sm_scale=None, sinks=None, return_lse=False, out=None):
+    """Attention of one sequence restricted to a block-sparse-row (BSR) pattern.
+
+    Parameters
+    ----------
+    q : array
+        ``[q_len, Hq, D]``.
+    k, v : array
+        ``[kv_len, Hk, D]``; query ``i`` at position ``kv_len - q_len + i``.
+    indptr : array
+        int32 ``[ceil(q_len / block_m) + 1]``: row block ``r`` (queries
+        ``[r block_m, (r + 1) block_m)``) owns ``indices[indptr[r]:indptr[r + 1]]``.
+    indices : array
+        int32 ``[nnz]`` key block ids (keys ``[c block_n, (c + 1) block_n)``), strictly
+        increasing within a row, shared by all heads.
+    block_m, block_n : int
+        Block shape (the CUDA kernel needs ``block_m`` a multiple of 64).
+    causal : bool
+        Also hide keys after each query's position.
+    sm_scale, sinks, return_lse, out
+        As in :func:`vertical_slash_attention`.
+
+    Returns
+    -------
+    out : array
+        ``[q_len, Hq, D]``; ``(out, lse)`` with ``return_lse``.
+    """
+    xp = array_module(q, k, v, indptr, indices, sinks, out)
+    _, hq, d = check_query("q", q, xp)
+    _check_kv(k, v, q, xp)
+    block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
+    q_len, kv_len = q.shape[0], k.shape[0]
+    _check_bsr(indptr, indices, q_len, kv_len, block_m, block_n, xp)
+    opts = check_options(xp, hq, d, sm_scale=sm_scale, sinks=sinks)
+    out, lse = _outputs(q, out, return_lse, xp)
+    if xp is np:
+        result = ref.block_sparse_attention(q, k, v, indptr, indices, block_m, block_n,
+                                            causal=bool(causal), sm_scale=opts.sm_scale, sinks=sinks)
+        return _finish_reference(result, out, lse)
+    _check_gpu(q, block_m)
+    cu_q, kv_lens, cu_k = _device_lengths(xp, q_len, kv_len)
+    batch = Batch(hq, k.shape[1], d, np.array([q_len]), np.array([kv_len]))
+    pattern = Pattern(kernels.NULL, indptr, indices, 0, block_n, block_n, kernels.NULL,
+                      kernels.NULL, 0, 1, len(indptr) - 1, block_m // kernels.ROWS, bool(causal))
+    launch(q, kernels.dense_kv(k, v, cu_k), out, lse, cu_q, kv_lens, batch, pattern, opts)
+    return out if lse is None else (out, lse)

@@ -1,0 +1,295 @@
+"""Sparse attention policies: the seed 003 interface, MInference prefill, Quest decode.
+
+A policy says whether it sparsifies prefill or decode, estimates a pattern, selects the
+cache blocks worth reading, runs sparse prefill attention, and resets its state. Arrays
+may be NumPy (reference) or CuPy (kernels), as everywhere in cupaged.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .._arrays import array_module, check_array, host
+from .._checks import check_block_tables, check_query
+from ..layouts import LAYOUTS, k_as_nhd
+from .attention import paged_vertical_slash_attention, vertical_slash_attention
+from .estimate import estimate_vertical_slash, paged_estimate_vertical_slash
+from .index import pad_indices
+
+
+class PolicyContext(NamedTuple):
+    """What a policy may look at when choosing the blocks of one sequence."""
+    query: object = None   # [Hq, D] the sequence's current query (decode)
+    seq_len: int = 0       # keys of the sequence in the cache
+    layer_id: int = 0
+
+
+class SparsePolicy:
+    """Interface of a sparse attention policy (seed 003).
+
+    Attributes
+    ----------
+    supports_prefill, supports_decode : bool
+        Phases the policy sparsifies.
+    """
+    supports_prefill = False
+    supports_decode = False
+
+    def estimate_pattern(self, q, k, layer_id=0):
+        """The policy's pattern for one sequence's ``q [L, Hq, D]`` and ``k [L, Hk, D]``."""
+        raise NotImplementedError(f"{type(self).__name__} estimates no prefill pattern")
+
+    def select_blocks(self, available_blocks, ctx=None):
+        """The blocks (ids in position order) worth reading; default: all of them."""
+        return list(available_blocks)
+
+    def sparse_prefill_attention(self, q, k, v, layer_id=0):
+        """Prefill attention ``[L, Hq, D]`` of one sequence under the policy."""
+        raise NotImplementedError(f"{type(self).__name__} has no sparse prefill")
+
+    def reset(self):
+        """Forget per-request state."""
+
+
+def _positive_int(name, value, lo=1):
+    if not isinstance(value, (int, np.integer)) or value < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {value!r}")
+    return int(value)
+
+
+class MInferencePolicy(SparsePolicy):
+    """MInference vertical+slash sparse prefill (seed 003 defaults).
+
+    Parameters
+    ----------
+    vertical_size, slash_size : int
+        Vertical columns and slash diagonals to keep, unless ``adaptive_budget`` is set.
+    adaptive_budget : float or None
+        Fraction of the sequence length kept: 20 % verticals, 80 % slashes.
+    num_sink_tokens, num_recent_diags : int
+        First keys and diagonals always kept.
+    last_q : int
+        Queries the estimate uses (<= 64).
+    """
+    supports_prefill = True
+    supports_decode = False
+
+    def __init__(self, vertical_size=1000, slash_size=6096, adaptive_budget=0.3,
+                 num_sink_tokens=30, num_recent_diags=100, last_q=64):
+        self.vertical_size = _positive_int("vertical_size", vertical_size)
+        self.slash_size = _positive_int("slash_size", slash_size)
+        if adaptive_budget is not None and not 0 < adaptive_budget <= 1:
+            raise ValueError(f"adaptive_budget: expected None or a float in (0, 1], got {adaptive_budget!r}")
+        self.adaptive_budget = adaptive_budget
+        self.num_sink_tokens = _positive_int("num_sink_tokens", num_sink_tokens, 0)
+        self.num_recent_diags = _positive_int("num_recent_diags", num_recent_diags, 0)
+        self.last_q = _positive_int("last_q", last_q)
+
+    def _estimate_options(self):
+        return dict(vertical_size=self.vertical_size, slash_size=self.slash_size,
+                    last_q=self.last_q, num_sink_tokens=self.num_sink_tokens,
+                    num_recent_diags=self.num_recent_diags, adaptive_budget=self.adaptive_budget)
+
+    def estimate_pattern(self, q, k, layer_id=0):
+        """``(v_idx [Hq, nv], s_idx [Hq, ns])`` int32 from the last queries of ``q``."""
+        return estimate_vertical_slash(q, k, **self._estimate_options())
+
+    def sparse_prefill_attention(self, q, k, v, layer_id=0, *, sm_scale=None, sinks=None):
+        """Causal vertical+slash attention of one sequence, ``[L, Hq, D]`` in q's dtype."""
+        v_idx, s_idx = self.estimate_pattern(q, k, layer_id)
+        return vertical_slash_attention(q, k, v, v_idx, s_idx, sm_scale=sm_scale, sinks=sinks)
+
+    def paged_prefill_attention(self, q, k_cache, v_cache, block_table, seq_len, layer_id=0, *,
+                                layout="NHD", sm_scale=None, sinks=None):
+        """One prefill chunk ``q [q_len, Hq, D]`` of a sequence whose first ``seq_len``
+        keys (the chunk's included) are in the paged cache; ``block_table`` int32
+        ``[max_blocks]``. Estimates on the cached keys, then attends sparsely."""
+        xp = array_module(q, block_table)
+        v_idx, s_idx = paged_estimate_vertical_slash(q, k_cache, block_table, seq_len,
+                                                     layout=layout, **self._estimate_options())
+        cu_q = xp.asarray([0, q.shape[0]], dtype=np.int32)
+        lens = xp.asarray([seq_len], dtype=np.int32)
+        return paged_vertical_slash_attention(
+            q, k_cache, v_cache, pad_indices([v_idx]), pad_indices([s_idx]), cu_q,
+            block_table[None], lens, layout=layout, sm_scale=sm_scale, sinks=sinks)
+
+    def __repr__(self):
+        return (f"MInferencePolicy(adaptive_budget={self.adaptive_budget}, "
+                f"vertical_size={self.vertical_size}, slash_size={self.slash_size})")
+
+
+class QuestPolicy(SparsePolicy):
+    """Quest-style decode: per-page key bounds pick the pages each kv head reads.
+
+    For each cache page and kv head the policy keeps the elementwise min and max of its
+    keys (:meth:`update_bounds`). A decode query ``q`` scores page ``P`` by the upper bound
+    ``sum_d max(q_d min_d, q_d max_d) >= q . k`` for every key of the page; a kv head takes
+    the maximum over its query heads. Each (sequence, kv head) keeps its ``top_k_pages``
+    best pages, always including its last (current) page, in position order.
+
+    Parameters
+    ----------
+    top_k_pages : int
+        Pages read per (sequence, kv head).
+    """
+    supports_prefill = False
+    supports_decode = True
+
+    def __init__(self, top_k_pages):
+        self.top_k_pages = _positive_int("top_k_pages", top_k_pages)
+        self.reset()
+
+    def reset(self):
+        self.k_min = self.k_max = None   # float32 [num_blocks, Hk, D]
+        self.block_size = None
+
+    def update_bounds(self, k_cache, block_tables, seq_lens, *, layout="NHD", last_page_only=False):
+        """Recompute the bounds of the pages holding each sequence's keys.
+
+        Parameters
+        ----------
+        k_cache : array
+            Key cache in ``layout`` (see ``cupaged.layouts``).
+        block_tables : array
+            int32 ``[B, max_blocks]``.
+        seq_lens : array
+            int32 ``[B]`` keys per sequence.
+        last_page_only : bool
+            Only each sequence's last page (after a decode step appended to it).
+        """
+        xp = array_module(k_cache, block_tables, seq_lens)
+        geo = _key_geometry(k_cache, layout)
+        bt, lens = check_block_tables(block_tables, seq_lens, geo, xp)
+        bs = geo.block_size
+        pages, fills = [], []
+        for b, n in enumerate(lens.astype(np.int64)):
+            used = -(-int(n) // bs)
+            for i in range(used - 1 if last_page_only else 0, used):
+                pages.append(int(bt[b, i]))
+                fills.append(min(bs, int(n) - i * bs))
+        shape = (geo.num_blocks, geo.num_kv_heads, geo.head_dim)
+        if self.k_min is None or self.k_min.shape != shape or array_module(self.k_min) is not xp:
+            self.k_min = xp.full(shape, np.inf, dtype=np.float32)
+            self.k_max = xp.full(shape, -np.inf, dtype=np.float32)
+        self.block_size = bs
+        if not pages:
+            return
+        ids = xp.asarray(pages, dtype=np.int64)
+        keys = k_as_nhd(k_cache[ids], layout).astype(np.float32)        # [P, bs, Hk, D]
+        valid = (xp.arange(bs)[None, :] < xp.asarray(fills)[:, None])[:, :, None, None]
+        self.k_min[ids] = xp.where(valid, keys, np.inf).min(axis=1)
+        self.k_max[ids] = xp.where(valid, keys, -np.inf).max(axis=1)
+
+    def page_scores(self, q, block_tables, seq_lens):
+        """Upper bounds per (sequence, kv head, page position), float32 ``[B, Hk, max_blocks]``;
+        pages past a sequence are ``-inf``, its last page ``+inf``."""
+        xp = array_module(q, block_tables, seq_lens)
+        if self.k_min is None:
+            raise ValueError("QuestPolicy: call update_bounds() before scoring pages")
+        nb, hk, d = self.k_min.shape
+        batch, hq, _ = check_query("q", q, xp)
+        bs_pages = block_tables.shape[1]
+        qg = q.astype(np.float32).reshape(batch, hk, hq // hk, d)
+        ids = xp.maximum(block_tables, 0)
+        ub = (xp.einsum("bhgd,bphd->bhgp", xp.maximum(qg, 0), self.k_max[ids])
+              + xp.einsum("bhgd,bphd->bhgp", xp.minimum(qg, 0), self.k_min[ids])).max(axis=2)
+        used = -(-seq_lens.astype(np.int64) // self.block_size)
+        pos = xp.arange(bs_pages)[None, None, :]
+        ub = xp.where(pos < used[:, None, None], ub, -np.inf)
+        return xp.where(pos == used[:, None, None] - 1, np.inf, ub).astype(np.float32)
+
+    def select_pages(self, q, block_tables, seq_lens):
+        """Chosen page positions per (sequence, kv head).
+
+        Returns
+        -------
+        positions : array
+            int32 ``[B, Hk, k]``, ascending, ``k = min(top_k_pages, max_blocks)``; entries
+            past a sequence's page count are past its pages (ignore them).
+        counts : numpy.ndarray
+            int64 ``[B]`` pages kept per sequence (the same for each kv head).
+        """
+        xp = array_module(q)
+        scores = self.page_scores(q, block_tables, seq_lens)
+        k = min(self.top_k_pages, scores.shape[-1])
+        order = xp.argsort(-scores, axis=-1)[..., :k]
+        used = -(-host(seq_lens).astype(np.int64) // self.block_size)
+        return xp.sort(order, axis=-1).astype(np.int32), np.minimum(used, k)
+
+    def select_blocks(self, available_blocks, ctx=None):
+        """Blocks of one sequence worth reading: the union over its kv heads of the top pages.
+
+        ``available_blocks`` are its block ids in position order; ``ctx.query`` ``[Hq, D]``.
+        """
+        if ctx is None or ctx.query is None:
+            return list(available_blocks)
+        xp = array_module(ctx.query)
+        table = xp.asarray([list(available_blocks)], dtype=np.int32)
+        lens = xp.asarray([ctx.seq_len], dtype=np.int32)
+        pos, count = self.select_pages(ctx.query[None], table, lens)
+        keep = sorted(set(host(pos)[0, :, :count[0]].ravel().tolist()))
+        return [int(available_blocks[i]) for i in keep]
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, layout="NHD", sm_scale=None,
+               sinks=None):
+        """Decode attention ``[B, Hq, D]`` reading only the selected pages.
+
+        With ``layout="HND"`` each kv head reads exactly its own pages (the cache is viewed
+        as one kv head per (page, head) block). Other layouts read, for every kv head, the
+        union of the pages its sequence's kv heads chose.
+        """
+        import cupaged
+        xp = array_module(q, k_cache, v_cache, block_tables, seq_lens)
+        bs = _key_geometry(k_cache, layout).block_size
+        if bs != self.block_size:
+            raise ValueError(f"k_cache: expected block size {self.block_size} as in "
+                             f"update_bounds(), got {bs}")
+        pos, counts = self.select_pages(q, block_tables, seq_lens)
+        bt, lens = host(block_tables).astype(np.int64), host(seq_lens).astype(np.int64)
+        pos = host(pos)
+        last_fill = lens - (-(-lens // bs) - 1) * bs
+        if layout != "HND":
+            tables, new_lens = _union_tables(bt, pos, counts, last_fill, bs)
+            return cupaged.paged_decode(q, k_cache, v_cache, xp.asarray(tables), xp.asarray(new_lens),
+                                        layout=layout, sm_scale=sm_scale, sinks=sinks)
+        nb, hk, _, d = k_cache.shape
+        group = q.shape[1] // hk
+        out = xp.empty_like(q)
+        new_lens = np.where(counts > 0, (counts - 1) * bs + last_fill, 0).astype(np.int32)
+        k_heads = k_cache.reshape(nb * hk, 1, bs, d)
+        v_heads = v_cache.reshape(nb * hk, 1, bs, d)
+        for h in range(hk):
+            ids = np.take_along_axis(bt, pos[:, h].astype(np.int64), axis=1) * hk + h
+            ids = np.where(np.arange(pos.shape[2])[None] < counts[:, None], ids, -1)
+            heads = slice(h * group, (h + 1) * group)
+            out[:, heads] = cupaged.paged_decode(
+                xp.ascontiguousarray(q[:, heads]), k_heads, v_heads, xp.asarray(ids.astype(np.int32)),
+                xp.asarray(new_lens), layout="HND", sm_scale=sm_scale,
+                sinks=None if sinks is None else xp.ascontiguousarray(sinks[heads]))
+        return out
+
+
+def _union_tables(bt, pos, counts, last_fill, bs):
+    """Per-sequence block tables of the union of the kv heads' pages (position order)."""
+    width = max(1, pos.shape[1] * pos.shape[2])
+    tables = np.full((bt.shape[0], width), -1, np.int32)
+    lens = np.zeros(bt.shape[0], np.int32)
+    for b in range(bt.shape[0]):
+        keep = np.unique(pos[b, :, :counts[b]])
+        tables[b, :len(keep)] = bt[b, keep]
+        lens[b] = (len(keep) - 1) * bs + last_fill[b] if len(keep) else 0
+    return tables, lens
+
+
+def _key_geometry(k_cache, layout):
+    from ..layouts import CacheGeometry, vllm_x
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    check_array("k_cache", k_cache, ndim=5 if layout == "vllm" else 4)
+    s = k_cache.shape
+    if layout == "NHD":
+        return CacheGeometry(s[0], s[1], s[2], s[3])
+    if layout == "HND":
+        return CacheGeometry(s[0], s[2], s[1], s[3])
+    return CacheGeometry(s[0], s[3], s[1], s[2] * vllm_x(k_cache.dtype))

@@ -1,0 +1,322 @@
+"""GPU tests of cupaged.sparse: every kernel against the float64 reference on fresh random
+inputs, outputs poisoned with NaN first. Skipped without a CUDA device."""
+import numpy as np
+import pytest
+
+from cupaged import sparse
+from cupaged._arrays import bfloat16
+from cupaged.reference import attention as ra
+from cupaged.reference import sparse as ref
+
+pytestmark = pytest.mark.gpu
+TOL = {np.dtype(np.float16): 2e-3, np.dtype(bfloat16): 1e-2}
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def _rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def _host(cp, x):
+    return cp.asnumpy(x)
+
+
+def _check_close(got, want, dtype, what="out"):
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), f"{what}: non-finite values (unwritten?)"
+    err = _rel_err(got, want)
+    assert err < TOL[np.dtype(dtype)], f"{what}: relative error {err:.3g}"
+
+
+def _check_top_k(got, scores, forced):
+    """``got`` is a valid top-k of ``scores`` up to near-ties, with ``forced`` included."""
+    for h in range(scores.shape[0]):
+        row = got[h]
+        assert (np.diff(row) > 0).all(), "not strictly ascending"
+        assert set(range(min(forced, scores.shape[1]))) <= set(row.tolist())
+        rest = np.setdiff1d(np.arange(scores.shape[1]), row)
+        kept = scores[h, row[row >= forced]]
+        if len(rest) and len(kept):
+            tol = 1e-4 * scores[h].max() + 1e-6
+            assert kept.min() >= scores[h, rest].max() - tol, f"head {h}: not a top-k"
+
+
+# ----------------------------------------------------------------------------- estimate
+@pytest.mark.parametrize("dtype,d,hq,hk,q_len,kv_len,last_q", [
+    (np.float16, 128, 4, 2, 300, 300, 64),
+    (bfloat16, 128, 8, 2, 200, 1500, 64),
+    (np.float16, 64, 2, 2, 40, 5000, 64),
+    (bfloat16, 64, 4, 1, 100, 100, 13),
+    (np.float16, 80, 2, 1, 129, 129, 64),
+    (np.float16, 96, 2, 2, 77, 300, 64),
+    (bfloat16, 112, 2, 1, 65, 65, 64),
+    (np.float16, 256, 2, 1, 150, 700, 64),
+])
+def test_estimate_matches_reference(cp, rng, dtype, d, hq, hk, q_len, kv_len, last_q):
+    q, k = _rand(rng, (q_len, hq, d), dtype), _rand(rng, (kv_len, hk, d), dtype)
+    opts = dict(vertical_size=max(kv_len // 7, 3), slash_size=max(kv_len // 5, 3), last_q=last_q,
+                num_sink_tokens=4, num_recent_diags=9)
+    v_idx, s_idx = sparse.estimate_vertical_slash(cp.asarray(q), cp.asarray(k), **opts)
+    assert v_idx.dtype == s_idx.dtype == np.int32
+    want_v, want_s = sparse.estimate_vertical_slash(q, k, **opts)
+    assert v_idx.shape == want_v.shape and s_idx.shape == want_s.shape
+    vert, slash = ref.estimate_scores(q, k, last_q=last_q)
+    _check_top_k(_host(cp, v_idx), vert, 4)
+    _check_top_k(_host(cp, s_idx), slash, 9)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_estimate_matches_reference(cp, rng, layout):
+    bs, nb, kv_len, q_len = 16, 70, 1000, 200
+    q = _rand(rng, (q_len, 4, 128), np.float16)
+    cache = _rand(rng, (nb, bs, 2, 128), np.float16)
+    table = rng.permutation(nb)[:-(-kv_len // bs)].astype(np.int32)
+    k = cache[table].reshape(-1, 2, 128)[:kv_len]
+    if layout == "HND":
+        cache = np.ascontiguousarray(cache.transpose(0, 2, 1, 3))
+    opts = dict(vertical_size=50, slash_size=80, num_sink_tokens=3, num_recent_diags=10)
+    v_idx, s_idx = sparse.paged_estimate_vertical_slash(cp.asarray(q), cp.asarray(cache),
+                                                        cp.asarray(table), kv_len, layout=layout, **opts)
+    vert, slash = ref.estimate_scores(q, k)
+    _check_top_k(_host(cp, v_idx), vert, 3)
+    _check_top_k(_host(cp, s_idx), slash, 10)
+
+
+# ----------------------------------------------------------------------------- index
+@pytest.mark.parametrize("block_m,block_n", [(64, 64), (128, 64), (64, 32), (100, 48)])
+def test_index_kernel_equals_reference(cp, rng, block_m, block_n):
+    q_lens = np.array([300, 0, 1, 700], np.int32)
+    kv_lens = np.array([300, 50, 64, 1200], np.int32)
+    rows_v, rows_s = [], []
+    for n in kv_lens:
+        rows_v.append(rng.integers(0, n, (3, 40)).astype(np.int32))        # unsorted, duplicates
+        rows_s.append(np.concatenate([rng.integers(0, n, (3, 30)),
+                                      np.tile(np.arange(5), (3, 1))], axis=1).astype(np.int32))
+    v_idx, s_idx = sparse.pad_indices(rows_v), sparse.pad_indices(rows_s)
+    s_idx[3, :, 0] = 1300                                               # past kv_len: ignored
+    want = sparse.vertical_slash_index(q_lens, v_idx, s_idx, 700, block_m, block_n, kv_seqlens=kv_lens)
+    got = sparse.vertical_slash_index(cp.asarray(q_lens), cp.asarray(v_idx), cp.asarray(s_idx), 700,
+                                      block_m, block_n, kv_seqlens=cp.asarray(kv_lens))
+    for name, g, w in zip(("block_count", "block_offset", "column_count", "column_index"), got, want):
+        np.testing.assert_array_equal(_host(cp, g), w, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- attention
+def _random_pattern(rng, hq, kv_len, nv, ns, recent=8):
+    v_idx = np.sort(np.stack([rng.choice(kv_len, nv, replace=False) for _ in range(hq)]), axis=1)
+    s_idx = np.stack([np.union1d(np.arange(recent), rng.choice(kv_len, ns, replace=False))[:ns]
+                      for _ in range(hq)])
+    return v_idx.astype(np.int32), np.sort(s_idx, axis=1).astype(np.int32)
+
+
+def _vs_gpu(cp, q, k, v, v_idx, s_idx, **kw):
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)
+    got, lse = sparse.vertical_slash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v),
+                                               cp.asarray(v_idx), cp.asarray(s_idx), out=out,
+                                               return_lse=True, **kw)
+    assert got is out
+    return _host(cp, got), _host(cp, lse)
+
+
+@pytest.mark.parametrize("dtype,d,hq,hk,q_len,kv_len,sinks", [
+    (np.float16, 64, 4, 2, 333, 333, False),
+    (bfloat16, 64, 2, 1, 200, 450, True),
+    (np.float16, 80, 2, 2, 130, 130, False),
+    (bfloat16, 96, 3, 1, 250, 300, True),
+    (np.float16, 112, 2, 1, 64, 64, True),
+    (np.float16, 128, 8, 2, 500, 777, True),
+    (bfloat16, 128, 4, 4, 321, 321, False),
+    (bfloat16, 256, 2, 1, 190, 260, True),
+])
+def test_vertical_slash_matches_reference(cp, rng, dtype, d, hq, hk, q_len, kv_len, sinks):
+    q, k, v = (_rand(rng, s, dtype) for s in ((q_len, hq, d), (kv_len, hk, d), (kv_len, hk, d)))
+    v_idx, s_idx = _random_pattern(rng, hq, kv_len, 20, 12)
+    sk = rng.standard_normal(hq).astype(np.float32) if sinks else None
+    got, lse = _vs_gpu(cp, q, k, v, v_idx, s_idx, sinks=None if sk is None else cp.asarray(sk))
+    want, want_lse = sparse.vertical_slash_attention(q.astype(np.float32), k.astype(np.float32),
+                                                     v.astype(np.float32), v_idx, s_idx, sinks=sk,
+                                                     return_lse=True)
+    _check_close(got, want, dtype)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_full_pattern_equals_dense(cp, rng, dtype):
+    q_len, kv_len = 260, 400
+    q, k, v = (_rand(rng, s, dtype) for s in ((q_len, 4, 128), (kv_len, 2, 128), (kv_len, 2, 128)))
+    s_all = np.tile(np.arange(kv_len, dtype=np.int32), (4, 1))
+    got, lse = _vs_gpu(cp, q, k, v, s_all[:, :2].copy(), s_all)
+    want, want_lse = ra.attend(q, k, v, causal=True)
+    _check_close(got, want, dtype)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-3, atol=1e-3)
+
+
+def test_block_sizes_and_empty_rows(cp, rng):
+    """block_m 128 / block_n 32; and a head with an empty pattern (zeros, LSE -inf or sink)."""
+    q, k, v = (_rand(rng, (300, 2, 64), np.float16) for _ in range(3))
+    v_idx, s_idx = _random_pattern(rng, 2, 300, 15, 10)
+    for bm, bn in ((128, 32), (64, 100)):
+        got, _ = _vs_gpu(cp, q, k, v, v_idx, s_idx, block_m=bm, block_n=bn)
+        want = sparse.vertical_slash_attention(q, k, v, v_idx, s_idx, block_m=bm, block_n=bn)
+        _check_close(got, want, np.float16)
+    pad = np.full((2, 3), sparse.PAD, np.int32)
+    sk = np.array([0.5, -1.0], np.float32)
+    got, lse = _vs_gpu(cp, q, k, v, pad, pad, sinks=cp.asarray(sk))
+    assert (got == 0).all() and np.allclose(lse, np.broadcast_to(sk, lse.shape))
+    got, lse = _vs_gpu(cp, q, k, v, pad, pad)
+    assert (got == 0).all() and np.isneginf(lse).all()
+
+
+def test_batched_equals_per_sequence(cp, rng):
+    q_lens, kv_lens = [100, 0, 64, 257], [300, 40, 64, 257]
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = _rand(rng, (cu_q[-1], 4, 128), bfloat16)
+    k, v = (_rand(rng, (cu_k[-1], 2, 128), bfloat16) for _ in range(2))
+    pats = [_random_pattern(rng, 4, n, min(n, 17), min(n, 9 + b)) for b, n in enumerate(kv_lens)]
+    v_idx = sparse.pad_indices([p[0] for p in pats])
+    s_idx = sparse.pad_indices([p[1] for p in pats])
+    dev = [cp.asarray(x) for x in (q, k, v, v_idx, s_idx, cu_q, cu_k)]
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)
+    sparse.vertical_slash_attention(*dev[:5], cu_seqlens_q=dev[5], cu_seqlens_k=dev[6], out=out)
+    out = _host(cp, out)
+    for b in range(4):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if q_lens[b]:
+            one, _ = _vs_gpu(cp, q[rows], k[keys], v[keys], *pats[b])
+            np.testing.assert_array_equal(out[rows], one)
+
+
+def _paged(rng, k, v, cu_k, bs, num_blocks, layout, cp, top=False):
+    """Scatter packed keys/values into a fresh cache; blocks at the top when ``top``."""
+    b = len(cu_k) - 1
+    lens = np.diff(cu_k)
+    need = [-(-int(n) // bs) for n in lens]
+    hk, d = k.shape[1:]
+    ids = (num_blocks - 1 - rng.permutation(sum(need))) if top else rng.permutation(num_blocks)[:sum(need)]
+    tables = np.full((b, max(need) + 2), -1, np.int32)
+    shape = (num_blocks, bs, hk, d) if layout == "NHD" else (num_blocks, hk, bs, d)
+    kc, vc = cp.zeros(shape, k.dtype), cp.zeros(shape, k.dtype)
+    used = 0
+    for s in range(b):
+        for i in range(need[s]):
+            blk, n, r0 = int(ids[used]), min(bs, int(lens[s]) - i * bs), cu_k[s] + i * bs
+            tables[s, i], used = blk, used + 1
+            for cache, src in ((kc, k), (vc, v)):
+                rows = cp.asarray(src[r0:r0 + n])
+                if layout == "NHD":
+                    cache[blk, :n] = rows
+                else:
+                    cache[blk, :, :n] = rows.transpose(1, 0, 2)
+    return kc, vc, tables
+
+
+@pytest.mark.parametrize("layout,big", [("NHD", False), ("HND", False), ("NHD", True)])
+def test_paged_equals_dense(cp, rng, layout, big):
+    q_lens, kv_lens = [70, 128, 1], [500, 128, 33]
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = _rand(rng, (cu_q[-1], 8, 128), np.float16)
+    k, v = (_rand(rng, (cu_k[-1], 2, 128), np.float16) for _ in range(2))
+    num_blocks = (2 ** 31) // (16 * 2 * 128) + 64 if big else 80      # > 2^31 elements when big
+    kc, vc, tables = _paged(rng, k, v, cu_k, 16, num_blocks, layout, cp, top=big)
+    pats = [_random_pattern(rng, 8, n, min(n, 20), min(n, 12)) for n in kv_lens]
+    v_idx = sparse.pad_indices([p[0] for p in pats])
+    s_idx = sparse.pad_indices([p[1] for p in pats])
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)
+    sparse.paged_vertical_slash_attention(cp.asarray(q), kc, vc, cp.asarray(v_idx), cp.asarray(s_idx),
+                                          cp.asarray(cu_q), cp.asarray(tables),
+                                          cp.asarray(np.array(kv_lens, np.int32)), layout=layout, out=out)
+    dense = cp.full(q.shape, np.nan, dtype=q.dtype)
+    sparse.vertical_slash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(v_idx),
+                                    cp.asarray(s_idx), cu_seqlens_q=cp.asarray(cu_q),
+                                    cu_seqlens_k=cp.asarray(cu_k), out=dense)
+    np.testing.assert_array_equal(_host(cp, out), _host(cp, dense))
+    del kc, vc
+
+
+def test_long_sequence_rows_match_reference(cp, rng):
+    """8K tokens with the seed's adaptive budget: many block and column tiles per row."""
+    n, hq, hk, d = 8192, 2, 1, 128
+    q, k, v = (_rand(rng, s, bfloat16) for s in ((n, hq, d), (n, hk, d), (n, hk, d)))
+    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    v_idx, s_idx = sparse.estimate_vertical_slash(dq, dk, vertical_size=1, slash_size=1,
+                                                  adaptive_budget=0.05)
+    got = _host(cp, sparse.vertical_slash_attention(dq, dk, dv, v_idx, s_idx))
+    bc, bo, cc, ci = (_host(cp, x) for x in sparse.vertical_slash_index(
+        cp.asarray(np.array([n], np.int32)), v_idx[None], s_idx[None], n))
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    for row in (0, 63, 64, 4095, 5000, n - 1):
+        for h in range(hq):
+            m = row // 64
+            keys = set(int(c) for c in ci[0, h, m, :cc[0, h, m]])
+            for st in bo[0, h, m, :bc[0, h, m]]:
+                keys |= set(range(int(st), int(st) + 64))
+            keys = np.array(sorted(j for j in keys if j <= row))
+            s = k64[keys, 0] @ q[row, h].astype(np.float64) / np.sqrt(d)
+            w = np.exp(s - s.max())
+            want = w @ v64[keys, 0] / w.sum()
+            assert _rel_err(got[row, h], want) < 1e-2, (row, h)
+
+
+# ----------------------------------------------------------------------------- BSR
+@pytest.mark.parametrize("dtype,d,block_m,block_n,causal", [
+    (np.float16, 128, 64, 64, True),
+    (bfloat16, 128, 128, 32, False),
+    (np.float16, 64, 64, 96, True),
+    (bfloat16, 256, 128, 128, True),
+    (np.float16, 80, 64, 16, False),
+])
+def test_bsr_matches_reference(cp, rng, dtype, d, block_m, block_n, causal):
+    q_len, kv_len = 300, 420
+    q, k, v = (_rand(rng, s, dtype) for s in ((q_len, 4, d), (kv_len, 2, d), (kv_len, 2, d)))
+    rows, cols = -(-q_len // block_m), -(-kv_len // block_n)
+    indptr, indices = [0], []
+    for _ in range(rows):
+        indices += sorted(rng.choice(cols, rng.integers(0, cols + 1), replace=False).tolist())
+        indptr.append(len(indices))
+    indptr, indices = np.array(indptr, np.int32), np.array(indices, np.int32)
+    sk = rng.standard_normal(4).astype(np.float32)
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)
+    got, lse = sparse.block_sparse_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v),
+                                             cp.asarray(indptr), cp.asarray(indices), block_m, block_n,
+                                             causal=causal, sinks=cp.asarray(sk), out=out, return_lse=True)
+    want, want_lse = sparse.block_sparse_attention(q, k, v, indptr, indices, block_m, block_n,
+                                                   causal=causal, sinks=sk, return_lse=True)
+    _check_close(_host(cp, got), want, dtype)
+    np.testing.assert_allclose(_host(cp, lse), want_lse, rtol=1e-3, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- policies
+def test_minference_policy_gpu(cp, rng):
+    pol = sparse.MInferencePolicy()
+    q, k, v = (_rand(rng, (1000, 4, 64), np.float16) for _ in range(3))
+    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    got = _host(cp, pol.sparse_prefill_attention(dq, dk, dv, 0))
+    v_idx, s_idx = (_host(cp, x) for x in pol.estimate_pattern(dq, dk, 0))
+    want = sparse.vertical_slash_attention(q, k, v, v_idx, s_idx)
+    _check_close(got, want, np.float16)
+
+
+def test_quest_gpu_equals_numpy(cp, rng):
+    pytest.importorskip("cupaged.decode")
+    bs, lens = 16, np.array([300, 40, 129], np.int32)
+    nb = 40
+    k_cache, v_cache = (_rand(rng, (nb, 2, bs, 128), np.float16) for _ in range(2))
+    tables = np.full((3, 20), -1, np.int32)
+    perm, used = rng.permutation(nb), 0
+    for b, n in enumerate(lens):
+        for i in range(-(-int(n) // bs)):
+            tables[b, i], used = perm[used], used + 1
+    q = _rand(rng, (3, 8, 128), np.float16)
+    want_pol, got_pol = sparse.QuestPolicy(4), sparse.QuestPolicy(4)
+    want_pol.update_bounds(k_cache, tables, lens, layout="HND")
+    want = want_pol.decode(q, k_cache, v_cache, tables, lens, layout="HND")
+    dev = [cp.asarray(x) for x in (q, k_cache, v_cache, tables, lens)]
+    got_pol.update_bounds(dev[1], dev[3], dev[4], layout="HND")
+    got = got_pol.decode(*dev, layout="HND")
+    _check_close(_host(cp, got), want, np.float16)
