@@ -24,10 +24,11 @@ struct TileDesc {
 // both compute the scores, which keeps the O accumulators within the register file).
 template <int D> struct SpSplit { static constexpr int DV = D <= 128 ? D : 128, PARTS = D / DV; };
 
-// grid (num_m_tiles, heads in this call * D / DV, batch), block 128 (4 warps x 16 rows).
-// CTA (m, y, b) computes query rows [64 m', 64 m' + 64) of sequence b, head
-// head0 + y / (D / DV), output columns [dv0, dv0 + DV) with dv0 = DV * (y % (D / DV)),
-// where m' = gridDim.x - 1 - m (longest rows first). Each thread holds rows g and g + 8
+// grid (heads in this call * D / DV, num_m_tiles, batch), block 128 (4 warps x 16 rows).
+// CTA (x, m, b) computes query rows [64 m', 64 m' + 64) of sequence b, head
+// head0 + x / (D / DV), output columns [dv0, dv0 + DV) with dv0 = DV * (x % (D / DV)),
+// where m' = gridDim.y - 1 - m (longest rows first; the heads of one tile run together,
+// so the query heads of a kv head share its K/V tiles in L2). Each thread holds rows g and g + 8
 // of its warp's 16: scores s[8][4], running max/sum, and O accumulators o[DV/8][4].
 // Pattern row of the CTA: prow = (b * pattern_heads + hp') * pattern_rows + m' / m_div
 // (hp' = 0 when pattern_heads == 1); its blocks are blk_list[blk_ptr[prow]..blk_ptr[prow+1])
@@ -56,8 +57,8 @@ __global__ void __launch_bounds__(SP_THREADS, 1) sparse_attention(
   int* skey = reinterpret_cast<int*>(sv + STAGES * TILE_V);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int m = gridDim.x - 1 - blockIdx.x, hp = blockIdx.y / PARTS, b = blockIdx.z;
-  const int h = head0 + hp, dv0 = DV * (blockIdx.y % PARTS);
+  const int m = gridDim.y - 1 - blockIdx.y, hp = blockIdx.x / PARTS, b = blockIdx.z;
+  const int h = head0 + hp, dv0 = DV * (blockIdx.x % PARTS);
   const int q0 = cu_q[b], q_len = cu_q[b + 1] - q0, m0 = m * SP_ROWS;
   if (m0 >= q_len) return;
   const int kv_len = kv_lens[b], pos0 = kv_len - q_len;

@@ -112,7 +112,7 @@ def launch(q, kv, out, lse, cu_q, kv_lens, batch, pattern, opts, head0=0, heads=
     d = batch.head_dim
     smem = kernels.attention_smem(d)
     kern = kernels.kernel("sparse_attention", kernels.attention_expr(q.dtype, d), smem)
-    grid = (-(-max_q // kernels.ROWS), heads * kernels.column_parts(d), batch.size)
+    grid = (heads * kernels.column_parts(d), -(-max_q // kernels.ROWS), batch.size)
     p = pattern
     kern(grid, (kernels.THREADS,),
          (q, kv.k, kv.v, out, kernels.NULL if lse is None else lse, cu_q, kv_lens, kv.cu_k)
