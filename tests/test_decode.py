@@ -1,0 +1,320 @@
+"""Paged decode: NumPy path and planning on the CPU; kernels vs the float64 reference on the GPU.
+
+Caches are random with every slot that no sequence may read set to NaN, so a kernel that
+reads an invisible token (or leaves an output element unwritten: outputs are NaN-poisoned
+too) fails.
+"""
+import re
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import decode, decode_plan as dp
+from cupaged._arrays import FLOAT_DTYPES, HEAD_DIMS, bfloat16
+from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.reference import attention as ref
+
+TOL = {np.dtype(np.float16): 2e-3, np.dtype(bfloat16): 1e-2, np.dtype(np.float32): 1e-4}
+
+
+# ----------------------------------------------------------------------------- builders
+def from_nhd(k, v, layout):
+    """Caches in ``layout`` from logical ``[num_blocks, block_size, Hk, D]`` arrays."""
+    if layout == "NHD":
+        return k.copy(), v.copy()
+    if layout == "HND":
+        return k.transpose(0, 2, 1, 3).copy(), v.transpose(0, 2, 1, 3).copy()
+    nb, bs, hk, d = k.shape
+    x = 16 // k.dtype.itemsize
+    return (k.reshape(nb, bs, hk, d // x, x).transpose(0, 2, 3, 1, 4).copy(),
+            v.transpose(0, 2, 3, 1).copy())
+
+
+def make_case(rng, *, lens, hq=8, hk=2, d=64, bs=16, layout="NHD", dtype=np.float16,
+              append=False, spare_blocks=3, top=0):
+    """A random paged batch: q, caches (unread slots NaN), tables, lengths, new k/v.
+
+    Blocks are placed in random order; with ``top`` the used blocks sit at ids
+    ``[top, top + used)`` of a cache of ``top + used + spare`` blocks.
+    """
+    dtype = np.dtype(dtype)
+    lens = np.asarray(lens, np.int32)
+    need = -(-(lens.astype(np.int64) + append) // bs)
+    width = int(need.max(initial=0)) + 1
+    used = int(need.sum())
+    nb = top + used + spare_blocks
+    ids = top + rng.permutation(used + spare_blocks)[:used]
+    tables = np.full((len(lens), width), -1, np.int32)
+    k = np.full((nb, bs, hk, d), np.nan, np.float32)
+    v = np.full((nb, bs, hk, d), np.nan, np.float32)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[start:start + n]
+        start += n
+        for t in range(int(lens[i])):
+            blk, off = tables[i, t // bs], t % bs
+            k[blk, off] = rng.standard_normal((hk, d))
+            v[blk, off] = rng.standard_normal((hk, d))
+    kc, vc = from_nhd(k.astype(dtype), v.astype(dtype), layout)
+    return dict(q=rng.standard_normal((len(lens), hq, d)).astype(dtype), k_cache=kc, v_cache=vc,
+                block_tables=tables, seq_lens=lens,
+                k_new=rng.standard_normal((len(lens), hk, d)).astype(dtype) if append else None,
+                v_new=rng.standard_normal((len(lens), hk, d)).astype(dtype) if append else None)
+
+
+def features(rng, hq, names):
+    """Keyword options for a set of feature names (window, alibi, sinks, softcap)."""
+    opts = {}
+    if "window" in names:
+        opts["window_left"] = 100
+    if "alibi" in names:
+        opts["alibi_slopes"] = (2.0 ** -np.arange(1, hq + 1) * 4).astype(np.float32)
+    if "sinks" in names:
+        opts["sinks"] = rng.standard_normal(hq).astype(np.float32) + 1.0
+    if "softcap" in names:
+        opts["logits_soft_cap"] = 2.0
+    if "scale" in names:
+        opts["sm_scale"] = 0.3
+    return opts
+
+
+def oracle(case, layout, **opts):
+    """Reference (float64 inside) on float32 copies, exact for every input dtype; the copied
+    caches are updated by an append as the op's would be."""
+    c = {n: (None if a is None else a.astype(np.float32) if a.dtype.kind == "f" else a.copy())
+         for n, a in case.items()}
+    return ref.paged_decode(c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"],
+                            k_new=c["k_new"], v_new=c["v_new"], layout=layout, return_lse=True,
+                            **opts), c
+
+
+def rel_err(out, want):
+    out, want = np.asarray(out, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(out - want) / max(np.linalg.norm(want), 1e-30)
+
+
+# ----------------------------------------------------------------------------- CPU: builders
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_from_nhd_round_trips(rng, layout):
+    k = rng.standard_normal((3, 4, 2, 16)).astype(np.float16)
+    v = rng.standard_normal((3, 4, 2, 16)).astype(np.float16)
+    kc, vc = from_nhd(k, v, layout)
+    assert (kc.shape, vc.shape) == cache_shapes(layout, 3, 4, 2, 16, np.float16)
+    np.testing.assert_array_equal(k_as_nhd(kc, layout), k)
+    np.testing.assert_array_equal(v_as_nhd(vc, layout), v)
+
+
+# ----------------------------------------------------------------------------- CPU: NumPy path
+@pytest.mark.parametrize("layout,dtype,feats,append", [
+    ("NHD", np.float32, (), False),
+    ("HND", np.float16, ("window", "sinks"), True),
+    ("vllm", bfloat16, ("alibi", "softcap", "scale"), False),
+    ("vllm", np.float32, ("window", "alibi", "sinks", "softcap"), True),
+])
+def test_numpy_path_matches_reference(rng, layout, dtype, feats, append):
+    case = make_case(rng, lens=[0, 1, 17, 40], hq=4, hk=2, d=64, bs=8, layout=layout,
+                     dtype=dtype, append=append)
+    opts = features(rng, 4, feats)
+    (want, want_lse), after = oracle(case, layout, **opts)
+    out = np.full(case["q"].shape, np.nan, case["q"].dtype)
+    got, lse = cupaged.paged_decode(**case, layout=layout, out=out, return_lse=True, **opts)
+    assert got is out
+    assert rel_err(got, want) < TOL[np.dtype(dtype)]
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.isnan(case["k_cache"]), np.isnan(after["k_cache"]))
+
+
+def test_numpy_empty_rows_are_zero_with_sink_lse(rng):
+    case = make_case(rng, lens=[0, 5], hq=4, hk=4)
+    sinks = np.arange(4, dtype=np.float32)
+    out, lse = cupaged.paged_decode(**case, sinks=sinks, return_lse=True)
+    assert (out[0] == 0).all() and np.isfinite(out).all()
+    np.testing.assert_allclose(lse[0], sinks, rtol=1e-6)
+
+
+def test_decoder_numpy_matches_function(rng):
+    case = make_case(rng, lens=[3, 33, 0], hq=6, hk=3, d=80, bs=4, layout="HND", append=True)
+    want = cupaged.paged_decode(**{**case, "k_cache": case["k_cache"].copy(),
+                                   "v_cache": case["v_cache"].copy()}, layout="HND",
+                                window_left=7, return_lse=True)
+    dec = cupaged.PagedDecoder(6, 3, 80, 4, dtype="float16", layout="HND", window_left=7,
+                               max_batch=4)
+    dec.plan(case["block_tables"], case["seq_lens"], append=True)
+    lse = np.empty((3, 6), np.float32)
+    got = dec.run(case["q"], case["k_cache"], case["v_cache"], k_new=case["k_new"],
+                  v_new=case["v_new"], lse=lse, return_lse=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(lse, want[1])
+
+
+def test_merge_states_numpy_matches_reference(rng):
+    a, b = rng.standard_normal((2, 5, 3, 20)).astype(np.float32)
+    la, lb = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    la[0, 0] = -np.inf
+    out, lse = cupaged.merge_states(a, la, b, lb)
+    want, want_lse = ref.merge_states(a, la, b, lb)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+
+
+# ----------------------------------------------------------------------------- CPU: bad input
+def _bad_cases(case):
+    """(argument overrides, error type, text expected in the message)."""
+    q, kc, bt, sl = case["q"], case["k_cache"], case["block_tables"], case["seq_lens"]
+    nb = kc.shape[0]
+    too_long = sl.copy()
+    too_long[1] = bt.shape[1] * kc.shape[1] + 1
+    full = sl.copy()
+    full[0] = bt.shape[1] * kc.shape[1]  # fits, but leaves no room for k_new
+    bad_ids = bt.copy()
+    bad_ids[0, 0] = nb
+    return [
+        (dict(q=np.ascontiguousarray(q[..., :48])), ValueError, "q.shape[-1]"),
+        (dict(q=q.astype(np.int32)), TypeError, "q"),
+        (dict(q=q[:, :, None]), ValueError, "q"),
+        (dict(q=np.asfortranarray(q)), ValueError, "q"),
+        (dict(q=q.astype(np.float32)), TypeError, "k_cache"),
+        (dict(k_cache=np.ascontiguousarray(kc[..., :32]),
+              v_cache=np.ascontiguousarray(case["v_cache"][..., :32])), ValueError, "k_cache"),
+        (dict(k_cache=kc[:, :, :, ::2]), ValueError, "k_cache"),
+        (dict(v_cache=case["v_cache"][:1]), ValueError, "v_cache"),
+        (dict(layout="NDH"), ValueError, "layout"),
+        (dict(block_tables=bt.astype(np.int64)), TypeError, "block_tables"),
+        (dict(block_tables=bad_ids), ValueError, "block_tables"),
+        (dict(block_tables=bt[:1]), ValueError, "block_tables"),
+        (dict(seq_lens=sl.astype(np.int64)), TypeError, "seq_lens"),
+        (dict(seq_lens=-sl - 1), ValueError, "seq_lens"),
+        (dict(seq_lens=too_long), ValueError, "seq_lens"),
+        (dict(seq_lens=full, k_new=case["k_new"], v_new=case["v_new"]), ValueError, "seq_lens"),
+        (dict(k_new=case["k_new"]), ValueError, "k_new"),
+        (dict(k_new=case["k_new"][:, :1], v_new=case["v_new"]), ValueError, "k_new"),
+        (dict(k_new=case["k_new"], v_new=case["v_new"].astype(np.float32)), TypeError, "v_new"),
+        (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
+        (dict(window_left=-2), ValueError, "window_left"),
+        (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, "alibi_slopes"),
+        (dict(sinks=np.ones(q.shape[1], np.float64)), TypeError, "sinks"),
+        (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
+        (dict(num_splits=0), ValueError, "num_splits"),
+        (dict(num_splits=2.5), ValueError, "num_splits"),
+        (dict(out=np.empty(q.shape, np.float32)), TypeError, "out"),
+        (dict(out=np.empty(q.shape[:2], q.dtype)), ValueError, "out"),
+        (dict(block_tables=bt.tolist()), TypeError, "list"),
+    ]
+
+
+def test_bad_input_raises_before_any_change(rng):
+    case = make_case(rng, lens=[5, 30], hq=4, hk=2, d=64, bs=8, append=True)
+    case["k_new"], case["v_new"] = case.pop("k_new"), case.pop("v_new")
+    for overrides, error, text in _bad_cases(case):
+        args = {**case, "k_new": None, "v_new": None, **overrides}
+        before = (args["k_cache"].copy(), args["v_cache"].copy())
+        with pytest.raises(error, match=re.escape(text)):
+            cupaged.paged_decode(**args)
+        np.testing.assert_array_equal(args["k_cache"], before[0])
+        np.testing.assert_array_equal(args["v_cache"], before[1])
+
+
+def test_decoder_bad_input(rng):
+    case = make_case(rng, lens=[5, 30], hq=4, hk=2, d=64, bs=8)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        cupaged.PagedDecoder(4, 3, 64, 8)
+    with pytest.raises(ValueError, match="head_dim"):
+        cupaged.PagedDecoder(4, 2, 72, 8)
+    with pytest.raises(ValueError, match="block_size"):
+        cupaged.PagedDecoder(4, 2, 64, 0)
+    dec = cupaged.PagedDecoder(4, 2, 64, 8, max_batch=1)
+    with pytest.raises(ValueError, match="plan"):
+        dec.run(case["q"], case["k_cache"], case["v_cache"])
+    with pytest.raises(ValueError, match="max_batch"):
+        dec.plan(case["block_tables"], case["seq_lens"])
+    dec = cupaged.PagedDecoder(4, 2, 64, 8, max_batch=2)
+    dec.plan(case["block_tables"], case["seq_lens"])
+    with pytest.raises(ValueError, match="k_new"):
+        dec.run(case["q"], case["k_cache"], case["v_cache"], k_new=case["q"][:, :2],
+                v_new=case["q"][:, :2])
+    with pytest.raises(ValueError, match="block_tables"):
+        dec.run(case["q"], case["k_cache"][:2], case["v_cache"][:2])
+    with pytest.raises(ValueError, match="q"):
+        dec.run(case["q"][:1], case["k_cache"], case["v_cache"])
+
+
+def test_merge_states_bad_input(rng):
+    a = rng.standard_normal((2, 3, 8)).astype(np.float16)
+    la = np.zeros((2, 3), np.float32)
+    with pytest.raises(TypeError, match="out_b"):
+        cupaged.merge_states(a, la, a.astype(np.float32), la)
+    with pytest.raises(ValueError, match="lse_b"):
+        cupaged.merge_states(a, la, a, la[:1])
+    with pytest.raises(TypeError, match="lse_a"):
+        cupaged.merge_states(a, la.astype(np.float64), a, la)
+
+
+# ----------------------------------------------------------------------------- CPU: planning
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_cache_strides_locate_every_element(rng, layout, dtype):
+    nb, bs, hk, d = 3, 5, 2, 64
+    k = rng.standard_normal((nb, bs, hk, d)).astype(dtype)
+    v = rng.standard_normal((nb, bs, hk, d)).astype(dtype)
+    kc, vc = from_nhd(k, v, layout)
+    ks, vs = dp.cache_strides(layout, bs, hk, d, np.dtype(dtype).itemsize)
+    vec = 16 // np.dtype(dtype).itemsize
+    b, t, h, x = np.meshgrid(*map(np.arange, (nb, bs, hk, d)), indexing="ij")
+    for strides, cache, logical in ((ks, kc, k), (vs, vc, v)):
+        blk, head, tok, chunk, elem = strides
+        off = b * blk + h * head + t * tok + (x // vec) * chunk + (x % vec) * elem
+        np.testing.assert_array_equal(cache.reshape(-1)[off], logical)
+
+
+def test_block_division_is_exact(rng):
+    for bs in [1, 2, 3, 5, 7, 16, 17, 100, 128, 255, 256, 1000, 2**20 + 1]:
+        magic, shift = dp.block_division(bs)
+        assert magic < 2**32
+        t = np.concatenate([np.arange(4 * bs), rng.integers(0, 2**31, 2000),
+                            [2**31 - 1, 2**31 - 2]]).astype(object)
+        assert all((x * magic) >> shift == x // bs for x in t)
+
+
+def test_split_heuristic():
+    def splits(batch, hk, length, hq=32):
+        return dp.plan_launch(itemsize=2, head_dim=128, layout="NHD", block_size=16,
+                              num_q_heads=hq, num_kv_heads=hk, seq_lens=[length] * batch,
+                              append=False, window_left=-1).num_splits
+    assert splits(64, 8, 8192) == 1          # 512 CTAs: already two waves
+    s = splits(1, 8, 131072)                 # one long sequence fills every SM
+    assert 8 * s >= dp.DEFAULT_SMS and 8 * s <= 2 * dp.DEFAULT_SMS
+    assert splits(1, 8, 2048) * 8 >= 64      # B1 x 2K still spreads over the GPU
+    assert splits(1, 8, 64) == 1             # one tile: nothing to split
+    assert splits(8, 8, 8192) * 64 <= 2 * dp.DEFAULT_SMS  # no ragged second wave
+
+
+def test_tiles_cover_visible_range_once():
+    """The kernel's tile/split arithmetic (mirrored here) covers [lo, kv_len) exactly once."""
+    for tile in (16, 32, 64):
+        for kv_len in (0, 1, 2, 17, 63, 64, 65, 511, 513, 4097):
+            for window in (-1, 0, 5, 100):
+                for splits in (1, 2, 3, 7, 64):
+                    lo = max(0, kv_len - 1 - window) if window >= 0 else 0
+                    first = lo // tile
+                    n = -(-kv_len // tile) - first if kv_len else 0
+                    per = -(-n // splits)
+                    seen = []
+                    for s in range(splits):
+                        for t in range(first + min(s * per, n), first + min((s + 1) * per, n)):
+                            seen += [j for j in range(t * tile, (t + 1) * tile) if lo <= j < kv_len]
+                    assert seen == list(range(lo, kv_len))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_specializations_cover_every_plan(dtype):
+    specs = {s.expr for s in decode.kernel_specializations()}
+    for d in HEAD_DIMS:
+        for layout in LAYOUTS:
+            for hq, hk in ((8, 8), (32, 8), (16, 1), (32, 1), (128, 1), (24, 2)):
+                lp = dp.plan_launch(itemsize=np.dtype(dtype).itemsize, head_dim=d, layout=layout,
+                                    block_size=16, num_q_heads=hq, num_kv_heads=hk,
+                                    seq_lens=[100], append=False, window_left=-1)
+                assert decode._decode_expr(dtype, d, lp.vllm_v, lp.tiles.head_tiles) in specs
+                heads = lp.heads.head_warps * lp.tiles.heads_per_warp * lp.heads.head_chunks
+                assert heads >= hq // hk and lp.heads.head_warps <= dp.NWARPS
