@@ -15,12 +15,39 @@ __device__ __forceinline__ int lower_bound(const int* __restrict__ row, int n, i
   return lo;
 }
 
+// Verticals of one query block (ascending, duplicates skipped), consumed in order: those
+// below x are columns, or covered by a key block.
+struct VerticalWalk {
+  const int* row;
+  int n;
+  int* cols;
+  int width;
+  int i = 0, prev = -1, ncol = 0;
+
+  __device__ __forceinline__ void below(i64 x, bool covered) {
+    for (; i < n && row[i] < x; ++i) {
+      if (!covered && row[i] != prev && ncol < width) cols[ncol++] = row[i];
+      prev = row[i];
+    }
+  }
+};
+
+// A merged range [rs, re) is closed: write its block starts, then sort the verticals below
+// its end into columns (before it) and covered ones (inside it).
+__device__ __forceinline__ void close_range(int* offs, int& nblk, int w_s, int block_n, i64 rs,
+                                            i64 re, i64 limit, VerticalWalk& walk) {
+  for (i64 s = rs; s < re && nblk < w_s; s += block_n) offs[nblk++] = (int)s;
+  walk.below(min(rs, limit), false);
+  walk.below(min(re, limit), true);
+}
+
 // grid ceil(batch * heads * num_m / 128), block 128. Thread -> (b, h, m), m fastest: query
 // block m of sequence b, head head0 + h of the index rows. It walks the slashes d < min(end,
-// kv_len) by descending d (the rows are ascending), merging their key ranges and writing
-// the block starts, then walks the verticals v < min(end, kv_len) against those blocks.
+// kv_len) by descending d (the rows are ascending), merging their key ranges; as each merged
+// range closes it writes its block starts and sorts the verticals below its end into
+// columns (before the range) and covered ones (inside it).
 // Outputs are [batch, heads, num_m] counts and [batch, heads, num_m, w] lists.
-__global__ void __launch_bounds__(128) vertical_slash_index_kernel(
+__global__ void __launch_bounds__(128, 1) vertical_slash_index_kernel(
     const int* __restrict__ seqlens, const int* __restrict__ kv_seqlens,
     const int* __restrict__ v_idx, i64 v_batch_stride, int nnz_v,
     const int* __restrict__ s_idx, i64 s_batch_stride, int nnz_s, int head0, int batch,
@@ -42,7 +69,9 @@ __global__ void __launch_bounds__(128) vertical_slash_index_kernel(
     const int* srow = s_idx + b * s_batch_stride + (i64)(head0 + h) * nnz_s;
     const int* vrow = v_idx + b * v_batch_stride + (i64)(head0 + h) * nnz_v;
 
-    // -- slashes: merged key ranges [rs, re), cut into block_n-wide blocks --
+    VerticalWalk walk{vrow, nnz_v, cols, w_v};
+
+    // -- slashes by descending d: ranges ascend; merge while they start by the open end --
     const i64 per_range = (i64)((block_m + block_n - 1) / block_n) * block_n;
     i64 rs = 0, re = -1;  // re < 0: no open range
     for (int i = lower_bound(srow, nnz_s, limit) - 1; i >= 0; --i) {
@@ -51,23 +80,13 @@ __global__ void __launch_bounds__(128) vertical_slash_index_kernel(
         if (hi > re) re += (hi - re + block_n - 1) / block_n * block_n;
         continue;
       }
-      for (i64 s = rs; s < re && nblk < w_s; s += block_n) offs[nblk++] = (int)s;
+      if (re >= 0) close_range(offs, nblk, w_s, block_n, rs, re, limit, walk);
       rs = lo;
       re = lo + per_range;
     }
-    for (i64 s = rs; s < re && nblk < w_s; s += block_n) offs[nblk++] = (int)s;
-
-    // -- verticals outside every block (blocks are ascending and disjoint) --
-    int k = 0, prev = -1;
-    for (int i = 0; i < nnz_v; ++i) {
-      const int v = vrow[i];
-      if (v >= limit) break;
-      if (v == prev) continue;
-      prev = v;
-      while (k < nblk && offs[k] + block_n <= v) ++k;
-      if (k < nblk && offs[k] <= v) continue;
-      if (ncol < w_v) cols[ncol++] = v;
-    }
+    if (re >= 0) close_range(offs, nblk, w_s, block_n, rs, re, limit, walk);
+    walk.below(limit, false);
+    ncol = walk.ncol;
   }
   block_count[tid] = nblk;
   column_count[tid] = ncol;

@@ -100,6 +100,7 @@ def estimate_vertical_slash(q, k, *, vertical_size, slash_size, last_q=64, num_s
         int32 ``[Hq, ns]`` diagonal offsets, ascending.
     """
     xp = array_module(q, k)
+    check_query("q", q, xp)
     check_array("k", k, ndim=3, dtypes=FLOAT_DTYPES, xp=xp)
     if k.dtype != q.dtype or k.shape[2] != q.shape[-1]:
         raise TypeError(f"k: expected dtype {q.dtype} and head size {q.shape[-1]} like q, "
@@ -141,6 +142,7 @@ def paged_estimate_vertical_slash(q, k_cache, block_table, seq_len, *, vertical_
         int32 ``[Hq, nv]`` and ``[Hq, ns]``, ascending.
     """
     xp = array_module(q, k_cache, block_table)
+    check_query("q", q, xp)
     geo = _check_key_cache(k_cache, layout, q, xp)
     seq_len = _check_int("seq_len", seq_len, 1, 2 ** 31 - 1)
     check_array("block_table", block_table, ndim=1, dtypes=np.int32, xp=xp)
