@@ -10,16 +10,15 @@ planning (split count, head layout, strides) lives in ``cupaged.decode_plan``.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import numpy as np
 
 from . import decode_plan as dp
 from ._arrays import (FLOAT_DTYPES, HEAD_DIMS, accepts_dlpack, array_module, as_dtype,
                       check_array, check_choice, check_head_dim)
-from ._checks import check_block_tables, check_gqa, check_options, check_out
+from ._checks import check_gqa, check_options
 from ._compile import Spec, ctype, get_kernel
-from .layouts import LAYOUTS, CacheGeometry
+from .layouts import LAYOUTS
 from .reference import attention as ref
 
 LOG2E = 1.4426950408889634
@@ -245,18 +244,6 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 
 
 # ----------------------------------------------------------------------------- plan / run
-class _Step(NamedTuple):
-    """One plan: host copies, the launch record and device views of the uploaded indices."""
-    batch: int
-    block_tables: object  # int32 [batch, width], host
-    seq_lens: object      # int32 [batch], host
-    append: bool
-    max_block: int        # largest block id the step reads (-1: none)
-    launch: object        # decode_plan.DecodeLaunch (device runs) or None
-    tables_dev: object    # int32 [batch, width_cap] view of the index buffer, or None
-    lens_dev: object      # int32 [batch] view of the index buffer, or None
-
-
 class PagedDecoder:
     """Paged decode planned once per batch step and run once per layer.
 
@@ -323,15 +310,7 @@ class PagedDecoder:
             Override the split heuristic.
         """
         xp = self._xp or array_module(block_tables, seq_lens)
-        geo = CacheGeometry(dp.INT32_MAX, self.block_size, self.num_kv_heads, self.head_dim)
-        bt, sl = check_block_tables(block_tables, seq_lens, geo, array_module(block_tables),
-                                    extra_tokens=int(bool(append)))
-        batch = bt.shape[0]
-        if batch > self.max_batch:
-            raise ValueError(f"block_tables: expected at most max_batch={self.max_batch} "
-                             f"sequences, got {batch}")
-        dp.check_num_splits(num_splits)
-        max_block = dp.planned_max_block(bt, sl, self.block_size, append)
+        bt, sl, max_block = dp.check_plan(self, block_tables, seq_lens, append, num_splits)
         self._xp = xp
         launch = tables = lens = None
         if xp is not np:
@@ -339,7 +318,13 @@ class PagedDecoder:
                            self.num_q_heads, self.num_kv_heads, sl, bool(append),
                            self._opts.window_left, num_splits)
             tables, lens = self._upload(bt, sl, launch.num_splits)
-        self._step = _Step(batch, bt, sl, bool(append), max_block, launch, tables, lens)
+        self._step = dp.Step(len(sl), bt, sl, bool(append), max_block, launch, tables, lens)
+
+    @property
+    def num_splits(self):
+        """Split count of the current plan (1 on the NumPy path or before a plan)."""
+        step = self._step
+        return 1 if step is None or step.launch is None else step.launch.num_splits
 
     def _upload(self, bt, sl, num_splits):
         """One host-to-device copy of ``[lens | tables]``; buffers grow only when needed."""
@@ -358,36 +343,6 @@ class PagedDecoder:
         self._index[:host.size].set(host)
         tables = self._index[self.max_batch:host.size].reshape(batch, self._width)
         return tables, self._index[:batch]
-
-    def _check_run(self, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse):
-        """Shape and dtype checks of ``run`` against the plan (no sync); ``(xp, options)``."""
-        st = self._step
-        if st is None:
-            raise ValueError("PagedDecoder.run: expected a plan() first, got none")
-        xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse)
-        if xp is not self._xp:
-            raise TypeError(f"q: expected {self._xp.__name__} arrays like the plan, got "
-                            f"{xp.__name__} arrays")
-        shape = (st.batch, self.num_q_heads, self.head_dim)
-        check_array("q", q, shape=shape, dtypes=self.dtype, xp=xp)
-        geo = dp.check_caches(q, k_cache, v_cache, self.layout, xp)
-        if (geo.block_size, geo.num_kv_heads) != (self.block_size, self.num_kv_heads):
-            raise ValueError(f"k_cache: expected block_size {self.block_size} and "
-                             f"{self.num_kv_heads} kv heads like the decoder, got "
-                             f"{geo.block_size} and {geo.num_kv_heads}")
-        if st.max_block >= geo.num_blocks:
-            raise ValueError(f"block_tables: expected block ids below {geo.num_blocks} (the "
-                             f"cache's blocks), the plan reads block {st.max_block}")
-        if dp.check_new_kv(k_new, v_new, st.batch, geo, self.dtype, xp) != st.append:
-            raise ValueError(f"k_new, v_new: expected them {'' if st.append else 'not '}"
-                             f"given, as planned with append={st.append}")
-        opts = check_options(xp, self.num_q_heads, self.head_dim, sm_scale=self._opts.sm_scale,
-                             window_left=self._opts.window_left, alibi_slopes=alibi_slopes,
-                             sinks=sinks, logits_soft_cap=self._opts.logits_soft_cap)
-        if out is not None:
-            check_out(out, shape, self.dtype, xp)
-        dp.check_lse(lse, st.batch, self.num_q_heads, xp)
-        return xp, opts
 
     @accepts_dlpack
     def run(self, q, k_cache, v_cache, *, sinks=None, alibi_slopes=None, k_new=None,
@@ -415,8 +370,8 @@ class PagedDecoder:
         out, or ``(out, lse)`` with ``return_lse``; as :func:`paged_decode`.
         """
         st = self._step
-        xp, opts = self._check_run(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out,
-                                   lse)
+        xp, opts = dp.check_run(self, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new,
+                                v_new, out, lse)
         shape = (st.batch, self.num_q_heads, self.head_dim)
         if xp is np:
             o, l = ref.paged_decode(q, k_cache, v_cache, st.block_tables, st.seq_lens,

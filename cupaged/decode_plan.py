@@ -109,6 +109,64 @@ def check_positive(name, value):
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
+class Step(NamedTuple):
+    """One plan: host copies, the launch record and device views of the uploaded indices."""
+    batch: int
+    block_tables: object  # int32 [batch, width], host
+    seq_lens: object      # int32 [batch], host
+    append: bool
+    max_block: int        # largest block id the step reads (-1: none)
+    launch: object        # decode_plan.DecodeLaunch (device runs) or None
+    tables_dev: object    # int32 [batch, width_cap] view of the index buffer, or None
+    lens_dev: object      # int32 [batch] view of the index buffer, or None
+
+
+def check_plan(dec, block_tables, seq_lens, append, num_splits):
+    """Checks of ``PagedDecoder.plan`` on host copies; ``(tables, lengths, max block id)``.
+
+    Block ids are range-checked against the cache at ``run`` (the plan has no cache).
+    """
+    geo = CacheGeometry(INT32_MAX, dec.block_size, dec.num_kv_heads, dec.head_dim)
+    bt, sl = check_block_tables(block_tables, seq_lens, geo, array_module(block_tables),
+                                extra_tokens=int(bool(append)))
+    if bt.shape[0] > dec.max_batch:
+        raise ValueError(f"block_tables: expected at most max_batch={dec.max_batch} "
+                         f"sequences, got {bt.shape[0]}")
+    check_num_splits(num_splits)
+    return bt, sl, planned_max_block(bt, sl, dec.block_size, append)
+
+
+def check_run(dec, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse):
+    """Checks of ``PagedDecoder.run`` against decoder ``dec`` and its plan ``st`` (shapes,
+    dtypes, modules; no sync); returns ``(xp, options)``."""
+    if st is None:
+        raise ValueError("PagedDecoder.run: expected a plan() first, got none")
+    xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse)
+    if xp is not dec._xp:
+        raise TypeError(f"q: expected {dec._xp.__name__} arrays like the plan, got "
+                        f"{xp.__name__} arrays")
+    shape = (st.batch, dec.num_q_heads, dec.head_dim)
+    check_array("q", q, shape=shape, dtypes=dec.dtype, xp=xp)
+    geo = check_caches(q, k_cache, v_cache, dec.layout, xp)
+    if (geo.block_size, geo.num_kv_heads) != (dec.block_size, dec.num_kv_heads):
+        raise ValueError(f"k_cache: expected block_size {dec.block_size} and "
+                         f"{dec.num_kv_heads} kv heads like the decoder, got "
+                         f"{geo.block_size} and {geo.num_kv_heads}")
+    if st.max_block >= geo.num_blocks:
+        raise ValueError(f"block_tables: expected block ids below {geo.num_blocks} (the "
+                         f"cache's blocks), the plan reads block {st.max_block}")
+    if check_new_kv(k_new, v_new, st.batch, geo, dec.dtype, xp) != st.append:
+        raise ValueError(f"k_new, v_new: expected them {'' if st.append else 'not '}"
+                         f"given, as planned with append={st.append}")
+    opts = check_options(xp, dec.num_q_heads, dec.head_dim, sm_scale=dec._opts.sm_scale,
+                         window_left=dec._opts.window_left, alibi_slopes=alibi_slopes,
+                         sinks=sinks, logits_soft_cap=dec._opts.logits_soft_cap)
+    if out is not None:
+        check_out(out, shape, dec.dtype, xp)
+    check_lse(lse, st.batch, dec.num_q_heads, xp)
+    return xp, opts
+
+
 def planned_max_block(block_tables, seq_lens, block_size, append):
     """Largest block id read for ``seq_lens (+1 with append)`` tokens, -1 if none."""
     need = -(-(np.asarray(seq_lens, np.int64) + bool(append)) // block_size)
@@ -182,17 +240,18 @@ def ctas_per_sm(smem_bytes, smem_per_sm=DEFAULT_SMEM_PER_SM) -> int:
     return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // (smem_bytes + 1024)))
 
 
-def choose_num_splits(ctas, max_visible, tile, slots) -> int:
+def choose_num_splits(ctas, max_tiles, slots) -> int:
     """Splits per (sequence, kv head) so that one wave of ``slots`` resident CTAs is full.
 
-    ``ctas`` CTAs run without splitting. With fewer than half a wave, split each into
-    ``floor(slots / ctas)`` (whole waves, no ragged tail) while keeping at least
-    ``STAGES - 1`` tiles per split so each CTA's first loads all go out at once.
+    ``ctas`` CTAs run without splitting and the longest sequence spans ``max_tiles`` tiles.
+    With fewer than half a wave, split each into about ``slots // ctas`` (whole waves, no
+    ragged tail), keeping at least ``STAGES - 1`` tiles per split (a CTA's first loads all
+    go out at once) and no split of the longest sequence empty.
     """
-    if ctas <= 0 or max_visible <= 0 or 2 * ctas > slots:
+    if ctas <= 0 or max_tiles <= 0 or 2 * ctas > slots:
         return 1
-    tiles = -(-int(max_visible) // tile) + 1  # a window may start mid-tile
-    return int(max(1, min(slots // ctas, -(-tiles // (STAGES - 1)), MAX_SPLITS)))
+    splits = max(1, min(slots // ctas, -(-max_tiles // (STAGES - 1)), MAX_SPLITS))
+    return int(-(-max_tiles // -(-max_tiles // splits)))
 
 
 def block_division(block_size):
@@ -253,7 +312,8 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
     if num_splits is None:
         slots = num_sms * ctas_per_sm(tiles.smem_bytes, smem_per_sm)
         max_visible = int(visible_lengths(seq_lens, append, window_left).max(initial=0))
-        num_splits = choose_num_splits(ctas, max_visible, tiles.tile, slots)
+        max_tiles = -(-max_visible // tiles.tile) + (window_left >= 0 and max_visible > 0)
+        num_splits = choose_num_splits(ctas, max_tiles, slots)
     k_strides, v_strides = cache_strides(layout, block_size, num_kv_heads, head_dim, itemsize)
     magic, shift = block_division(block_size)
     grid = (int(num_splits), num_kv_heads * heads.head_chunks, batch)

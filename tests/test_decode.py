@@ -52,10 +52,9 @@ def make_case(rng, *, lens, hq=8, hk=2, d=64, bs=16, layout="NHD", dtype=np.floa
     for i, n in enumerate(need):
         tables[i, :n] = ids[start:start + n]
         start += n
-        for t in range(int(lens[i])):
-            blk, off = tables[i, t // bs], t % bs
-            k[blk, off] = rng.standard_normal((hk, d))
-            v[blk, off] = rng.standard_normal((hk, d))
+        t = np.arange(lens[i])
+        k[tables[i, t // bs], t % bs] = rng.standard_normal((len(t), hk, d))
+        v[tables[i, t // bs], t % bs] = rng.standard_normal((len(t), hk, d))
     kc, vc = from_nhd(k.astype(dtype), v.astype(dtype), layout)
     return dict(q=rng.standard_normal((len(lens), hq, d)).astype(dtype), k_cache=kc, v_cache=vc,
                 block_tables=tables, seq_lens=lens,
@@ -68,6 +67,8 @@ def features(rng, hq, names):
     opts = {}
     if "window" in names:
         opts["window_left"] = 100
+    if "window0" in names:
+        opts["window_left"] = 0
     if "alibi" in names:
         opts["alibi_slopes"] = (2.0 ** -np.arange(1, hq + 1) * 4).astype(np.float32)
     if "sinks" in names:
@@ -80,13 +81,17 @@ def features(rng, hq, names):
 
 
 def oracle(case, layout, **opts):
-    """Reference (float64 inside) on float32 copies, exact for every input dtype; the copied
-    caches are updated by an append as the op's would be."""
-    c = {n: (None if a is None else a.astype(np.float32) if a.dtype.kind == "f" else a.copy())
+    """Reference (float64 inside) on float32 NHD copies, exact for every input dtype.
+
+    Returns ``((out, lse), after)``: ``after`` holds the copies, with caches as NHD float32
+    ``[num_blocks, block_size, Hk, D]`` updated by an append as the op's would be.
+    """
+    c = {n: (None if a is None else a.astype(np.float32) if a.dtype in FLOAT_DTYPES else a.copy())
          for n, a in case.items()}
+    c["k_cache"] = np.ascontiguousarray(k_as_nhd(case["k_cache"], layout), np.float32)
+    c["v_cache"] = np.ascontiguousarray(v_as_nhd(case["v_cache"], layout), np.float32)
     return ref.paged_decode(c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"],
-                            k_new=c["k_new"], v_new=c["v_new"], layout=layout, return_lse=True,
-                            **opts), c
+                            k_new=c["k_new"], v_new=c["v_new"], return_lse=True, **opts), c
 
 
 def rel_err(out, want):
@@ -122,7 +127,10 @@ def test_numpy_path_matches_reference(rng, layout, dtype, feats, append):
     assert got is out
     assert rel_err(got, want) < TOL[np.dtype(dtype)]
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.isnan(case["k_cache"]), np.isnan(after["k_cache"]))
+    np.testing.assert_array_equal(k_as_nhd(case["k_cache"], layout).astype(np.float32),
+                                  after["k_cache"])
+    np.testing.assert_array_equal(v_as_nhd(case["v_cache"], layout).astype(np.float32),
+                                  after["v_cache"])
 
 
 def test_numpy_empty_rows_are_zero_with_sink_lse(rng):
@@ -318,3 +326,218 @@ def test_specializations_cover_every_plan(dtype):
                 assert decode._decode_expr(dtype, d, lp.vllm_v, lp.tiles.head_tiles) in specs
                 heads = lp.heads.head_warps * lp.tiles.heads_per_warp * lp.heads.head_chunks
                 assert heads >= hq // hk and lp.heads.head_warps <= dp.NWARPS
+
+
+# ----------------------------------------------------------------------------- GPU: kernels
+def to_device(cp, case):
+    return {n: (None if a is None else cp.asarray(a)) for n, a in case.items()}
+
+
+def run_gpu(cp, case, layout, **kw):
+    """paged_decode on device copies with NaN-poisoned out/lse; host results + device case."""
+    dev = to_device(cp, case)
+    opts = {n: (cp.asarray(a) if isinstance(a, np.ndarray) else a) for n, a in kw.items()}
+    out = cp.full(case["q"].shape, np.nan, case["q"].dtype)
+    got, lse = cupaged.paged_decode(**dev, layout=layout, out=out, return_lse=True, **opts)
+    assert got is out
+    return got.get(), lse.get(), dev
+
+
+def assert_matches(got, lse, want, want_lse, dtype):
+    """Relative norm within the dtype's tolerance (and 5x per row), empty rows exact zeros,
+    LSE to 1e-3."""
+    got = np.asarray(got, np.float64).reshape(-1, got.shape[-1])
+    want = np.asarray(want, np.float64).reshape(-1, want.shape[-1])
+    assert np.isfinite(got).all(), "unwritten or NaN output elements"
+    tol = TOL[np.dtype(dtype)]
+    assert rel_err(got, want) < tol
+    norms = np.linalg.norm(want, axis=1)
+    assert (got[norms == 0] == 0).all()
+    rows = np.linalg.norm(got - want, axis=1)[norms > 0] / norms[norms > 0]
+    assert rows.max(initial=0) < 5 * tol, f"worst row {rows.argmax()}: {rows.max()}"
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-4, atol=1e-3)
+
+
+def check_gpu(cp, rng, case, layout, feats=(), **kw):
+    opts = features(rng, case["q"].shape[1], feats)
+    (want, want_lse), after = oracle(case, layout, **opts)
+    got, lse, dev = run_gpu(cp, case, layout, **opts, **kw)
+    assert_matches(got, lse, want, want_lse, case["q"].dtype)
+    if case["k_new"] is not None:  # the append wrote exactly the reference's values
+        for name, as_nhd in (("k_cache", k_as_nhd), ("v_cache", v_as_nhd)):
+            np.testing.assert_array_equal(as_nhd(dev[name].get(), layout).astype(np.float32),
+                                          after[name])
+
+
+SHAPES = [  # id, layout, dtype, head_dim, block_size, Hq, Hk, lengths
+    ("nhd-bf16-d128-g4", "NHD", bfloat16, 128, 16, 32, 8, [1, 2, 17, 511, 513]),
+    ("hnd-f16-d128-g4", "HND", np.float16, 128, 16, 8, 2, [4097, 0, 3]),
+    ("vllm-bf16-d128-g4", "vllm", bfloat16, 128, 16, 8, 2, [17, 513, 1]),
+    ("vllm-f16-d64-mha", "vllm", np.float16, 64, 32, 4, 4, [511, 2]),
+    ("vllm-f32-d80-g8", "vllm", np.float32, 80, 16, 16, 2, [513, 17]),
+    ("vllm-bf16-d96-bs1", "vllm", bfloat16, 96, 1, 8, 2, [17, 70]),
+    ("vllm-f16-d112-bs5", "vllm", np.float16, 112, 5, 4, 2, [33, 1]),
+    ("nhd-f32-d256-bs128", "NHD", np.float32, 256, 128, 8, 2, [4097, 1]),
+    ("hnd-bf16-d256-mqa", "HND", bfloat16, 256, 32, 16, 1, [513, 2]),
+    ("nhd-f16-d64-bs1-70000", "NHD", np.float16, 64, 1, 8, 1, [70000]),
+    ("nhd-bf16-d128-mqa32", "NHD", bfloat16, 128, 16, 32, 1, [4097, 17]),
+    ("nhd-bf16-d128-g80", "NHD", bfloat16, 128, 16, 80, 1, [511, 2]),
+    ("nhd-f16-d96-g12", "NHD", np.float16, 96, 16, 24, 2, [513, 17, 1]),
+    ("hnd-f32-d112-bs32", "HND", np.float32, 112, 32, 8, 8, [511, 513]),
+    ("nhd-f16-d80-bs128", "NHD", np.float16, 80, 128, 8, 4, [17, 4097]),
+    ("hnd-bf16-d64-bs128", "HND", bfloat16, 64, 128, 16, 4, [2, 511]),
+    ("vllm-f32-d256-bs32", "vllm", np.float32, 256, 32, 4, 1, [97, 3]),
+    ("nhd-f32-d96-bs1", "NHD", np.float32, 96, 1, 4, 1, [513]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,dtype,d,bs,hq,hk,lens", [s[1:] for s in SHAPES],
+                         ids=[s[0] for s in SHAPES])
+def test_kernel_shapes(rng, cp, layout, dtype, d, bs, hq, hk, lens):
+    case = make_case(rng, lens=lens, hq=hq, hk=hk, d=d, bs=bs, layout=layout, dtype=dtype)
+    check_gpu(cp, rng, case, layout)
+
+
+FEATURE_SETS = [("window",), ("window0",), ("alibi",), ("sinks",), ("softcap",), ("scale",),
+                ("window", "alibi", "sinks", "softcap", "scale")]
+FEATURE_SHAPES = [("NHD", bfloat16, 128, 16, 32, 8), ("vllm", np.float16, 64, 8, 8, 2),
+                  ("HND", np.float32, 128, 1, 4, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feats", FEATURE_SETS, ids="+".join)
+@pytest.mark.parametrize("layout,dtype,d,bs,hq,hk", FEATURE_SHAPES, ids=lambda v: str(v))
+def test_kernel_features(rng, cp, layout, dtype, d, bs, hq, hk, feats):
+    case = make_case(rng, lens=[1, 17, 513, 4097, 0], hq=hq, hk=hk, d=d, bs=bs, layout=layout,
+                     dtype=dtype)
+    check_gpu(cp, rng, case, layout, feats)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,dtype,d,bs,feats", [
+    ("NHD", bfloat16, 128, 16, ()),
+    ("vllm", np.float16, 64, 16, ("sinks", "window")),
+    ("HND", np.float32, 96, 1, ("alibi",)),
+    ("vllm", bfloat16, 128, 3, ()),
+])
+def test_kernel_append(rng, cp, layout, dtype, d, bs, feats):
+    lens = [0, 15, 16, 511, 2]
+    case = make_case(rng, lens=lens, hq=8, hk=2, d=d, bs=bs, layout=layout, dtype=dtype,
+                     append=True)
+    check_gpu(cp, rng, case, layout, feats)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 256])
+@pytest.mark.parametrize("feats", [(), ("sinks", "window")], ids=["plain", "sinks+window"])
+def test_kernel_forced_splits(rng, cp, num_splits, feats):
+    case = make_case(rng, lens=[4097, 17, 0, 513], hq=16, hk=4, d=128, bs=16, dtype=bfloat16)
+    check_gpu(cp, rng, case, "NHD", feats, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_kernel_blocks_past_2_31_elements(rng, cp, layout):
+    """The used blocks sit at the top of caches of more than 2**31 elements."""
+    bs, hk, d = 16, 1, 128
+    top = (2**31) // (bs * hk * d) + 16
+    small = make_case(rng, lens=[300, 47], hq=4, hk=hk, d=d, bs=bs, layout=layout,
+                      dtype=np.float16, append=True, spare_blocks=0)
+    opts = features(rng, 4, ("sinks",))
+    (want, want_lse), after = oracle(small, layout, **opts)
+    dev = to_device(cp, small)
+    nb = small["k_cache"].shape[0]
+    for name in ("k_cache", "v_cache"):
+        big = cp.empty((top + nb,) + small[name].shape[1:], np.float16)
+        big[top:] = dev[name]
+        dev[name] = big
+    dev["block_tables"] = cp.where(dev["block_tables"] >= 0, dev["block_tables"] + top,
+                                   -1).astype(cp.int32)
+    out, lse = cupaged.paged_decode(**dev, layout=layout, sinks=cp.asarray(opts["sinks"]),
+                                    return_lse=True)
+    assert_matches(out.get(), lse.get(), want, want_lse, np.float16)
+    np.testing.assert_array_equal(k_as_nhd(dev["k_cache"][top:].get(), layout).astype(np.float32),
+                                  after["k_cache"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_merge_states_kernel(rng, cp, dtype):
+    a, b = rng.standard_normal((2, 7, 5, 80)).astype(dtype)
+    la, lb = (rng.standard_normal((2, 7, 5)) * 3).astype(np.float32)
+    la[0, :2] = -np.inf
+    lb[0, 1:3] = -np.inf
+    out, lse = cupaged.merge_states(*map(cp.asarray, (a, la, b, lb)))
+    want, want_lse = ref.merge_states(a.astype(np.float32), la, b.astype(np.float32), lb)
+    got = out.get().astype(np.float64)
+    assert rel_err(got, want) < TOL[np.dtype(dtype)]
+    assert (got[0, 1] == 0).all()
+    np.testing.assert_allclose(lse.get(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_decoder_graph_capture_and_replay(rng, cp):
+    """Capture one run, then replay it after a new plan with new lengths and a new q."""
+    hq, hk, d, bs = 16, 4, 128, 16
+    lens1, lens2 = np.array([300, 17, 4000], np.int32), np.array([4100, 0, 513], np.int32)
+    case = make_case(rng, lens=np.maximum(lens1, lens2), hq=hq, hk=hk, d=d, bs=bs, dtype=bfloat16)
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    dev = to_device(cp, case)
+    dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, max_batch=4, xp=cp)
+    q_buf = cp.asarray(case["q"])
+    out = cp.empty(case["q"].shape, bfloat16)
+    lse = cp.empty((3, hq), np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        dec.plan(case["block_tables"], lens1, num_splits=5)
+        dec.run(q_buf, dev["k_cache"], dev["v_cache"], sinks=cp.asarray(sinks), out=out, lse=lse)
+        stream.synchronize()
+        out.fill(np.nan)
+        lse.fill(np.nan)
+        stream.begin_capture()
+        dec.run(q_buf, dev["k_cache"], dev["v_cache"], sinks=cp.asarray(sinks), out=out, lse=lse)
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+    (want, want_lse), _ = oracle({**case, "seq_lens": lens1}, "NHD", sinks=sinks)
+    assert_matches(out.get(), lse.get(), want, want_lse, bfloat16)
+
+    q2 = rng.standard_normal(case["q"].shape).astype(bfloat16)
+    with stream:
+        dec.plan(case["block_tables"], lens2)
+        q_buf[...] = cp.asarray(q2)
+        out.fill(np.nan)
+        lse.fill(np.nan)
+        graph.launch()
+        stream.synchronize()
+    (want, want_lse), _ = oracle({**case, "q": q2, "seq_lens": lens2}, "NHD", sinks=sinks)
+    assert_matches(out.get(), lse.get(), want, want_lse, bfloat16)
+
+
+@pytest.mark.gpu
+def test_decoder_matches_function_on_gpu(rng, cp):
+    case = make_case(rng, lens=[5, 1000, 0], hq=8, hk=2, d=128, bs=16, layout="vllm",
+                     dtype=np.float16, append=True)
+    want, want_lse, _ = run_gpu(cp, case, "vllm")
+    dev = to_device(cp, case)
+    dec = cupaged.PagedDecoder(8, 2, 128, 16, dtype=np.float16, layout="vllm", max_batch=3)
+    dec.plan(dev["block_tables"], dev["seq_lens"], append=True)
+    got, lse = dec.run(dev["q"], dev["k_cache"], dev["v_cache"], k_new=dev["k_new"],
+                       v_new=dev["v_new"], return_lse=True)
+    np.testing.assert_array_equal(got.get(), want)
+    np.testing.assert_array_equal(lse.get(), want_lse)
+
+
+@pytest.mark.gpu
+def test_device_bad_input(rng, cp):
+    case = make_case(rng, lens=[5, 30], hq=4, hk=2, d=64, bs=8)
+    dev = to_device(cp, case)
+    with pytest.raises(TypeError, match="mix"):
+        cupaged.paged_decode(**{**dev, "q": case["q"]})
+    with pytest.raises(TypeError, match="mix"):
+        cupaged.paged_decode(**{**dev, "seq_lens": case["seq_lens"]})
+    flat = cp.empty(dev["k_cache"].size + 8, dev["k_cache"].dtype)
+    shifted = flat[1:1 + dev["k_cache"].size].reshape(dev["k_cache"].shape)
+    with pytest.raises(ValueError, match="16-byte"):
+        cupaged.paged_decode(**{**dev, "k_cache": shifted})

@@ -1,0 +1,170 @@
+"""Benchmark of paged decode against the HBM ceiling and torch's dense decode.
+
+For batch B in {1, 8, 64, 256} and context L in {512, 2K, 8K, 32K, 128K} (bf16, d128, page
+16; GQA Hq32/Hk8, MHA Hq=Hk=32 and MQA Hk=1; shapes over ~40 GB of K+V skipped) it reports
+the time of ``PagedDecoder.run`` (planned once, so no host sync is timed), the K+V bytes read
+per second, their fraction of the device-to-device copy bandwidth measured in the same run
+(``timing.copy_bandwidth``), and, when torch is importable, SDPA's cuDNN and flash dense
+decode on the same shapes (q ``[B, Hq, 1, D]``, k/v ``[B, Hk, L, D]``). Page size 1 vs 16
+is compared at B64 x L8K. KV sets rotate so L2 (60 MB) does not serve them, and every timed
+configuration is checked against the reference on one sequence and kv head. Run:
+``python -m cupaged.bench.decode [--quick]``.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .. import decode
+from .._arrays import bfloat16
+from ..reference import attention as ref
+from .timing import copy_bandwidth, format_table, rotating, time_gpu, torch_or_none
+
+HEAD_DIM, DTYPE = 128, bfloat16
+HEADS = {"GQA": (32, 8), "MHA": (32, 32), "MQA": (32, 1)}
+BATCHES, LENGTHS = (1, 8, 64, 256), (512, 2048, 8192, 32768, 131072)
+MAX_KV_BYTES = 40e9
+
+
+def kv_bytes(batch, length, num_kv_heads):
+    return 2 * batch * length * num_kv_heads * HEAD_DIM * np.dtype(DTYPE).itemsize
+
+
+def _random_fill(a, seed):
+    """Fill a device array with N(0, 1) values in chunks (no full-size float32 temporary)."""
+    import cupy
+    flat, rs = a.reshape(-1), cupy.random.RandomState(seed)
+    for i in range(0, flat.size, 1 << 27):
+        n = min(1 << 27, flat.size - i)
+        flat[i:i + n] = rs.standard_normal(n, dtype=cupy.float32).astype(a.dtype)
+    return a
+
+
+def _paged_batch(batch, length, num_kv_heads, page, seed):
+    """Block tables (blocks in random order) and lengths, as host arrays."""
+    per_seq = -(-length // page)
+    ids = np.random.default_rng(seed).permutation(batch * per_seq).astype(np.int32)
+    return ids.reshape(batch, per_seq), np.full(batch, length, np.int32)
+
+
+def _check(out, q, k, v, tables, lens, group):
+    """Relative error of sequence 0, kv head 0 against the float64 reference."""
+    page = k.shape[1]
+    blocks = tables[0, :-(-int(lens[0]) // page)]
+    kh = k[blocks.tolist()][:, :, :1].get().astype(np.float32)
+    vh = v[blocks.tolist()][:, :, :1].get().astype(np.float32)
+    local = np.arange(len(blocks), dtype=np.int32)[None]
+    want = ref.paged_decode(q[:1, :group].get().astype(np.float32), kh, vh, local, lens[:1])
+    got = out[:1, :group].get().astype(np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def bench_paged(batch, length, heads, page=16, check=True):
+    """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fraction of copy)."""
+    import cupy
+    hq, hk = heads
+    nbytes = kv_bytes(batch, length, hk)
+    tables, lens = _paged_batch(batch, length, hk, page, seed=batch + length)
+    shape = (tables.size, page, hk, HEAD_DIM)
+
+    def make():
+        return _random_fill(cupy.empty(shape, DTYPE), 1), _random_fill(cupy.empty(shape, DTYPE), 2)
+
+    sets = rotating(make, nbytes) if nbytes < (1 << 30) else (lambda s=make(): s)
+    q = _random_fill(cupy.empty((batch, hq, HEAD_DIM), DTYPE), 3)
+    out = cupy.empty_like(q)
+    dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, max_batch=batch, xp=cupy)
+    dec.plan(tables, lens)
+    seconds = time_gpu(lambda: dec.run(q, *sets(), out=out))
+    err = None
+    if check:
+        k, v = sets()
+        dec.run(q, k, v, out=out)
+        err = _check(out, q, k, v, tables, lens, hq // hk)
+    bw = nbytes / seconds
+    return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page,
+            "splits": dec.num_splits, "us": seconds * 1e6, "TB/s": bw / 1e12,
+            "frac_copy": bw / copy_bandwidth(), "err": err}
+
+
+def bench_torch(batch, length, heads):
+    """SDPA cuDNN and flash dense decode TB/s on the same shape (None where unavailable)."""
+    torch = torch_or_none()
+    if torch is None:
+        return {}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    hq, hk = heads
+    nbytes = kv_bytes(batch, length, hk)
+    q = torch.randn(batch, hq, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+
+    def make():
+        return tuple(torch.randn(batch, hk, length, HEAD_DIM, device="cuda",
+                                 dtype=torch.bfloat16) for _ in range(2))
+
+    sets = rotating(make, nbytes) if nbytes < (1 << 30) else (lambda s=make(): s)
+    figures = {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        def step():
+            k, v = sets()
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hk)
+        try:
+            figures[f"{name}_TB/s"] = nbytes / _time_torch(torch, step) / 1e12
+        except Exception:  # backend unavailable for this shape or build
+            figures[f"{name}_TB/s"] = None
+    return figures
+
+
+def _time_torch(torch, fn, warmup=3, reps=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    return float(np.median(times))
+
+
+def _free():
+    import cupy
+    cupy.get_default_memory_pool().free_all_blocks()
+    torch = torch_or_none()
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
+def run(quick=False):
+    """Rows of the decode benchmark (see the module docstring); ``quick`` runs a subset."""
+    shapes = [(name, b, l) for name in HEADS for b in BATCHES for l in LENGTHS
+              if kv_bytes(b, l, HEADS[name][1]) <= MAX_KV_BYTES]
+    if quick:
+        shapes = [s for s in shapes if s[0] == "GQA" and s[1] in (1, 64) and s[2] in (2048, 8192)]
+    copy_bandwidth()
+    rows = []
+    for name, b, l in shapes:
+        row = bench_paged(b, l, HEADS[name])
+        _free()
+        row.update(bench_torch(b, l, HEADS[name]))
+        _free()
+        rows.append(row)
+    for page in (1, 16):  # page size 1 vs 16 at B64 x L8K
+        rows.append(bench_paged(64, 8192, HEADS["GQA"], page=page))
+        _free()
+    return rows
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    rows = run(quick="--quick" in argv)
+    print(f"copy bandwidth (read + write): {copy_bandwidth() / 1e12:.2f} TB/s")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
