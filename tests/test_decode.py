@@ -483,20 +483,22 @@ def test_decoder_graph_capture_and_replay(rng, cp):
     lens1, lens2 = np.array([300, 17, 4000], np.int32), np.array([4100, 0, 513], np.int32)
     case = make_case(rng, lens=np.maximum(lens1, lens2), hq=hq, hk=hk, d=d, bs=bs, dtype=bfloat16)
     sinks = rng.standard_normal(hq).astype(np.float32)
+    sinks_dev = cp.asarray(sinks)  # no host-to-device copy may happen during the capture
     dev = to_device(cp, case)
     dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, max_batch=4, xp=cp)
     q_buf = cp.asarray(case["q"])
     out = cp.empty(case["q"].shape, bfloat16)
     lse = cp.empty((3, hq), np.float32)
     stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()  # uploads above ran on the legacy stream
     with stream:
         dec.plan(case["block_tables"], lens1, num_splits=5)
-        dec.run(q_buf, dev["k_cache"], dev["v_cache"], sinks=cp.asarray(sinks), out=out, lse=lse)
+        dec.run(q_buf, dev["k_cache"], dev["v_cache"], sinks=sinks_dev, out=out, lse=lse)
         stream.synchronize()
         out.fill(np.nan)
         lse.fill(np.nan)
         stream.begin_capture()
-        dec.run(q_buf, dev["k_cache"], dev["v_cache"], sinks=cp.asarray(sinks), out=out, lse=lse)
+        dec.run(q_buf, dev["k_cache"], dev["v_cache"], sinks=sinks_dev, out=out, lse=lse)
         graph = stream.end_capture()
         graph.launch()
         stream.synchronize()
@@ -504,9 +506,11 @@ def test_decoder_graph_capture_and_replay(rng, cp):
     assert_matches(out.get(), lse.get(), want, want_lse, bfloat16)
 
     q2 = rng.standard_normal(case["q"].shape).astype(bfloat16)
+    q2_dev = cp.asarray(q2)
+    cp.cuda.Device().synchronize()
     with stream:
         dec.plan(case["block_tables"], lens2)
-        q_buf[...] = cp.asarray(q2)
+        q_buf[...] = q2_dev
         out.fill(np.nan)
         lse.fill(np.nan)
         graph.launch()

@@ -2,11 +2,12 @@
 
 For batch B in {1, 8, 64, 256} and context L in {512, 2K, 8K, 32K, 128K} (bf16, d128, page
 16; GQA Hq32/Hk8, MHA Hq=Hk=32 and MQA Hk=1; shapes over ~40 GB of K+V skipped) it reports
-the time of ``PagedDecoder.run`` (planned once, so no host sync is timed), the K+V bytes read
-per second, their fraction of the device-to-device copy bandwidth measured in the same run
-(``timing.copy_bandwidth``), and, when torch is importable, SDPA's cuDNN and flash dense
-decode on the same shapes (q ``[B, Hq, 1, D]``, k/v ``[B, Hk, L, D]``). Page size 1 vs 16
-is compared at B64 x L8K. KV sets rotate so L2 (60 MB) does not serve them, and every timed
+the time of ``PagedDecoder.run`` (planned once, replayed from a CUDA graph as a serving loop
+would; ``eager_us`` without the graph), the K+V bytes read per second, their fraction of the
+device-to-device copy bandwidth measured in the same run (``timing.copy_bandwidth``), and,
+when torch is importable, SDPA's cuDNN and flash dense decode on the same shapes (q
+``[B, Hq, 1, D]``, k/v ``[B, Hk, L, D]``, graph-replayed too). Page size 1 vs 16 is
+compared at B64 x L8K. K/V sets rotate so L2 (60 MB) does not serve them, and every timed
 configuration is checked against the reference on one sequence and kv head. Run:
 ``python -m cupaged.bench.decode [--quick]``.
 """
@@ -19,7 +20,7 @@ import numpy as np
 from .. import decode
 from .._arrays import bfloat16
 from ..reference import attention as ref
-from .timing import copy_bandwidth, format_table, rotating, time_gpu, torch_or_none
+from .timing import copy_bandwidth, format_table, time_gpu, torch_or_none
 
 HEAD_DIM, DTYPE = 128, bfloat16
 HEADS = {"GQA": (32, 8), "MHA": (32, 32), "MQA": (32, 1)}
@@ -41,7 +42,7 @@ def _random_fill(a, seed):
     return a
 
 
-def _paged_batch(batch, length, num_kv_heads, page, seed):
+def _paged_batch(batch, length, page, seed):
     """Block tables (blocks in random order) and lengths, as host arrays."""
     per_seq = -(-length // page)
     ids = np.random.default_rng(seed).permutation(batch * per_seq).astype(np.int32)
@@ -60,32 +61,54 @@ def _check(out, q, k, v, tables, lens, group):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
+def _kv_sets(make, nbytes, min_total=256 << 20, most=128):
+    """Enough K/V sets (``make()`` each) that cycling through them defeats the 60 MB L2."""
+    return [make() for _ in range(max(1, min(most, -(-min_total // nbytes))))]
+
+
+def _graph_time(run_set, sets):
+    """Seconds per call of ``run_set(set)``: one CUDA graph runs every set once, so neither
+    Python nor launch gaps are timed (as a serving loop replays its decode step)."""
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run_set(sets[0])  # compiles, sets kernel attributes
+        stream.synchronize()
+        stream.begin_capture()
+        for kv in sets:
+            run_set(kv)
+        graph = stream.end_capture()
+        return time_gpu(graph.launch) / len(sets)
+
+
 def bench_paged(batch, length, heads, page=16, check=True):
     """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fraction of copy)."""
     import cupy
     hq, hk = heads
     nbytes = kv_bytes(batch, length, hk)
-    tables, lens = _paged_batch(batch, length, hk, page, seed=batch + length)
+    tables, lens = _paged_batch(batch, length, page, seed=batch + length)
     shape = (tables.size, page, hk, HEAD_DIM)
 
     def make():
         return _random_fill(cupy.empty(shape, DTYPE), 1), _random_fill(cupy.empty(shape, DTYPE), 2)
 
-    sets = rotating(make, nbytes) if nbytes < (1 << 30) else (lambda s=make(): s)
+    sets = _kv_sets(make, nbytes)
     q = _random_fill(cupy.empty((batch, hq, HEAD_DIM), DTYPE), 3)
     out = cupy.empty_like(q)
     dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, max_batch=batch, xp=cupy)
     dec.plan(tables, lens)
-    seconds = time_gpu(lambda: dec.run(q, *sets(), out=out))
+    cupy.cuda.Device().synchronize()
+    seconds = _graph_time(lambda kv: dec.run(q, *kv, out=out), sets)
+    turn = iter(range(1 << 30))
+    eager = time_gpu(lambda: dec.run(q, *sets[next(turn) % len(sets)], out=out))
     err = None
     if check:
-        k, v = sets()
-        dec.run(q, k, v, out=out)
-        err = _check(out, q, k, v, tables, lens, hq // hk)
+        dec.run(q, *sets[0], out=out)
+        err = _check(out, q, *sets[0], tables, lens, hq // hk)
     bw = nbytes / seconds
     return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page,
-            "splits": dec.num_splits, "us": seconds * 1e6, "TB/s": bw / 1e12,
-            "frac_copy": bw / copy_bandwidth(), "err": err}
+            "splits": dec.num_splits, "us": seconds * 1e6, "eager_us": eager * 1e6,
+            "TB/s": bw / 1e12, "frac_copy": bw / copy_bandwidth(), "err": err}
 
 
 def bench_torch(batch, length, heads):
@@ -97,37 +120,41 @@ def bench_torch(batch, length, heads):
     hq, hk = heads
     nbytes = kv_bytes(batch, length, hk)
     q = torch.randn(batch, hq, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-
-    def make():
-        return tuple(torch.randn(batch, hk, length, HEAD_DIM, device="cuda",
-                                 dtype=torch.bfloat16) for _ in range(2))
-
-    sets = rotating(make, nbytes) if nbytes < (1 << 30) else (lambda s=make(): s)
+    sets = _kv_sets(lambda: tuple(torch.randn(batch, hk, length, HEAD_DIM, device="cuda",
+                                              dtype=torch.bfloat16) for _ in range(2)), nbytes)
     figures = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        def step():
-            k, v = sets()
+        def run_set(kv):
             with sdpa_kernel(backend):
-                torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hk)
+                torch.nn.functional.scaled_dot_product_attention(q, *kv, enable_gqa=hq != hk)
         try:
-            figures[f"{name}_TB/s"] = nbytes / _time_torch(torch, step) / 1e12
+            figures[f"{name}_TB/s"] = nbytes / _torch_graph_time(torch, run_set, sets) / 1e12
         except Exception:  # backend unavailable for this shape or build
             figures[f"{name}_TB/s"] = None
     return figures
 
 
-def _time_torch(torch, fn, warmup=3, reps=20):
-    for _ in range(warmup):
-        fn()
+def _torch_graph_time(torch, run_set, sets, reps=20):
+    """Seconds per ``run_set`` call, replaying a CUDA graph over every set (median)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_set(sets[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for kv in sets:
+            run_set(kv)
+    graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
+        times.append(start.elapsed_time(stop) * 1e-3 / len(sets))
     return float(np.median(times))
 
 
