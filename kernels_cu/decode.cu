@@ -52,7 +52,6 @@ struct Cfg {
   static constexpr int K_ELEMS = TILE * KROW;
   static constexpr int V_ELEMS_ROWS = TILE * KROW;  // V tile [TILE][KROW]
   static constexpr int V_ELEMS_T = D * VTROW;       // transposed V tile [D][VTROW]
-  static constexpr int RED_FLOATS = NWARPS * (DT * NT * 4 + NT * 4) * 32;
 };
 
 __device__ __forceinline__ u32 movmatrix_trans(u32 x) {
@@ -311,6 +310,176 @@ struct Loader {
   }
 };
 
+// ---------------------------------------------------------------------------- softmax state
+// One warp's online softmax over its tokens for its lane's heads, in log2 units: m[nt][j]
+// the running max of head nt*8 + 2r + j (equal on the 8 lanes of the head), l[nt][j] this
+// lane's share of the running sum (summed over those lanes by reduce_sum), acc the
+// unnormalised output in the acc layout.
+template <int NT, int DT>
+struct SoftmaxState {
+  float m[NT][2], l[NT][2], acc[DT][NT][4];
+  static constexpr int FLOATS = DT * NT * 4 + NT * 4;  // per lane, when stored
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      m[nt][0] = m[nt][1] = minus_inf();
+      l[nt][0] = l[nt][1] = 0.f;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) acc[dt][nt][0] = acc[dt][nt][1] = acc[dt][nt][2] = acc[dt][nt][3] = 0.f;
+    }
+  }
+
+  // Fold in one m-tile of scores (masked ones -inf); leaves the probabilities in s.
+  __device__ __forceinline__ void update(float (&s)[NT][4], int nt_used) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (nt >= nt_used) continue;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float mx = fmaxf(s[nt][j], s[nt][j + 2]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m[nt][j], mx);
+        const float m_use = m_new == minus_inf() ? 0.f : m_new;
+        const float alpha = fast_exp2(m[nt][j] - m_use);
+        s[nt][j] = fast_exp2(s[nt][j] - m_use);
+        s[nt][j + 2] = fast_exp2(s[nt][j + 2] - m_use);
+        l[nt][j] = l[nt][j] * alpha + s[nt][j] + s[nt][j + 2];
+        m[nt][j] = m_new;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          acc[dt][nt][j] *= alpha;
+          acc[dt][nt][j + 2] *= alpha;
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void reduce_sum() {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) l[nt][j] += __shfl_xor_sync(0xffffffffu, l[nt][j], o);
+  }
+
+  // w: this lane's slot of a lane-interleaved buffer (element i at w[i * 32]).
+  __device__ __forceinline__ void store(float* w) const {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[((dt * NT + nt) * 4 + k) * 32] = acc[dt][nt][k];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        w[(DT * NT * 4 + nt * 4 + j) * 32] = m[nt][j];
+        w[(DT * NT * 4 + nt * 4 + 2 + j) * 32] = l[nt][j];
+      }
+    }
+  }
+
+  // Merge a state stored by another warp over other tokens of the same heads.
+  __device__ __forceinline__ void absorb(const float* w) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float m2 = w[(DT * NT * 4 + nt * 4 + j) * 32], l2 = w[(DT * NT * 4 + nt * 4 + 2 + j) * 32];
+        const float m_new = fmaxf(m[nt][j], m2);
+        const float m_use = m_new == minus_inf() ? 0.f : m_new;
+        const float a = fast_exp2(m[nt][j] - m_use), c = fast_exp2(m2 - m_use);
+        l[nt][j] = l[nt][j] * a + l2 * c;
+        m[nt][j] = m_new;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int k = 2 * h + j;
+            acc[dt][nt][k] = acc[dt][nt][k] * a + w[((dt * NT + nt) * 4 + k) * 32] * c;
+          }
+      }
+  }
+};
+
+// Score epilogue in design.md's order: scale, soft-cap, ALiBi; then the visibility mask.
+// Output in log2 units (exp2-based softmax).
+struct ScoreMods {
+  float scale_log2, sm_scale, soft_cap, inv_cap;
+  bool plain;  // no soft-cap, no ALiBi: one multiply
+  int lo, kv_len, pos;
+
+  template <int NT>
+  __device__ __forceinline__ void apply(float (&s)[NT][4], const float (&slope)[NT][2], int tok0,
+                                        int qr) const {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int tok = tok0 + qr + 8 * (k >> 1);
+        float x = s[nt][k];
+        if (plain) {
+          x *= scale_log2;
+        } else {
+          x *= sm_scale;
+          if (soft_cap > 0.f) x = soft_cap * tanhf(x * inv_cap);
+          x = (x + slope[nt][k & 1] * (float)(tok - pos)) * LOG2E;
+        }
+        s[nt][k] = (tok >= lo && tok < kv_len) ? x : minus_inf();
+      }
+  }
+};
+
+// Final rows of one warp: with one split, out (q's dtype, sink in the denominator) and lse;
+// otherwise the split's fp32 partial (normalised over its keys) and natural-log lse.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, int warp_heads,
+                                           i64 row0, int split, int num_splits,
+                                           const float* __restrict__ sinks, int hq0,
+                                           T* __restrict__ out, float* __restrict__ lse,
+                                           float* __restrict__ part_out,
+                                           float* __restrict__ part_lse, int lane) {
+  const int qr = lane >> 2, r = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int h = nt * 8 + 2 * r + j;
+      if (h >= warp_heads) continue;
+      const i64 row = row0 + h;
+      const float m = st.m[nt][j], l = st.l[nt][j];
+      float scale, row_lse;
+      if (num_splits == 1) {
+        const float sink2 = sinks != nullptr ? sinks[hq0 + h] * LOG2E : minus_inf();
+        const float m_all = fmaxf(m, sink2);
+        const float m_use = m_all == minus_inf() ? 0.f : m_all;
+        const float sc = fast_exp2(m - m_use);
+        const float den = l * sc + fast_exp2(sink2 - m_use);
+        scale = den > 0.f ? sc / den : 0.f;
+        row_lse = den > 0.f ? (m_use + log2f(den)) * LN2 : minus_inf();
+      } else {
+        scale = l > 0.f ? 1.f / l : 0.f;
+        row_lse = l > 0.f ? (m + log2f(l)) * LN2 : minus_inf();
+      }
+#pragma unroll
+      for (int dt = 0; dt < D / 16; ++dt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int d = dt * 16 + qr + 8 * hh;
+          const float v = st.acc[dt][nt][2 * hh + j] * scale;
+          if (num_splits == 1) out[row * D + d] = from_float<T>(v);
+          else part_out[(row * num_splits + split) * D + d] = v;
+        }
+      if (qr == 0) {
+        if (num_splits > 1) part_lse[row * num_splits + split] = row_lse;
+        else if (lse != nullptr) lse[row] = row_lse;
+      }
+    }
+}
+
 // ---------------------------------------------------------------------------- decode kernel
 // grid  (num_splits, num_kv_heads * head_chunks, batch); block NTHREADS (4 warps).
 // CTA (split, kv head hk, chunk hc, sequence b) owns query heads [hc*HPC, hc*HPC + HPC) of
@@ -328,19 +497,20 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
                     const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                     const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
                     int kbs, int khs, int kts, int kcs, int vbs, int vhs, int vts, int vcs, int ves,
-                    int block_size, unsigned block_magic, int block_shift, int bt_stride, int num_q_heads,
-                    int num_kv_heads, int head_warps, int head_chunks, int num_splits,
-                    int append, int window_left, float scale_log2, float sm_scale, float soft_cap) {
+                    int block_size, unsigned block_magic, int block_shift, int bt_stride,
+                    int num_q_heads, int num_kv_heads, int head_warps, int head_chunks,
+                    int num_splits, int append, int window_left, float scale_log2, float sm_scale,
+                    float soft_cap) {
   using C = Cfg<T, D, NT>;
   using Math = typename MathFor<T, D, VT, NT>::type;
-  constexpr int DT = C::DT;
+  using State = SoftmaxState<NT, C::DT>;
   constexpr int STAGE = C::K_ELEMS + (VT ? C::V_ELEMS_T : C::V_ELEMS_ROWS);
-  static_assert(C::RED_FLOATS * 4 <= STAGES * STAGE * (int)sizeof(T), "combine buffer fits");
+  static_assert(NWARPS * State::FLOATS * 32 * 4 <= STAGES * STAGE * (int)sizeof(T),
+                "the combine buffer fits in the tiles it aliases");
   extern __shared__ __align__(16) unsigned char smem[];
   T* tiles = reinterpret_cast<T*>(smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int qr = lane >> 2, r = lane & 3;
   const int split = blockIdx.x, b = blockIdx.z;
   const int hk = blockIdx.y / head_chunks, hc = blockIdx.y % head_chunks;
   const int group = num_q_heads / num_kv_heads;
@@ -396,30 +566,25 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
   float* q_smem = reinterpret_cast<float*>(smem + STAGES * STAGE * sizeof(T)) + warp * C::HW * C::QROW;
   if (computes) math.load_q(q + ((i64)b * num_q_heads + hq_warp) * D, warp_heads, q_smem, lane);
 
-  const bool plain = soft_cap <= 0.f && alibi_slopes == nullptr;
-  const float inv_cap = soft_cap > 0.f ? 1.f / soft_cap : 0.f;
+  const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
+                       soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, pos};
   float slope[NT][2];
-  float m[NT][2], l[NT][2], acc[DT][NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int h = nt * 8 + 2 * r + j;
+      const int h = nt * 8 + 2 * (lane & 3) + j;
       slope[nt][j] = (alibi_slopes != nullptr && h < warp_heads) ? alibi_slopes[hq_warp + h] : 0.f;
-      m[nt][j] = minus_inf();
-      l[nt][j] = 0.f;
     }
-#pragma unroll
-  for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[dt][nt][0] = acc[dt][nt][1] = acc[dt][nt][2] = acc[dt][nt][3] = 0.f;
+  State state;
+  state.init();
 
   // -- main loop: one tile per iteration, one __syncthreads --
   for (int tile = t_begin, it = 0; tile < t_end; ++tile, ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile `it` landed for all threads; slot (it - 1) % STAGES is free
-    const int ahead = tile + STAGES - 1;
-    if (ahead < t_end) ld.issue(ahead, next, k_stage((it + STAGES - 1) % STAGES), v_stage((it + STAGES - 1) % STAGES));
+    const int ahead = tile + STAGES - 1, slot = (it + STAGES - 1) % STAGES;
+    if (ahead < t_end) ld.issue(ahead, next, k_stage(slot), v_stage(slot));
     cp_async_commit();
     if (ahead + 1 < t_end) ld.fetch(ahead + 1, next);
     if (!computes) continue;
@@ -431,142 +596,23 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
       if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
       float s[NT][4];
       math.scores(k_s + mt * 16 * C::KROW, s, nt_used, lane);
-
-      // -- scale, soft-cap, ALiBi, mask; log2 units from here --
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int tok = tok0 + qr + 8 * (k >> 1);
-          float x = s[nt][k];
-          if (plain) {
-            x *= scale_log2;
-          } else {
-            x *= sm_scale;
-            if (soft_cap > 0.f) x = soft_cap * tanhf(x * inv_cap);
-            x = (x + slope[nt][k & 1] * (float)(tok - pos)) * LOG2E;
-          }
-          s[nt][k] = (tok >= lo && tok < kv_len) ? x : minus_inf();
-        }
-
-      // -- online softmax over this m-tile --
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (nt >= nt_used) continue;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          float mx = fmaxf(s[nt][j], s[nt][j + 2]);
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-          const float m_new = fmaxf(m[nt][j], mx);
-          const float m_use = m_new == minus_inf() ? 0.f : m_new;
-          const float alpha = fast_exp2(m[nt][j] - m_use);
-          const float p0 = fast_exp2(s[nt][j] - m_use), p1 = fast_exp2(s[nt][j + 2] - m_use);
-          l[nt][j] = l[nt][j] * alpha + p0 + p1;
-          m[nt][j] = m_new;
-          s[nt][j] = p0;
-          s[nt][j + 2] = p1;
-#pragma unroll
-          for (int dt = 0; dt < DT; ++dt) {
-            acc[dt][nt][j] *= alpha;
-            acc[dt][nt][j + 2] *= alpha;
-          }
-        }
-      }
-      math.pv(v_s, mt * 16, s, acc, nt_used, lane);
+      mods.apply(s, slope, tok0, lane >> 2);
+      state.update(s, nt_used);
+      math.pv(v_s, mt * 16, s, state.acc, nt_used, lane);
     }
   }
   cp_async_wait<0>();
   __syncthreads();  // tiles are dead: the combine buffer may alias them
 
-  // -- combine the token warps of each head set --
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      l[nt][j] += __shfl_xor_sync(0xffffffffu, l[nt][j], 4);
-      l[nt][j] += __shfl_xor_sync(0xffffffffu, l[nt][j], 8);
-      l[nt][j] += __shfl_xor_sync(0xffffffffu, l[nt][j], 16);
-    }
-  constexpr int NACC = DT * NT * 4, NST = NACC + NT * 4;
-  float* red = reinterpret_cast<float*>(smem);
-  if (computes && tg > 0) {
-    float* w = red + warp * NST * 32 + lane;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) w[((dt * NT + nt) * 4 + k) * 32] = acc[dt][nt][k];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        w[(NACC + nt * 4 + j) * 32] = m[nt][j];
-        w[(NACC + nt * 4 + 2 + j) * 32] = l[nt][j];
-      }
-  }
+  // -- combine the token warps of each head set, then write --
+  state.reduce_sum();
+  float* red = reinterpret_cast<float*>(smem) + lane;
+  if (computes && tg > 0) state.store(red + warp * State::FLOATS * 32);
   __syncthreads();
   if (!computes || tg > 0) return;
-  for (int t2 = 1; t2 < token_warps; ++t2) {
-    const float* w = red + (t2 * head_warps + hg) * NST * 32 + lane;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float m2 = w[(NACC + nt * 4 + j) * 32], l2 = w[(NACC + nt * 4 + 2 + j) * 32];
-        const float m_new = fmaxf(m[nt][j], m2);
-        const float m_use = m_new == minus_inf() ? 0.f : m_new;
-        const float a = fast_exp2(m[nt][j] - m_use), c = fast_exp2(m2 - m_use);
-        l[nt][j] = l[nt][j] * a + l2 * c;
-        m[nt][j] = m_new;
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int k = 2 * h + j;
-            acc[dt][nt][k] = acc[dt][nt][k] * a + w[((dt * NT + nt) * 4 + k) * 32] * c;
-          }
-      }
-  }
-
-  // -- write: final output (one split) or an fp32 partial --
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int h = nt * 8 + 2 * r + j;
-      if (h >= warp_heads) continue;
-      const int hq = hq_warp + h;
-      const i64 row = (i64)b * num_q_heads + hq;
-      float scale, row_lse;
-      if (num_splits == 1) {
-        const float sink2 = sinks != nullptr ? sinks[hq] * LOG2E : minus_inf();
-        const float m_all = fmaxf(m[nt][j], sink2);
-        const float m_use = m_all == minus_inf() ? 0.f : m_all;
-        const float sc = fast_exp2(m[nt][j] - m_use);
-        const float den = l[nt][j] * sc + fast_exp2(sink2 - m_use);
-        scale = den > 0.f ? sc / den : 0.f;
-        row_lse = den > 0.f ? (m_use + log2f(den)) * LN2 : minus_inf();
-      } else {
-        scale = l[nt][j] > 0.f ? 1.f / l[nt][j] : 0.f;
-        row_lse = l[nt][j] > 0.f ? (m[nt][j] + log2f(l[nt][j])) * LN2 : minus_inf();
-      }
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int d = dt * 16 + qr + 8 * hh;
-          const float v = acc[dt][nt][2 * hh + j] * scale;
-          if (num_splits == 1) out[row * D + d] = from_float<T>(v);
-          else part_out[(row * num_splits + split) * D + d] = v;
-        }
-      if (qr == 0) {
-        if (num_splits > 1) part_lse[row * num_splits + split] = row_lse;
-        else if (lse != nullptr) lse[row] = row_lse;
-      }
-    }
+  for (int t2 = 1; t2 < token_warps; ++t2) state.absorb(red + (t2 * head_warps + hg) * State::FLOATS * 32);
+  write_rows<T, D, NT>(state, warp_heads, (i64)b * num_q_heads + hq_warp, split, num_splits,
+                       sinks, hq_warp, out, lse, part_out, part_lse, lane);
 }
 
 // ---------------------------------------------------------------------------- append
