@@ -295,6 +295,7 @@ class PagedDecoder:
         self._index = self._part_out = self._part_lse = None
         self._step = None
 
+    @accepts_dlpack
     def plan(self, block_tables, seq_lens, *, append=False, num_splits=None):
         """Check and upload one step's block tables and lengths; choose the split count.
 
@@ -345,8 +346,8 @@ class PagedDecoder:
         return tables, self._index[:batch]
 
     @accepts_dlpack
-    def run(self, q, k_cache, v_cache, *, sinks=None, alibi_slopes=None, k_new=None,
-            v_new=None, out=None, lse=None, return_lse=False):
+    def run(self, q, k_cache, v_cache, sinks=None, alibi_slopes=None, k_new=None, v_new=None,
+            out=None, return_lse=False, lse=None):
         """Decode the planned step for one layer.
 
         Parameters
