@@ -6,13 +6,15 @@
 //                        query head of the kv head from them (K/V read once per group)
 //   merge_states_kernel  combines split partials (adding sinks once) or two states
 //
-// Decode reads each K/V byte once and does G (= Hq / Hk) multiply-adds per element read for
-// q.k and as many for p.v: ~1 flop/byte per query head, far below what tensor cores give but
-// above CUDA-core fp32 throughput at HBM speed once G >= ~8 (MQA: G = 32). So the 16-bit
-// path runs both products on mma.sync m16n8k16 with tokens as M and the head group as N
-// (padding G only to 8), S^T = K Q^T then O^T = V^T P^T; P^T reaches the B layout from the
-// S^T accumulators by one movmatrix.trans per 8x8. fp32 caches (tests) take a CUDA-core path
-// with the same fragment layouts.
+// Why tensor cores: per token and kv head decode reads 4*D bytes of 16-bit K/V and does
+// 4*G*D flops (q.k and p.v for the G = Hq/Hk query heads sharing them): G flops per byte.
+// At ~4.4 TB/s that is 4.4*G TFLOP/s: 18 for G = 4, 35 for G = 8, 141 for MQA's G = 32,
+// against ~67 TFLOP/s of fp32 FMA peak (less after bf16 unpacking and shared-memory reads).
+// mma.sync m16n8k16 (hundreds of TFLOP/s) keeps every group size memory-bound, and padding
+// the group to the 8 columns of N wastes nothing that matters. So the 16-bit path puts tokens
+// on M and the head group on N: S^T = K Q^T, then O^T = V^T P^T, where P^T reaches the B
+// layout from the S^T accumulators by one movmatrix.trans per 8x8 (no shared memory round
+// trip). fp32 caches (tests) take a CUDA-core path with the same fragment layouts.
 //
 // Fragment layouts in a warp (qr = lane / 4, r = lane % 4):
 //   s[nt][k]       score of token qr + 8 * (k >> 1) of a 16-token m-tile, head nt*8 + 2r + (k&1)
