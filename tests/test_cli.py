@@ -300,3 +300,13 @@ def test_suite_summary_counts_outcomes(tmp_path):
     assert "sanitize-memcheck: 3 errors reported" in res.stdout
     assert "check-kernels: 12 kernels compiled, 0 spilling" in res.stdout
     assert ["cache", "ok", "1", "rows;", "TB/s", "3.9"] in lines and ["rope", "missing"] in lines
+
+
+def test_readme_commands_and_ci_agree():
+    """README's first block runs the demo, its second the tests; .ci/run runs the latter."""
+    blocks = (ROOT / "README.md").read_text().split("```bash\n")[1:3]
+    first, second = (b.split("```")[0] for b in blocks)
+    assert "pip install -e . && cupaged demo" in first
+    assert "pip install -e '.[test]' && python3 -m pytest -q" in second
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install -q -e '.[test]'" in ci and "python3 -m pytest -q" in ci
