@@ -17,6 +17,7 @@
 #   SANITIZE=1       also run SANITIZE_TESTS (default: $TESTS) under compute-sanitizer
 #                    memcheck and RACECHECK_TESTS (default: the decode and prefill tests)
 #                    under racecheck, with CuPy's and torch's memory pools off
+#   SANITIZE_ARGS    extra pytest arguments for the sanitizer runs only, e.g. "-k 'not 2_31'"
 #   CHECK=0          skip `cupaged check-kernels` (local architecture)
 #   BENCHES          benchmark names (default: "decode prefill cache sparse rope"; set
 #                    empty for none); missing modules are reported, not failed
@@ -28,10 +29,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-suite-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
-TESTS=${TESTS:-tests}
 BENCHES=${BENCHES-decode prefill cache sparse rope}
 quick_flag=""
 [ "${QUICK:-0}" = 1 ] && quick_flag=--quick
+# word lists as arrays, shell quoting honoured: PYTEST_ARGS="-k 'decode and not slow'"
+eval "tests=(${TESTS:-tests})"
+eval "pytest_args=(${PYTEST_ARGS:-})"
+eval "sanitize_args=(${SANITIZE_ARGS:-})"
 status=0
 
 # run LOG TIMEOUT CMD...: CMD's output to LOG (and the terminal), killed after TIMEOUT s
@@ -47,23 +51,21 @@ python3 -m cupaged.cli info > "$OUT/info.txt" 2>&1
 cat "$OUT/info.txt"
 
 if [ "${RUN_TESTS:-1}" != 0 ]; then
-  # shellcheck disable=SC2086
   run "$OUT/pytest.log" "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -rfE \
-    --junitxml="$OUT/junit-gpu.xml" ${PYTEST_ARGS:-} $TESTS || status=1
+    --junitxml="$OUT/junit-gpu.xml" "${pytest_args[@]}" "${tests[@]}" || status=1
 fi
 
 if [ "${SANITIZE:-0}" = 1 ]; then
   if command -v compute-sanitizer >/dev/null; then
     racecheck_default=$(ls tests/test_decode.py tests/test_prefill.py 2>/dev/null | tr '\n' ' ')
     for tool in memcheck racecheck; do
-      if [ $tool = memcheck ]; then files=${SANITIZE_TESTS:-$TESTS}
-      else files=${RACECHECK_TESTS:-$racecheck_default}; fi
-      [ -n "${files// /}" ] || continue
-      # shellcheck disable=SC2086
+      if [ $tool = memcheck ]; then eval "files=(${SANITIZE_TESTS:-${TESTS:-tests}})"
+      else eval "files=(${RACECHECK_TESTS:-$racecheck_default})"; fi
+      [ ${#files[@]} -gt 0 ] || continue
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "$OUT/sanitize-$tool.log" "${SANITIZE_TIMEOUT:-1800}" \
         compute-sanitizer --tool $tool --error-exitcode 99 \
         python3 -m pytest -m gpu -q -p sanitize_plugin --junitxml="$OUT/junit-$tool.xml" \
-        ${PYTEST_ARGS:-} $files || status=1
+        "${pytest_args[@]}" "${sanitize_args[@]}" "${files[@]}" || status=1
     done
   else
     echo "compute-sanitizer not found on PATH" | tee "$OUT/sanitize-missing.log"

@@ -50,8 +50,12 @@ def junit_rows(path):
 
 
 def sanitizer_line(log):
-    m = re.findall(r"ERROR SUMMARY: (\d+) error", log.read_text(errors="replace"))
-    return f"{log.stem}: " + (f"{m[-1]} errors reported" if m else "no error summary (cut short?)")
+    text = log.read_text(errors="replace")
+    m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    if m:
+        return f"{log.stem}: {m[-1]} errors reported"
+    last = (text.strip().splitlines() or ["(empty log)"])[-1]
+    return f"{log.stem}: no error summary (cut short?); last line: {last}"
 
 
 def bench_rows(out):
