@@ -10,7 +10,7 @@
 #   RUN_TESTS=0 CHECK=0 BENCHES= SANITIZE=1 scripts/gpu_suite.sh    # sanitizers only
 #
 # Environment (all optional):
-#   OUT              output directory (default: ./gpu-suite-out)
+#   OUT              output directory (default: $TMPDIR/cupaged-gpu-suite)
 #   TESTS            pytest paths or node ids (default: tests)
 #   PYTEST_ARGS      extra pytest arguments, e.g. "-x -k decode"
 #   RUN_TESTS=0      skip the plain GPU test run
@@ -18,6 +18,7 @@
 #                    memcheck and RACECHECK_TESTS (default: the decode and prefill tests)
 #                    under racecheck, with CuPy's and torch's memory pools off
 #   SANITIZE_ARGS    extra pytest arguments for the sanitizer runs only, e.g. "-k 'not 2_31'"
+#   SANITIZER        compute-sanitizer binary (default: PATH, then /usr/local/cuda/bin)
 #   CHECK=0          skip `cupaged check-kernels` (local architecture)
 #   BENCHES          benchmark names (default: "decode prefill cache sparse rope"; set
 #                    empty for none); missing modules are reported, not failed
@@ -25,9 +26,9 @@
 #   TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT   seconds per step (default 900, 1800, 600)
 # Exit status: 1 if a test, a sanitizer run, the kernel check or a present benchmark failed.
 set -u
+OUT=${OUT:-${TMPDIR:-/tmp}/cupaged-gpu-suite}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # absolute: the suite runs from the repo root
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-suite-out}
-mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
 BENCHES=${BENCHES-decode prefill cache sparse rope}
 quick_flag=""
@@ -56,19 +57,21 @@ if [ "${RUN_TESTS:-1}" != 0 ]; then
 fi
 
 if [ "${SANITIZE:-0}" = 1 ]; then
-  if command -v compute-sanitizer >/dev/null; then
+  sanitizer=${SANITIZER:-$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)}
+  if [ -n "$sanitizer" ]; then
     racecheck_default=$(ls tests/test_decode.py tests/test_prefill.py 2>/dev/null | tr '\n' ' ')
     for tool in memcheck racecheck; do
       if [ $tool = memcheck ]; then eval "files=(${SANITIZE_TESTS:-${TESTS:-tests}})"
       else eval "files=(${RACECHECK_TESTS:-$racecheck_default})"; fi
       [ ${#files[@]} -gt 0 ] || continue
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "$OUT/sanitize-$tool.log" "${SANITIZE_TIMEOUT:-1800}" \
-        compute-sanitizer --tool $tool --error-exitcode 99 \
+        "$sanitizer" --tool $tool --error-exitcode 99 \
         python3 -m pytest -m gpu -q -p sanitize_plugin --junitxml="$OUT/junit-$tool.xml" \
         "${pytest_args[@]}" "${sanitize_args[@]}" "${files[@]}" || status=1
     done
   else
-    echo "compute-sanitizer not found on PATH" | tee "$OUT/sanitize-missing.log"
+    echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin, \$SANITIZER)" \
+      | tee "$OUT/sanitize-missing.log"
     status=1
   fi
 fi
