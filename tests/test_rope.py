@@ -177,7 +177,7 @@ GPU_CASES = [  # head_dim, rotary_dim, is_neox, scaling, max_position
 def test_gpu_matches_reference(rng, cp, dtype, case):
     d, rd, neox, scaling, max_pos = case
     t, hq, hk = 37, 5, 3
-    limit = int(max_pos * scaling["factor"]) if max_pos else 70000
+    limit = int(max_pos * (scaling["factor"] if scaling else 1)) if max_pos else 70000
     pos = rng.integers(0, limit, size=t).astype(np.int64 if d == 80 else np.int32)
     q, k = rand(rng, (t, hq, d), dtype), rand(rng, (t, hk, d), dtype)
     kw = dict(rotary_dim=rd, is_neox=neox, scaling=scaling, max_position=max_pos)
