@@ -89,6 +89,7 @@ class DemoConfig:
 
 
 def blocks_for(tokens, block_size) -> int:
+    """Blocks of ``block_size`` slots that hold ``tokens`` tokens."""
     return -(-tokens // block_size)
 
 
@@ -110,6 +111,7 @@ class Request:
 
     @property
     def done(self) -> bool:
+        """All output tokens generated."""
         return self.generated >= self.output_len
 
 
@@ -135,6 +137,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
+        """Query tokens in the batch (``cu_seqlens_q[-1]``)."""
         return int(self.cu_seqlens_q[-1])
 
 
@@ -151,6 +154,7 @@ class Scheduler:
 
     @property
     def finished(self) -> bool:
+        """No request is pending, waiting or running."""
         return not (self.pending or self.waiting or self.running)
 
     def arrive(self, step):
@@ -350,5 +354,6 @@ def run_demo(cfg=DemoConfig(), xp=None, progress=None) -> DemoStats:
 
 
 def _sync(xp):
+    """Wait for queued GPU work so wall times cover it."""
     if xp is not np:
         xp.cuda.get_current_stream().synchronize()
