@@ -109,6 +109,8 @@ def default_archs():
 def check_kernels(archs, jobs):
     """Compile every kernel specialisation with NVRTC; report registers, spills, stack, smem.
 
+    Shared memory is the static part only (dynamic shared memory is sized at launch).
+
     Exits with status 1 on a compile error or when any kernel spills registers.
     """
     from . import _compile
@@ -117,7 +119,7 @@ def check_kernels(archs, jobs):
         reports += sorted(_compile.check_kernels(arch, jobs=jobs))
     rows = [{"kernel": r.expr, "arch": r.arch, "registers": r.registers,
              "spill bytes": r.spill_bytes, "stack bytes": r.stack_bytes,
-             "smem bytes": r.smem_bytes} for r in reports]
+             "static smem bytes": r.smem_bytes} for r in reports]
     click.echo(format_table(rows))
     spilling = [r for r in reports if r.spill_bytes]
     click.echo(f"{len(reports)} kernels compiled, {len(spilling)} spilling")
