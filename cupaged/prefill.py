@@ -31,23 +31,21 @@ _SMEM_SET = set()      # kernels whose dynamic shared-memory limit was raised
 
 
 # ----------------------------------------------------------------------------- kernels
-def _expr(dtype, head_dim, v_transposed, mt):
+def _expr(dtype, head_dim, v_transposed, tile):
+    """Template name of the kernel for ``dtype`` / ``head_dim`` / tile (fp32: CUDA cores)."""
+    if np.dtype(dtype) == float32:
+        return f"cupaged::prefill_simt_kernel<{head_dim}>"
     vt = "true" if v_transposed else "false"
-    return f"cupaged::prefill_kernel<{ctype(dtype)}, {head_dim}, {vt}, {mt}>"
-
-
-def _kernel_mt(dtype, head_dim):
-    return 1 if np.dtype(dtype) == float32 else plan_.m_tiles(head_dim)
+    return f"cupaged::prefill_mma_kernel<{ctype(dtype)}, {head_dim}, {vt}, {tile.cpp()}>"
 
 
 def kernel_specializations():
     """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for the
-    vllm value layout) at the default m-tiles per warp, fp32 x head dims (one CUDA-core
-    kernel for all layouts), and the other tile config of bf16 d128 for the benchmark."""
-    specs = [Spec("prefill", _expr(dt, d, vt, _kernel_mt(dt, d)))
+    vllm value layout) at the default tile of the head size, and fp32 x head dims (one
+    CUDA-core kernel for all layouts). The benchmark's other tiles compile on demand."""
+    specs = [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt)))
              for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
-    specs += [Spec("prefill", _expr(float32, d, False, 1)) for d in HEAD_DIMS]
-    return specs + [Spec("prefill", _expr(bfloat16, 128, False, 3 - plan_.m_tiles(128)))]
+    return specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
 
 
 def _window(opts):
@@ -55,21 +53,30 @@ def _window(opts):
     return -1 if opts.window_left >= plan_.INT32_MAX else opts.window_left
 
 
+def _work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_transposed, causal, opts,
+          tile=None):
+    """Host work list for one launch (``tile`` overrides the default, benchmarks only)."""
+    tile = plan_.launch_tile(dtype, head_dim, v_transposed) if tile is None else tile
+    return plan_.work_list(q_lens, kv_lens, group=num_q_heads // num_kv_heads,
+                           num_kv_heads=num_kv_heads, tile=tile, causal=causal,
+                           window_left=_window(opts))
+
+
 def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides, opts,
-            causal, v_transposed, num_kv_heads, mt=None):
+            causal, v_transposed, num_kv_heads, tile=None):
     """Launch one prefill kernel over ``work`` (device int32 ``[n, 4]``); no host sync.
 
-    ``mt`` overrides the m-tiles per warp (benchmarks; only specialised configs exist).
+    ``tile`` overrides the default tile shape (benchmarks; ``work`` must be built for it).
     """
     n, head_dim = int(work.shape[0]), int(q.shape[2])
     if n == 0:
         return
-    mt = _kernel_mt(q.dtype, head_dim) if mt is None else mt
-    kernel = get_kernel("prefill", _expr(q.dtype, head_dim, v_transposed, mt))
-    smem = plan_.smem_bytes(q.dtype, head_dim, v_transposed, mt)
+    tile = plan_.launch_tile(q.dtype, head_dim, v_transposed) if tile is None else tile
+    kernel = get_kernel("prefill", _expr(q.dtype, head_dim, v_transposed, tile))
+    smem = plan_.smem_bytes(q.dtype, head_dim, v_transposed, tile)
     if smem > 48 * 1024 and (id(kernel), smem) not in _SMEM_SET:
         kernel.max_dynamic_shared_size_bytes = smem
-        kernel.preferred_shared_memory_carveout = 100  # room for MT 2's two CTAs per SM
+        kernel.preferred_shared_memory_carveout = 100  # room for two CTAs per SM
         _SMEM_SET.add((id(kernel), smem))
     i32, i64, f32 = np.int32, np.int64, np.float32
     paged = tables is not None
@@ -80,7 +87,7 @@ def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides,
             _NULL if opts.sinks is None else opts.sinks,
             i32(q.shape[1]), i32(num_kv_heads), f32(opts.sm_scale), f32(opts.logits_soft_cap),
             i32(_window(opts)), i32(causal))
-    kernel((n,), (plan_.threads(q.dtype, head_dim, mt),), args, shared_mem=smem)
+    kernel((n,), (tile.threads,), args, shared_mem=smem)
 
 
 def _outputs(q, out, return_lse, xp):
@@ -168,8 +175,7 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         return _finish(ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=return_lse,
                                           **_ref_options(opts, causal)), out, return_lse)
     hk, head_dim = int(k.shape[1]), int(q.shape[2])
-    work = plan_.work_list(q_lens, kv_lens, group=q.shape[1] // hk, num_kv_heads=hk,
-                           head_dim=head_dim, causal=causal, window_left=_window(opts))
+    work = _work(q_lens, kv_lens, q.dtype, q.shape[1], hk, head_dim, False, causal, opts)
     out, lse = _outputs(q, out, return_lse, xp)
     _launch(q, k, v, out, lse, xp.asarray(work), cu_seqlens_q, cu_seqlens_k, None, 1,
             plan_.kv_strides("ragged", 1, hk, head_dim, q.dtype), opts, causal, False, hk)
@@ -234,13 +240,13 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
         return _finish(ref.paged_prefill(q, k_cache, v_cache, cu_q, block_tables, seq_lens,
                                          layout=layout, return_lse=return_lse,
                                          **_ref_options(opts, causal)), out, return_lse)
-    work = plan_.work_list(np.diff(cu_q), kv_lens, group=q.shape[1] // geo.num_kv_heads,
-                           num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, causal=causal,
-                           window_left=_window(opts))
+    v_t = layout == "vllm" and q.dtype != float32
+    work = _work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads, geo.head_dim, v_t,
+                 causal, opts)
     out, lse = _outputs(q, out, return_lse, xp)
     _launch(q, k_cache, v_cache, out, lse, xp.asarray(work), cu_seqlens_q, seq_lens, block_tables,
-            geo.block_size, plan_.kv_strides(layout, *geo[1:], q.dtype), opts, causal,
-            layout == "vllm" and q.dtype != float32, geo.num_kv_heads)
+            geo.block_size, plan_.kv_strides(layout, *geo[1:], q.dtype), opts, causal, v_t,
+            geo.num_kv_heads)
     return (out, lse) if return_lse else out
 
 
@@ -297,6 +303,7 @@ class PagedPrefiller:
         self.head_dim = int(head_dim)
         self.dtype = as_dtype(dtype)
         self.layout = plan_.check_layout(layout)
+        self._v_transposed = self.layout == "vllm" and self.dtype != float32
         self.causal = plan_.check_flag("causal", causal)
         self._options = dict(sm_scale=sm_scale, window_left=window_left,
                              logits_soft_cap=logits_soft_cap)
@@ -321,9 +328,8 @@ class PagedPrefiller:
         geo = CacheGeometry(plan_.INT32_MAX, self.block_size, self.num_kv_heads, self.head_dim)
         bt, sl = check_block_tables(block_tables, seq_lens, geo, xp, batch=len(cu) - 1)
         used = np.arange(bt.shape[1])[None, :] < -(-sl.astype(np.int64) // self.block_size)[:, None]
-        work = plan_.work_list(np.diff(cu), sl, group=self.num_q_heads // self.num_kv_heads,
-                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                               causal=self.causal, window_left=_window(self._opts))
+        work = _work(np.diff(cu), sl, self.dtype, self.num_q_heads, self.num_kv_heads,
+                     self.head_dim, self._v_transposed, self.causal, self._opts)
         self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]), work=len(work),
                           max_block=int(bt[used].max()) if used.any() else -1)
         self._device = self._upload(work, cu, sl, bt) if gpu_available() else None
@@ -395,5 +401,5 @@ class PagedPrefiller:
         out, lse = _outputs(q, out, return_lse, xp)
         _launch(q, k_cache, v_cache, out, lse, d["work"], d["cu"], d["sl"], d["bt"],
                 self.block_size, plan_.kv_strides(self.layout, *geo[1:], q.dtype), opts, causal,
-                self.layout == "vllm" and q.dtype != float32, self.num_kv_heads)
+                self._v_transposed, self.num_kv_heads)
         return (out, lse) if return_lse else out

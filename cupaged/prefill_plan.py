@@ -1,7 +1,7 @@
-"""Host-side planning for the prefill kernels: argument checks, tile work lists, strides.
+"""Host-side planning for the prefill kernels: argument checks, tile shapes, work lists, strides.
 
 Nothing here launches a kernel. The work list is what one launch of
-``kernels_cu/prefill.cu`` computes: one item per (sequence, kv head, tile of ``BLOCK_M``
+``kernels_cu/prefill.cu`` computes: one item per (sequence, kv head, tile of ``block_m``
 packed rows), where packed row ``r`` of a sequence is query ``r // group`` of query head
 ``kv_head * group + r % group`` (``group = num_q_heads // num_kv_heads``), sorted by
 estimated cost, longest first, so the tail of a launch is made of short items.
@@ -16,38 +16,75 @@ from ._arrays import check_array, check_choice, float32, is_cupy
 from ._checks import check_cu_seqlens, check_gqa, check_query
 from .layouts import LAYOUTS
 
-BLOCK_M = 128  # packed rows per work item: MmaConfig<D, MT>::BLOCK_M in kernels_cu/prefill.cu
 INT32_MAX = np.iinfo(np.int32).max
 
 
-def m_tiles(head_dim):
-    """Default 16-row m-tiles per warp of the tensor-core kernel (template MT): 2 (each K/V
-    fragment feeds two m-tiles, 4 warps, 2 CTAs per SM) up to head size 128, else 1."""
-    return 2 if head_dim <= 128 else 1
+class TileShape(NamedTuple):
+    """Tile shape of the tensor-core kernel (``TileShape`` in kernels_cu/prefill.cu).
+
+    ``warps`` warps of ``m_tiles`` 16-row m-tiles each, ``block_n`` keys per K/V tile,
+    ``stages`` K/V buffers (1: FlashAttention-2 order, 2: one tile ahead), ``q_regs``: Q
+    fragments held in registers, ``ctas``: CTAs per SM the register budget aims for.
+    """
+    warps: int
+    m_tiles: int
+    block_n: int
+    stages: int
+    q_regs: bool
+    ctas: int
+
+    @property
+    def block_m(self):
+        """Packed query rows per work item (CTA)."""
+        return 16 * self.m_tiles * self.warps
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    def cpp(self):
+        """The C++ type naming this shape in a kernel's template arguments."""
+        q = "true" if self.q_regs else "false"
+        return (f"cupaged::TileShape<{self.warps}, {self.m_tiles}, {self.block_n}, {self.stages}, "
+                f"{q}, {self.ctas}>")
 
 
-def threads(dtype, head_dim, mt):
-    """Block size of a launch: 8 warps of 16 rows for MT 1 and fp32, 4 warps for MT 2."""
-    return 256 if np.dtype(dtype) == float32 else 256 // mt
+# fp32 runs the CUDA-core kernel: 8 warps over 128 packed rows (block_n only sizes the cost)
+SIMT_TILE = TileShape(8, 1, 64, 1, False, 1)
 
 
-def block_n(head_dim, mt):
-    """Keys per K/V tile of the tensor-core kernel (MmaConfig<D, MT>::BLOCK_N)."""
-    return 32 if (mt == 2 and head_dim > 64) or head_dim > 128 else 64
+def default_tile(head_dim, v_transposed=False):
+    """Tensor-core tile used for ``head_dim`` (see benchmarks/NOTES.md for the choice).
+
+    Up to d128: 4 warps x 32 rows, 64-key tiles, two K/V stages, 2 CTAs per SM (Q in
+    registers at d64); the vllm value layout at d128 takes one stage (two spill registers on
+    sm_90). d256: 8 warps x 16 rows, 32-key tiles, two stages, 1 CTA per SM.
+    """
+    if head_dim == 256:
+        return TileShape(8, 1, 32, 2, False, 1)
+    if head_dim == 128 and v_transposed:
+        return TileShape(4, 2, 64, 1, False, 2)
+    return TileShape(4, 2, 64, 2, head_dim == 64, 2)
 
 
-def smem_bytes(dtype, head_dim, v_transposed, mt):
-    """Dynamic shared memory of one CTA: Q and K tiles ``[rows][D + 8]``, the V tile
-    ``[BLOCK_N][D + 8]`` or, transposed (vllm values), ``[D][BLOCK_N + 8]``; 0 for fp32."""
+def launch_tile(dtype, head_dim, v_transposed=False):
+    """The tile a launch of ``dtype`` / ``head_dim`` uses (SIMT_TILE for fp32)."""
+    return SIMT_TILE if np.dtype(dtype) == float32 else default_tile(head_dim, v_transposed)
+
+
+def smem_bytes(dtype, head_dim, v_transposed, tile):
+    """Dynamic shared memory of one CTA: Q ``[block_m][D + 8]``, then ``stages`` K tiles
+    ``[block_n][D + 8]`` and V tiles ``[block_n][D + 8]`` (transposed, vllm values:
+    ``[D][block_n + 8]``); 0 for fp32."""
     if np.dtype(dtype) == float32:
         return 0
-    bn, ld = block_n(head_dim, mt), head_dim + 8
+    bn, ld = tile.block_n, head_dim + 8
     v_elems = head_dim * (bn + 8) if v_transposed else bn * ld
-    return 2 * ((BLOCK_M + bn) * ld + v_elems)
+    return 2 * (tile.block_m * ld + tile.stages * (bn * ld + v_elems))
 
 
 # ----------------------------------------------------------------------------- work list
-def work_list(q_lens, kv_lens, *, group, num_kv_heads, head_dim, causal, window_left):
+def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left):
     """Tile work items of a batch, longest first.
 
     Parameters
@@ -56,7 +93,9 @@ def work_list(q_lens, kv_lens, *, group, num_kv_heads, head_dim, causal, window_
         int ``[B]`` query and key counts per sequence (0 allowed).
     group : int
         Query heads per kv head.
-    num_kv_heads, head_dim : int
+    num_kv_heads : int
+    tile : TileShape
+        ``block_m`` packed rows per item; ``block_n`` keys per K/V tile (cost estimate).
     causal : bool
     window_left : int
         ``-1`` for no window.
@@ -69,16 +108,16 @@ def work_list(q_lens, kv_lens, *, group, num_kv_heads, head_dim, causal, window_
     q_lens = np.asarray(q_lens, dtype=np.int64)
     kv_lens = np.asarray(kv_lens, dtype=np.int64)
     rows = q_lens * group
-    tiles = -(-rows // BLOCK_M)
+    block_m, bn = tile.block_m, tile.block_n
+    tiles = -(-rows // block_m)
     seq = np.repeat(np.arange(len(q_lens)), tiles)
     first_tile = np.cumsum(tiles) - tiles
-    row0 = (np.arange(len(seq)) - first_tile[seq]) * BLOCK_M
-    row_last = np.minimum(row0 + BLOCK_M, rows[seq]) - 1
+    row0 = (np.arange(len(seq)) - first_tile[seq]) * block_m
+    row_last = np.minimum(row0 + block_m, rows[seq]) - 1
     shift = kv_lens[seq] - q_lens[seq]
     p_first, p_last = shift + row0 // group, shift + row_last // group
     j_begin = np.maximum(0, p_first - window_left) if window_left >= 0 else np.zeros_like(p_first)
     j_end = np.minimum(kv_lens[seq], p_last + 1) if causal else kv_lens[seq]
-    bn = block_n(head_dim, m_tiles(head_dim))
     n_tiles = np.where(j_end > j_begin, (j_end - 1) // bn - j_begin // bn + 1, 0)
     order = np.argsort(-(n_tiles + 1), kind="stable")
     items = np.zeros((len(order) * num_kv_heads, 4), dtype=np.int32)
@@ -102,7 +141,11 @@ class KVStrides(NamedTuple):
 
 
 def kv_strides(layout, block_size, num_kv_heads, head_dim, dtype):
-    """Strides for ``layout`` in ``("ragged",) + LAYOUTS`` (ragged: ``[tokens, Hk, D]``)."""
+    """Strides for ``layout`` in ``("ragged",) + LAYOUTS`` (ragged: ``[tokens, Hk, D]``).
+
+    The tensor-core loaders multiply block and token strides in 32 bits (into 64-bit
+    offsets): ``check_block_elements`` keeps a cache block under 2^31 elements.
+    """
     x = 16 // np.dtype(dtype).itemsize
     hd = num_kv_heads * head_dim
     if layout == "ragged":
@@ -155,13 +198,21 @@ def check_ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, xp):
 
 
 def check_paged_query(q, geometry, cache_dtype, xp):
-    """q against a cache: same dtype, same head size, GQA group."""
+    """q against a cache: same dtype, same head size, GQA group, block size limit."""
     _, num_q_heads, head_dim = check_query("q", q, xp)
     if q.dtype != cache_dtype:
         raise TypeError(f"k_cache: expected dtype {q.dtype} like q, got {cache_dtype}")
     if geometry.head_dim != head_dim:
         raise ValueError(f"k_cache: expected head size {head_dim} like q, got {geometry.head_dim}")
     check_gqa(num_q_heads, geometry.num_kv_heads, "k_cache")
+    check_block_elements(geometry)
+
+
+def check_block_elements(geometry):
+    """A cache block (``block_size * num_kv_heads * head_dim`` elements) must stay under 2^31."""
+    n = geometry.block_size * geometry.num_kv_heads * geometry.head_dim
+    if n > INT32_MAX:
+        raise ValueError(f"k_cache: expected a cache block of at most {INT32_MAX} elements, got {n}")
 
 
 def check_layout(layout):

@@ -13,7 +13,9 @@
 // + off * k_tok and of V at blk * v_block + hk * v_head + d * v_dim + off * v_tok, where
 // X = 16 / sizeof(T) and (blk, off) = (table[j / block_size], j % block_size) for a paged
 // cache or (0, kv_start + j) for ragged rows: one set of strides covers ragged rows and the
-// NHD, HND and vllm cache layouts. All offsets are 64-bit.
+// NHD, HND and vllm cache layouts. All offsets are 64-bit. The tensor-core loaders look a
+// key up once per K/V tile row (shift for power-of-two block sizes) and give each thread a
+// fixed 16-byte chunk of the row, so a chunk costs one add.
 //
 // fp16/bf16 run on tensor cores (mma.sync m16n8k16, fp32 accumulation); fp32 inputs run a
 // simple CUDA-core path (one warp per query row), correct but not tuned.
@@ -82,22 +84,30 @@ struct Tile {
       off = kv_start + j;
     } else {
       const int bi = bs_shift >= 0 ? (j >> bs_shift) : j / P.block_size;
-      blk = table[bi];
+      blk = __ldg(table + bi);
       off = j - bi * P.block_size;
     }
+  }
+  // element offsets of key j's first K chunk and first V element (dim 0) from the head base
+  template <typename T>
+  __device__ __forceinline__ void kv_offsets(const Problem<T>& P, int j, i64& k_off, i64& v_off) const {
+    i64 blk, off;
+    locate(P, j, blk, off);
+    k_off = blk * P.k_block + off * P.k_tok;
+    v_off = blk * P.v_block + off * P.v_tok;
   }
   template <typename T>
   __device__ __forceinline__ const T* key_ptr(const Problem<T>& P, int j, int d) const {
     constexpr int X = Vec16<T>::N;
-    i64 blk, off;
-    locate(P, j, blk, off);
-    return P.k + blk * P.k_block + hk * P.k_head + (d / X) * P.k_chunk + d % X + off * P.k_tok;
+    i64 k_off, v_off;
+    kv_offsets(P, j, k_off, v_off);
+    return P.k + k_off + hk * P.k_head + (d / X) * P.k_chunk + d % X;
   }
   template <typename T>
   __device__ __forceinline__ const T* value_ptr(const Problem<T>& P, int j, int d) const {
-    i64 blk, off;
-    locate(P, j, blk, off);
-    return P.v + blk * P.v_block + hk * P.v_head + d * P.v_dim + off * P.v_tok;
+    i64 k_off, v_off;
+    kv_offsets(P, j, k_off, v_off);
+    return P.v + v_off + hk * P.v_head + d * P.v_dim;
   }
 };
 
@@ -140,183 +150,362 @@ struct ScoreMap {
     cap_log2 = cap * LOG2E;
     scale_over_cap = softcap ? sm_scale / cap : 0.f;
   }
+  // tanh(y) = 1 - 2 / (exp(2y) + 1): absolute error ~1e-7 (what a logit needs), two MUFU ops
   __device__ __forceinline__ float operator()(float dot) const {
-    return softcap ? cap_log2 * tanhf(dot * scale_over_cap) : dot * scale_log2;
+    if (!softcap) return dot * scale_log2;
+    const float e = exp2f(dot * scale_over_cap * (2.f * LOG2E));
+    return cap_log2 * (1.f - __fdividef(2.f, e + 1.f));
   }
 };
 
 // ----------------------------------------------------------------------------- tensor cores
-// Tile shape of the tensor-core kernel for head size D with MT 16-row m-tiles per warp
-// (MT = 2: each K/V fragment feeds two m-tiles, 4 warps, 2 CTAs per SM; MT = 1: 8 warps).
-template <int D, int MT_>
-struct MmaConfig {
-  static constexpr int MT = MT_;
-  static constexpr int WARPS = 8 / MT;
-  static constexpr int THREADS = 32 * WARPS;
-  static constexpr int MIN_BLOCKS = MT;                // CTAs per SM to fit (regs, smem)
-  static constexpr int BLOCK_M = 16 * MT * WARPS;      // packed rows per CTA (128)
-  static constexpr int BLOCK_N = (MT == 2 && D > 64) || D > 128 ? 32 : 64;  // keys per K/V tile
-  static constexpr int LD = D + 8;                     // padded smem row (conflict-free ldmatrix)
-  static constexpr int LDT = BLOCK_N + 8;              // padded row of a transposed V tile
-  static constexpr int CHUNKS = D / 8;                 // 16-byte chunks per row
-  static constexpr bool Q_IN_REGS = MT * D <= 128;     // else A fragments reload from smem
+// Tile shape of the tensor-core kernel: WARPS warps of MT 16-row m-tiles each (every K/V
+// fragment a warp loads feeds its MT m-tiles); BLOCK_N keys per K/V tile; STAGES K and V
+// buffers (1: FlashAttention-2 order, V_n streams in during S = Q K_n^T and K_{n-1} during
+// O += P V_n, two barriers per tile; 2: all of tile n-1 streams in while tile n computes, one
+// barrier per tile); Q_REGS: the warp's Q fragments stay in registers (else they are re-read
+// from shared memory for every K tile); CTAS: CTAs per SM that __launch_bounds__ aims for.
+template <int WARPS_, int MT_, int BLOCK_N_, int STAGES_, bool Q_REGS_, int CTAS_>
+struct TileShape {
+  static constexpr int WARPS = WARPS_, MT = MT_, BLOCK_N = BLOCK_N_, STAGES = STAGES_, CTAS = CTAS_;
+  static constexpr bool Q_REGS = Q_REGS_;
+  static_assert(STAGES == 1 || STAGES == 2, "one or two K/V stages");
+  static_assert(BLOCK_N % 16 == 0, "BLOCK_N is a multiple of the mma k-step");
 };
 
-// K tile n (keys [n * BLOCK_N, +BLOCK_N)) -> sK [BLOCK_N][LD]; keys past kv_len zero-filled.
-template <typename T, int D, int MT>
-__device__ __forceinline__ void load_k_tile(const Problem<T>& P, const Tile& t, T* sK, int n) {
-  using C = MmaConfig<D, MT>;
-  const int j0 = n * C::BLOCK_N;
+// Derived sizes for head size D (elements; V_T: the V tile is stored transposed).
+template <typename T, int D, typename S, bool V_T>
+struct MmaConfig : S {
+  static constexpr int THREADS = 32 * S::WARPS;
+  static constexpr int BLOCK_M = 16 * S::MT * S::WARPS;  // packed rows per CTA
+  static constexpr int LD = D + 8;                        // padded smem row (conflict-free ldmatrix)
+  static constexpr int LDT = S::BLOCK_N + 8;              // padded row of a transposed V tile
+  static constexpr int CHUNKS = D / 8;                    // 16-byte chunks per row
+  static constexpr int CL = CHUNKS <= 8 ? 8 : CHUNKS <= 16 ? 16 : 32;  // threads per row in loads
+  static constexpr int ROW_STEP = THREADS / CL;           // rows per load pass
+  static constexpr int E = sizeof(T);                     // bytes per element
+  static constexpr u32 Q_BYTES = BLOCK_M * LD * E;
+  static constexpr u32 K_BYTES = S::BLOCK_N * LD * E;
+  static constexpr u32 V_BYTES = (V_T ? D * LDT : S::BLOCK_N * LD) * E;
+  static_assert(S::BLOCK_N % ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0, "whole load passes");
+};
+
+// a * b for non-negative 32-bit values, as one 32 x 32 -> 64-bit multiply
+__device__ __forceinline__ unsigned long long wide(u32 a, u32 b) { return (unsigned long long)a * b; }
+
+// Where a CTA's K/V tiles come from: the kv head's bases (ragged rows: the sequence's first
+// key folded in), the block table (null: ragged) and the key count. The main loop keeps it
+// in shared memory (read once per tile) rather than in registers.
+template <typename T>
+struct KVSource {
+  const T* kb;
+  const T* vb;
+  const int* table;
+  int kv_len, bs_shift;
+
+  __device__ __forceinline__ void init(const Problem<T>& P, const Tile& t) {
+    kb = P.k + t.hk * P.k_head + t.kv_start * P.k_tok;
+    vb = P.v + t.hk * P.v_head + t.kv_start * P.v_tok;
+    table = t.table;
+    kv_len = t.kv_len;
+    bs_shift = t.bs_shift;
+  }
+  // element offsets of key j's K and V rows from kb / vb; 0 <= j < kv_len. Block and token
+  // strides fit in 32 bits (the host checks), so each product is one 32 x 32 -> 64-bit multiply.
+  __device__ __forceinline__ void offsets(const Problem<T>& P, int j, i64& k_off, i64& v_off) const {
+    int blk = 0, off = j;
+    if (table != nullptr) {
+      const int bi = bs_shift >= 0 ? j >> bs_shift : j / P.block_size;
+      blk = __ldg(table + bi);
+      off = j - bi * P.block_size;
+    }
+    k_off = (i64)(wide(blk, (u32)P.k_block) + wide(off, (u32)P.k_tok));
+    v_off = (i64)(wide(blk, (u32)P.v_block) + wide(off, (u32)P.v_tok));
+  }
+};
+
+// Rows [j0, j0 + BLOCK_N) of K (-> sK, LOAD_K) and V (-> sV, LOAD_V) with cp.async. Thread
+// tid copies 16-byte chunk tid % CL of rows tid / CL + ROW_STEP * i: one key lookup per row
+// serves both; rows past kv_len are zero-filled (their lookup clamped to the last key).
+template <typename T, int D, typename C, bool LOAD_K, bool LOAD_V>
+__device__ __forceinline__ void load_kv_rows(const Problem<T>& P, const KVSource<T> src, int j0,
+                                             u32 sK, u32 sV) {
+  const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
+  if (C::CL != C::CHUNKS && c >= C::CHUNKS) return;
+  const u32 so = (r0 * C::LD + c * 8) * C::E;
+  const T* kb = src.kb + c * (int)P.k_chunk;
+  const T* vb = src.vb + c * 8;
 #pragma unroll
-  for (int idx = threadIdx.x; idx < C::BLOCK_N * C::CHUNKS; idx += C::THREADS) {
-    const int r = idx / C::CHUNKS, c = idx % C::CHUNKS;
-    T* dst = sK + r * C::LD + c * 8;
-    if (j0 + r < t.kv_len) cp_async16(dst, t.key_ptr(P, j0 + r, c * 8));
-    else cp_async16(dst, P.k, 0);
+  for (int i = 0; i < C::BLOCK_N / C::ROW_STEP; ++i) {
+    const int j = j0 + r0 + i * C::ROW_STEP;
+    const int bytes = j < src.kv_len ? 16 : 0;
+    i64 k_off, v_off;
+    src.offsets(P, min(j, src.kv_len - 1), k_off, v_off);
+    const u32 at = so + i * C::ROW_STEP * C::LD * C::E;
+    if (LOAD_K) cp_async16(sK + at, kb + k_off, bytes);
+    if (LOAD_V) cp_async16(sV + at, vb + v_off, bytes);
   }
 }
 
-// V tile n -> sV [BLOCK_N][LD] (V_T false: rows of d contiguous in memory), or
-// sV [D][LDT] (V_T true, the vllm value layout: keys contiguous per d).
-template <typename T, int D, bool V_T, int MT>
-__device__ __forceinline__ void load_v_tile(const Problem<T>& P, const Tile& t, T* sV, int n) {
-  using C = MmaConfig<D, MT>;
-  const int j0 = n * C::BLOCK_N;
-  if constexpr (!V_T) {
+template <typename T>
+__device__ __forceinline__ void st_shared(u32 addr, T x) {
+  asm volatile("st.shared.b16 [%0], %1;\n" :: "r"(addr), "h"(*reinterpret_cast<unsigned short*>(&x)));
+}
+
+// V tile of keys [j0, j0 + BLOCK_N) from the vllm value layout (keys contiguous per dim) ->
+// sV [D][LDT]. Thread tid copies keys j0 + 8 * (tid % KC) .. + 8 of dims tid / KC + D_STEP * i
+// (one 16-byte cp.async each when 8 keys never straddle a cache block, else element by element).
+template <typename T, int D, typename C>
+__device__ __forceinline__ void load_v_transposed(const Problem<T>& P, const KVSource<T> src, int j0,
+                                                  u32 sV) {
+  constexpr int KC = C::BLOCK_N / 8, D_STEP = C::THREADS / KC;
+  const int kc = threadIdx.x % KC, d0 = threadIdx.x / KC, j = j0 + 8 * kc;
+  const int valid = max(0, min(8, src.kv_len - j));
+  const u32 so = (d0 * C::LDT + 8 * kc) * C::E;
+  const T* vb = src.vb + d0 * P.v_dim;
+  i64 k_off, v_off;
+  if ((P.block_size & 7) == 0) {
+    src.offsets(P, min(j, src.kv_len - 1), k_off, v_off);
 #pragma unroll
-    for (int idx = threadIdx.x; idx < C::BLOCK_N * C::CHUNKS; idx += C::THREADS) {
-      const int r = idx / C::CHUNKS, c = idx % C::CHUNKS;
-      T* dst = sV + r * C::LD + c * 8;
-      if (j0 + r < t.kv_len) cp_async16(dst, t.value_ptr(P, j0 + r, c * 8));
-      else cp_async16(dst, P.v, 0);
-    }
+    for (int i = 0; i < (D + D_STEP - 1) / D_STEP; ++i)
+      if (D % D_STEP == 0 || d0 + i * D_STEP < D)
+        cp_async16(sV + so + i * D_STEP * C::LDT * C::E, vb + v_off + i * D_STEP * P.v_dim, valid * C::E);
   } else {
-    constexpr int KC = C::BLOCK_N / 8;  // 8-key chunks per d row
-    const bool vec = (P.block_size & 7) == 0;  // 8 keys never straddle a block
-#pragma unroll
-    for (int idx = threadIdx.x; idx < D * KC; idx += C::THREADS) {
-      const int d = idx / KC, j = j0 + (idx % KC) * 8;
-      T* dst = sV + d * C::LDT + (idx % KC) * 8;
-      const int valid = min(8, t.kv_len - j);
-      if (vec) {
-        if (valid > 0) cp_async16(dst, t.value_ptr(P, j, d), valid * (int)sizeof(T));
-        else cp_async16(dst, P.v, 0);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dst[e] = e < valid ? *t.value_ptr(P, j + e, d) : from_float<T>(0.f);
-      }
+    for (int e = 0; e < 8; ++e) {
+      if (e < valid) src.offsets(P, j + e, k_off, v_off);
+      for (int i = 0; d0 + i * D_STEP < D; ++i)
+        st_shared<T>(sV + so + (i * D_STEP * C::LDT + e) * C::E,
+                     e < valid ? vb[v_off + i * D_STEP * P.v_dim] : from_float<T>(0.f));
     }
   }
 }
 
 // Q tile: packed rows [row0, row0 + rows) -> sQ [BLOCK_M][LD]; rows past the tile zero-filled.
-template <typename T, int D, int MT>
-__device__ __forceinline__ void load_q_tile(const Problem<T>& P, const Tile& t, T* sQ) {
-  using C = MmaConfig<D, MT>;
+template <typename T, int D, typename C>
+__device__ __forceinline__ void load_q_tile(const Problem<T>& P, const Tile& t, u32 sQ) {
+  const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
+  if (C::CL != C::CHUNKS && c >= C::CHUNKS) return;
 #pragma unroll
-  for (int idx = threadIdx.x; idx < C::BLOCK_M * C::CHUNKS; idx += C::THREADS) {
-    const int r = idx / C::CHUNKS, c = idx % C::CHUNKS;
-    T* dst = sQ + r * C::LD + c * 8;
+  for (int i = 0; i < C::BLOCK_M / C::ROW_STEP; ++i) {
+    const int r = r0 + i * C::ROW_STEP;
+    const u32 dst = sQ + (r * C::LD + c * 8) * C::E;
     if (r < t.rows) cp_async16(dst, P.q + (t.token_row(r) * P.num_q_heads + t.head(r)) * D + c * 8);
     else cp_async16(dst, P.q, 0);
   }
 }
 
-// One 16-row m-tile of a warp; this thread owns rows g and g + 8 of it (hr = 0, 1).
-struct RowTile {
-  int first, p[2], lo[2], hi[2];   // per owned row: position, visible keys [lo, hi)
-  int j_lo, j_hi, hi_min, lo_max;  // keys any valid row sees; keys every valid row sees
-  bool valid;                      // the m-tile holds a valid row
+// Key range of one warp's rows [first, first + n_rows): keys some valid row sees
+// [j_lo, j_hi), and every valid row sees [lo_max, hi_min) (empty for a warp without rows).
+struct WarpKeys {
+  int j_lo, j_hi, hi_min, lo_max;
 
-  __device__ __forceinline__ void init(const Tile& t, int first_row, int lane, int window_left,
-                                       int causal) {
-    first = first_row;
-    valid = first < t.rows;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = first + lane / 4 + 8 * hr;
-      p[hr] = t.position(r);
-      lo[hr] = r < t.rows ? visible_lo(p[hr], window_left) : 0;
-      hi[hr] = r < t.rows ? visible_hi(p[hr], t.kv_len, causal) : 0;
-    }
-    j_lo = j_hi = hi_min = lo_max = 0;  // an empty m-tile sees nothing and is always masked
-    if (valid) {
-      const int p_first = t.position(first), p_last = t.position(min(first + 15, t.rows - 1));
+  __device__ __forceinline__ void init(const Tile& t, int first, int n_rows, int window_left, int causal) {
+    j_lo = j_hi = hi_min = lo_max = 0;
+    if (first < t.rows) {
+      const int p_first = t.position(first), p_last = t.position(min(first + n_rows, t.rows) - 1);
       j_lo = visible_lo(p_first, window_left);
       j_hi = visible_hi(p_last, t.kv_len, causal);
       hi_min = visible_hi(p_first, t.kv_len, causal);
       lo_max = visible_lo(p_last, window_left);
     }
   }
-  // some row sees a key of [j0, j0 + n)
-  __device__ __forceinline__ bool sees(int j0, int n) const { return valid && j0 < j_hi && j0 + n > j_lo; }
-  // some row does not see every key of [j0, j0 + n)
+  // some valid row sees a key of [j0, j0 + n)
+  __device__ __forceinline__ bool sees(int j0, int n) const { return j0 < j_hi && j0 + n > j_lo; }
+  // some valid row does not see every key of [j0, j0 + n)
   __device__ __forceinline__ bool needs_mask(int j0, int n) const { return j0 + n > hi_min || j0 < lo_max; }
 };
 
-// Scores of one m-tile in log2 units: scale / soft-cap, ALiBi, mask; then the online softmax
-// (m_i, l_i, acc rescale) turning s into probabilities.
-template <int NT_S, int NT_O>
-__device__ __forceinline__ void softmax_step(float (&s)[NT_S][4], float (&o)[NT_O][4], float (&m)[2],
-                                             float (&l)[2], const RowTile& w, const ScoreMap& smap,
-                                             const float (&slope)[2], bool alibi, bool mask, int j0,
-                                             int lane) {
+// S = Q K^T (raw dots) for the warp's MT m-tiles over one K tile; Q fragments from registers
+// (qf) or from the warp's rows of sQ (sQw).
+template <typename T, int D, typename C, int QM, int QK>
+__device__ __forceinline__ void compute_qk(float (&s)[C::MT][C::BLOCK_N / 8][4], const u32 (&qf)[QM][QK][4],
+                                           u32 sQw, u32 sK, int lane) {
+  const u32 qa = sQw + (ldm_a_row(lane) * C::LD + ldm_a_col(lane)) * C::E;
+  const u32 kb = sK + (ldm_bnk_row(lane) * C::LD + ldm_bnk_col(lane)) * C::E;
+#pragma unroll
+  for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < C::BLOCK_N / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    u32 a[C::MT][4];
+#pragma unroll
+    for (int mt = 0; mt < C::MT; ++mt) {
+      if constexpr (C::Q_REGS) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[mt][i] = qf[mt][kk][i];
+      } else {
+        ldmatrix_x4(a[mt], qa + (16 * mt * C::LD + kk * 16) * C::E);
+      }
+    }
+#pragma unroll
+    for (int nn = 0; nn < C::BLOCK_N / 16; ++nn) {
+      u32 bk[4];
+      ldmatrix_x4(bk, kb + (nn * 16 * C::LD + kk * 16) * C::E);
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt) {
+        mma_16816<T>(s[mt][2 * nn], a[mt], bk[0], bk[1]);
+        mma_16816<T>(s[mt][2 * nn + 1], a[mt], bk[2], bk[3]);
+      }
+    }
+  }
+}
+
+// O += P V for the warp's MT m-tiles (P as A fragments, V rows or transposed V in smem).
+template <typename T, int D, typename C, bool V_T>
+__device__ __forceinline__ void compute_pv(float (&o)[C::MT][D / 8][4], const u32 (&pf)[C::MT][C::BLOCK_N / 16][4],
+                                           u32 sV, int lane) {
+  const u32 vb = V_T ? sV + (ldm_bnk_row(lane) * C::LDT + ldm_bnk_col(lane)) * C::E
+                     : sV + (ldm_bkn_row(lane) * C::LD + ldm_bkn_col(lane)) * C::E;
+#pragma unroll
+  for (int kk = 0; kk < C::BLOCK_N / 16; ++kk)
+#pragma unroll
+    for (int dd = 0; dd < D / 16; ++dd) {
+      u32 bv[4];
+      if constexpr (V_T) ldmatrix_x4(bv, vb + (dd * 16 * C::LDT + kk * 16) * C::E);
+      else ldmatrix_x4_trans(bv, vb + (kk * 16 * C::LD + dd * 16) * C::E);
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt) {
+        mma_16816<T>(o[mt][2 * dd], pf[mt][kk], bv[0], bv[1]);
+        mma_16816<T>(o[mt][2 * dd + 1], pf[mt][kk], bv[2], bv[3]);
+      }
+    }
+}
+
+// Position of a tile row; NO_ROW past the tile's rows.
+constexpr int NO_ROW = -2147483647 - 1;
+
+__device__ __forceinline__ int row_position(const Tile& t, int r) { return r < t.rows ? t.position(r) : NO_ROW; }
+
+// The work item of this CTA, read again (volatile: the compiler cannot keep the first read's
+// values alive across the main loop instead), for the rare paths and the epilogue.
+template <typename T>
+__device__ __forceinline__ void reload_tile(const Problem<T>& P, int block_m, Tile& t) {
+  int4 item;
+  asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(item.x), "=r"(item.y), "=r"(item.z), "=r"(item.w) : "l"(P.work + blockIdx.x));
+  t.init(P, item, block_m);
+}
+
+// Scores of the m-tile at tile row `first` -> log2 units (soft-cap or scale, then ALiBi):
+// the general path. The plain path (positive scale, no soft-cap, no ALiBi) keeps raw dots
+// and scales inside the exponential.
+template <typename T, int NT_S>
+__device__ __forceinline__ void transform_scores(float (&s)[NT_S][4], const Problem<T>& P, int block_m,
+                                                 const int* pos_s, int first, int j0, int lane) {
+  ScoreMap smap;
+  smap.init(P.sm_scale, P.soft_cap);
+  float slope[2] = {0.f, 0.f};
+  int p[2] = {0, 0};
+  if (P.alibi != nullptr) {
+    Tile t;
+    reload_tile(P, block_m, t);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = min(first + lane / 4 + 8 * hr, t.rows - 1);  // rows past the tile: any valid row
+      p[hr] = pos_s[r];
+      slope[hr] = P.alibi[t.head(r)] * LOG2E;
+    }
+  }
 #pragma unroll
   for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int hr = e / 2, j = j0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-      float x = smap(s[nt][e]);
-      if (alibi) x += slope[hr] * (float)(j - w.p[hr]);
-      if (mask && (j < w.lo[hr] || j >= w.hi[hr])) x = neg_inf();
-      s[nt][e] = x;
+      s[nt][e] = smap(s[nt][e]) + slope[hr] * (float)(j - p[hr]);  // no ALiBi: slope 0
     }
+}
+
+// Keys outside [lo, hi) of each row this thread owns in the m-tile at tile row `first`
+// (positions from pos_s; NO_ROW: every key) -> -inf.
+template <typename T, int NT_S>
+__device__ __forceinline__ void mask_scores(float (&s)[NT_S][4], const Problem<T>& P, int kv_len,
+                                            const int* pos_s, int first, int j0, int lane) {
+  int lo[2], hi[2], p[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    float mx = neg_inf();
+    p[hr] = pos_s[first + lane / 4 + 8 * hr];
+    lo[hr] = p[hr] == NO_ROW ? 0 : visible_lo(p[hr], P.window_left);
+    hi[hr] = p[hr] == NO_ROW ? 0 : visible_hi(p[hr], kv_len, P.causal);
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hr = e / 2, j = j0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+      if (j < lo[hr] || j >= hi[hr]) s[nt][e] = neg_inf();
+    }
+}
+
+// Online softmax step of one m-tile: scores s (sc * s in log2 units, sc > 0) update the
+// running max m (in the units of s), the thread-partial sum l and the accumulators o, and
+// turn into probabilities exp2(sc * s - sc * m) with one FFMA + EX2 each. The accumulators
+// are rescaled only when the max of some row of the warp changed.
+template <int NT_S, int NT_O>
+__device__ __forceinline__ void online_softmax(float (&s)[NT_S][4], float (&o)[NT_O][4], float (&m)[2],
+                                               float (&l)[2], float sc) {
+  float alpha[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = m[hr];
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[hr], mx);
-    const float m_use = m_new == neg_inf() ? 0.f : m_new;  // no key yet: p = 0, no NaN
-    const float alpha = fast_exp2(m[hr] - m_use);
-    m[hr] = m_new;
+    const float m_sc = mx == neg_inf() ? 0.f : mx * sc;  // no key yet: p = 0, no NaN
+    alpha[hr] = mx == m[hr] ? 1.f : fast_exp2(fmaf(m[hr], sc, -m_sc));
+    m[hr] = mx;
     float rs = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt) {
-      s[nt][2 * hr] = fast_exp2(s[nt][2 * hr] - m_use);
-      s[nt][2 * hr + 1] = fast_exp2(s[nt][2 * hr + 1] - m_use);
+      s[nt][2 * hr] = fast_exp2(fmaf(s[nt][2 * hr], sc, -m_sc));
+      s[nt][2 * hr + 1] = fast_exp2(fmaf(s[nt][2 * hr + 1], sc, -m_sc));
       rs += s[nt][2 * hr] + s[nt][2 * hr + 1];
     }
-    l[hr] = l[hr] * alpha + rs;
+    l[hr] = fmaf(l[hr], alpha[hr], rs);
+  }
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
     for (int dt = 0; dt < NT_O; ++dt) {
-      o[dt][2 * hr] *= alpha;
-      o[dt][2 * hr + 1] *= alpha;
+      o[dt][0] *= alpha[0];
+      o[dt][1] *= alpha[0];
+      o[dt][2] *= alpha[1];
+      o[dt][3] *= alpha[1];
     }
   }
 }
 
-// Normalise one m-tile, write its LSE, stage it in its own sQ rows and store 16-byte rows.
-template <typename T, int D, int MT>
-__device__ __forceinline__ void store_rows(const Problem<T>& P, const Tile& t, const RowTile& w,
-                                           float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
+// Probabilities of one m-tile (C fragments of S) -> A fragments of P for O += P V.
+template <typename T, int KS_P>
+__device__ __forceinline__ void pack_p(u32 (&pf)[KS_P][4], const float (&s)[2 * KS_P][4]) {
+#pragma unroll
+  for (int kk = 0; kk < KS_P; ++kk) {
+    pf[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+    pf[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+    pf[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pf[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
+// Normalise the m-tile at tile row `first` (m in log2 units), write its LSE, stage it in its
+// own sQ rows and store 16-byte rows.
+template <typename T, int D, typename C>
+__device__ __forceinline__ void store_rows(const Problem<T>& P, const Tile& t, int first,
+                                           float (&o)[D / 8][4], const float (&m)[2], float (&l)[2],
                                            T* sQ, int lane) {
-  using C = MmaConfig<D, MT>;
   float inv[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
     l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-    const int r = w.first + lane / 4 + 8 * hr;
+    const int r = first + lane / 4 + 8 * hr;
     float row_lse;
     finish_row(m[hr], l[hr], P.sinks, t.head(min(r, t.rows - 1)), inv[hr], row_lse);
     if (P.lse != nullptr && lane % 4 == 0 && r < t.rows)
       P.lse[t.token_row(r) * P.num_q_heads + t.head(r)] = row_lse;
   }
-  if (!w.valid) return;
-  T* stage = sQ + w.first * C::LD;
+  if (first >= t.rows) return;
+  T* stage = sQ + first * C::LD;
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
@@ -327,63 +516,80 @@ __device__ __forceinline__ void store_rows(const Problem<T>& P, const Tile& t, c
 #pragma unroll
   for (int idx = lane; idx < 16 * C::CHUNKS; idx += 32) {
     const int r = idx / C::CHUNKS, c = idx % C::CHUNKS;
-    if (w.first + r < t.rows)
-      *reinterpret_cast<uint4*>(P.out + (t.token_row(w.first + r) * P.num_q_heads + t.head(w.first + r)) * D + c * 8) =
+    if (first + r < t.rows)
+      *reinterpret_cast<uint4*>(P.out + (t.token_row(first + r) * P.num_q_heads + t.head(first + r)) * D + c * 8) =
           *reinterpret_cast<const uint4*>(stage + r * C::LD + c * 8);
   }
 }
 
-// Grid: one CTA per work item; block: MmaConfig<D, MT>::THREADS.
-// Each warp owns MT contiguous 16-row m-tiles: S = Q K^T and O += P V on mma.sync (every K/V
-// fragment loaded once feeds MT m-tiles), Q fragments in registers (or reloaded from smem),
-// online softmax in registers. All threads fill the K/V tiles with cp.async: V_n streams in
-// during S = Q K_n^T, K_{n-1} during O += P V_n. Key tiles run from the last visible one
-// down, so masked diagonal / end tiles come first; a warp none of whose rows sees a key of
-// a tile skips its math. The output is staged through the warp's own Q rows in smem.
-template <typename T, int D, bool V_T, int MT_>
-__device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
-  using C = MmaConfig<D, MT_>;
-  constexpr int MT = C::MT, NT_S = C::BLOCK_N / 8, NT_O = D / 8, KS_Q = D / 16, KS_P = C::BLOCK_N / 16;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + C::BLOCK_M * C::LD;
-  T* sV = sK + C::BLOCK_N * C::LD;
+// All of K/V tile j0 (K rows; V rows or transposed) into one stage.
+template <typename T, int D, typename C, bool V_T>
+__device__ __forceinline__ void load_kv_tile(const Problem<T>& P, const KVSource<T>& src, int j0, u32 sK, u32 sV) {
+  load_kv_rows<T, D, C, true, !V_T>(P, src, j0, sK, sV);
+  if constexpr (V_T) load_v_transposed<T, D, C>(P, src, j0, sV);
+}
 
+// V of tile j0 alone (one-stage order).
+template <typename T, int D, typename C, bool V_T>
+__device__ __forceinline__ void load_v_tile(const Problem<T>& P, const KVSource<T>& src, int j0, u32 sK, u32 sV) {
+  if constexpr (V_T) load_v_transposed<T, D, C>(P, src, j0, sV);
+  else load_kv_rows<T, D, C, false, true>(P, src, j0, sK, sV);
+}
+
+// Body of the tensor-core kernel (see prefill_mma_kernel).
+template <typename T, int D, bool V_T, typename S>
+__device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
+  using C = MmaConfig<T, D, S, V_T>;
+  constexpr int MT = C::MT, BN = C::BLOCK_N, NT_S = BN / 8, NT_O = D / 8, KS_Q = D / 16;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 sQ = smem_addr(smem_raw);
+  const u32 sK0 = sQ + C::Q_BYTES;
+  const u32 sV0 = sK0 + C::STAGES * C::K_BYTES;
+
+  // per-CTA state the main loop reads from smem (after its first barrier), not registers
+  __shared__ KVSource<T> src_s;
+  __shared__ int4 keys_s[C::WARPS];  // WarpKeys of each warp
+  __shared__ int pos_s[C::BLOCK_M];  // position of each tile row
   Tile t;
-  t.init(P, P.work[blockIdx.x], C::BLOCK_M);
+  reload_tile(P, C::BLOCK_M, t);
+  KVSource<T> src;
+  src.init(P, t);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  RowTile w[MT];
-  float slope[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    w[mt].init(t, (warp * MT + mt) * 16, lane, P.window_left, P.causal);
-    for (int hr = 0; hr < 2; ++hr)
-      slope[mt][hr] = P.alibi == nullptr ? 0.f
-          : P.alibi[t.head(min(w[mt].first + lane / 4 + 8 * hr, t.rows - 1))] * LOG2E;
+  const int first = warp * MT * 16;
+  const u32 sQw = sQ + first * C::LD * C::E;
+  if (threadIdx.x == 0) src_s = src;
+  if (lane == 0) {
+    WarpKeys w;
+    w.init(t, first, MT * 16, P.window_left, P.causal);
+    keys_s[warp] = make_int4(w.j_lo, w.j_hi, w.hi_min, w.lo_max);
   }
-  ScoreMap smap;
-  smap.init(P.sm_scale, P.soft_cap);
+  for (int r = threadIdx.x; r < C::BLOCK_M; r += C::THREADS) pos_s[r] = row_position(t, r);
+  // plain path: raw dots, scale folded into the exponential; general: log2-unit scores first
+  const bool general = P.soft_cap > 0.f || P.alibi != nullptr || !(P.sm_scale > 0.f);
+  const float sc = general ? 1.f : P.sm_scale * LOG2E;
 
   // key tiles n_first .. n_last (inclusive) hold every key a row of the CTA sees
   const int j_begin = visible_lo(t.position(0), P.window_left);
   const int j_end = visible_hi(t.position(t.rows - 1), t.kv_len, P.causal);
-  const int n_first = j_begin / C::BLOCK_N;
-  const int n_last = j_end > j_begin ? (j_end - 1) / C::BLOCK_N : n_first - 1;
+  const int n_first = j_begin / BN;
+  const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
 
-  // -- prologue: Q, then the first K tile --
-  load_q_tile<T, D, MT>(P, t, sQ);
+  // -- prologue: Q, and K (all of the tile with two stages) of the last tile --
+  load_q_tile<T, D, C>(P, t, sQ);
+  if (n_last >= n_first) {
+    if constexpr (C::STAGES == 2) load_kv_tile<T, D, C, V_T>(P, src, n_last * BN, sK0, sV0);
+    else load_kv_rows<T, D, C, true, false>(P, src, n_last * BN, sK0, sV0);
+  }
   cp_async_commit();
-  if (n_last >= n_first) load_k_tile<T, D, MT>(P, t, sK, n_last);
-  cp_async_commit();
-  cp_async_wait<1>();
-  __syncthreads();
-  u32 qf[C::Q_IN_REGS ? MT : 1][C::Q_IN_REGS ? KS_Q : 1][4];
-  if constexpr (C::Q_IN_REGS) {
+  u32 qf[C::Q_REGS ? MT : 1][C::Q_REGS ? KS_Q : 1][4];
+  if constexpr (C::Q_REGS) {
+    cp_async_wait<0>();
+    __syncthreads();
+    const u32 qa = sQw + (ldm_a_row(lane) * C::LD + ldm_a_col(lane)) * C::E;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int kk = 0; kk < KS_Q; ++kk)
-        ldmatrix_x4(qf[mt][kk], sQ + (w[mt].first + ldm_a_row(lane)) * C::LD + kk * 16 + ldm_a_col(lane));
+      for (int kk = 0; kk < KS_Q; ++kk) ldmatrix_x4(qf[mt][kk], qa + (16 * mt * C::LD + kk * 16) * C::E);
   }
 
   float o[MT][NT_O][4], m[MT][2], l[MT][2];
@@ -395,106 +601,73 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
     l[mt][0] = l[mt][1] = 0.f;
   }
 
-  for (int n = n_last; n >= n_first; --n) {
+  for (int n = n_last, stage = 0; n >= n_first; --n, stage ^= C::STAGES - 1) {
+    const int j0 = n * BN;
+    const u32 sK = sK0 + stage * C::K_BYTES, sV = sV0 + stage * C::V_BYTES;
     cp_async_wait<0>();
-    __syncthreads();  // K_n visible to all; every warp is done with V_{n+1}
-    load_v_tile<T, D, V_T, MT>(P, t, sV, n);
+    __syncthreads();  // tile n (K; V too with two stages) visible; every warp is done with tile n + 1
+    if constexpr (C::STAGES == 2) {
+      if (n > n_first)  // all of tile n - 1 into the other stage
+        load_kv_tile<T, D, C, V_T>(P, src_s, j0 - BN, sK0 + (stage ^ 1) * C::K_BYTES, sV0 + (stage ^ 1) * C::V_BYTES);
+    } else {
+      load_v_tile<T, D, C, V_T>(P, src_s, j0, sK, sV);
+    }
     cp_async_commit();
 
-    const int j0 = n * C::BLOCK_N;
-    bool active = false;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) active |= w[mt].sees(j0, C::BLOCK_N);
-    u32 pf[MT][KS_P][4];
+    const int4 wk = keys_s[warp];
+    const WarpKeys w{wk.x, wk.y, wk.z, wk.w};
+    const bool active = w.sees(j0, BN);
+    u32 pf[MT][BN / 16][4];
     if (active) {
       // -- compute qk --
       float s[MT][NT_S][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int i = 0; i < NT_S; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < KS_Q; ++kk) {
-        u32 a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          if constexpr (C::Q_IN_REGS) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[mt][i] = qf[mt][kk][i];
-          } else {
-            ldmatrix_x4(a[mt], sQ + (w[mt].first + ldm_a_row(lane)) * C::LD + kk * 16 + ldm_a_col(lane));
-          }
-        }
-#pragma unroll
-        for (int nn = 0; nn < C::BLOCK_N / 16; ++nn) {
-          u32 bk[4];
-          ldmatrix_x4(bk, sK + (nn * 16 + ldm_bnk_row(lane)) * C::LD + kk * 16 + ldm_bnk_col(lane));
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma_16816<T>(s[mt][2 * nn], a[mt], bk[0], bk[1]);
-            mma_16816<T>(s[mt][2 * nn + 1], a[mt], bk[2], bk[3]);
-          }
-        }
-      }
+      compute_qk<T, D, C>(s, qf, sQw, sK, lane);
       // -- scores, mask, online softmax; p -> A fragments --
+      const bool mask = w.needs_mask(j0, BN);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const bool mask = !w[mt].sees(j0, C::BLOCK_N) || w[mt].needs_mask(j0, C::BLOCK_N);
-        softmax_step<NT_S, NT_O>(s[mt], o[mt], m[mt], l[mt], w[mt], smap, slope[mt],
-                                 P.alibi != nullptr, mask, j0, lane);
-#pragma unroll
-        for (int kk = 0; kk < KS_P; ++kk) {
-          pf[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          pf[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          pf[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          pf[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-        }
+        if (general) transform_scores<T, NT_S>(s[mt], P, C::BLOCK_M, pos_s, first + 16 * mt, j0, lane);
+        if (mask) mask_scores<T, NT_S>(s[mt], P, src_s.kv_len, pos_s, first + 16 * mt, j0, lane);
+        online_softmax<NT_S, NT_O>(s[mt], o[mt], m[mt], l[mt], sc);
+        pack_p<T, BN / 16>(pf[mt], s[mt]);
       }
     }
-
-    cp_async_wait<0>();
-    __syncthreads();  // V_n visible to all; every warp is done with K_n
-    if (n > n_first) load_k_tile<T, D, MT>(P, t, sK, n - 1);
-    cp_async_commit();
-
-    if (active) {
-      // -- compute pv --
-#pragma unroll
-      for (int kk = 0; kk < KS_P; ++kk)
-#pragma unroll
-        for (int dd = 0; dd < D / 16; ++dd) {
-          u32 bv[4];
-          if constexpr (V_T)
-            ldmatrix_x4(bv, sV + (dd * 16 + ldm_bnk_row(lane)) * C::LDT + kk * 16 + ldm_bnk_col(lane));
-          else
-            ldmatrix_x4_trans(bv, sV + (kk * 16 + ldm_bkn_row(lane)) * C::LD + dd * 16 + ldm_bkn_col(lane));
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma_16816<T>(o[mt][2 * dd], pf[mt][kk], bv[0], bv[1]);
-            mma_16816<T>(o[mt][2 * dd + 1], pf[mt][kk], bv[2], bv[3]);
-          }
-        }
+    if constexpr (C::STAGES == 1) {
+      cp_async_wait<0>();
+      __syncthreads();  // V_n visible; every warp is done with K_n
+      if (n > n_first) load_kv_rows<T, D, C, true, false>(P, src_s, j0 - BN, sK, sV);
+      cp_async_commit();
     }
+    // -- compute pv --
+    if (active) compute_pv<T, D, C, V_T>(o, pf, sV, lane);
   }
 
-  // -- epilogue --
+  // -- epilogue: rows staged in the warp's own sQ rows (Q's copy must have landed) --
+  if (n_last < n_first) {
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+  reload_tile(P, C::BLOCK_M, t);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) store_rows<T, D, MT>(P, t, w[mt], o[mt], m[mt], l[mt], sQ, lane);
+  for (int mt = 0; mt < MT; ++mt) {
+    const float m_log2[2] = {m[mt][0] * sc, m[mt][1] * sc};
+    store_rows<T, D, C>(P, t, first + 16 * mt, o[mt], m_log2, l[mt], reinterpret_cast<T*>(smem_raw), lane);
+  }
 }
 
 // ----------------------------------------------------------------------------- fp32 (CUDA cores)
-// Grid: one CTA per work item; block: 8 warps.
 // Warp w takes packed rows w, w + 8, ... of the item, one query row at a time: the row sits
 // in smem; in each step of 32 visible keys every lane scores one key (float4 reads of its
 // K row), the warp updates m_i / l_i, then broadcasts the 32 probabilities while lane owns
 // dims lane, lane + 32, ... of acc and reads them from each V row.
+constexpr int SIMT_WARPS = 8;
+
 template <int D>
-__device__ __forceinline__ void prefill_simt(const Problem<float>& P, int block_m) {
-  constexpr int SIMT_WARPS = 8;
-  constexpr int NV = (D + 31) / 32;
+__device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
+  constexpr int SIMT_BLOCK_M = 128, NV = (D + 31) / 32;
   __shared__ __align__(16) float sq[SIMT_WARPS][D];
   Tile t;
-  t.init(P, P.work[blockIdx.x], block_m);
+  t.init(P, P.work[blockIdx.x], SIMT_BLOCK_M);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   ScoreMap smap;
   smap.init(P.sm_scale, P.soft_cap);
@@ -550,37 +723,48 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P, int block_
   }
 }
 
-// ----------------------------------------------------------------------------- entry
-// One kernel per (element type, head dim, transposed-V smem fill, m-tiles per warp); layout,
-// paging and every score option are run-time arguments (see Problem). Grid: one CTA per work item (int4
-// {sequence, kv head, first packed row, 0}); block: LaunchShape<T, D, MT>::THREADS. fp16/bf16
-// need MmaConfig's dynamic shared memory, fp32 none.
-template <typename T, int D, int MT>
-struct LaunchShape {  // fp32 runs prefill_simt's 8 warps
-  static constexpr int THREADS = sizeof(T) == 4 ? 256 : MmaConfig<D, MT>::THREADS;
-  static constexpr int MIN_BLOCKS = sizeof(T) == 4 ? 1 : MmaConfig<D, MT>::MIN_BLOCKS;
-};
+// ----------------------------------------------------------------------------- entries
+// Both kernels take the same arguments: the fields of Problem, in order. Layout, paging and
+// every score option are run-time arguments; the work list holds int4 {sequence, kv head,
+// first packed row, 0} items.
+#define CUPAGED_PREFILL_PARAMS(T)                                                                  \
+  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out, \
+      float* __restrict__ lse, const int4* __restrict__ work, const int* __restrict__ cu_q,      \
+      const int* __restrict__ kv_info, const int* __restrict__ block_tables, int max_blocks,      \
+      int block_size, int paged, i64 k_block, i64 k_head, i64 k_chunk, i64 k_tok, i64 v_block,    \
+      i64 v_head, i64 v_dim, i64 v_tok, const float* __restrict__ alibi,                          \
+      const float* __restrict__ sinks, int num_q_heads, int num_kv_heads, float sm_scale,         \
+      float soft_cap, int window_left, int causal
+#define CUPAGED_PREFILL_ARGS                                                                       \
+  q, k, v, out, lse, work, cu_q, kv_info, block_tables, max_blocks, block_size, paged, k_block,   \
+      k_head, k_chunk, k_tok, v_block, v_head, v_dim, v_tok, alibi, sinks, num_q_heads,            \
+      num_kv_heads, sm_scale, soft_cap, window_left, causal
 
-template <typename T, int D, bool V_T, int MT>
-__global__ void __launch_bounds__(LaunchShape<T, D, MT>::THREADS, LaunchShape<T, D, MT>::MIN_BLOCKS)
-prefill_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-               T* __restrict__ out, float* __restrict__ lse, const int4* __restrict__ work,
-               const int* __restrict__ cu_q, const int* __restrict__ kv_info,
-               const int* __restrict__ block_tables, int max_blocks, int block_size, int paged,
-               i64 k_block, i64 k_head, i64 k_chunk, i64 k_tok,
-               i64 v_block, i64 v_head, i64 v_dim, i64 v_tok,
-               const float* __restrict__ alibi, const float* __restrict__ sinks,
-               int num_q_heads, int num_kv_heads, float sm_scale, float soft_cap,
-               int window_left, int causal) {
-  const Problem<T> P{q, k, v, out, lse, work, cu_q, kv_info, block_tables, max_blocks,
-                     block_size, paged, k_block, k_head, k_chunk, k_tok, v_block, v_head,
-                     v_dim, v_tok, alibi, sinks, num_q_heads, num_kv_heads, sm_scale,
-                     soft_cap, window_left, causal};
-  if constexpr (sizeof(T) == 4) {
-    prefill_simt<D>(P, MmaConfig<D, MT>::BLOCK_M);
-  } else {
-    prefill_mma<T, D, V_T, MT>(P);
-  }
+// Grid: one CTA per work item; block: 32 * S::WARPS threads; dynamic smem: Q [BLOCK_M][D + 8]
+// then S::STAGES K tiles [BLOCK_N][D + 8] and V tiles ([BLOCK_N][D + 8], or [D][BLOCK_N + 8]
+// for V_T, the vllm value layout). Each warp owns S::MT contiguous 16-row m-tiles: S = Q K^T
+// and O += P V on mma.sync (every K/V fragment loaded once feeds MT m-tiles), online softmax
+// in registers. All threads fill the K/V tiles with cp.async (see TileShape for the order).
+// Key tiles run from the last visible one down, so masked diagonal / end tiles come first; a
+// warp none of whose rows sees a key of a tile skips its math. The output is staged through
+// the warp's own Q rows in smem.
+template <typename T, int D, bool V_T, typename S>
+__global__ void __launch_bounds__(32 * S::WARPS, S::CTAS)
+prefill_mma_kernel(CUPAGED_PREFILL_PARAMS(T)) {
+  const Problem<T> P{CUPAGED_PREFILL_ARGS};
+  prefill_mma<T, D, V_T, S>(P);
 }
+
+// Grid: one CTA per work item of 128 packed rows; block: SIMT_WARPS warps; fp32,
+// every layout (see prefill_simt).
+template <int D>
+__global__ void __launch_bounds__(32 * SIMT_WARPS)
+prefill_simt_kernel(CUPAGED_PREFILL_PARAMS(float)) {
+  const Problem<float> P{CUPAGED_PREFILL_ARGS};
+  prefill_simt<D>(P);
+}
+
+#undef CUPAGED_PREFILL_PARAMS
+#undef CUPAGED_PREFILL_ARGS
 
 }  // namespace cupaged

@@ -120,81 +120,85 @@ def test_numpy_prefiller_matches_functional(rng):
 
 
 # ----------------------------------------------------------------------------- CPU: host plan
-def _covered_rows(items, q_lens, group):
+TILES = [plan_.default_tile(128), plan_.default_tile(256), plan_.TileShape(8, 2, 64, 2, False, 1),
+         plan_.SIMT_TILE]
+
+
+def _covered_rows(items, q_lens, group, block_m):
     seen = {}
     for b, h, r0, _ in items:
-        for r in range(r0, min(r0 + plan_.BLOCK_M, q_lens[b] * group)):
+        for r in range(r0, min(r0 + block_m, q_lens[b] * group)):
             seen[(b, h, r)] = seen.get((b, h, r), 0) + 1
     return seen
 
 
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("group, causal, window", [(1, True, -1), (4, True, 50), (8, False, -1), (3, False, 7)])
-def test_work_list_covers_every_row_once_longest_first(rng, group, causal, window):
+def test_work_list_covers_every_row_once_longest_first(rng, group, causal, window, tile):
     q_lens = rng.integers(0, 300, 6)
     kv_lens = q_lens + rng.integers(0, 200, 6)
     kv_lens[0] = 0
-    items = plan_.work_list(q_lens, kv_lens, group=group, num_kv_heads=2, head_dim=128,
+    items = plan_.work_list(q_lens, kv_lens, group=group, num_kv_heads=2, tile=tile,
                             causal=causal, window_left=window)
     assert items.dtype == np.int32 and items.shape[1] == 4
-    seen = _covered_rows(items, q_lens, group)
+    seen = _covered_rows(items, q_lens, group, tile.block_m)
     want = {(b, h, r) for b in range(6) for h in range(2) for r in range(q_lens[b] * group)}
     assert set(seen) == want and set(seen.values()) <= {1}
     cost = []
     for b, _, r0, _ in items:
-        lo, hi = _tile_keys(q_lens[b], kv_lens[b], group, r0, causal, window)
-        bn = plan_.block_n(128, plan_.m_tiles(128))
+        lo, hi = _tile_keys(q_lens[b], kv_lens[b], group, r0, causal, window, tile.block_m)
+        bn = tile.block_n
         cost.append(max(0, -(-hi // bn) - lo // bn) if hi > lo else 0)
     assert (np.diff(cost) <= 0).all()
 
 
-def _tile_keys(q_len, kv_len, group, row0, causal, window):
+def _tile_keys(q_len, kv_len, group, row0, causal, window, block_m):
     """Keys [lo, hi) some row of the tile starting at packed row0 sees (kernel's formula)."""
-    last = min(row0 + plan_.BLOCK_M, q_len * group) - 1
+    last = min(row0 + block_m, q_len * group) - 1
     p0, p1 = kv_len - q_len + row0 // group, kv_len - q_len + last // group
     lo = max(0, p0 - window) if window >= 0 else 0
     hi = min(kv_len, p1 + 1) if causal else kv_len
     return lo, hi
 
 
-def _m_tile_bounds(q_len, kv_len, group, row0, first, last, causal, window):
-    """RowTile's (j_lo, j_hi, hi_min, lo_max) for valid tile rows [first, last]."""
+def _warp_keys(q_len, kv_len, group, row0, first, last, causal, window):
+    """WarpKeys (j_lo, j_hi, hi_min, lo_max) for valid tile rows [first, last]."""
     pos = lambda r: kv_len - q_len + (row0 + r) // group  # noqa: E731
     lo = lambda p: max(0, p - window) if window >= 0 else 0  # noqa: E731
     hi = lambda p: min(kv_len, p + 1) if causal else kv_len  # noqa: E731
     return lo(pos(first)), hi(pos(last)), hi(pos(first)), lo(pos(last))
 
 
-@pytest.mark.parametrize("block_n, rows_per_warp", [(32, 32), (64, 32), (32, 16), (64, 16)])
-def test_kernel_tile_logic_emulated(rng, block_n, rows_per_warp):
-    """Mirror prefill_mma's tile range, warp skipping and mask choice in Python: every
-    visible (row, key) pair lies in a computed tile, and unmasked tiles hide nothing."""
-    for _ in range(40):
+@pytest.mark.parametrize("tile", TILES[:3] + [plan_.TileShape(4, 2, 32, 2, False, 2)])
+def test_kernel_tile_logic_emulated(rng, tile):
+    """Mirror prefill_mma's key-tile range, warp skipping and mask choice in Python: every
+    visible (row, key) pair lies in a tile its warp computes, and a tile the warp leaves
+    unmasked hides no key from any valid row of the warp."""
+    block_m, block_n, rows_per_warp = tile.block_m, tile.block_n, 16 * tile.m_tiles
+    for _ in range(30):
         group = int(rng.choice([1, 2, 5, 8]))
         q_len, kv_len = int(rng.integers(1, 90)), int(rng.integers(0, 300))
         causal, window = bool(rng.integers(2)), int(rng.choice([-1, 0, 3, 40]))
         vis = ref.visible_keys(q_len, kv_len, causal=causal, window_left=window)
-        for row0 in range(0, q_len * group, plan_.BLOCK_M):
-            rows = min(plan_.BLOCK_M, q_len * group - row0)
-            lo, hi = _tile_keys(q_len, kv_len, group, row0, causal, window)
+        for row0 in range(0, q_len * group, block_m):
+            rows = min(block_m, q_len * group - row0)
+            lo, hi = _tile_keys(q_len, kv_len, group, row0, causal, window, block_m)
             tiles = range(lo // block_n, (hi - 1) // block_n + 1) if hi > lo else range(0)
-            for warp_first in range(0, plan_.BLOCK_M, rows_per_warp):
-                m_tiles = [(f, min(f + 15, rows - 1)) for f in range(warp_first, warp_first + rows_per_warp, 16)
-                           if f < rows]
-                bounds = [_m_tile_bounds(q_len, kv_len, group, row0, f, l, causal, window) for f, l in m_tiles]
-                done = [np.zeros(kv_len, bool) for _ in m_tiles]
+            for first in range(0, min(rows, block_m), rows_per_warp):
+                last = min(first + rows_per_warp, rows) - 1
+                j_lo, j_hi, hi_min, lo_max = _warp_keys(q_len, kv_len, group, row0, first, last,
+                                                        causal, window)
+                done = np.zeros(kv_len, bool)
                 for n in tiles:
                     j0 = n * block_n
-                    sees = [j0 < jh and j0 + block_n > jl for jl, jh, _, _ in bounds]
-                    if not any(sees):
+                    if not (j0 < j_hi and j0 + block_n > j_lo):
                         continue
-                    for (f, l), (_, _, hi_min, lo_max), seen, d in zip(m_tiles, bounds, sees, done):
-                        d[j0:j0 + block_n] = True
-                        if seen and not (j0 + block_n > hi_min or j0 < lo_max):
-                            for r in range(f, l + 1):
-                                assert vis[(row0 + r) // group, j0:j0 + block_n].all()
-                for (f, l), d in zip(m_tiles, done):
-                    for r in range(f, l + 1):
-                        assert not (vis[(row0 + r) // group] & ~d).any()
+                    done[j0:j0 + block_n] = True
+                    if not (j0 + block_n > hi_min or j0 < lo_max):
+                        for r in range(first, last + 1):
+                            assert vis[(row0 + r) // group, j0:j0 + block_n].all()
+                for r in range(first, last + 1):
+                    assert not (vis[(row0 + r) // group] & ~done).any()
 
 
 @pytest.mark.parametrize("layout", ("ragged",) + LAYOUTS)
@@ -228,12 +232,23 @@ def test_smem_fits_and_specs_cover_every_head_dim():
     from cupaged.prefill import kernel_specializations
     for d in HEAD_DIMS:
         for vt in (False, True):
-            for mt in (1, 2):
-                assert plan_.smem_bytes(np.float16, d, vt, mt) * mt <= 227 * 1024
+            tile = plan_.default_tile(d, vt)
+            smem = plan_.smem_bytes(np.float16, d, vt, tile)
+            assert smem <= 163 * 1024  # one CTA fits an sm_80 SM
+            assert tile.ctas * (smem + 1024) <= 228 * 1024  # its CTAs per SM fit an sm_90 SM
+            assert plan_.smem_bytes(np.float32, d, vt, plan_.launch_tile(np.float32, d)) == 0
     exprs = {s.expr for s in kernel_specializations()}
-    assert len(exprs) == 2 * len(HEAD_DIMS) * 2 + len(HEAD_DIMS) + 1
-    assert "cupaged::prefill_kernel<__nv_bfloat16, 128, false, 2>" in exprs
-    assert "cupaged::prefill_kernel<__nv_bfloat16, 128, false, 1>" in exprs
+    assert len(exprs) == 2 * len(HEAD_DIMS) * 2 + len(HEAD_DIMS)
+    assert ("cupaged::prefill_mma_kernel<__nv_bfloat16, 128, false, "
+            "cupaged::TileShape<4, 2, 64, 2, false, 2>>") in exprs
+    assert "cupaged::prefill_simt_kernel<256>" in exprs
+
+
+def test_check_block_elements():
+    from cupaged.layouts import CacheGeometry
+    plan_.check_block_elements(CacheGeometry(10, 1 << 14, 8, 128))
+    with pytest.raises(ValueError, match="k_cache"):
+        plan_.check_block_elements(CacheGeometry(10, 1 << 18, 64, 256))
 
 
 # ----------------------------------------------------------------------------- CPU: bad input
@@ -418,6 +433,29 @@ def _feature_opts(rng, name, hq):
     if opts.get("sinks") == "sinks":
         opts["sinks"] = _rand(rng, hq, np.float32, 2.0)
     return opts
+
+
+def _bench_tiles():
+    from cupaged.bench.prefill import VARIANTS
+    return [(d, t) for d, tiles in VARIANTS.items() for t in tiles[1:]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, tile", _bench_tiles())
+def test_gpu_benchmark_tiles(cp, rng, head_dim, tile):
+    """Every non-default tile the benchmark times, against the reference (GQA, window, LSE)."""
+    from cupaged import prefill
+    from cupaged._checks import check_options
+    q, k, v, cu_q, cu_k = ragged(rng, Q_LENS + [300], KV_LENS + [333], 8, 2, head_dim, bfloat16)
+    opts = check_options(np, 8, head_dim, window_left=150)
+    work = prefill._work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, True, opts, tile)
+    out, lse = _poisoned(cp, q.shape, bfloat16), cp.full(q.shape[:2], np.nan, np.float32)
+    prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
+                    cp.asarray(cu_k), None, 1, plan_.kv_strides("ragged", 1, 2, head_dim, q.dtype),
+                    opts, True, False, 2, tile=tile)
+    want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, window_left=150, return_lse=True)
+    assert_close(out.get(), want, bfloat16)
+    assert_lse(lse.get(), want_lse)
 
 
 @pytest.mark.gpu

@@ -1,21 +1,24 @@
-"""Benchmark of prefill attention: TFLOP/s beside torch SDPA (flash, cuDNN) in the same run.
+"""Benchmark of prefill attention: tile variants side by side, and TFLOP/s beside torch SDPA.
 
-Rows (bf16, H 32 query and kv heads unless said otherwise):
+Rows (bf16, H 32 query and kv heads):
 
-- ``varlen``: ``varlen_prefill`` on equal lengths, causal and not, d 64 / 128 / 256 and
-  S 512 .. 32K (batch chosen so each row has about 16K-32K tokens); ``flash_TFLOPs`` and
-  ``cudnn_TFLOPs`` are torch SDPA on the same [B, H, S, D] problem (None without torch, or
-  when the backend refuses it), ``vs_flash`` / ``vs_cudnn`` the ratios.
-- ``headline mt=1``: the headline shape on the other tile config of the kernel (8 warps
-  of 16 rows instead of 4 warps of 32), to choose the default from measurements.
-- ``varlen mixed``: one ragged batch of very different lengths (1 .. 16K).
-- ``paged``: the same problems through ``PagedPrefiller`` on an NHD cache of page 16 with
-  shuffled blocks; ``vs_ragged`` is its speed relative to the ragged row (goal >= 0.9).
+- ``tiles``: the tensor-core kernel's tile shapes (``prefill_plan.TileShape``: warps x rows
+  per warp, keys per K/V tile, K/V stages, Q in registers, CTAs per SM) timed on the same
+  problem, B2 S8192 at d128 (causal and not), d64 and d256 causal. The row marked
+  ``default`` is the shape the library launches; ``vs_default`` is a variant's speed relative
+  to it; ``regs`` / ``local_B`` the registers and local (spill) bytes per thread.
+  ``flash_TFLOPs`` / ``cudnn_TFLOPs`` are torch SDPA on the same [B, H, S, D] problem (None
+  without torch, or when the backend refuses it), ``vs_flash`` / ``vs_cudnn`` the ratios.
+- ``paged``: the default tile through ``PagedPrefiller`` on NHD, HND and vllm caches of page
+  16 with shuffled blocks; ``vs_ragged`` is its speed relative to the ragged row (goal >= 0.9).
+- ``sweep``: default tile, S 512 .. 32K (batch chosen so each row has 16K-32K tokens).
+- ``mixed``: one ragged batch of very different lengths (1 .. 16K).
 
 Causal flops count the visible (query, key) pairs: 2 * B * H * S * S * D for equal lengths.
-``ms`` times the kernel launch alone (plan built once); ``public_ms`` the public call with
-its host checks. Every timed configuration is checked against the float64 reference on the
-last 16 queries of sequence 0. Run: ``python -m cupaged.bench.prefill [--quick]``.
+``ms`` times the kernel launch alone (work list built once); ``public_ms`` the public call
+with its host checks. ``checked``: the first and last 16 queries of sequence 0 against the
+float64 reference, and (variants) the whole output against the default tile's.
+Run: ``python -m cupaged.bench.prefill [--quick]`` or ``cupaged bench prefill``.
 """
 from __future__ import annotations
 
@@ -23,11 +26,26 @@ import sys
 
 import numpy as np
 
+from .. import prefill_plan as plan_
 from .._arrays import bfloat16
 from ..reference import attention as aref
 from .timing import format_table, time_gpu, torch_or_none
 
 H = 32
+TS = plan_.TileShape
+# candidate tiles per head size, the default first
+VARIANTS = {
+    128: [plan_.default_tile(128), TS(4, 2, 64, 1, False, 2), TS(4, 2, 32, 2, False, 2),
+          TS(8, 1, 64, 2, True, 1), TS(8, 2, 64, 2, False, 1)],
+    64: [plan_.default_tile(64), TS(4, 2, 128, 2, False, 2), TS(8, 1, 128, 2, True, 1)],
+    256: [plan_.default_tile(256), TS(8, 1, 64, 1, False, 1)],
+}
+
+
+def tile_label(tile):
+    """Short name of a tile shape: warps x rows per warp, keys per tile, stages, Q regs."""
+    q = " qreg" if tile.q_regs else ""
+    return f"{tile.warps}w x{16 * tile.m_tiles}r n{tile.block_n} s{tile.stages}{q} {tile.ctas}cta"
 
 
 def _random(shape, seed):
@@ -44,13 +62,25 @@ def _flops(q_lens, kv_lens, head_dim, causal):
     return 4 * H * head_dim * pairs
 
 
-def _check(out, q, k, v, cu, causal):
-    """Last 16 queries of sequence 0 against the reference."""
+def _check(out, q, k, v, cu, causal, want_out=None):
+    """First and last 16 queries of sequence 0 against the reference; the whole output
+    against ``want_out`` (another kernel's) when given."""
     end = int(cu[1])
-    rows = slice(max(0, end - 16), end)
-    want, _ = aref.attend(q[rows].get(), k[:end].get(), v[:end].get(), causal=causal)
-    got = np.asarray(out[rows].get(), np.float64)
-    return bool(np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want))
+    kh, vh = k[:end].get(), v[:end].get()
+    for rows in (slice(0, min(16, end)), slice(max(0, end - 16), end)):
+        if not causal and rows.start == 0 and end > 16:
+            continue  # non-causal first rows cost a full pass; the last rows suffice
+        want, _ = aref.attend(q[rows].get(), kh[:rows.stop] if causal else kh,
+                              vh[:rows.stop] if causal else vh, causal=causal)
+        got = np.asarray(out[rows].get(), np.float64)
+        if not np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want):
+            return False
+    if want_out is not None:
+        import cupy
+        a, b = out.astype(cupy.float32), want_out.astype(cupy.float32)
+        if not float(cupy.linalg.norm(a - b)) <= 1e-2 * float(cupy.linalg.norm(b)):
+            return False
+    return True
 
 
 # ----------------------------------------------------------------------------- peers
@@ -70,6 +100,13 @@ def _sdpa(batch, seqlen, head_dim, causal, backend):
         return None
 
 
+def _peers(row, q_lens, head_dim, causal, flops, seconds):
+    for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
+        t = _sdpa(len(q_lens), q_lens[0], head_dim, causal, backend)
+        row[f"{name}_TFLOPs"] = None if t is None else flops / t / 1e12
+        row[f"vs_{name}"] = None if t is None else t / seconds
+
+
 # ----------------------------------------------------------------------------- ours
 def _ragged_inputs(q_lens, head_dim, seed=0):
     import cupy
@@ -78,29 +115,32 @@ def _ragged_inputs(q_lens, head_dim, seed=0):
     return q, k, v, cu, cupy.asarray(cu)
 
 
-def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, mt=None):
-    """Launch-only closure of varlen_prefill with its work list built once."""
+def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None):
+    """Launch-only closure of varlen_prefill with its work list built once (``tile``: a
+    non-default tile shape). Returns (launch, kernel)."""
     import cupy
-    from .. import prefill, prefill_plan
+    from .. import prefill
     from .._checks import check_options
+    from .._compile import get_kernel
     lens = np.diff(cu_host)
-    work = cupy.asarray(prefill_plan.work_list(lens, lens, group=1, num_kv_heads=H,
-                                               head_dim=q.shape[2], causal=causal, window_left=-1))
     opts = check_options(cupy, H, q.shape[2])
-    strides = prefill_plan.kv_strides("ragged", 1, H, q.shape[2], q.dtype)
+    tile = plan_.launch_tile(q.dtype, q.shape[2]) if tile is None else tile
+    work = cupy.asarray(prefill._work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
+    strides = plan_.kv_strides("ragged", 1, H, q.shape[2], q.dtype)
     out = cupy.empty_like(q)
 
     def launch():
         prefill._launch(q, k, v, out, None, work, cu_dev, cu_dev, None, 1, strides, opts,
-                        causal, False, H, mt=mt)
+                        causal, False, H, tile=tile)
         return out
-    return launch
+    return launch, get_kernel("prefill", prefill._expr(q.dtype, q.shape[2], False, tile))
 
 
-def _paged_launcher(q, k, v, cu_host, causal, block_size=16):
-    """PagedPrefiller.run over an NHD cache holding k/v in shuffled pages."""
+def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16):
+    """PagedPrefiller.run over a ``layout`` cache holding k/v in shuffled pages."""
     import cupy
     import cupaged
+    from ..layouts import cache_shapes
     lens = np.diff(cu_host)
     need = -(-lens // block_size)
     ids = np.random.default_rng(1).permutation(int(need.sum())).astype(np.int32)
@@ -111,66 +151,83 @@ def _paged_launcher(q, k, v, cu_host, causal, block_size=16):
         t = np.arange(lens[b])
         slots.append(tables[b, t // block_size].astype(np.int64) * block_size + t % block_size)
     slots = cupy.asarray(np.concatenate(slots))
-    shape = (int(need.sum()), block_size, H, q.shape[2])
-    kc, vc = cupy.zeros(shape, q.dtype), cupy.zeros(shape, q.dtype)
-    kc.reshape(-1, H, q.shape[2])[slots] = k
-    vc.reshape(-1, H, q.shape[2])[slots] = v
-    pre = cupaged.PagedPrefiller(H, H, q.shape[2], block_size, dtype=q.dtype, causal=causal)
+    ks, vs = cache_shapes(layout, int(need.sum()), block_size, H, q.shape[2], q.dtype)
+    kc, vc = cupy.empty(ks, q.dtype), cupy.empty(vs, q.dtype)
+    cupaged.write_kv_cache(k, v, kc, vc, slots, layout=layout)
+    pre = cupaged.PagedPrefiller(H, H, q.shape[2], block_size, dtype=q.dtype, layout=layout,
+                                 causal=causal)
     pre.plan(cu_host, tables, lens.astype(np.int32))
     out = cupy.empty_like(q)
     return lambda: pre.run(q, kc, vc, out=out)
 
 
-def bench_case(q_lens, head_dim, causal, label, peers=True, paged=True, mt=None):
-    """Rows for one batch: ragged (with peers for equal lengths), then paged page 16.
+def _shape(q_lens, cu_host, head_dim, causal):
+    equal = len(set(q_lens)) == 1
+    return (f"B{len(q_lens)} S{q_lens[0]}" if equal else f"B{len(q_lens)} T{int(cu_host[-1])}") \
+        + f" H{H} d{head_dim} {'causal' if causal else 'full'}"
 
-    ``mt`` picks a non-default tile config (m-tiles per warp) of the ragged kernel.
-    """
+
+def bench_tiles(q_lens, head_dim, causal, tiles, label="tiles", peers=True, public=True):
+    """One row per tile shape (the first is the reference for ``vs_default``); peers on the first."""
     from .. import prefill
     q, k, v, cu_host, cu_dev = _ragged_inputs(q_lens, head_dim)
     flops = _flops(q_lens, q_lens, head_dim, causal)
-    launch = _ragged_launcher(q, k, v, cu_host, cu_dev, causal, mt)
-    ok = _check(launch(), q, k, v, cu_host, causal)
-    seconds = time_gpu(launch)
-    public = time_gpu(lambda: prefill.varlen_prefill(q, k, v, cu_dev, cu_dev, causal=causal), reps=5)
-    equal = len(set(q_lens)) == 1
-    shape = (f"B{len(q_lens)} S{q_lens[0]}" if equal else f"B{len(q_lens)} T{int(cu_host[-1])}") \
-        + f" H{H} d{head_dim} {'causal' if causal else 'full'}"
-    row = dict(op="varlen", variant=label, shape=shape, ms=seconds * 1e3, public_ms=public * 1e3,
-               TFLOPs=flops / seconds / 1e12, checked=ok)
-    if peers and equal:
-        for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
-            t = _sdpa(len(q_lens), q_lens[0], head_dim, causal, backend)
-            row[f"{name}_TFLOPs"] = None if t is None else flops / t / 1e12
-            row[f"vs_{name}"] = None if t is None else t / seconds
-    rows = [row]
-    if paged:
-        run = _paged_launcher(q, k, v, cu_host, causal)
-        ok = _check(run(), q, k, v, cu_host, causal)
+    rows, base_out, base_s = [], None, None
+    for i, tile in enumerate(tiles):
+        launch, kernel = _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile)
+        out = launch().copy()
+        ok = _check(out, q, k, v, cu_host, causal, base_out)
+        seconds = time_gpu(launch)
+        row = dict(op="varlen", variant=label, tile=tile_label(tile) + (" default" if i == 0 else ""),
+                   shape=_shape(q_lens, cu_host, head_dim, causal), ms=seconds * 1e3,
+                   TFLOPs=flops / seconds / 1e12, regs=kernel.num_regs,
+                   local_B=kernel.local_size_bytes, checked=ok)
+        if i == 0:
+            base_out, base_s = out, seconds
+            if public:
+                t = time_gpu(lambda: prefill.varlen_prefill(q, k, v, cu_dev, cu_dev, causal=causal), reps=5)
+                row["public_ms"] = t * 1e3
+            if peers and len(set(q_lens)) == 1:
+                _peers(row, q_lens, head_dim, causal, flops, seconds)
+        else:
+            row["vs_default"] = base_s / seconds
+        rows.append(row)
+    return rows, (q, k, v, cu_host, base_out, base_s, flops)
+
+
+def bench_paged(inputs, causal, layouts=("NHD",)):
+    """Default tile through PagedPrefiller on each layout, page 16, beside the ragged time."""
+    q, k, v, cu_host, base_out, base_s, flops = inputs
+    rows = []
+    for layout in layouts:
+        run = _paged_launcher(q, k, v, cu_host, causal, layout)
+        ok = _check(run(), q, k, v, cu_host, causal, base_out)
         t = time_gpu(run)
-        rows.append(dict(op="paged", variant=label + " page16", shape=shape, ms=t * 1e3,
-                         TFLOPs=flops / t / 1e12, vs_ragged=seconds / t, checked=ok))
-    del q, k, v
+        rows.append(dict(op="paged", variant=f"{layout} page16", shape=_shape(list(np.diff(cu_host)), cu_host,
+                                                                          q.shape[2], causal),
+                         ms=t * 1e3, TFLOPs=flops / t / 1e12, vs_ragged=base_s / t, checked=ok))
     return rows
 
 
 def run(quick=False):
-    """All rows; ``quick`` keeps the headline shape and a few others."""
-    rows = bench_case([8192] * 2, 128, True, "headline")
-    rows += bench_case([8192] * 2, 128, True, "headline mt=1", peers=False, paged=False, mt=1)
-    rows += bench_case([8192] * 2, 128, False, "headline", paged=not quick)
-    cases = [(s, d, c) for s in ((512, 4096) if quick else (512, 2048, 8192, 32768))
-             for d in ((128,) if quick else (64, 128, 256)) for c in (True,)]
-    for s, d, c in cases:
-        if (s, d) != (8192, 128):
-            rows += bench_case([s] * max(1, 16384 // s), d, c, "sweep", paged=s == 2048)
+    """All rows; ``quick`` keeps the tile comparison at d128 and a few others."""
+    rows, inputs = bench_tiles([8192] * 2, 128, True, VARIANTS[128])
+    rows += bench_paged(inputs, True, ("NHD",) if quick else ("NHD", "HND", "vllm"))
+    del inputs
+    rows += bench_tiles([8192] * 2, 128, False, VARIANTS[128][:1] if quick else VARIANTS[128][:4])[0]
+    for d in (64, 256):
+        rows += bench_tiles([8192] * 2, d, True, VARIANTS[d][:1] if quick else VARIANTS[d])[0]
+    for s in ((512, 4096) if quick else (512, 2048, 32768)):
+        r, inputs = bench_tiles([s] * max(1, 16384 // s), 128, True, VARIANTS[128][:1], "sweep")
+        rows += r + (bench_paged(inputs, True) if s == 2048 else [])
     mixed = [16384, 1, 700, 5000, 33, 3000, 128, 9000, 1, 250] if not quick else [4096, 1, 700, 33]
-    rows += bench_case(mixed, 128, True, "mixed", peers=False)
+    rows += bench_tiles(mixed, 128, True, VARIANTS[128][:1], "mixed", peers=False)[0]
     return rows
 
 
-COLUMNS = ["op", "variant", "shape", "ms", "public_ms", "TFLOPs", "flash_TFLOPs", "cudnn_TFLOPs",
-           "vs_flash", "vs_cudnn", "vs_ragged", "checked"]
+COLUMNS = ["op", "variant", "tile", "shape", "ms", "public_ms", "TFLOPs", "flash_TFLOPs",
+           "cudnn_TFLOPs", "vs_flash", "vs_cudnn", "vs_default", "vs_ragged", "regs", "local_B",
+           "checked"]
 
 
 def main(argv=None):
