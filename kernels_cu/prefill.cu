@@ -210,12 +210,17 @@ struct KVSource {
     kv_len = t.kv_len;
     bs_shift = t.bs_shift;
   }
-  // element offsets of key j's K and V rows from kb / vb; 0 <= j < kv_len. Block and token
+  // element offsets of key j's K and V rows from kb / vb; 0 <= j < kv_len. MODE: 0 ragged,
+  // 1 paged with a power-of-two block size, 2 any paged (-1: decided here). Block and token
   // strides fit in 32 bits (the host checks), so each product is one 32 x 32 -> 64-bit multiply.
+  template <int MODE = -1>
   __device__ __forceinline__ void offsets(const Problem<T>& P, int j, i64& k_off, i64& v_off) const {
     int blk = 0, off = j;
-    if (table != nullptr) {
-      const int bi = bs_shift >= 0 ? j >> bs_shift : j / P.block_size;
+    if (MODE == 1 || (MODE == -1 && table != nullptr && bs_shift >= 0)) {
+      blk = __ldg(table + (j >> bs_shift));
+      off = j & (P.block_size - 1);
+    } else if (MODE == 2 || (MODE == -1 && table != nullptr)) {
+      const int bi = j / P.block_size;
       blk = __ldg(table + bi);
       off = j - bi * P.block_size;
     }
@@ -226,12 +231,11 @@ struct KVSource {
 
 // Rows [j0, j0 + BLOCK_N) of K (-> sK, LOAD_K) and V (-> sV, LOAD_V) with cp.async. Thread
 // tid copies 16-byte chunk tid % CL of rows tid / CL + ROW_STEP * i: one key lookup per row
-// serves both; rows past kv_len are zero-filled (their lookup clamped to the last key).
-template <typename T, int D, typename C, bool LOAD_K, bool LOAD_V>
-__device__ __forceinline__ void load_kv_rows(const Problem<T>& P, const KVSource<T> src, int j0,
-                                             u32 sK, u32 sV) {
+// serves both; rows past kv_len are zero-filled (their lookup clamped to the last key). The
+// lookup kind is fixed per loop so that a thread's block-table reads issue together.
+template <typename T, int D, typename C, bool LOAD_K, bool LOAD_V, int MODE>
+__device__ __forceinline__ void load_rows(const Problem<T>& P, const KVSource<T>& src, int j0, u32 sK, u32 sV) {
   const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
-  if (C::CL != C::CHUNKS && c >= C::CHUNKS) return;
   const u32 so = (r0 * C::LD + c * 8) * C::E;
   const T* kb = src.kb + c * (int)P.k_chunk;
   const T* vb = src.vb + c * 8;
@@ -240,11 +244,20 @@ __device__ __forceinline__ void load_kv_rows(const Problem<T>& P, const KVSource
     const int j = j0 + r0 + i * C::ROW_STEP;
     const int bytes = j < src.kv_len ? 16 : 0;
     i64 k_off, v_off;
-    src.offsets(P, min(j, src.kv_len - 1), k_off, v_off);
+    src.template offsets<MODE>(P, min(j, src.kv_len - 1), k_off, v_off);
     const u32 at = so + i * C::ROW_STEP * C::LD * C::E;
     if (LOAD_K) cp_async16(sK + at, kb + k_off, bytes);
     if (LOAD_V) cp_async16(sV + at, vb + v_off, bytes);
   }
+}
+
+template <typename T, int D, typename C, bool LOAD_K, bool LOAD_V>
+__device__ __forceinline__ void load_kv_rows(const Problem<T>& P, const KVSource<T> src, int j0,
+                                             u32 sK, u32 sV) {
+  if (C::CL != C::CHUNKS && threadIdx.x % C::CL >= C::CHUNKS) return;
+  if (src.table == nullptr) load_rows<T, D, C, LOAD_K, LOAD_V, 0>(P, src, j0, sK, sV);
+  else if (src.bs_shift >= 0) load_rows<T, D, C, LOAD_K, LOAD_V, 1>(P, src, j0, sK, sV);
+  else load_rows<T, D, C, LOAD_K, LOAD_V, 2>(P, src, j0, sK, sV);
 }
 
 template <typename T>
