@@ -549,34 +549,59 @@ __device__ __forceinline__ void load_v_tile(const Problem<T>& P, const KVSource<
   else load_kv_rows<T, D, C, false, true>(P, src, j0, sK, sV);
 }
 
+// Per-CTA state the main loop reads from shared memory (after its first barrier) instead of
+// holding it in registers: where K/V come from, each warp's key range, each row's position.
+template <typename T, int BLOCK_M, int WARPS>
+struct LoopState {
+  KVSource<T> src;
+  int4 keys[WARPS];   // WarpKeys of each warp
+  int pos[BLOCK_M];   // position of each tile row (NO_ROW past the rows)
+
+  __device__ __forceinline__ void publish(const Problem<T>& P, const Tile& t, int rows_per_warp) {
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) src.init(P, t);
+    if (threadIdx.x % 32 == 0) {
+      WarpKeys w;
+      w.init(t, warp * rows_per_warp, rows_per_warp, P.window_left, P.causal);
+      keys[warp] = make_int4(w.j_lo, w.j_hi, w.hi_min, w.lo_max);
+    }
+    for (int r = threadIdx.x; r < BLOCK_M; r += 32 * WARPS) pos[r] = row_position(t, r);
+  }
+};
+
+// Scores of the warp's m-tiles over K/V tile j0 -> probabilities as A fragments (pf), with
+// the general transform and the mask where needed; updates m, l and rescales o.
+template <typename T, int D, typename C, typename St>
+__device__ __forceinline__ void softmax_tile(float (&s)[C::MT][C::BLOCK_N / 8][4], u32 (&pf)[C::MT][C::BLOCK_N / 16][4],
+                                             float (&o)[C::MT][D / 8][4], float (&m)[C::MT][2], float (&l)[C::MT][2],
+                                             const Problem<T>& P, const St& st, bool general, bool mask, float sc,
+                                             int first, int j0, int lane) {
+  constexpr int NT_S = C::BLOCK_N / 8;
+#pragma unroll
+  for (int mt = 0; mt < C::MT; ++mt) {
+    if (general) transform_scores<T, NT_S>(s[mt], P, C::BLOCK_M, st.pos, first + 16 * mt, j0, lane);
+    if (mask) mask_scores<T, NT_S>(s[mt], P, st.src.kv_len, st.pos, first + 16 * mt, j0, lane);
+    online_softmax<NT_S, D / 8>(s[mt], o[mt], m[mt], l[mt], sc);
+    pack_p<T, C::BLOCK_N / 16>(pf[mt], s[mt]);
+  }
+}
+
 // Body of the tensor-core kernel (see prefill_mma_kernel).
 template <typename T, int D, bool V_T, typename S>
 __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
   using C = MmaConfig<T, D, S, V_T>;
-  constexpr int MT = C::MT, BN = C::BLOCK_N, NT_S = BN / 8, NT_O = D / 8, KS_Q = D / 16;
+  constexpr int MT = C::MT, BN = C::BLOCK_N, NT_O = D / 8, KS_Q = D / 16;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ LoopState<T, C::BLOCK_M, C::WARPS> st;
   const u32 sQ = smem_addr(smem_raw);
   const u32 sK0 = sQ + C::Q_BYTES;
   const u32 sV0 = sK0 + C::STAGES * C::K_BYTES;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, first = warp * MT * 16;
+  const u32 sQw = sQ + first * C::LD * C::E;
 
-  // per-CTA state the main loop reads from smem (after its first barrier), not registers
-  __shared__ KVSource<T> src_s;
-  __shared__ int4 keys_s[C::WARPS];  // WarpKeys of each warp
-  __shared__ int pos_s[C::BLOCK_M];  // position of each tile row
   Tile t;
   reload_tile(P, C::BLOCK_M, t);
-  KVSource<T> src;
-  src.init(P, t);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int first = warp * MT * 16;
-  const u32 sQw = sQ + first * C::LD * C::E;
-  if (threadIdx.x == 0) src_s = src;
-  if (lane == 0) {
-    WarpKeys w;
-    w.init(t, first, MT * 16, P.window_left, P.causal);
-    keys_s[warp] = make_int4(w.j_lo, w.j_hi, w.hi_min, w.lo_max);
-  }
-  for (int r = threadIdx.x; r < C::BLOCK_M; r += C::THREADS) pos_s[r] = row_position(t, r);
+  st.publish(P, t, MT * 16);
   // plain path: raw dots, scale folded into the exponential; general: log2-unit scores first
   const bool general = P.soft_cap > 0.f || P.alibi != nullptr || !(P.sm_scale > 0.f);
   const float sc = general ? 1.f : P.sm_scale * LOG2E;
@@ -590,6 +615,8 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
   // -- prologue: Q, and K (all of the tile with two stages) of the last tile --
   load_q_tile<T, D, C>(P, t, sQ);
   if (n_last >= n_first) {
+    KVSource<T> src;
+    src.init(P, t);
     if constexpr (C::STAGES == 2) load_kv_tile<T, D, C, V_T>(P, src, n_last * BN, sK0, sV0);
     else load_kv_rows<T, D, C, true, false>(P, src, n_last * BN, sK0, sV0);
   }
@@ -621,34 +648,26 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
     __syncthreads();  // tile n (K; V too with two stages) visible; every warp is done with tile n + 1
     if constexpr (C::STAGES == 2) {
       if (n > n_first)  // all of tile n - 1 into the other stage
-        load_kv_tile<T, D, C, V_T>(P, src_s, j0 - BN, sK0 + (stage ^ 1) * C::K_BYTES, sV0 + (stage ^ 1) * C::V_BYTES);
+        load_kv_tile<T, D, C, V_T>(P, st.src, j0 - BN, sK0 + (stage ^ 1) * C::K_BYTES, sV0 + (stage ^ 1) * C::V_BYTES);
     } else {
-      load_v_tile<T, D, C, V_T>(P, src_s, j0, sK, sV);
+      load_v_tile<T, D, C, V_T>(P, st.src, j0, sK, sV);
     }
     cp_async_commit();
 
-    const int4 wk = keys_s[warp];
+    const int4 wk = st.keys[warp];
     const WarpKeys w{wk.x, wk.y, wk.z, wk.w};
     const bool active = w.sees(j0, BN);
     u32 pf[MT][BN / 16][4];
     if (active) {
-      // -- compute qk --
-      float s[MT][NT_S][4];
+      // -- compute qk; scores, mask, online softmax; p -> A fragments --
+      float s[MT][BN / 8][4];
       compute_qk<T, D, C>(s, qf, sQw, sK, lane);
-      // -- scores, mask, online softmax; p -> A fragments --
-      const bool mask = w.needs_mask(j0, BN);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (general) transform_scores<T, NT_S>(s[mt], P, C::BLOCK_M, pos_s, first + 16 * mt, j0, lane);
-        if (mask) mask_scores<T, NT_S>(s[mt], P, src_s.kv_len, pos_s, first + 16 * mt, j0, lane);
-        online_softmax<NT_S, NT_O>(s[mt], o[mt], m[mt], l[mt], sc);
-        pack_p<T, BN / 16>(pf[mt], s[mt]);
-      }
+      softmax_tile<T, D, C>(s, pf, o, m, l, P, st, general, w.needs_mask(j0, BN), sc, first, j0, lane);
     }
     if constexpr (C::STAGES == 1) {
       cp_async_wait<0>();
       __syncthreads();  // V_n visible; every warp is done with K_n
-      if (n > n_first) load_kv_rows<T, D, C, true, false>(P, src_s, j0 - BN, sK, sV);
+      if (n > n_first) load_kv_rows<T, D, C, true, false>(P, st.src, j0 - BN, sK, sV);
       cp_async_commit();
     }
     // -- compute pv --
@@ -755,9 +774,10 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
 
 // Grid: one CTA per work item; block: 32 * S::WARPS threads; dynamic smem: Q [BLOCK_M][D + 8]
 // then S::STAGES K tiles [BLOCK_N][D + 8] and V tiles ([BLOCK_N][D + 8], or [D][BLOCK_N + 8]
-// for V_T, the vllm value layout). Each warp owns S::MT contiguous 16-row m-tiles: S = Q K^T
-// and O += P V on mma.sync (every K/V fragment loaded once feeds MT m-tiles), online softmax
-// in registers. All threads fill the K/V tiles with cp.async (see TileShape for the order).
+// for V_T, the vllm value layout); static smem: LoopState. Each warp owns S::MT contiguous
+// 16-row m-tiles: S = Q K^T and O += P V on mma.sync (every K/V fragment loaded once feeds MT
+// m-tiles), online softmax in registers. All threads fill the K/V tiles with cp.async, one
+// block-table lookup per row (see TileShape for the order of loads and barriers).
 // Key tiles run from the last visible one down, so masked diagonal / end tiles come first; a
 // warp none of whose rows sees a key of a tile skips its math. The output is staged through
 // the warp's own Q rows in smem.
