@@ -1,17 +1,19 @@
-"""A continuous-batching simulation over the paged KV cache (``cupaged demo``).
+"""A continuous-batching engine over the paged KV cache (``cupaged demo``).
 
-Requests with random prompt and output lengths arrive over time. A scheduler admits them
-while the block pool can hold them, and every step runs one mixed batch: a decode token for
-each request past its prompt plus prefill chunks of prompts, up to a token budget. Each
-step appends the batch's tokens to the block tables, writes their K/V through
-``cupaged.write_kv_cache`` and runs ``cupaged.paged_attention`` over the whole batch;
-finished requests free their blocks. Queries, keys and values are random (no model), so
-the run measures the cache and attention path only.
+Requests with random prompt and output lengths arrive over time; a scheduler admits them
+while the block pool can hold them (reserving each request's final size, so appends never
+run out of blocks and nothing is preempted). Every step runs one mixed batch, a decode
+token per request past its prompt plus prompt chunks up to a token budget: its tokens are
+appended to the block tables, their K/V written by ``cupaged.write_kv_cache`` and
+``cupaged.paged_attention`` runs over the whole batch; finished requests free their blocks.
 
-The same code runs on NumPy (reference backend) and CuPy (CUDA kernels).
-
-Admission reserves a request's final size (prompt + output - 1 tokens, rounded up to
-blocks) against the pool, so appends never run out of blocks and nothing is preempted.
+Engines: ``--model tiny`` (default on a GPU) runs ``cupaged.model.TinyLlama``, a
+random-weight Llama-style model (RoPE by ``cupaged.apply_rope``, one paged cache per
+layer) that reads each prompt and generates greedily; ``--model none`` (default on the
+CPU) attends random queries, keys and values, measuring the cache and attention path only.
+NumPy runs the reference backend, CuPy the CUDA kernels. ``--check`` compares a GPU run with
+the reference: each attention step (``none``) or each chosen token's logits against the
+NumPy model scoring the same tokens (``tiny``).
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ from ._arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cupy_mo
                       gpu_available, host)
 from .layouts import LAYOUTS
 
-# relative tolerance ||out - ref|| / ||ref|| of the --check comparison, per dtype
+# relative tolerance ||out - ref|| / ||ref|| of the --check comparison, per dtype: of each
+# step's attention output (--model none), of the chosen tokens' logits (--model tiny)
 CHECK_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
+MODELS = ("auto", "tiny", "none")
 
 
 def _opt(default, help, choices=None):
@@ -54,7 +58,12 @@ class DemoConfig:
     min_output: int = _opt(4, "Fewest generated tokens.")
     max_output: int = _opt(64, "Most generated tokens.")
     arrival_rate: float = _opt(1.5, "Mean requests arriving per step (Poisson).")
-    check: bool = _opt(False, "Compare every GPU step with the NumPy reference (slow).")
+    model: str = _opt("auto", "tiny: a random-weight Llama-style model generates the tokens; "
+                      "none: random q/k/v (attention only); auto: tiny on the GPU, none on "
+                      "the CPU.", list(MODELS))
+    layers: int = _opt(2, "Decoder layers of the tiny model.")
+    vocab_size: int = _opt(512, "Vocabulary of the tiny model.")
+    check: bool = _opt(False, "Compare a GPU run with the NumPy reference (slow).")
 
     @property
     def max_seq_len(self) -> int:
@@ -64,7 +73,8 @@ class DemoConfig:
     def validate(self):
         """Raise ValueError/TypeError naming the first bad field."""
         for name in ("requests", "num_blocks", "block_size", "num_q_heads", "num_kv_heads",
-                     "max_seqs", "max_batch_tokens", "min_prompt", "min_output"):
+                     "max_seqs", "max_batch_tokens", "min_prompt", "min_output", "layers",
+                     "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
         for lo, hi in (("min_prompt", "max_prompt"), ("min_output", "max_output")):
@@ -74,6 +84,7 @@ class DemoConfig:
         check_head_dim("head_dim", self.head_dim)
         as_dtype(self.dtype)
         check_choice("layout", self.layout, LAYOUTS)
+        check_choice("model", self.model, MODELS)
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads = "
                              f"{self.num_q_heads}, got {self.num_kv_heads}")
@@ -223,6 +234,7 @@ class DemoStats:
     Throughput leaves out the first step, which compiles (or loads) the kernels.
     """
     backend: str
+    model: str = "none"
     steps: int = 0
     finished: int = 0
     prefill_tokens: int = 0
@@ -231,25 +243,35 @@ class DemoStats:
     first_step_seconds: float = 0.0
     first_step_tokens: int = 0
     occupancy: list = field(default_factory=list)   # used fraction of the pool per step
+    batch_fill: list = field(default_factory=list)  # (tokens / budget, running requests) per step
     max_rel_error: float | None = None               # with check: worst step vs reference
+    tokens: dict = field(default_factory=dict)       # tiny model: request id -> generated ids
+    argmax_matches: tuple | None = None              # tiny model, check: (matching, tokens)
 
     @property
     def tokens_per_s(self) -> float:
         timed = self.prefill_tokens + self.decode_tokens - self.first_step_tokens
         return timed / max(self.seconds, 1e-9)
 
-    def summary(self):
-        """Rows ``(label, value)`` for printing."""
+    def summary(self, cfg=None):
+        """Rows ``(label, value)`` for printing (``cfg`` adds the batch limits)."""
         occ = np.asarray(self.occupancy or [0.0])
-        rows = [("backend", self.backend), ("requests finished", self.finished),
+        fill = np.asarray(self.batch_fill or [(0.0, 0)], dtype=np.float64)
+        limits = f" of {cfg.max_batch_tokens} tokens" if cfg is not None else ""
+        rows = [("backend", self.backend), ("model", self.model),
+                ("requests finished", self.finished),
                 ("steps", self.steps), ("prefill tokens", self.prefill_tokens),
                 ("decode tokens", self.decode_tokens),
                 ("first step (kernel build/load)", f"{self.first_step_seconds:.2f} s"),
                 ("later steps", f"{self.seconds:.2f} s"),
                 ("tokens/s", f"{self.tokens_per_s:,.0f}"),
+                ("batch occupancy", f"mean {fill[:, 0].mean():.0%}{limits}, "
+                                    f"{fill[:, 1].mean():.1f} requests running"),
                 ("pool occupancy", f"mean {occ.mean():.0%}, peak {occ.max():.0%}")]
         if self.max_rel_error is not None:
             rows.append(("max rel. error vs reference", f"{self.max_rel_error:.2e}"))
+        if self.argmax_matches is not None:
+            rows.append(("reference argmax matches", "{} of {} tokens".format(*self.argmax_matches)))
         return rows
 
 
@@ -301,6 +323,108 @@ def reference_error(plan, q, out, cache, cfg) -> float:
     return float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-30))
 
 
+class AttentionOnly:
+    """Steps with random queries, keys and values (``--model none``)."""
+    label = "none (random q/k/v, attention only)"
+
+    def __init__(self, cfg, xp):
+        from .kv_cache import PagedKVCache
+        self.cfg, self.xp = cfg, xp
+        self.gen = xp.random.default_rng(cfg.seed + 1)
+        self.cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.num_kv_heads,
+                                  cfg.head_dim, dtype=cfg.dtype, layout=cfg.layout, xp=xp)
+        self.pool = self.cache.pool
+
+    def run(self, plan, stats):
+        """One step; with ``check`` on the GPU, compare it with the reference."""
+        q, out = launch_step(plan, self.cache, self.xp, self.gen, self.cfg)
+        if self.cfg.check and self.xp is not np:
+            err = reference_error(plan, q, out, self.cache, self.cfg)
+            stats.max_rel_error = max(err, stats.max_rel_error or 0.0)
+
+    def finish(self, requests, stats):
+        """Nothing to do after the last step."""
+
+
+def model_config(cfg):
+    """The ``TinyLlamaConfig`` of a demo: its heads, dtype and layout, MLP 2x hidden."""
+    from .model import TinyLlamaConfig
+    return TinyLlamaConfig(vocab_size=cfg.vocab_size, num_layers=cfg.layers,
+                           num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
+                           head_dim=cfg.head_dim,
+                           intermediate_size=2 * cfg.num_q_heads * cfg.head_dim,
+                           dtype=cfg.dtype, layout=cfg.layout, seed=cfg.seed)
+
+
+def prompt_tokens(cfg, request):
+    """int32 ``[prompt_len]`` token ids of a request, drawn from ``(seed, rid)``."""
+    rng = np.random.default_rng([cfg.seed, 1, request.rid])
+    return rng.integers(0, cfg.vocab_size, request.prompt_len).astype(np.int32)
+
+
+class ModelSteps:
+    """Steps of the tiny model (``--model tiny``): prompts in, greedy tokens out."""
+
+    def __init__(self, cfg, xp):
+        from .blocks import BlockPool
+        from .model import TinyLlama
+        self.cfg, self.xp = cfg, xp
+        self.model = TinyLlama(model_config(cfg), xp)
+        c = self.model.config
+        self.label = (f"tiny llama ({c.num_layers} layers, hidden {c.hidden_size}, "
+                      f"vocab {c.vocab_size}, greedy)")
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
+        self.k, self.v = self.model.allocate_cache(cfg.num_blocks, cfg.block_size)
+        self.prompts, self.logits = {}, {}
+
+    def _inputs(self, plan, tokens):
+        """Token ids of the step's rows and the rows that emit a token (prompt ends, decodes)."""
+        ids, emit = [], []
+        for i, (r, n) in enumerate(plan.rows):
+            if r.prefilled < r.prompt_len:
+                if r.rid not in self.prompts:
+                    self.prompts[r.rid] = prompt_tokens(self.cfg, r)
+                ids.append(self.prompts[r.rid][r.prefilled:r.prefilled + n])
+                if r.prefilled + n == r.prompt_len:
+                    emit.append(i)
+            else:
+                ids.append(np.asarray(tokens[r.rid][-1:], np.int32))
+                emit.append(i)
+        return np.concatenate(ids), emit
+
+    def run(self, plan, stats):
+        """One step: forward every row, append each emitting row's greedy token."""
+        from .layers import AttentionMetadata
+        xp = self.xp
+        ids, emit = self._inputs(plan, stats.tokens)
+        md = AttentionMetadata(xp.asarray(plan.cu_seqlens_q), xp.asarray(plan.seq_lens),
+                               xp.asarray(plan.block_tables), xp.asarray(plan.slot_mapping))
+        rows = plan.cu_seqlens_q[1:][emit] - 1
+        logits = host(self.model.forward(ids, md, self.k, self.v, logits_rows=rows))
+        for i, row_logits in zip(emit, logits):
+            rid = plan.rows[i][0].rid
+            stats.tokens.setdefault(rid, []).append(int(row_logits.argmax()))
+            if self.cfg.check and xp is not np:
+                self.logits.setdefault(rid, []).append(row_logits)
+
+    def finish(self, requests, stats):
+        """With ``check`` on the GPU: the NumPy model scores every request's tokens."""
+        if self.cfg.check and self.xp is not np:
+            from .model import check_generation
+            runs = [(self.prompts[r.rid], stats.tokens[r.rid], np.stack(self.logits[r.rid]))
+                    for r in requests]
+            err, matches, total = check_generation(self.model.config, runs,
+                                                   block_size=self.cfg.block_size)
+            stats.max_rel_error, stats.argmax_matches = err, (matches, total)
+
+
+def resolve_model(cfg, xp):
+    """``"tiny"`` or ``"none"``: ``cfg.model`` with ``"auto"`` decided by the backend."""
+    if cfg.model == "auto":
+        return "none" if xp is np else "tiny"
+    return cfg.model
+
+
 def run_demo(cfg=DemoConfig(), xp=None, progress=None) -> DemoStats:
     """Run the simulation to the last request.
 
@@ -317,27 +441,24 @@ def run_demo(cfg=DemoConfig(), xp=None, progress=None) -> DemoStats:
     DemoStats
     """
     from .blocks import BlockTable
-    from .kv_cache import PagedKVCache
     cfg.validate()
     xp = array_module_for("auto") if xp is None else xp
-    gen = xp.random.default_rng(cfg.seed + 1)
-    cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim,
-                         dtype=cfg.dtype, layout=cfg.layout, xp=xp)
-    table = BlockTable(cache.pool, cfg.max_seqs, blocks_for(cfg.max_seq_len, cfg.block_size))
-    sched = Scheduler(cfg, make_requests(cfg, np.random.default_rng(cfg.seed)), table)
-    stats = DemoStats(backend="numpy (reference)" if xp is np else "cupy (CUDA kernels)")
+    engine = (ModelSteps if resolve_model(cfg, xp) == "tiny" else AttentionOnly)(cfg, xp)
+    table = BlockTable(engine.pool, cfg.max_seqs, blocks_for(cfg.max_seq_len, cfg.block_size))
+    requests = make_requests(cfg, np.random.default_rng(cfg.seed))
+    sched = Scheduler(cfg, requests, table)
+    stats = DemoStats(backend="numpy (reference)" if xp is np else "cupy (CUDA kernels)",
+                      model=engine.label)
     start, step = time.perf_counter(), 0
     while not sched.finished:
         step = sched.arrive(step) + 1
         sched.admit()
         plan = sched.plan()
-        q, out = launch_step(plan, cache, xp, gen, cfg)
-        if cfg.check and xp is not np:
-            err = reference_error(plan, q, out, cache, cfg)
-            stats.max_rel_error = max(err, stats.max_rel_error or 0.0)
+        engine.run(plan, stats)
         stats.decode_tokens += plan.num_decode
         stats.prefill_tokens += plan.num_tokens - plan.num_decode
-        stats.occupancy.append(1.0 - cache.pool.num_free / cfg.num_blocks)
+        stats.occupancy.append(1.0 - engine.pool.num_free / cfg.num_blocks)
+        stats.batch_fill.append((plan.num_tokens / cfg.max_batch_tokens, len(plan.rows)))
         done = sched.complete(plan)
         stats.finished += done
         stats.steps += 1
@@ -350,6 +471,7 @@ def run_demo(cfg=DemoConfig(), xp=None, progress=None) -> DemoStats:
             progress(done)
     _sync(xp)
     stats.seconds = time.perf_counter() - start
+    engine.finish(requests, stats)
     return stats
 
 

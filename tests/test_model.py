@@ -1,0 +1,165 @@
+"""The tiny Llama-style model: paged steps vs a dense float64 forward, CuPy vs NumPy tokens."""
+import numpy as np
+import pytest
+
+from cupaged.demo import CHECK_TOLERANCE, DemoConfig, run_demo
+from cupaged.model import TinyLlama, TinyLlamaConfig, check_generation, generate, init_weights, score
+
+SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
+
+
+def small(**kw):
+    return TinyLlamaConfig(**{**SMALL, **kw})
+
+
+def prompts_of(lengths, seed=1, vocab=512):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+# ----------------------------------------------------------------------------- dense oracle
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rope(x, base):
+    """Neox-style rotation of ``[T, H, d]`` by positions 0..T-1, written from the formula."""
+    t, _, d = x.shape
+    angles = np.arange(t)[:, None] * base ** (-np.arange(0, d, 2) / d)[None, :]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def dense_logits(cfg, tokens):
+    """float64 logits ``[T, vocab]`` of one sequence: full causal attention, no cache."""
+    w = init_weights(cfg)
+    t, d, hq, hk = len(tokens), cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
+    x = w["embed"][np.asarray(tokens)].astype(np.float64)
+    causal = np.tril(np.ones((t, t), bool))
+    for layer in w["layers"]:
+        qkv = _rms(x, layer["attn_norm"], cfg.rms_eps) @ layer["wqkv"]
+        q = _rope(qkv[:, :hq * d].reshape(t, hq, d), cfg.rope_base)
+        k = _rope(qkv[:, hq * d:(hq + hk) * d].reshape(t, hk, d), cfg.rope_base)
+        v = qkv[:, (hq + hk) * d:].reshape(t, hk, d)
+        kv_head = np.arange(hq) // (hq // hk)
+        s = np.einsum("qhd,khd->hqk", q, k[:, kv_head]) * d ** -0.5
+        s = np.where(causal, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v[:, kv_head])
+        x = x + out.reshape(t, hq * d) @ layer["wo"]
+        gu = _rms(x, layer["mlp_norm"], cfg.rms_eps) @ layer["w_gate_up"]
+        g, u = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
+        x = x + (g / (1 + np.exp(-g)) * u) @ layer["w_down"]
+    return _rms(x, w["final_norm"], cfg.rms_eps) @ w["lm_head"]
+
+
+def _rel(a, b):
+    return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+
+
+# ----------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_numpy_generate_matches_dense_forward(layout):
+    cfg = small(dtype="float32", layout=layout)
+    prompts = prompts_of((5, 17, 1))
+    tokens, logits = generate(TinyLlama(cfg, np), prompts, 6, block_size=8)
+    for p, toks, lg in zip(prompts, tokens, logits):
+        ref = dense_logits(cfg, p + toks[:-1].tolist())[len(p) - 1:]
+        np.testing.assert_array_equal(toks, ref.argmax(-1))
+        assert _rel(lg, ref) < 1e-5
+
+
+def test_half_precision_caches_stay_close_to_dense():
+    cfg = small(dtype="float16", layout="HND")
+    p = prompts_of((20,))[0]
+    got = score(TinyLlama(cfg, np), p, block_size=16)
+    assert _rel(got, dense_logits(cfg, p)) < 2e-3
+
+
+def test_score_equals_generate_logits():
+    model = TinyLlama(small(dtype="float32"), np)
+    p = prompts_of((9,))[0]
+    tokens, logits = generate(model, [p], 4)
+    s = score(model, p + tokens[0, :-1].tolist(), block_size=4)[len(p) - 1:]
+    np.testing.assert_allclose(s, logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_check_generation_flags_wrong_tokens_and_logits():
+    cfg = small(dtype="float32")
+    p = prompts_of((7,))[0]
+    tokens, logits = generate(TinyLlama(cfg, np), [p], 5)
+    err, matches, total = check_generation(cfg, [(p, tokens[0], logits[0])])
+    assert err < 1e-5 and matches == total == 5
+    bad = tokens[0].copy()
+    bad[-1] = (bad[-1] + 1) % cfg.vocab_size     # the last token feeds nothing: logits unchanged
+    err, matches, _ = check_generation(cfg, [(p, bad, logits[0] * 1.01)])
+    assert matches == 4 and 5e-3 < err < 2e-2
+
+
+def test_weights_depend_on_seed_only():
+    a, b, c = (init_weights(small(seed=s)) for s in (3, 3, 4))
+    np.testing.assert_array_equal(a["layers"][1]["wqkv"], b["layers"][1]["wqkv"])
+    assert not np.array_equal(a["embed"], c["embed"])
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(num_kv_heads=3), "num_kv_heads"), (dict(head_dim=48), "head_dim"),
+    (dict(dtype="int8"), "dtype"), (dict(layout="NDH"), "layout"),
+    (dict(num_layers=0), "num_layers"), (dict(vocab_size=0), "vocab_size"),
+    (dict(rms_eps=0.0), "rms_eps")])
+def test_config_errors_name_the_field(bad, field):
+    with pytest.raises((ValueError, TypeError), match=field):
+        TinyLlama(small(**bad), np)
+
+
+def test_bad_inputs_raise_before_running():
+    model = TinyLlama(small(dtype="float32"), np)
+    with pytest.raises(ValueError, match="token_ids"):
+        generate(model, [[1, 2, 600]], 2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, [[1, 2]], 0)
+    with pytest.raises(ValueError, match="tokens"):
+        score(model, [])
+
+
+def test_demo_engine_tokens_follow_the_dense_model():
+    """Chunked prompts mixed with decodes (token budget 24) give the dense model's argmax."""
+    cfg = DemoConfig(requests=3, max_prompt=40, max_output=6, max_batch_tokens=24, max_seqs=3,
+                     model="tiny", dtype="float32", layout="HND", num_q_heads=4,
+                     num_kv_heads=2, block_size=8, num_blocks=24, seed=2)
+    stats = run_demo(cfg, np)
+    from cupaged.demo import make_requests, model_config, prompt_tokens
+    mcfg = model_config(cfg)
+    for r in make_requests(cfg, np.random.default_rng(cfg.seed)):
+        out = stats.tokens[r.rid]
+        assert len(out) == r.output_len
+        seq = prompt_tokens(cfg, r).tolist() + out[:-1]
+        np.testing.assert_array_equal(out, dense_logits(mcfg, seq)[r.prompt_len - 1:].argmax(-1))
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
+@pytest.mark.parametrize("dtype, head_dim", [("float32", 64), ("float16", 64),
+                                             ("bfloat16", 128), ("float16", 128)])
+def test_gpu_greedy_tokens_match_numpy(cp, dtype, head_dim, layout):
+    cfg = small(dtype=dtype, head_dim=head_dim, layout=layout)
+    prompts = prompts_of((5, 17, 33))
+    ref_tokens, ref_logits = generate(TinyLlama(cfg, np), prompts, 8)
+    top2 = np.sort(ref_logits, -1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() > 0.05, "near tie in the reference: change seed"
+    tokens, logits = generate(TinyLlama(cfg, cp), prompts, 8)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    assert _rel(logits, ref_logits) < CHECK_TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_gpu_demo_engine_matches_numpy(cp, dtype):
+    cfg = DemoConfig(requests=3, max_prompt=40, max_output=8, max_batch_tokens=24, max_seqs=3,
+                     model="tiny", dtype=dtype, num_q_heads=4, num_kv_heads=2, check=True)
+    gpu, ref = run_demo(cfg, cp), run_demo(cfg, np)
+    assert gpu.tokens == ref.tokens and len(gpu.tokens) == 3
+    assert gpu.max_rel_error < CHECK_TOLERANCE[dtype]
+    assert gpu.argmax_matches[0] == gpu.argmax_matches[1] == sum(map(len, ref.tokens.values()))
