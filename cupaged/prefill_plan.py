@@ -56,15 +56,16 @@ SIMT_TILE = TileShape(8, 1, 64, 1, False, 1)
 def default_tile(head_dim, v_transposed=False):
     """Tensor-core tile used for ``head_dim`` (see benchmarks/NOTES.md for the choice).
 
-    Up to d128: 4 warps x 32 rows, 64-key tiles, two K/V stages, 2 CTAs per SM (Q in
-    registers at d64); the vllm value layout at d128 takes 32-key tiles (64 spill registers).
-    d256: 8 warps x 16 rows, 32-key tiles, two stages, 1 CTA per SM.
+    Up to d128: 4 warps x 32 rows, 64-key tiles (128 at d64), two K/V stages, 2 CTAs per
+    SM; the vllm value layout at d128 takes 32-key tiles (64 spill registers). d256: 8 warps
+    x 16 rows, 64-key tiles, one stage, 1 CTA per SM. Chosen on the H200 (2026-11-29):
+    d64 n128 1.07x the n64 tile, d256 n64/s1 1.07x the n32/s2 tile.
     """
     if head_dim == 256:
-        return TileShape(8, 1, 32, 2, False, 1)
+        return TileShape(8, 1, 64, 1, False, 1)
     if head_dim == 128 and v_transposed:
         return TileShape(4, 2, 32, 2, False, 2)
-    return TileShape(4, 2, 64, 2, head_dim == 64, 2)
+    return TileShape(4, 2, 128 if head_dim == 64 else 64, 2, False, 2)
 
 
 def launch_tile(dtype, head_dim, v_transposed=False):

@@ -37,8 +37,8 @@ TS = plan_.TileShape
 VARIANTS = {
     128: [plan_.default_tile(128), TS(4, 2, 64, 1, False, 2), TS(4, 2, 32, 2, False, 2),
           TS(8, 1, 64, 2, True, 1), TS(8, 2, 64, 2, False, 1)],
-    64: [plan_.default_tile(64), TS(4, 2, 128, 2, False, 2), TS(8, 1, 128, 2, True, 1)],
-    256: [plan_.default_tile(256), TS(8, 1, 64, 1, False, 1)],
+    64: [plan_.default_tile(64), TS(4, 2, 64, 2, True, 2), TS(8, 1, 128, 2, True, 1)],
+    256: [plan_.default_tile(256), TS(8, 1, 32, 2, False, 1)],
 }
 
 
