@@ -301,14 +301,15 @@ def test_generate_matches_sdpa_on_cpu(spy):
 
 
 # ----------------------------------------------------------------------------- GPU
-def greedy_within(model, prompt, tokens, tol):
-    """Teacher forcing with SDPA: each generated token's logit is within ``tol`` of the max."""
+def greedy_within(model, prompt, tokens, rel_tol=0.02):
+    """Teacher forcing with SDPA: each generated token's logit is within ``rel_tol`` times
+    the largest logit magnitude of the row's maximum (a few bf16 ulps)."""
     model.set_attn_implementation("sdpa")
     seq = torch.cat([prompt.cpu(), torch.as_tensor(tokens[:-1]).cpu()])[None].to(model.device)
     with torch.no_grad():
         logits = model(seq).logits[0, len(prompt) - 1:].float().cpu()
     chosen = logits.gather(1, torch.as_tensor(tokens).long()[:, None])[:, 0]
-    return bool((chosen >= logits.max(1).values - tol).all())
+    return bool((chosen >= logits.max(1).values - rel_tol * logits.abs().max()).all())
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -327,7 +328,7 @@ def test_gpu_generate_matches_sdpa(spy, dtype):
     assert rel(logits, ref_logits.double()) < TOL[dtype]
     if dtype == torch.bfloat16:
         for p, t in zip(prompts(), tokens):
-            assert greedy_within(model, p, t.tolist(), 0.02 * float(ref_logits.abs().max()))
+            assert greedy_within(model, p, t.tolist())
     else:
         assert torch.equal(tokens, ref_tokens)
 
@@ -352,7 +353,7 @@ def test_gpu_generate_batch_matches_paged_sdpa(spy, dtype):
     assert sorted(got) == sorted(ref) and all(len(t) == 10 for t in got.values())
     if dtype == torch.bfloat16:
         for p in prompts():
-            assert greedy_within(model, p, got[tuple(p.tolist())], 0.1)
+            assert greedy_within(model, p, got[tuple(p.tolist())])
     else:
         assert got == ref
 
@@ -378,7 +379,6 @@ def test_gpu_attention_features_on_a_side_stream(dtype):
         sinks = torch.randn(hq, device="cuda")
         out, _ = hf.attention_forward(layer(), q, k, v, keep, sliding_window=64, softcap=20.0,
                                       s_aux=sinks)
-        ptr = out.data_ptr()
     stream.synchronize()
-    assert out.is_cuda and out.data_ptr() == ptr
+    assert out.is_cuda and out.dtype == dtype
     assert rel(out, eager(q, k, v, keep, True, None, 64, 20.0, sinks)) < TOL[dtype]

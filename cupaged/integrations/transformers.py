@@ -94,16 +94,19 @@ def _window(module, sliding_window):
 
 
 def _options(module, query, scaling, sliding_window, softcap, s_aux):
-    """cupaged keyword options; the sink tensor is returned too, to outlive the launch."""
+    """cupaged keyword options (all but ``sinks``) and the float32 sink tensor or None."""
     window = _window(module, sliding_window)
     if scaling is None:
         scaling = getattr(module, "scaling", None)
     sinks = None if s_aux is None else s_aux.detach().to(query.device, torch.float32).contiguous()
     opts = dict(sm_scale=None if scaling is None else float(scaling),
                 window_left=-1 if window is None else window - 1,
-                logits_soft_cap=float(softcap) if softcap else 0.0,
-                sinks=None if sinks is None else _array(sinks))
+                logits_soft_cap=float(softcap) if softcap else 0.0)
     return opts, sinks
+
+
+def _sinks(sinks):
+    return None if sinks is None else _array(sinks)
 
 
 def _heads_last(x):
@@ -112,11 +115,12 @@ def _heads_last(x):
     return x.transpose(1, 2).reshape(b * s, h, d).contiguous()
 
 
-def _varlen(q, k, v, cu_q, cu_k, out, causal, opts):
-    """``cupaged.varlen_prefill`` on torch tensors; ``cu_q``/``cu_k`` int32 tensors."""
+def _varlen(q, k, v, cu_q, cu_k, out, causal, opts, sinks):
+    """``cupaged.varlen_prefill`` on torch tensors (``cu_q``/``cu_k`` int32) into ``out``,
+    on torch's current stream."""
     with _stream(q):
         varlen_prefill(_array(q), _array(k), _array(v), _array(cu_q), _array(cu_k),
-                       causal=causal, out=_array(out), **opts)
+                       causal=causal, out=_array(out), sinks=_sinks(sinks), **opts)
     return out
 
 
@@ -185,7 +189,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     b, hq, sq, d = query.shape
     sk = key.shape[2]
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    opts, _sinks = _options(module, query, scaling, sliding_window, softcap, s_aux)
+    opts, sinks = _options(module, query, scaling, sliding_window, softcap, s_aux)
     q, k, v = _heads_last(query), _heads_last(key), _heads_last(value)
     q_rows, k_rows, cu_q, cu_k = _padding_layout(attention_mask, b, sq, sk)
     if q_rows is not None:
@@ -194,7 +198,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         q, k, v = q[q_idx], k[k_idx], v[k_idx]
     device = query.device
     packed = _varlen(q, k, v, torch.from_numpy(cu_q).to(device), torch.from_numpy(cu_k).to(device),
-                     torch.empty_like(q), causal, opts)
+                     torch.empty_like(q), causal, opts, sinks)
     if q_rows is None:
         return packed.view(b, sq, hq, d), None
     out = torch.zeros((b * sq, hq, d), dtype=query.dtype, device=device)
@@ -203,7 +207,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 # ----------------------------------------------------------------------------- paged
-def _paged_varlen(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k, opts, kwargs):
+def _paged_varlen(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k, opts, sinks,
+                  kwargs):
     """Continuous batching's varlen path: ``cache.update`` then ``varlen_prefill``."""
     k_all, v_all = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                 read_index=kwargs["read_index"], write_index=kwargs["write_index"])
@@ -212,11 +217,11 @@ def _paged_varlen(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k
     tq, tk = (int(x) for x in _host_ints(torch.stack([cu_q[-1], cu_k[-1]])))
     out = torch.zeros_like(q)                                # padding rows stay zero
     _varlen(q[:tq], k_all[:tk].contiguous(), v_all[:tk].contiguous(), cu_q, cu_k, out[:tq],
-            True, opts)
+            True, opts, sinks)
     return out
 
 
-def _paged_decode(module, query, key, value, cache, cu_seq_lens_k, block_table, opts):
+def _paged_decode(module, query, key, value, cache, cu_seq_lens_k, block_table, opts, sinks):
     """Continuous batching's decode path: append and attend on the paged cache itself."""
     group, index = cache.layer_index_to_group_indices[module.layer_idx]
     shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
@@ -226,14 +231,15 @@ def _paged_decode(module, query, key, value, cache, cu_seq_lens_k, block_table, 
     v_new = value.permute(2, 0, 1, 3).flatten(1, 2).contiguous()
     lens = np.diff(_host_ints(cu_seq_lens_k[:q.shape[0] + 1]))
     n = int(np.argmin(lens > 0)) if (lens <= 0).any() else len(lens)  # padding rows at the end
-    xp = _module_of(q)
-    cache_lens = xp.asarray((lens[:n] - 1).astype(np.int32))
     tables = block_table[group][:n].to(torch.int32).contiguous()
     out = torch.zeros_like(q)
+    if n == 0:
+        return out
     with _stream(q):
+        cache_lens = _module_of(q).asarray((lens[:n] - 1).astype(np.int32))
         paged_decode(_array(q[:n]), _array(k_cache), _array(v_cache), _array(tables), cache_lens,
                      k_new=_array(k_new[:n]), v_new=_array(v_new[:n]), layout="NHD",
-                     out=_array(out[:n]), **opts)
+                     out=_array(out[:n]), sinks=_sinks(sinks), **opts)
     return out
 
 
@@ -281,15 +287,15 @@ def paged_attention_forward(module, query, key, value, attention_mask, cache=Non
         raise ValueError(f"cache: {PAGED_NAME!r} needs transformers' paged attention cache "
                          f"(continuous batching); got None: use {NAME!r} for a standard forward")
     _check_inference(query, key, value, dropout)
-    opts, _sinks = _options(module, query, scaling, sliding_window, softcap, s_aux)
+    opts, sinks = _options(module, query, scaling, sliding_window, softcap, s_aux)
     if isinstance(cu_seq_lens_k, dict):
         layer_type = "full_attention" if _window(module, sliding_window) is None else "sliding_attention"
         cu_seq_lens_k = cu_seq_lens_k[layer_type]
     if block_table is None:
         return _paged_varlen(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k,
-                             opts, kwargs), None
+                             opts, sinks, kwargs), None
     return _paged_decode(module, query, key, value, cache, cu_seq_lens_k, block_table,
-                         opts), None
+                         opts, sinks), None
 
 
 # ----------------------------------------------------------------------------- registry
