@@ -3,13 +3,16 @@
 ``paged_decode`` (functional), ``PagedDecoder`` (plan once per batch step, run once per
 layer; no host sync in ``run``, capturable in a CUDA graph) and ``merge_states``. NumPy
 inputs run the float64 reference (``cupaged.reference.attention``); CuPy inputs run
-``kernels_cu/decode.cu``: the append kernel (with ``k_new``/``v_new``), the split-KV decode
-kernel and, with more than one split, the merge kernel, which adds sinks once. Host
-planning (split count, head layout, strides) lives in ``cupaged.decode_plan``.
+``kernels_cu/decode.cu``: the append kernel (with ``k_new``/``v_new``) and the decode
+kernel, a persistent grid (one CTA per resident slot) whose CTAs stream host-planned pieces
+of the sequences' keys; a sequence cut into several pieces is merged (sinks added once) by
+the CTA finishing its last piece, or by a second kernel. Host planning (pieces, head
+layout, strides, checks) lives in ``cupaged.decode_plan``.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,22 +30,12 @@ _NULL = np.uint64(0)
 
 # ----------------------------------------------------------------------------- launches
 @functools.lru_cache(maxsize=None)
-def _device_limits(device_id):
-    import cupy
-    attrs = cupy.cuda.Device(device_id).attributes
-    return attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerMultiprocessor"]
-
-
-def _current_limits():
-    import cupy
-    return _device_limits(cupy.cuda.Device().id)
-
-
-@functools.lru_cache(maxsize=None)
 def _kernel_on(device_id, expr, smem_bytes):
     kernel = get_kernel("decode", expr)
     if smem_bytes > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem_bytes
+    if smem_bytes:
+        kernel.preferred_shared_memory_carveout = 100  # every resident CTA's tiles
     return kernel
 
 
@@ -60,12 +53,64 @@ def _merge_expr(in_dtype, out_dtype):
     return f"cupaged::decode::merge_states_kernel<{ctype(in_dtype)}, {ctype(out_dtype)}>"
 
 
+def _pieces_expr(dtype, head_dim):
+    return f"cupaged::decode::merge_pieces_kernel<{ctype(dtype)}, {-(-head_dim // 128)}>"
+
+
+def _append_expr(dtype):
+    return f"cupaged::decode::append_kv_kernel<{ctype(dtype)}>"
+
+
+@functools.lru_cache(maxsize=None)
+def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads):
+    """The launch geometry on a device: one CTA per slot its decode kernel can hold."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+    lp = dp.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
+                        block_size=block_size, num_q_heads=num_q_heads,
+                        num_kv_heads=num_kv_heads)
+    smem = lp.tiles.smem_bytes
+    kernel = _kernel_on(device_id, _decode_expr(dtype, head_dim, lp.vllm_v, lp.tiles.head_tiles), smem)
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, dp.NTHREADS, smem)
+    sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    return lp._replace(columns=max(1, sms * max(1, per_sm) // lp.row_groups))
+
+
+def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads):
+    import cupy
+    return _geometry(cupy.cuda.Device().id, np.dtype(dtype), int(head_dim), layout,
+                     int(block_size), int(num_q_heads), int(num_kv_heads))
+
+
+class _DeviceStep(NamedTuple):
+    """Device side of one step: geometry, index views, scratch and the decode kernel's
+    scalar arguments."""
+    launch: object    # decode_plan.DecodeLaunch on this device
+    work: object      # int32 [rows * DESC_INTS] piece descriptors (16-byte aligned)
+    seq_info: object  # int32 [batch * 2]
+    tables: object    # int32 [batch, width] block tables
+    lens: object      # int32 [batch] cached lengths
+    part_out: object  # float32 partial rows, or None (nothing split)
+    part_lse: object
+    counters: object  # int32 [batch * row groups] zeros (fused merge), or None
+    scalars: tuple    # the decode kernel's arguments after the arrays
+
+
 def _ptr(a):
     return _NULL if a is None else a
 
 
 def _i32(values):
     return tuple(np.int32(v) for v in values)
+
+
+def _decode_scalars(lp, num_q_heads, bt_stride, opts, fused):
+    return (*_i32(lp.k_strides[:4]), *_i32(lp.v_strides), np.int32(lp.block_size),
+            np.uint32(lp.block_magic),
+            *_i32((lp.block_shift, bt_stride, num_q_heads, lp.num_kv_heads, lp.heads.head_warps,
+                   lp.heads.head_chunks, opts.window_left, fused)),
+            np.float32(opts.sm_scale * LOG2E), np.float32(opts.sm_scale),
+            np.float32(opts.logits_soft_cap))
 
 
 def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_parts, rows,
@@ -78,49 +123,50 @@ def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_pa
             _ptr(sinks), out, _ptr(lse)))
 
 
-def _launch_decode(lp, q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, opts, out,
-                   lse, part_out, part_lse):
-    """Append (if planned), decode and merge (with splits) on the current stream."""
+def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse, merge_kernel):
+    """Append (with ``k_new``), decode and, with ``merge_kernel``, merge split pieces by a
+    second kernel; all on the current stream."""
     batch, hq, d = q.shape
-    bt_stride = block_tables.shape[1]
-    if lp.append:
-        append = _kernel(f"cupaged::decode::append_kv_kernel<{ctype(q.dtype)}>")
-        append((batch,), (128,), (k_new, v_new, k_cache, v_cache, block_tables, seq_lens,
-                                  *_i32((bt_stride, lp.block_size, lp.num_kv_heads, d)),
+    lp = dev.launch
+    if k_new is not None:
+        append = _kernel(_append_expr(q.dtype))
+        append((batch,), (128,), (k_new, v_new, k_cache, v_cache, dev.tables, dev.lens,
+                                  *_i32((dev.tables.shape[1], lp.block_size, lp.num_kv_heads, d)),
                                   *_i32(lp.k_strides[:4]), *_i32(lp.v_strides)))
-    split = lp.num_splits > 1
     kernel = _kernel(_decode_expr(q.dtype, d, lp.vllm_v, lp.tiles.head_tiles), lp.tiles.smem_bytes)
     kernel(lp.grid, (dp.NTHREADS,),
-           (q, out, _ptr(None if split else lse), _ptr(part_out if split else None),
-            _ptr(part_lse if split else None), k_cache, v_cache, block_tables, seq_lens,
-            _ptr(opts.alibi_slopes), _ptr(opts.sinks), *_i32(lp.k_strides[:4]),
-            *_i32(lp.v_strides), np.int32(lp.block_size), np.uint32(lp.block_magic),
-            *_i32((lp.block_shift, bt_stride, hq, lp.num_kv_heads, lp.heads.head_warps,
-                   lp.heads.head_chunks, lp.num_splits, lp.append, opts.window_left)),
-            np.float32(opts.sm_scale * LOG2E), np.float32(opts.sm_scale),
-            np.float32(opts.logits_soft_cap)),
-           shared_mem=lp.tiles.smem_bytes)
-    if split:
-        s = lp.num_splits
-        _launch_merge(part_out, part_out[d:], (d, s * d), part_lse, part_lse[1:], (1, s), s,
-                      batch * hq, hq, d, opts.sinks, out, lse)
+           (q, out, _ptr(lse), _ptr(dev.part_out), _ptr(dev.part_lse), _ptr(dev.counters),
+            dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes), _ptr(opts.sinks))
+           + dev.scalars, shared_mem=lp.tiles.smem_bytes)
+    if merge_kernel:
+        merge = _kernel(_pieces_expr(q.dtype, d))
+        merge((batch, lp.row_groups), (dp.NTHREADS,),
+              (_ptr(dev.part_out), _ptr(dev.part_lse), dev.seq_info,
+               *_i32((hq, lp.num_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
+               _ptr(opts.sinks), out, _ptr(lse)))
 
 
-def _plan(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, seq_lens, append,
-          window_left, num_splits):
-    sms, smem = _current_limits()
-    return dp.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
-                          block_size=block_size, num_q_heads=num_q_heads,
-                          num_kv_heads=num_kv_heads, seq_lens=seq_lens, append=append,
-                          window_left=window_left, num_splits=num_splits, num_sms=sms,
-                          smem_per_sm=smem)
-
-
-def _partials(xp, rows, num_splits, head_dim):
-    if num_splits == 1:
+def _partials(xp, lp, num_slots, head_dim):
+    """Partial rows and LSEs for ``num_slots`` slots (None, None without any)."""
+    if not num_slots:
         return None, None
-    return (xp.empty(rows * num_splits * head_dim, np.float32),
-            xp.empty(rows * num_splits, np.float32))
+    rows = num_slots * lp.row_groups * lp.heads_per_group
+    return xp.empty(rows * head_dim, np.float32), xp.empty(rows, np.float32)
+
+
+def _call_step(xp, lp, c, block_tables, seq_lens, num_splits, head_dim):
+    """Work plan and device step of one ``paged_decode`` call (fused merge)."""
+    schedule, _ = dp.check_variants(None, None, num_splits)
+    work = dp.plan_work(lp, c.seq_lens_host, c.append, c.options.window_left, schedule,
+                        num_splits)
+    layout = dp.IndexLayout(c.batch, len(work.desc), 0)
+    index = xp.asarray(dp.pack_index(layout, c.seq_lens_host, work))
+    part_out, part_lse = _partials(xp, lp, work.num_slots, head_dim)
+    counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots else None
+    scalars = _decode_scalars(lp, c.num_q_heads, block_tables.shape[1], c.options, 1)
+    return _DeviceStep(lp, index[layout.desc:layout.tables],
+                       index[layout.info:layout.info + 2 * c.batch], block_tables, seq_lens,
+                       part_out, part_lse, counters, scalars)
 
 
 def _result(out, lse, return_lse):
@@ -170,8 +216,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         ``c > 0`` maps scores to ``c * tanh(s / c)``.
     layout : {"NHD", "HND", "vllm"}
     num_splits : int, optional
-        KV splits per sequence (CuPy path); default chosen from batch, heads, lengths and
-        the SM count.
+        Cut each sequence into this many equal pieces (CuPy path; the "split" schedule of
+        :meth:`PagedDecoder.plan`); default: the "balanced" schedule.
     out : array, optional
         ``[batch, num_q_heads, head_dim]`` in q's dtype, written and returned.
     return_lse : bool
@@ -201,12 +247,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     lse = xp.empty((c.batch, c.num_q_heads), np.float32) if return_lse else None
     if c.batch == 0:
         return _result(out, lse, return_lse)
-    lp = _plan(q.dtype, q.shape[2], layout, c.geometry.block_size, c.num_q_heads,
-               c.geometry.num_kv_heads, c.seq_lens_host, c.append, c.options.window_left,
-               num_splits)
-    part_out, part_lse = _partials(xp, c.batch * c.num_q_heads, lp.num_splits, q.shape[2])
-    _launch_decode(lp, q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, c.options,
-                   out, lse, part_out, part_lse)
+    lp = _current_geometry(q.dtype, q.shape[2], layout, c.geometry.block_size, c.num_q_heads,
+                           c.geometry.num_kv_heads)
+    dev = _call_step(xp, lp, c, block_tables, seq_lens, num_splits, q.shape[2])
+    _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, c.options, out, lse, False)
     return _result(out, lse, return_lse)
 
 
@@ -247,14 +291,16 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 class PagedDecoder:
     """Paged decode planned once per batch step and run once per layer.
 
-    ``plan`` does a step's host work once: checks on host copies, the split choice, and ONE
-    upload of lengths and block tables into an index buffer the decoder owns and reuses.
-    ``run`` checks shapes and launches: no host sync, no allocation when ``out`` (and
-    ``lse``) are given, no recompilation when lengths change. A ``run`` captured in a CUDA
-    graph stays valid after later ``plan`` calls of the same batch size: the kernels read
-    lengths and tables from the same buffers and derive each split's keys on the device
-    (the graph keeps the split count it was captured with). ``plan`` uploads on the current
-    stream; keep plans and runs on one stream.
+    ``plan`` does a step's host work once: checks on host copies, the work plan (which CTA
+    streams which keys), and ONE upload of lengths, work and block tables into an index
+    buffer the decoder owns and reuses. ``run`` checks shapes and launches: no host sync, no
+    allocation when ``out`` (and ``lse``) are given, no recompilation when lengths change.
+    The grid is fixed (one CTA per resident slot) and the kernels read lengths, tables and
+    work from buffers at fixed addresses, so a ``run`` captured in a CUDA graph stays valid
+    after later ``plan`` calls of the same batch size and merge mode, whatever the lengths
+    or schedule, until a plan outgrows a buffer (a wider table, or a "split" plan with more
+    pieces than any "balanced" one). ``plan`` uploads on the current stream; keep plans and
+    runs on one stream.
 
     Parameters
     ----------
@@ -290,14 +336,15 @@ class PagedDecoder:
         self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
         self.head_dim, self.block_size = int(head_dim), int(block_size)
         self.dtype, self.layout, self.max_batch = as_dtype(dtype), layout, int(max_batch)
-        self._width = max_blocks_per_seq
+        self._width = max_blocks_per_seq or 0
         self._xp = xp
-        self._index = self._part_out = self._part_lse = None
+        self._index = self._layout = self._part_out = self._part_lse = self._counters = None
         self._step = None
 
     @accepts_dlpack
-    def plan(self, block_tables, seq_lens, *, append=False, num_splits=None):
-        """Check and upload one step's block tables and lengths; choose the split count.
+    def plan(self, block_tables, seq_lens, *, append=False, num_splits=None, schedule=None,
+             merge=None):
+        """Check and upload one step's block tables and lengths; plan the CTAs' work.
 
         Parameters
         ----------
@@ -308,42 +355,64 @@ class PagedDecoder:
         append : bool
             This step's runs pass ``k_new``/``v_new``: one more token must fit.
         num_splits : int, optional
-            Override the split heuristic.
+            Cut every sequence into this many equal pieces (implies ``schedule="split"``).
+        schedule : {"balanced", "split"}, optional
+            "balanced" (default): the sequences' key tiles, laid end to end, are dealt to
+            the CTA columns in equal shares (a sequence crossing a share boundary is cut
+            there). "split": each sequence is cut into ``num_splits`` equal pieces (default
+            chosen so that the CTAs are busy), dealt to the columns in equal counts.
+        merge : {"fused", "kernel"}, optional
+            Who merges the pieces of a cut sequence: the CTA finishing the last one
+            ("fused", default) or a second kernel launched after the decode kernel.
         """
         xp = self._xp or array_module(block_tables, seq_lens)
         bt, sl, max_block = dp.check_plan(self, block_tables, seq_lens, append, num_splits)
+        schedule, merge = dp.check_variants(schedule, merge, num_splits)
         self._xp = xp
-        launch = tables = lens = None
+        work = device = None
         if xp is not np:
-            launch = _plan(self.dtype, self.head_dim, self.layout, self.block_size,
-                           self.num_q_heads, self.num_kv_heads, sl, bool(append),
-                           self._opts.window_left, num_splits)
-            tables, lens = self._upload(bt, sl, launch.num_splits)
-        self._step = dp.Step(len(sl), bt, sl, bool(append), max_block, launch, tables, lens)
+            lp = self._geometry()
+            work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
+                                num_splits)
+            device = self._upload(lp, bt, sl, work, merge)
+        self._step = dp.Step(len(sl), bt, sl, bool(append), max_block, work, merge, device)
 
     @property
     def num_splits(self):
-        """Split count of the current plan (1 on the NumPy path or before a plan)."""
+        """Most pieces one sequence is cut into by the current plan (1 on the NumPy path or
+        before a plan)."""
         step = self._step
-        return 1 if step is None or step.launch is None else step.launch.num_splits
+        return 1 if step is None or step.work is None else step.work.max_pieces
 
-    def _upload(self, bt, sl, num_splits):
-        """One host-to-device copy of ``[lens | tables]``; buffers grow only when needed."""
+    def _geometry(self):
+        return _current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
+                                 self.num_q_heads, self.num_kv_heads)
+
+    def _upload(self, lp, bt, sl, work, merge):
+        """One host-to-device copy of ``[lens | piece info | work | tables]``; buffers grow
+        only when a plan needs more than any "balanced" plan of ``max_batch`` sequences."""
         import cupy
         batch, width = bt.shape
-        if self._index is None or width > self._width:
-            self._width = max(width, self._width or 0)
-            self._index = cupy.empty(self.max_batch * (1 + self._width), np.int32)
-        rows = max(batch * num_splits * self.num_q_heads,
-                   dp.max_partial_rows(self.num_q_heads, self.num_kv_heads, self.head_dim,
-                                       self.dtype.itemsize, _current_limits()[0]))
-        if self._part_lse is None or self._part_lse.size < rows:
-            self._part_out = cupy.empty(rows * self.head_dim, np.float32)
-            self._part_lse = cupy.empty(rows, np.float32)
-        host = dp.pack_index(bt, sl, self.max_batch, self._width)
+        rows, slots = dp.work_capacity(lp, self.max_batch)
+        lay = self._layout
+        if lay is None or width > lay.width or len(work.desc) > lay.rows:
+            lay = dp.IndexLayout(self.max_batch, max(rows, len(work.desc), lay.rows if lay else 0),
+                                 max(width, self._width))
+            self._index, self._layout, self._width = cupy.empty(lay.size, np.int32), lay, lay.width
+        part_rows = max(slots, work.num_slots) * lp.row_groups * lp.heads_per_group
+        if self._part_lse is None or self._part_lse.size < part_rows:
+            self._part_out = cupy.empty(part_rows * self.head_dim, np.float32)
+            self._part_lse = cupy.empty(part_rows, np.float32)
+        if self._counters is None:  # re-armed to zero by the kernel that counts on them
+            self._counters = cupy.zeros(self.max_batch * lp.row_groups, np.int32)
+        host = dp.pack_index(lay, sl, work, bt)
         self._index[:host.size].set(host)
-        tables = self._index[self.max_batch:host.size].reshape(batch, self._width)
-        return tables, self._index[:batch]
+        idx, fused = self._index, merge == "fused"
+        return _DeviceStep(lp, idx[lay.desc:lay.tables], idx[lay.info:lay.info + 2 * batch],
+                           idx[lay.tables:lay.tables + batch * lay.width].reshape(batch, lay.width),
+                           idx[:batch], self._part_out, self._part_lse,
+                           self._counters if fused else None,
+                           _decode_scalars(lp, self.num_q_heads, lay.width, self._opts, int(fused)))
 
     @accepts_dlpack
     def run(self, q, k_cache, v_cache, sinks=None, alibi_slopes=None, k_new=None, v_new=None,
@@ -387,18 +456,19 @@ class PagedDecoder:
         if lse is None and return_lse:
             lse = xp.empty(shape[:2], np.float32)
         if st.batch:
-            _launch_decode(st.launch, q, k_cache, v_cache, st.tables_dev, st.lens_dev, k_new,
-                           v_new, opts, out, lse, self._part_out, self._part_lse)
+            _launch_decode(st.device, q, k_cache, v_cache, k_new, v_new, opts, out, lse,
+                           st.merge == "kernel")
         return _result(out, lse, return_lse)
 
 
 def kernel_specializations():
-    """Every kernel this module can launch: append, merge, and decode per dtype, head dim,
-    value layout (rows or vllm's transposed) and heads per warp."""
+    """Every kernel this module can launch: append, the two merges, and decode per dtype,
+    head dim, value layout (rows or vllm's transposed) and heads per warp."""
     specs = []
     for dt in FLOAT_DTYPES:
-        specs.append(Spec("decode", f"cupaged::decode::append_kv_kernel<{ctype(dt)}>"))
-        specs += [Spec("decode", _merge_expr(src, dt)) for src in dict.fromkeys((np.float32, dt))]
+        specs.append(Spec("decode", _append_expr(dt)))
+        specs.append(Spec("decode", _merge_expr(dt, dt)))
+        specs += [Spec("decode", _pieces_expr(dt, d)) for d in (128, 256)]
         for d in HEAD_DIMS:
             for nt in sorted({dp.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
                 specs += [Spec("decode", _decode_expr(dt, d, vt, nt)) for vt in (False, True)]

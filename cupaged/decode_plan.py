@@ -1,13 +1,13 @@
-"""Host-side planning of paged decode: argument checks, tile geometry, head layout, split
-count, cache strides and the packed index upload.
+"""Host-side planning of paged decode: argument checks, tile geometry, head layout, cache
+strides, the work pieces of each CTA column and the packed index upload.
 
 No GPU work here: the numbers mirror the compile-time constants of ``kernels_cu/decode.cu``
-(``NTHREADS``, ``NWARPS``, ``STAGES``, ``Cfg``) and pick each launch's shape from host
-copies of the lengths. ``plan_launch`` gathers them into the record the launch code reads.
+(``NTHREADS``, ``NWARPS``, ``STAGES``, ``Cfg``, ``Piece``). ``plan_launch`` fixes a launch's
+shape (one persistent CTA per resident slot: ``columns`` x row groups); ``plan_work`` cuts
+the sequences' key tiles into pieces for the columns from host copies of the lengths.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -24,6 +24,10 @@ MAX_CTAS_PER_SM = 4   # beyond this, registers rather than shared memory limit r
 DEFAULT_SMS = 132     # H200; used when no device is asked
 DEFAULT_SMEM_PER_SM = 228 * 1024
 INT32_MAX = 2**31 - 1
+SCHEDULES = ("balanced", "split")  # equal tile shares per column / equal cuts per sequence
+MERGES = ("fused", "kernel")       # split pieces merged by their last CTA / by a second kernel
+DESC_INTS = 8                      # ints per piece descriptor (decode.cu's Piece)
+NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -80,6 +84,21 @@ def check_num_splits(num_splits):
                          f"got {num_splits!r}")
 
 
+def check_variants(schedule, merge, num_splits):
+    """Resolve a plan's ``(schedule, merge)``: defaults "balanced" ("split" when
+    ``num_splits`` is given, the only schedule that takes a count) and "fused"."""
+    check_num_splits(num_splits)
+    if schedule is None:
+        schedule = "balanced" if num_splits is None else "split"
+    check_choice("schedule", schedule, SCHEDULES)
+    if num_splits is not None and schedule != "split":
+        raise ValueError(f"num_splits: expected None with schedule={schedule!r} (only "
+                         f"'split' takes a count), got {num_splits!r}")
+    merge = "fused" if merge is None else merge
+    check_choice("merge", merge, MERGES)
+    return schedule, merge
+
+
 def check_lse(lse, batch, num_q_heads, xp):
     """A caller's LSE buffer: float32 ``[batch, num_q_heads]``."""
     if lse is not None:
@@ -110,15 +129,15 @@ def check_positive(name, value):
 
 
 class Step(NamedTuple):
-    """One plan: host copies, the launch record and device views of the uploaded indices."""
+    """One plan: host copies and, for device runs, the work plan and its device views."""
     batch: int
     block_tables: object  # int32 [batch, width], host
     seq_lens: object      # int32 [batch], host
     append: bool
     max_block: int        # largest block id the step reads (-1: none)
-    launch: object        # decode_plan.DecodeLaunch (device runs) or None
-    tables_dev: object    # int32 [batch, width_cap] view of the index buffer, or None
-    lens_dev: object      # int32 [batch] view of the index buffer, or None
+    work: object          # WorkPlan (device runs) or None
+    merge: str            # one of MERGES
+    device: object        # decode._DeviceStep (views of the uploaded indices) or None
 
 
 def check_plan(dec, block_tables, seq_lens, append, num_splits):
@@ -174,16 +193,45 @@ def planned_max_block(block_tables, seq_lens, block_size, append):
     return int(block_tables[used].max(initial=-1))
 
 
-def pack_index(block_tables, seq_lens, max_batch, width):
-    """Host int32 ``[max_batch + batch * width]``: lengths, then tables padded to ``width``.
+class IndexLayout(NamedTuple):
+    """Offsets (int32 elements) in a plan's device index buffer: lengths, per-sequence piece
+    info (``WorkPlan.seq_info``), descriptors (16-byte aligned) and block tables.
 
-    Lengths start at 0 and tables at ``max_batch`` whatever the batch, so device views of
-    one buffer keep their addresses from plan to plan.
+    Every region starts at a fixed offset whatever the batch, so device views keep their
+    addresses from plan to plan (captured graphs stay valid) until a capacity grows.
     """
-    batch = block_tables.shape[0]
-    host = np.full(max_batch + batch * width, -1, np.int32)
+    max_batch: int
+    rows: int   # descriptor capacity
+    width: int  # block-table row capacity (0: tables not uploaded)
+
+    @property
+    def info(self):
+        return self.max_batch
+
+    @property
+    def desc(self):
+        return -(-3 * self.max_batch // 4) * 4
+
+    @property
+    def tables(self):
+        return self.desc + DESC_INTS * self.rows
+
+    @property
+    def size(self):
+        return self.tables + self.max_batch * self.width
+
+
+def pack_index(layout, seq_lens, work, block_tables=None):
+    """Host int32 image of an index buffer up to its last used element: lengths, piece
+    info, descriptors (spare rows: no piece) and, with ``layout.width``, tables padded
+    with -1."""
+    batch = len(seq_lens)
+    host = np.full(layout.tables + (batch * layout.width if layout.width else 0), -1, np.int32)
     host[:batch] = seq_lens
-    host[max_batch:].reshape(batch, width)[:, :block_tables.shape[1]] = block_tables
+    host[layout.info:layout.info + 2 * batch] = work.seq_info.ravel()
+    host[layout.desc:layout.tables].reshape(layout.rows, DESC_INTS)[:len(work.desc)] = work.desc
+    if layout.width:
+        host[layout.tables:].reshape(batch, layout.width)[:, :block_tables.shape[1]] = block_tables
     return host
 
 
@@ -229,10 +277,13 @@ def head_layout(group, heads_per_warp) -> HeadLayout:
     return HeadLayout(head_warps, -(-group // (head_warps * heads_per_warp)))
 
 
-def visible_lengths(seq_lens, append, window_left):
-    """Keys each query sees, int64 ``[batch]``: the window caps ``seq_len (+1)``."""
-    kv = np.asarray(seq_lens, dtype=np.int64) + int(append)
-    return np.minimum(kv, window_left + 1) if window_left >= 0 else kv
+def tile_spans(kv_lens, window_left, tile):
+    """First visible key tile and the number of visible tiles per sequence (int64
+    ``[batch]`` each) for ``kv_lens`` keys, as the kernel's ``first_visible`` has it."""
+    kv = np.asarray(kv_lens, np.int64)
+    lo = np.maximum(0, kv - 1 - window_left) if window_left >= 0 else np.zeros_like(kv)
+    first = lo // tile
+    return first, np.where(kv > 0, -(-kv // tile) - first, 0)
 
 
 def ctas_per_sm(smem_bytes, smem_per_sm=DEFAULT_SMEM_PER_SM) -> int:
@@ -241,12 +292,13 @@ def ctas_per_sm(smem_bytes, smem_per_sm=DEFAULT_SMEM_PER_SM) -> int:
 
 
 def choose_num_splits(ctas, max_tiles, slots) -> int:
-    """Splits per (sequence, kv head) so that one wave of ``slots`` resident CTAs is full.
+    """Splits per (sequence, kv head) of the "split" schedule so that ``slots`` CTAs are
+    busy.
 
-    ``ctas`` CTAs run without splitting and the longest sequence spans ``max_tiles`` tiles.
-    With fewer than half a wave, split each into about ``slots // ctas`` (whole waves, no
-    ragged tail), keeping at least ``STAGES - 1`` tiles per split (a CTA's first loads all
-    go out at once) and no split of the longest sequence empty.
+    ``ctas`` (sequence, row group) pairs run without splitting and the longest sequence
+    spans ``max_tiles`` tiles. With fewer than half the slots busy, split each into about
+    ``slots // ctas``, keeping at least ``STAGES - 1`` tiles per split (a CTA's first loads
+    all go out at once) and no split of the longest sequence empty.
     """
     if ctas <= 0 or max_tiles <= 0 or 2 * ctas > slots:
         return 1
@@ -279,54 +331,153 @@ def cache_strides(layout, block_size, num_kv_heads, head_dim, itemsize):
 
 
 class DecodeLaunch(NamedTuple):
-    """Everything one paged-decode launch needs besides the arrays."""
+    """Everything one paged-decode launch needs besides the arrays and the work plan."""
     head_dim: int
     num_kv_heads: int
     vllm_v: bool
     tiles: TileConfig
     heads: HeadLayout
-    num_splits: int
-    grid: tuple
+    columns: int      # CTA columns (grid.x); each walks a list of pieces
     k_strides: tuple
     v_strides: tuple
     block_size: int
     block_magic: int
     block_shift: int
-    append: bool
+
+    @property
+    def row_groups(self):
+        """(kv head, head chunk) pairs: grid.y."""
+        return self.num_kv_heads * self.heads.head_chunks
+
+    @property
+    def heads_per_group(self):
+        """Query heads a row group (one CTA) serves: the kernel's HPC."""
+        return self.heads.head_warps * self.tiles.heads_per_warp
+
+    @property
+    def grid(self):
+        return (self.columns, self.row_groups)
 
 
 def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_heads,
-                seq_lens, append, window_left, num_splits=None, num_sms=DEFAULT_SMS,
-                smem_per_sm=DEFAULT_SMEM_PER_SM) -> DecodeLaunch:
-    """Choose the kernel specialisation, head layout and split count of one decode launch.
+                slots=None) -> DecodeLaunch:
+    """Choose the kernel specialisation, head layout and grid of a decoder's launches.
 
-    ``seq_lens`` is the host copy of the cached lengths (the batch is its size);
-    ``num_splits`` overrides the heuristic.
+    ``slots``: CTAs resident at once on the device (SMs x CTAs per SM, from the occupancy
+    of the specialisation; default an H200 estimate from shared memory). The grid holds one
+    CTA per slot (``columns = slots // row_groups``, at least 1), whatever the lengths.
     """
-    batch = len(seq_lens)
     group = num_q_heads // num_kv_heads
     vllm_v = layout == "vllm"
     tiles = tile_config(itemsize, head_dim, vllm_v, head_tiles(itemsize, head_dim, group))
     heads = head_layout(group, tiles.heads_per_warp)
-    ctas = batch * num_kv_heads * heads.head_chunks
-    if num_splits is None:
-        slots = num_sms * ctas_per_sm(tiles.smem_bytes, smem_per_sm)
-        max_visible = int(visible_lengths(seq_lens, append, window_left).max(initial=0))
-        max_tiles = -(-max_visible // tiles.tile) + (window_left >= 0 and max_visible > 0)
-        num_splits = choose_num_splits(ctas, max_tiles, slots)
+    if slots is None:
+        slots = DEFAULT_SMS * ctas_per_sm(tiles.smem_bytes)
+    columns = max(1, slots // (num_kv_heads * heads.head_chunks))
     k_strides, v_strides = cache_strides(layout, block_size, num_kv_heads, head_dim, itemsize)
     magic, shift = block_division(block_size)
-    grid = (int(num_splits), num_kv_heads * heads.head_chunks, batch)
-    return DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, int(num_splits), grid,
-                        k_strides, v_strides, int(block_size), magic, shift, bool(append))
+    return DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, columns, k_strides,
+                        v_strides, int(block_size), magic, shift)
 
 
-def max_partial_rows(num_q_heads, num_kv_heads, head_dim, itemsize, num_sms=DEFAULT_SMS) -> int:
-    """Upper bound of ``batch * num_splits * num_q_heads`` for heuristic split counts.
+# ----------------------------------------------------------------------------- work
+class Pieces(NamedTuple):
+    """Cuts of the sequences' visible key tiles, ordered by column (then sequence, piece)."""
+    seq: np.ndarray      # int64 [n] sequence of each piece
+    offset: np.ndarray   # its first tile, counted from the sequence's first visible tile
+    count: np.ndarray    # its tiles (0 only for the one piece of a sequence without keys)
+    index: np.ndarray    # its index among the sequence's pieces
+    column: np.ndarray   # the CTA column that runs it (non-decreasing)
+    per_seq: np.ndarray  # int64 [batch] pieces of each sequence
 
-    With more than one split, ``batch * Hk * head_chunks * num_splits <= slots <=
-    num_sms * MAX_CTAS_PER_SM``, so a ``PagedDecoder`` sizes its partial buffers once.
-    """
-    group = num_q_heads // num_kv_heads
-    heads = head_layout(group, 8 * head_tiles(itemsize, head_dim, group))
-    return math.ceil(num_sms * MAX_CTAS_PER_SM / (num_kv_heads * heads.head_chunks)) * num_q_heads
+
+def _enumerate(per_seq):
+    """``(seq, index)`` of every piece for ``per_seq`` pieces per sequence."""
+    seq = np.repeat(np.arange(len(per_seq)), per_seq)
+    return seq, np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+
+
+def balanced_pieces(n_tiles, columns) -> Pieces:
+    """Equal tile shares: with the sequences' tiles laid end to end, column ``c`` takes
+    tiles ``[c * P, (c + 1) * P)`` (``P = ceil(total / columns)``); a sequence crossing a
+    share boundary is cut there. Every column ends at the same time, whatever the mix."""
+    n = np.asarray(n_tiles, np.int64)
+    share = max(1, -(-int(n.sum()) // columns))
+    end = np.cumsum(n)
+    start = end - n
+    first = start // share
+    per_seq = np.where(n > 0, (end - 1) // share, first) - first + 1
+    seq, index = _enumerate(per_seq)
+    chunk = first[seq] + index
+    lo = np.maximum(start[seq], chunk * share)
+    hi = np.minimum(end[seq], (chunk + 1) * share)
+    return Pieces(seq, lo - start[seq], hi - lo, index, np.minimum(chunk, columns - 1), per_seq)
+
+
+def split_pieces(n_tiles, num_splits, columns) -> Pieces:
+    """Up to ``num_splits`` equal cuts of each sequence (none empty; one, empty, for a
+    sequence without keys), dealt to the columns in order, an equal count each (+-1)."""
+    n = np.asarray(n_tiles, np.int64)
+    per = np.maximum(1, -(-n // np.clip(np.minimum(num_splits, n), 1, None)))
+    per_seq = np.where(n > 0, -(-n // per), 1)
+    seq, index = _enumerate(per_seq)
+    offset = index * per[seq]
+    column = np.arange(len(seq)) * columns // max(1, len(seq))
+    return Pieces(seq, offset, np.minimum(per[seq], n[seq] - offset), index, column, per_seq)
+
+
+def pack_work(pieces, kv_lens, first_tiles, columns):
+    """Descriptors int32 ``[rows, DESC_INTS]`` (decode.cu's Piece): column ``c``'s first
+    piece in row ``c`` (or NO_PIECE), its others in rows after the columns, linked by
+    ``next``; per-sequence ``(pieces, first partial slot or -1)`` int32 ``[batch, 2]``; the
+    number of partial slots (pieces of split sequences, consecutive per sequence)."""
+    seq, col, per_seq = pieces.seq, pieces.column, pieces.per_seq
+    split = per_seq > 1
+    slots = np.where(split, per_seq, 0)
+    slot0 = np.cumsum(slots) - slots
+    lead = np.ones(len(seq), bool)
+    lead[1:] = col[1:] != col[:-1]
+    row = np.where(lead, col, columns + np.cumsum(~lead) - 1)
+    nxt = np.full(len(seq), -1, np.int64)
+    nxt[:-1] = np.where(lead[1:], -1, row[1:])
+    t_begin = first_tiles[seq] + pieces.offset
+    desc = np.empty((columns + int((~lead).sum()), DESC_INTS), np.int32)
+    desc[:columns] = NO_PIECE
+    desc[row] = np.stack([seq, kv_lens[seq], t_begin, t_begin + pieces.count, pieces.index,
+                          per_seq[seq], np.where(split[seq], slot0[seq] + pieces.index, -1),
+                          nxt], axis=1)
+    info = np.stack([per_seq, np.where(split, slot0, -1)], axis=1).astype(np.int32)
+    return desc, info, int(slots.sum())
+
+
+class WorkPlan(NamedTuple):
+    """One step's pieces for a launch's columns."""
+    schedule: str
+    desc: np.ndarray      # int32 [rows, DESC_INTS]
+    seq_info: np.ndarray  # int32 [batch, 2]: pieces, first partial slot (-1: not split)
+    num_slots: int        # partial slots used
+    max_pieces: int       # most pieces of one sequence (1: nothing to merge)
+
+
+def plan_work(launch, seq_lens, append, window_left, schedule="balanced",
+              num_splits=None) -> WorkPlan:
+    """Cut the visible key tiles of ``seq_lens`` (host int32 ``[batch]``, + 1 with
+    ``append``) into pieces for ``launch.columns`` columns by ``schedule``. "split" takes
+    ``num_splits`` (default: ``choose_num_splits``)."""
+    kv = np.asarray(seq_lens, np.int64) + int(append)
+    first, n = tile_spans(kv, window_left, launch.tiles.tile)
+    if schedule == "balanced":
+        pieces = balanced_pieces(n, launch.columns)
+    else:
+        if num_splits is None:
+            num_splits = choose_num_splits(len(kv) * launch.row_groups, int(n.max(initial=0)),
+                                           launch.columns * launch.row_groups)
+        pieces = split_pieces(n, num_splits, launch.columns)
+    desc, info, slots = pack_work(pieces, kv, first, launch.columns)
+    return WorkPlan(schedule, desc, info, slots, int(pieces.per_seq.max(initial=1)))
+
+
+def work_capacity(launch, max_batch):
+    """``(descriptor rows, partial slots)`` that any "balanced" plan of up to ``max_batch``
+    sequences fits in: at most ``columns - 1`` share boundaries cut a sequence."""
+    return 2 * launch.columns + max_batch, launch.columns + max_batch

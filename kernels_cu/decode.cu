@@ -1,10 +1,14 @@
 // Paged decode: one query token per sequence against a paged KV cache, split-KV + merge.
 //
 //   append_kv_kernel     writes k_new / v_new at position seq_lens[b] (in-place append)
-//   paged_decode_kernel  one CTA per (split, kv head x head chunk, sequence): streams its K/V
-//                        tiles through a cp.async pipeline into shared memory and serves every
-//                        query head of the kv head from them (K/V read once per group)
-//   merge_states_kernel  combines split partials (adding sinks once) or two states
+//   paged_decode_kernel  persistent CTAs (column, kv head x head chunk): each streams the key
+//                        tiles of its column's pieces (host-planned cuts of the sequences)
+//                        through one cp.async pipeline into shared memory and serves every
+//                        query head of the kv head from them (K/V read once per group);
+//                        split sequences leave fp32 partials, merged by the CTA finishing
+//                        the last piece (fused) or by merge_pieces_kernel
+//   merge_pieces_kernel  merges split pieces (adding sinks once) when not fused
+//   merge_states_kernel  combines two states (merge_states)
 //
 // Why tensor cores: per token and kv head decode reads 4*D bytes of 16-bit K/V and does
 // 4*G*D flops (q.k and p.v for the G = Hq/Hk query heads sharing them): G flops per byte.
@@ -213,10 +217,18 @@ struct Strides {
   int block, head, tok, chunk, elem;
 };
 
-// Gathers tile `tile` (tokens [tile*TILE, tile*TILE + TILE)) of one (sequence, kv head) into
-// shared memory with 16-byte cp.async; tokens outside [lo, kv_len) are zero-filled so that
-// their (masked) scores and values stay finite. Block ids of a tile are fetched one pipeline
-// step before its copies are issued, so the id loads' latency hides behind a tile's math.
+// One tile to load: tokens [tile*TILE, tile*TILE + TILE) of a sequence whose visible keys
+// are [lo, kv_len) and whose block-table row is bt.
+struct TileRef {
+  const int* bt;
+  int tile, lo, kv_len;
+  __device__ __forceinline__ bool visible(int tok) const { return tok >= lo && tok < kv_len; }
+};
+
+// Gathers a tile of one kv head into shared memory with 16-byte cp.async; tokens outside
+// [lo, kv_len) are zero-filled so that their (masked) scores and values stay finite. Block
+// ids of a tile are fetched one pipeline step before its copies are issued, so the id
+// loads' latency hides behind a tile's math; fetch and issue take the same TileRef.
 template <typename T, int D, bool VT>
 struct Loader {
   using C = Cfg<T, D>;
@@ -224,50 +236,48 @@ struct Loader {
 
   const T* k_head;
   const T* v_head;
-  const int* bt;
   Strides ks, vs;
   int block_size;
   unsigned magic;  // token / block_size == (token * magic) >> shift for tokens < 2^31
   int shift;
-  int lo, kv_len, tid;
+  int tid;
   bool vt_whole;   // block_size % VEC == 0: a 16-byte token group never straddles blocks
 
   __device__ __forceinline__ int block_of(int tok) const {
     return (int)(((u64)(unsigned)tok * magic) >> shift);
   }
-  __device__ __forceinline__ bool visible(int tok) const { return tok >= lo && tok < kv_len; }
   __device__ __forceinline__ int v_dim(int d) const {
     return (d / C::VEC) * vs.chunk + (d % C::VEC) * vs.elem;
   }
-  __device__ __forceinline__ int vt_group_token(int tile) const {
-    return tile * C::TILE + (tid % C::GPT) * C::VEC;
+  __device__ __forceinline__ int vt_group_token(const TileRef& r) const {
+    return r.tile * C::TILE + (tid % C::GPT) * C::VEC;
   }
-  __device__ __forceinline__ bool vt_group_whole(int tok_g) const {
-    return vt_whole && tok_g >= lo && tok_g + C::VEC <= kv_len;
+  __device__ __forceinline__ bool vt_group_whole(const TileRef& r, int tok_g) const {
+    return vt_whole && tok_g >= r.lo && tok_g + C::VEC <= r.kv_len;
   }
-  __device__ __forceinline__ bool vt_group_empty(int tok_g) const {
-    return tok_g + C::VEC <= lo || tok_g >= kv_len;
+  __device__ __forceinline__ bool vt_group_empty(const TileRef& r, int tok_g) const {
+    return tok_g + C::VEC <= r.lo || tok_g >= r.kv_len;
   }
 
-  __device__ void fetch(int tile, Ids& ids) const {
+  __device__ void fetch(const TileRef& r, Ids& ids) const {
 #pragma unroll
     for (int i = 0; i < C::ITEMS; ++i) {
-      const int tok = tile * C::TILE + (tid + i * NTHREADS) / C::CPR;
-      ids.k[i] = visible(tok) ? __ldg(bt + block_of(tok)) : 0;
+      const int tok = r.tile * C::TILE + (tid + i * NTHREADS) / C::CPR;
+      ids.k[i] = r.visible(tok) ? __ldg(r.bt + block_of(tok)) : 0;
     }
     if (VT) {
-      const int tok_g = vt_group_token(tile);
-      ids.v = vt_group_whole(tok_g) ? __ldg(bt + block_of(tok_g)) : 0;
+      const int tok_g = vt_group_token(r);
+      ids.v = vt_group_whole(r, tok_g) ? __ldg(r.bt + block_of(tok_g)) : 0;
     }
   }
 
-  __device__ void issue(int tile, const Ids& ids, T* k_s, T* v_s) const {
+  __device__ void issue(const TileRef& r, const Ids& ids, T* k_s, T* v_s) const {
 #pragma unroll
     for (int i = 0; i < C::ITEMS; ++i) {
       const int idx = tid + i * NTHREADS;
       const int row = idx / C::CPR, c = idx % C::CPR;
-      const int tok = tile * C::TILE + row;
-      const bool ok = visible(tok);
+      const int tok = r.tile * C::TILE + row;
+      const bool ok = r.visible(tok);
       const int in = tok - block_of(tok) * block_size;
       const T* k_src = k_head + (i64)ids.k[i] * ks.block + (in * ks.tok + c * ks.chunk);
       cp_async16(k_s + row * C::KROW + c * C::VEC, ok ? k_src : k_head, ok ? 16 : 0);
@@ -276,15 +286,15 @@ struct Loader {
         cp_async16(v_s + row * C::KROW + c * C::VEC, ok ? v_src : v_head, ok ? 16 : 0);
       }
     }
-    if (VT) issue_vt(tile, ids.v, v_s);
+    if (VT) issue_vt(r, ids.v, v_s);
   }
 
   // Transposed V tile [D][TILE] from the vllm value layout [.., D, block_size].
-  __device__ void issue_vt(int tile, int blk_id, T* v_s) const {
-    const int tok_g = vt_group_token(tile);
+  __device__ void issue_vt(const TileRef& r, int blk_id, T* v_s) const {
+    const int tok_g = vt_group_token(r);
     T* dst = v_s + (tid % C::GPT) * C::VEC;
-    const bool whole = vt_group_whole(tok_g);
-    if (whole || vt_group_empty(tok_g)) {
+    const bool whole = vt_group_whole(r, tok_g);
+    if (whole || vt_group_empty(r, tok_g)) {
       const T* src = v_head + (i64)blk_id * vs.block + (tok_g - block_of(tok_g) * block_size) * vs.tok;
 #pragma unroll
       for (int i = 0; i < C::ITEMS; ++i) {
@@ -304,11 +314,69 @@ struct Loader {
       for (int e = 0; e < C::VEC; ++e) {
         const int tok = tok_g + e;
         const int slot = block_of(tok);
-        e16[e] = visible(tok) ? v_head[(i64)bt[slot] * vs.block + (tok - slot * block_size) * vs.tok + v_dim(d)]
-                              : from_float<T>(0.f);
+        e16[e] = r.visible(tok) ? v_head[(i64)r.bt[slot] * vs.block + (tok - slot * block_size) * vs.tok + v_dim(d)]
+                                : from_float<T>(0.f);
       }
       *reinterpret_cast<uint4*>(dst + d * C::VTROW) = raw;
     }
+  }
+};
+
+// ---------------------------------------------------------------------------- work pieces
+// The host plan (decode_plan.plan_work) cuts each sequence's visible key tiles into pieces
+// and gives every CTA column (blockIdx.x) a list of them, the same for every row group
+// (blockIdx.y). Descriptor i is 8 ints at work[8 * i]; column c's first piece is
+// descriptor c and `next` links the rest:
+//   b              sequence (-1: no piece)        kv_len  keys of b, the appended one included
+//   t_begin, t_end key tiles [t_begin, t_end) of b (absolute indices; equal when kv_len is 0)
+//   k, npieces     the piece's index among b's pieces, and their number
+//   slot           partial slot of the piece (npieces > 1; slots of b's pieces are
+//                  consecutive), else -1
+//   next           descriptor of the column's next piece, -1 after the last
+struct Piece {
+  int b, kv_len, t_begin, t_end, k, npieces, slot, next;
+  __device__ __forceinline__ bool valid() const { return b >= 0; }
+};
+
+__device__ __forceinline__ Piece load_piece(const int4* __restrict__ work, int i) {
+  if (i < 0) return Piece{-1, 0, 0, 0, 0, 1, -1, -1};
+  const int4 a = __ldg(work + 2 * i), c = __ldg(work + 2 * i + 1);
+  return Piece{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+}
+
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];\n" :: "l"(p));
+}
+
+// First visible key of a query at position kv_len - 1.
+__device__ __forceinline__ int first_visible(int kv_len, int window_left) {
+  return window_left >= 0 ? max(0, kv_len - 1 - window_left) : 0;
+}
+
+// The loader's walk over a CTA's tiles, piece after piece (empty pieces have none): `ref`
+// is the tile the next issue takes. On entering a piece the descriptor of its successor is
+// prefetched to L1, so the next switch finds it there.
+struct TileCursor {
+  const int4* work;
+  const int* block_tables;
+  int bt_stride, window_left;
+  TileRef ref;
+  int t_end, next;  // end of the current piece, descriptor of the following one
+
+  __device__ bool has() const { return ref.bt != nullptr; }
+  __device__ void start(int first) { enter(first); }
+  __device__ void advance() {
+    if (++ref.tile >= t_end) enter(next);
+  }
+  // the first piece with tiles from descriptor i on (none: ref.bt null)
+  __device__ void enter(int i) {
+    Piece p = load_piece(work, i);
+    while (p.valid() && p.t_begin >= p.t_end) p = load_piece(work, p.next);
+    if (p.next >= 0) prefetch_l1(work + 2 * p.next);
+    ref = TileRef{p.valid() ? block_tables + (i64)p.b * bt_stride : nullptr, p.t_begin,
+                  first_visible(p.kv_len, window_left), p.kv_len};
+    t_end = p.t_end;
+    next = p.next;
   }
 };
 
@@ -435,14 +503,15 @@ struct ScoreMods {
   }
 };
 
-// Final rows of one warp: with one split, out (q's dtype, sink in the denominator) and lse;
-// otherwise the split's fp32 partial (normalised over its keys) and natural-log lse.
+// Final rows of one warp: for a whole sequence (one piece), out (q's dtype, sink in the
+// denominator) and lse at rows out_row + h; for one piece of several, the fp32 partial
+// (normalised over the piece's keys) and natural-log lse at rows part_row + h, for the merge.
+// sinks points at the warp's first head (or is null).
 template <typename T, int D, int NT>
 __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, int warp_heads,
-                                           i64 row0, int split, int num_splits,
-                                           const float* __restrict__ sinks, int hq0,
-                                           T* __restrict__ out, float* __restrict__ lse,
-                                           float* __restrict__ part_out,
+                                           bool whole, i64 out_row, i64 part_row,
+                                           const float* __restrict__ sinks, T* __restrict__ out,
+                                           float* __restrict__ lse, float* __restrict__ part_out,
                                            float* __restrict__ part_lse, int lane) {
   const int qr = lane >> 2, r = lane & 3;
 #pragma unroll
@@ -451,11 +520,10 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
     for (int j = 0; j < 2; ++j) {
       const int h = nt * 8 + 2 * r + j;
       if (h >= warp_heads) continue;
-      const i64 row = row0 + h;
       const float m = st.m[nt][j], l = st.l[nt][j];
       float scale, row_lse;
-      if (num_splits == 1) {
-        const float sink2 = sinks != nullptr ? sinks[hq0 + h] * LOG2E : minus_inf();
+      if (whole) {
+        const float sink2 = sinks != nullptr ? sinks[h] * LOG2E : minus_inf();
         const float m_all = fmaxf(m, sink2);
         const float m_use = m_all == minus_inf() ? 0.f : m_all;
         const float sc = fast_exp2(m - m_use);
@@ -472,104 +540,103 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
         for (int hh = 0; hh < 2; ++hh) {
           const int d = dt * 16 + qr + 8 * hh;
           const float v = st.acc[dt][nt][2 * hh + j] * scale;
-          if (num_splits == 1) out[row * D + d] = from_float<T>(v);
-          else part_out[(row * num_splits + split) * D + d] = v;
+          if (whole) out[(out_row + h) * D + d] = from_float<T>(v);
+          else part_out[(part_row + h) * D + d] = v;
         }
       if (qr == 0) {
-        if (num_splits > 1) part_lse[row * num_splits + split] = row_lse;
-        else if (lse != nullptr) lse[row] = row_lse;
+        if (!whole) part_lse[part_row + h] = row_lse;
+        else if (lse != nullptr) lse[out_row + h] = row_lse;
       }
     }
 }
 
 // ---------------------------------------------------------------------------- decode kernel
-// grid  (num_splits, num_kv_heads * head_chunks, batch); block NTHREADS (4 warps).
-// CTA (split, kv head hk, chunk hc, sequence b) owns query heads [hc*HPC, hc*HPC + HPC) of
-// hk's group (HPC = head_warps * HW) and key tiles [t_begin, t_end) of b's visible range.
-// Every thread issues cp.async copies of the tiles; warp w serves heads
-// (w % head_warps)*HW.. of the CTA on the m-tiles w / head_warps, + token_warps, ... of each
-// tile with its own online softmax; warps of one head set then combine through shared
-// memory. Output: with one split the final out/lse (sink included), else an fp32 partial
-// (out normalised over the split's keys, natural-log lse, sink excluded) for the merge.
+// grid (columns, num_kv_heads * head_chunks); block NTHREADS (4 warps). Row group y =
+// (kv head hk, head chunk hc) owns query heads hk*G + hc*HPC + [0, HPC) (HPC = head_warps *
+// HW). CTA (c, y) walks column c's pieces (see Piece) for its row group: all threads stream
+// the pieces' K/V tiles back to back through one cp.async pipeline (no drain between
+// pieces); warp w serves heads (w % head_warps)*HW.. on m-tiles w / head_warps, +
+// token_warps, ... of each tile with its own online softmax. After a piece's last tile the
+// warps of each head set combine in the stage that tile used (no copy targets it until the
+// next barrier) and write: a whole sequence's final out/lse (sink included), else the
+// piece's fp32 partial. With fused_merge the CTA that completes a row group's pieces (an
+// atomic count per (sequence, row group), re-armed to 0) merges them into out/lse;
+// otherwise merge_pieces_kernel does.
 template <typename T, int D, bool VT, int NT>
 __global__ void __launch_bounds__(NTHREADS, 1)
 paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,
                     float* __restrict__ part_out, float* __restrict__ part_lse,
+                    int* __restrict__ counters, const int4* __restrict__ work,
                     const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                    const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+                    const int* __restrict__ block_tables,
                     const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
                     int kbs, int khs, int kts, int kcs, int vbs, int vhs, int vts, int vcs, int ves,
                     int block_size, unsigned block_magic, int block_shift, int bt_stride,
                     int num_q_heads, int num_kv_heads, int head_warps, int head_chunks,
-                    int num_splits, int append, int window_left, float scale_log2, float sm_scale,
+                    int window_left, int fused_merge, float scale_log2, float sm_scale,
                     float soft_cap) {
   using C = Cfg<T, D, NT>;
   using Math = typename MathFor<T, D, VT, NT>::type;
   using State = SoftmaxState<NT, C::DT>;
+  using Load = Loader<T, D, VT>;
   constexpr int STAGE = C::K_ELEMS + (VT ? C::V_ELEMS_T : C::V_ELEMS_ROWS);
-  static_assert(NWARPS * State::FLOATS * 32 * 4 <= STAGES * STAGE * (int)sizeof(T),
-                "the combine buffer fits in the tiles it aliases");
+  static_assert((NWARPS - 1) * State::FLOATS * 32 * 4 <= STAGE * (int)sizeof(T),
+                "the combine buffer fits in one stage");
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int s_last;  // this CTA completed its row group's pieces (fused merge)
   T* tiles = reinterpret_cast<T*>(smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int split = blockIdx.x, b = blockIdx.z;
-  const int hk = blockIdx.y / head_chunks, hc = blockIdx.y % head_chunks;
+  const int y = blockIdx.y, hk = y / head_chunks, hc = y % head_chunks;
   const int group = num_q_heads / num_kv_heads;
-
-  // -- keys of this CTA: tiles [t_begin, t_end) of the visible range [lo, kv_len) --
-  const int kv_len = seq_lens[b] + append;
-  const int pos = kv_len - 1;  // the query's position
-  const int lo = window_left >= 0 ? max(0, pos - window_left) : 0;
-  const int first_tile = lo / C::TILE;
-  const int n_tiles = kv_len > 0 ? (kv_len + C::TILE - 1) / C::TILE - first_tile : 0;
-  const int per_split = (n_tiles + num_splits - 1) / num_splits;
-  const int t_begin = first_tile + min(split * per_split, n_tiles);
-  const int t_end = first_tile + min((split + 1) * per_split, n_tiles);
+  const int hpc = head_warps * C::HW;                // query heads per row group
+  const int hq_rg = hk * group + hc * hpc;           // the row group's first query head
+  const int rg_heads = min(group - hc * hpc, hpc);
 
   // -- warp roles --
   const int token_warps = NWARPS / head_warps;
   const int hg = warp % head_warps, tg = warp / head_warps;
-  const int g_warp = hc * head_warps * C::HW + hg * C::HW;  // first head of the warp in the group
-  const int warp_heads = max(0, min(group - g_warp, C::HW));
+  const int warp_heads = max(0, min(rg_heads - hg * C::HW, C::HW));
   const bool computes = tg < token_warps && warp_heads > 0;
   const int nt_used = (warp_heads + 7) / 8;
-  const int hq_warp = hk * group + g_warp;
+  const int hq_warp = hq_rg + hg * C::HW;
 
-  Loader<T, D, VT> ld;
+  Load ld;
   ld.k_head = k_cache + (i64)hk * khs;
   ld.v_head = v_cache + (i64)hk * vhs;
-  ld.bt = block_tables + (i64)b * bt_stride;
   ld.ks = Strides{kbs, khs, kts, kcs, 1};
   ld.vs = Strides{vbs, vhs, vts, vcs, ves};
   ld.block_size = block_size;
   ld.magic = block_magic;
   ld.shift = block_shift;
-  ld.lo = lo;
-  ld.kv_len = kv_len;
   ld.tid = tid;
   ld.vt_whole = block_size % C::VEC == 0;
   auto k_stage = [&](int st) { return tiles + st * STAGE; };
   auto v_stage = [&](int st) { return tiles + st * STAGE + C::K_ELEMS; };
 
-  // -- prologue: STAGES - 1 tiles in flight, ids of the next one on their way --
-  typename Loader<T, D, VT>::Ids pro[STAGES - 1], next;
+  // -- prologue: the column's first STAGES - 1 tiles in flight, ids of the next on their way --
+  TileCursor cur{work, block_tables, bt_stride, window_left};
+  cur.start(blockIdx.x);
+  TileRef pro_ref[STAGES - 1];
+  typename Load::Ids pro[STAGES - 1], next;
+  int n_pro = 0;
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st)
-    if (t_begin + st < t_end) ld.fetch(t_begin + st, pro[st]);
+    if (cur.has()) {
+      ld.fetch(cur.ref, pro[st]);
+      pro_ref[st] = cur.ref;
+      cur.advance();
+      ++n_pro;
+    }
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
-    if (t_begin + st < t_end) ld.issue(t_begin + st, pro[st], k_stage(st), v_stage(st));
+    if (st < n_pro) ld.issue(pro_ref[st], pro[st], k_stage(st), v_stage(st));
     cp_async_commit();
   }
-  if (t_begin + STAGES - 1 < t_end) ld.fetch(t_begin + STAGES - 1, next);
+  if (cur.has()) ld.fetch(cur.ref, next);  // cur.ref stays on this tile until it is issued
 
   Math math;
   float* q_smem = reinterpret_cast<float*>(smem + STAGES * STAGE * sizeof(T)) + warp * C::HW * C::QROW;
-  if (computes) math.load_q(q + ((i64)b * num_q_heads + hq_warp) * D, warp_heads, q_smem, lane);
-
-  const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
-                       soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, pos};
   float slope[NT][2];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
@@ -579,42 +646,82 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
       slope[nt][j] = (alibi_slopes != nullptr && h < warp_heads) ? alibi_slopes[hq_warp + h] : 0.f;
     }
   State state;
-  state.init();
 
-  // -- main loop: one tile per iteration, one __syncthreads --
-  for (int tile = t_begin, it = 0; tile < t_end; ++tile, ++it) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile `it` landed for all threads; slot (it - 1) % STAGES is free
-    const int ahead = tile + STAGES - 1, slot = (it + STAGES - 1) % STAGES;
-    if (ahead < t_end) ld.issue(ahead, next, k_stage(slot), v_stage(slot));
-    cp_async_commit();
-    if (ahead + 1 < t_end) ld.fetch(ahead + 1, next);
-    if (!computes) continue;
+  // -- pieces: one tile per iteration (one barrier), the stream's tile `it` in stage it % STAGES --
+  int it = 0;
+  for (int pi = blockIdx.x; pi >= 0;) {
+    Piece p = load_piece(work, pi);
+    if (!p.valid()) break;
+    const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len, t_end = p.t_end;
+    const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
+                         soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, kv_len - 1};
+    if (computes) math.load_q(q + ((i64)p.b * num_q_heads + hq_warp) * D, warp_heads, q_smem, lane);
+    state.init();
+    for (int tile = p.t_begin; tile < t_end; ++tile, ++it) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // tile `it` landed for all threads; stage (it - 1) % STAGES is free
+      const int free_st = (it + STAGES - 1) % STAGES;
+      if (cur.has()) {
+        ld.issue(cur.ref, next, k_stage(free_st), v_stage(free_st));
+        cur.advance();
+        if (cur.has()) ld.fetch(cur.ref, next);
+      }
+      cp_async_commit();
+      if (!computes) continue;
 
-    const T* k_s = k_stage(it % STAGES);
-    const T* v_s = v_stage(it % STAGES);
-    for (int mt = tg; mt < C::MTILES; mt += token_warps) {
-      const int tok0 = tile * C::TILE + mt * 16;
-      if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
-      float s[NT][4];
-      math.scores(k_s + mt * 16 * C::KROW, s, nt_used, lane);
-      mods.apply(s, slope, tok0, lane >> 2);
-      state.update(s, nt_used);
-      math.pv(v_s, mt * 16, s, state.acc, nt_used, lane);
+      const T* k_s = k_stage(it % STAGES);
+      const T* v_s = v_stage(it % STAGES);
+      for (int mt = tg; mt < C::MTILES; mt += token_warps) {
+        const int tok0 = tile * C::TILE + mt * 16;
+        if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
+        float s[NT][4];
+        math.scores(k_s + mt * 16 * C::KROW, s, nt_used, lane);
+        mods.apply(s, slope, tok0, lane >> 2);
+        state.update(s, nt_used);
+        math.pv(v_s, mt * 16, s, state.acc, nt_used, lane);
+      }
+    }
+
+    // -- combine the token warps of each head set in stage (it - 1) % STAGES, then write --
+    __syncthreads();  // every warp is done with that stage's tile (or with the last combine)
+    p = load_piece(work, pi);  // (an L1 hit) rather than registers held through the loop
+    pi = p.next;
+    float* red = reinterpret_cast<float*>(k_stage((it + STAGES - 1) % STAGES)) + lane;
+    state.reduce_sum();
+    if (computes && tg > 0) state.store(red + (warp - head_warps) * State::FLOATS * 32);
+    __syncthreads();
+    const bool whole = p.npieces == 1;
+    if (computes && tg == 0) {
+      for (int t2 = 1; t2 < token_warps; ++t2)
+        state.absorb(red + ((t2 - 1) * head_warps + hg) * State::FLOATS * 32);
+      write_rows<T, D, NT>(state, warp_heads, whole, (i64)p.b * num_q_heads + hq_warp,
+                           ((i64)p.slot * gridDim.y + y) * hpc + hg * C::HW,
+                           sinks != nullptr ? sinks + hq_warp : nullptr, out, lse, part_out,
+                           part_lse, lane);
+    }
+
+    // -- fused merge: the CTA writing a row group's last piece merges all of them --
+    if (!whole && fused_merge) {
+      __syncthreads();  // this CTA's partial rows are written
+      if (tid == 0) {
+        int* counter = counters + (i64)p.b * gridDim.y + y;
+        __threadfence();  // release the rows (cumulative over the CTA's threads, after the barrier)
+        const int arrived = atomicAdd(counter, 1);
+        __threadfence();  // acquire the other pieces' rows
+        s_last = arrived == p.npieces - 1;
+        if (s_last) *counter = 0;  // every piece has arrived: re-armed for the next launch
+      }
+      __syncthreads();
+      if (s_last) {
+        const i64 row = (i64)p.b * num_q_heads + hq_rg;
+        merge_group<T, (D + 127) / 128>(part_out, part_lse, p.slot - p.k, p.npieces, gridDim.y, y,
+                                        hpc, rg_heads, D, sinks != nullptr ? sinks + hq_rg : nullptr,
+                                        out + row * D, lse != nullptr ? lse + row : nullptr, warp,
+                                        NWARPS, lane);
+      }
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // tiles are dead: the combine buffer may alias them
-
-  // -- combine the token warps of each head set, then write --
-  state.reduce_sum();
-  float* red = reinterpret_cast<float*>(smem) + lane;
-  if (computes && tg > 0) state.store(red + warp * State::FLOATS * 32);
-  __syncthreads();
-  if (!computes || tg > 0) return;
-  for (int t2 = 1; t2 < token_warps; ++t2) state.absorb(red + (t2 * head_warps + hg) * State::FLOATS * 32);
-  write_rows<T, D, NT>(state, warp_heads, (i64)b * num_q_heads + hq_warp, split, num_splits,
-                       sinks, hq_warp, out, lse, part_out, part_lse, lane);
 }
 
 // ---------------------------------------------------------------------------- append
@@ -659,6 +766,29 @@ merge_states_kernel(const TI* __restrict__ o_first, const TI* __restrict__ o_res
   const float sink = sinks != nullptr ? sinks[row % num_heads] : minus_inf();
   merge_row_warp<TI, TO>(o, ls, num_parts, sink, dim, out + (i64)row * dim,
                          lse_out != nullptr ? lse_out + row : nullptr);
+}
+
+// grid (batch, num_kv_heads * head_chunks); block NTHREADS. CTA (b, y) merges the pieces of
+// row group y of sequence b when b was split (seq_info[b] = (npieces, first slot), npieces >
+// 1); the decode kernel wrote every other sequence's rows. Warp w takes heads w, w + 4, ...
+// of the row group, lane j the 4-float chunks j + 32 * ch of a row (merge_group).
+template <typename TO, int CH>
+__global__ void __launch_bounds__(NTHREADS, 1)
+merge_pieces_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+                    const int* __restrict__ seq_info, int num_q_heads, int num_kv_heads,
+                    int head_chunks, int hpc, int dim, const float* __restrict__ sinks,
+                    TO* __restrict__ out, float* __restrict__ lse) {
+  const int b = blockIdx.x, y = blockIdx.y;
+  const int np = seq_info[2 * b], slot0 = seq_info[2 * b + 1];
+  if (np <= 1) return;
+  const int group = num_q_heads / num_kv_heads;
+  const int hc = y % head_chunks;
+  const int hq0 = (y / head_chunks) * group + hc * hpc;
+  const i64 row = (i64)b * num_q_heads + hq0;
+  merge_group<TO, CH>(part_out, part_lse, slot0, np, gridDim.y, y, hpc, min(group - hc * hpc, hpc),
+                      dim, sinks != nullptr ? sinks + hq0 : nullptr, out + row * dim,
+                      lse != nullptr ? lse + row : nullptr, threadIdx.x >> 5, NWARPS,
+                      threadIdx.x & 31);
 }
 
 }  // namespace decode

@@ -4,8 +4,9 @@
 // exponentials lse_s of their scores. States over disjoint key sets combine as
 //   M   = max(max_s lse_s, sink)          w_s = exp(lse_s - M)
 //   den = sum_s w_s + exp(sink - M)       out = sum_s w_s o_s / den      lse = M + log(den)
-// An empty state has lse_s = -inf and weight 0 (its o_s is not read). A row with no
-// non-empty state and no sink (sink = -inf) gives zeros and lse = -inf.
+// An empty state has lse_s = -inf and weight 0. A row with no non-empty state and no sink
+// (sink = -inf) gives zeros and lse = -inf. merge_row_warp serves any two states
+// (merge_states); merge_pieces_row / merge_group the float32 pieces of split-KV decode.
 #pragma once
 #include "common.cuh"
 
@@ -57,6 +58,95 @@ __device__ void merge_row_warp(PartRow<TI> o, PartRow<float> lse, int num_parts,
     if (d < dim) out[d] = from_float<TO>(acc);
   }
   if (lane == 0 && lse_out != nullptr) *lse_out = den > 0.f ? m_use + logf(den) : minus_inf();
+}
+
+// ---------------------------------------------------------------------------- decode pieces
+// Split-KV decode leaves, per query head, one float32 partial row (normalised over its
+// piece's keys) and one natural-log LSE per piece. merge_pieces_row merges the `np` pieces
+// of one head: piece s at o + s * o_stride (dim floats, a multiple of 4, 16-byte aligned)
+// and l + s * l_stride. One warp: lane j owns the 4-float chunks j + 32 * ch (CH = 1 up to
+// dim 128, 2 beyond) and keeps BATCH pieces' chunks in flight at once; the weight of piece
+// s0 + j is computed by lane j and handed out by shuffle. Loads go to L2 (__ldcg): other
+// CTAs of the running kernel may have written the pieces.
+template <typename TO>
+__device__ __forceinline__ void store4(TO* __restrict__ p, float4 v) {
+  p[0] = from_float<TO>(v.x);
+  p[1] = from_float<TO>(v.y);
+  p[2] = from_float<TO>(v.z);
+  p[3] = from_float<TO>(v.w);
+}
+
+template <typename TO, int CH>
+__device__ void merge_pieces_row(const float* __restrict__ o, i64 o_stride,
+                                 const float* __restrict__ l, i64 l_stride, int np, float sink,
+                                 int dim, TO* __restrict__ out, float* __restrict__ lse_out,
+                                 int lane) {
+  constexpr int BATCH = 8 / CH;
+  // -- max and denominator over the pieces' LSEs (lane j: pieces j, j + 32, ...) --
+  const float l0 = lane < np ? __ldcg(l + lane * l_stride) : minus_inf();
+  float m = fmaxf(sink, l0);
+  for (int s = lane + 32; s < np; s += 32) m = fmaxf(m, __ldcg(l + s * l_stride));
+  m = warp_max(m);
+  const float m_use = m == minus_inf() ? 0.f : m;
+  float den = exp2f((l0 - m_use) * LOG2E);
+  for (int s = lane + 32; s < np; s += 32) den += exp2f((__ldcg(l + s * l_stride) - m_use) * LOG2E);
+  den = warp_sum(den) + exp2f((sink - m_use) * LOG2E);
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+
+  // -- weighted sum of the rows, BATCH pieces' loads in flight --
+  float4 acc[CH];
+#pragma unroll
+  for (int ch = 0; ch < CH; ++ch) acc[ch] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0; s0 < np; s0 += 32) {
+    const float ls = s0 == 0 ? l0 : s0 + lane < np ? __ldcg(l + (s0 + lane) * l_stride) : minus_inf();
+    const float w_mine = exp2f((ls - m_use) * LOG2E) * inv;
+    const int n = min(32, np - s0);
+    for (int j0 = 0; j0 < n; j0 += BATCH) {
+      float4 v[BATCH][CH];
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u)
+#pragma unroll
+        for (int ch = 0; ch < CH; ++ch) {
+          const int c = lane + 32 * ch;
+          const float4* src = reinterpret_cast<const float4*>(o + (s0 + j0 + u) * o_stride) + c;
+          v[u][ch] = j0 + u < n && 4 * c < dim ? __ldcg(src) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u) {
+        const float w = __shfl_sync(0xffffffffu, w_mine, j0 + u);  // j0 + u < 32
+#pragma unroll
+        for (int ch = 0; ch < CH; ++ch) {
+          acc[ch].x += w * v[u][ch].x;
+          acc[ch].y += w * v[u][ch].y;
+          acc[ch].z += w * v[u][ch].z;
+          acc[ch].w += w * v[u][ch].w;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int ch = 0; ch < CH; ++ch)
+    if (4 * (lane + 32 * ch) < dim) store4<TO>(out + 4 * (lane + 32 * ch), acc[ch]);
+  if (lane == 0 && lse_out != nullptr) *lse_out = den > 0.f ? m_use + logf(den) : minus_inf();
+}
+
+// Merges the pieces of one row group (sequence, kv head, head chunk): its `heads` query heads'
+// partial rows for piece s sit at row ((slot0 + s) * ny + y) * hpc + h of part_out
+// [rows][dim] and part_lse [rows] (ny row groups per sequence, hpc heads per row group).
+// Warps warp, warp + nwarps, ... take one head each; out, lse and sinks (either may be null)
+// point at the row group's first head.
+template <typename TO, int CH>
+__device__ void merge_group(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+                            int slot0, int np, int ny, int y, int hpc, int heads, int dim,
+                            const float* __restrict__ sinks, TO* __restrict__ out,
+                            float* __restrict__ lse, int warp, int nwarps, int lane) {
+  const i64 stride = (i64)ny * hpc;  // rows from one piece to the next
+  for (int h = warp; h < heads; h += nwarps) {
+    const i64 row = ((i64)slot0 * ny + y) * hpc + h;
+    merge_pieces_row<TO, CH>(part_out + row * dim, stride * dim, part_lse + row, stride, np,
+                             sinks != nullptr ? sinks[h] : minus_inf(), dim, out + (i64)h * dim,
+                             lse != nullptr ? lse + h : nullptr, lane);
+  }
 }
 
 }  // namespace cupaged

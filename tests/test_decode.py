@@ -284,50 +284,6 @@ def test_block_division_is_exact(rng):
         assert all((x * magic) >> shift == x // bs for x in t)
 
 
-def test_split_heuristic():
-    def splits(batch, hk, length, hq=32):
-        return dp.plan_launch(itemsize=2, head_dim=128, layout="NHD", block_size=16,
-                              num_q_heads=hq, num_kv_heads=hk, seq_lens=[length] * batch,
-                              append=False, window_left=-1).num_splits
-    assert splits(64, 8, 8192) == 1          # 512 CTAs: already two waves
-    s = splits(1, 8, 131072)                 # one long sequence fills every SM
-    assert 8 * s >= dp.DEFAULT_SMS and 8 * s <= 2 * dp.DEFAULT_SMS
-    assert splits(1, 8, 2048) * 8 >= 64      # B1 x 2K still spreads over the GPU
-    assert splits(1, 8, 64) == 1             # one tile: nothing to split
-    assert splits(8, 8, 8192) * 64 <= 2 * dp.DEFAULT_SMS  # no ragged second wave
-
-
-def test_tiles_cover_visible_range_once():
-    """The kernel's tile/split arithmetic (mirrored here) covers [lo, kv_len) exactly once."""
-    for tile in (16, 32, 64):
-        for kv_len in (0, 1, 2, 17, 63, 64, 65, 511, 513, 4097):
-            for window in (-1, 0, 5, 100):
-                for splits in (1, 2, 3, 7, 64):
-                    lo = max(0, kv_len - 1 - window) if window >= 0 else 0
-                    first = lo // tile
-                    n = -(-kv_len // tile) - first if kv_len else 0
-                    per = -(-n // splits)
-                    seen = []
-                    for s in range(splits):
-                        for t in range(first + min(s * per, n), first + min((s + 1) * per, n)):
-                            seen += [j for j in range(t * tile, (t + 1) * tile) if lo <= j < kv_len]
-                    assert seen == list(range(lo, kv_len))
-
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_specializations_cover_every_plan(dtype):
-    specs = {s.expr for s in decode.kernel_specializations()}
-    for d in HEAD_DIMS:
-        for layout in LAYOUTS:
-            for hq, hk in ((8, 8), (32, 8), (16, 1), (32, 1), (128, 1), (24, 2)):
-                lp = dp.plan_launch(itemsize=np.dtype(dtype).itemsize, head_dim=d, layout=layout,
-                                    block_size=16, num_q_heads=hq, num_kv_heads=hk,
-                                    seq_lens=[100], append=False, window_left=-1)
-                assert decode._decode_expr(dtype, d, lp.vllm_v, lp.tiles.head_tiles) in specs
-                heads = lp.heads.head_warps * lp.tiles.heads_per_warp * lp.heads.head_chunks
-                assert heads >= hq // hk and lp.heads.head_warps <= dp.NWARPS
-
-
 # ----------------------------------------------------------------------------- GPU: kernels
 def to_device(cp, case):
     return {n: (None if a is None else cp.asarray(a)) for n, a in case.items()}

@@ -1,0 +1,261 @@
+"""Paged-decode planning on the CPU: launch geometry, work pieces and their descriptors, the
+packed index, and a mirror of the kernel's tile stream (which stage holds which tile).
+
+The mirrors restate kernels_cu/decode.cu's arithmetic in Python; the GPU tests in
+test_decode.py check the kernel itself against the reference on plans like these.
+"""
+import numpy as np
+import pytest
+
+from cupaged import decode, decode_plan as dp
+from cupaged._arrays import FLOAT_DTYPES, HEAD_DIMS
+from cupaged.layouts import LAYOUTS
+
+D128 = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16)
+
+
+def launch(hq=32, hk=8, slots=None, **kw):
+    return dp.plan_launch(**{**D128, **kw}, num_q_heads=hq, num_kv_heads=hk, slots=slots)
+
+
+def random_lengths(rng, batch, top=3000):
+    lens = rng.integers(0, top, batch).astype(np.int32)
+    lens[rng.random(batch) < 0.2] = 0
+    return lens
+
+
+# ----------------------------------------------------------------------------- geometry
+def test_launch_holds_one_cta_per_slot():
+    assert launch().columns == dp.DEFAULT_SMS * 2 // 8   # d128 bf16: two CTAs per SM
+    assert launch(slots=264).grid == (33, 8)
+    assert launch(hq=32, hk=32, slots=264).grid == (8, 32)
+    assert launch(hq=8, hk=8, slots=4).grid == (1, 8)     # more row groups than slots
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_specializations_cover_every_plan(dtype):
+    specs = {s.expr for s in decode.kernel_specializations()}
+    for d in HEAD_DIMS:
+        assert decode._pieces_expr(dtype, d) in specs
+        for layout in LAYOUTS:
+            for hq, hk in ((8, 8), (32, 8), (16, 1), (32, 1), (128, 1), (24, 2)):
+                lp = dp.plan_launch(itemsize=np.dtype(dtype).itemsize, head_dim=d, layout=layout,
+                                    block_size=16, num_q_heads=hq, num_kv_heads=hk)
+                assert decode._decode_expr(dtype, d, lp.vllm_v, lp.tiles.head_tiles) in specs
+                assert lp.heads_per_group * lp.heads.head_chunks >= hq // hk
+                assert lp.heads.head_warps <= dp.NWARPS
+
+
+def test_tiles_cover_visible_range_once():
+    """tile_spans (the kernel's first_visible and tile count) covers [lo, kv_len) exactly."""
+    for tile in (16, 32, 64):
+        kv = np.array([0, 1, 2, 17, 63, 64, 65, 511, 513, 4097])
+        for window in (-1, 0, 5, 100):
+            first, n = dp.tile_spans(kv, window, tile)
+            for kv_len, f, c in zip(kv, first, n):
+                lo = max(0, kv_len - 1 - window) if window >= 0 else 0
+                seen = [j for t in range(f, f + c) for j in range(t * tile, (t + 1) * tile)
+                        if lo <= j < kv_len]
+                assert seen == list(range(lo, kv_len))
+                assert c == 0 or (f * tile <= lo < (f + 1) * tile and (f + c - 1) * tile < kv_len)
+
+
+# ----------------------------------------------------------------------------- pieces
+def assert_pieces_partition(pieces, n, columns):
+    """Each sequence's pieces are consecutive cuts of its tiles, in order, none empty unless
+    the sequence has no tile (then exactly one); columns non-decreasing and in range."""
+    assert (np.diff(pieces.column) >= 0).all() and pieces.column.min() >= 0
+    assert pieces.column.max() < columns
+    np.testing.assert_array_equal(np.bincount(pieces.seq, minlength=len(n)), pieces.per_seq)
+    for b in range(len(n)):
+        mine = pieces.seq == b
+        off, cnt = pieces.offset[mine], pieces.count[mine]
+        np.testing.assert_array_equal(pieces.index[mine], np.arange(mine.sum()))
+        if n[b] == 0:
+            assert (mine.sum(), cnt[0], off[0]) == (1, 0, 0)
+        else:
+            assert (cnt > 0).all() and off[0] == 0 and off[-1] + cnt[-1] == n[b]
+            np.testing.assert_array_equal(off[1:], off[:-1] + cnt[:-1])
+
+
+@pytest.mark.parametrize("columns", [1, 3, 33, 264])
+def test_balanced_pieces_split_tiles_evenly(rng, columns):
+    for batch in (1, 5, 64, 300):
+        n = dp.tile_spans(random_lengths(rng, batch), -1, 64)[1]
+        pieces = dp.balanced_pieces(n, columns)
+        assert_pieces_partition(pieces, n, columns)
+        share = max(1, -(-int(n.sum()) // columns))
+        load = np.bincount(pieces.column, weights=pieces.count, minlength=columns)
+        assert load.max() <= share and load.sum() == n.sum()
+        # only a column's first and last pieces can belong to a cut sequence
+        cut = pieces.per_seq[pieces.seq] > 1
+        for c in range(columns):
+            inner = cut[pieces.column == c][1:-1]
+            assert not inner.any()
+
+
+def test_balanced_pieces_examples():
+    p = dp.balanced_pieces(np.array([128] * 64), 33)     # B64 x L8K, 64-token tiles
+    assert p.per_seq.max() == 2 and np.bincount(p.column, p.count).max() == 249
+    p = dp.balanced_pieces(np.array([32]), 33)           # B1 x L2K: a tile per column
+    assert p.per_seq[0] == 32 and (p.count == 1).all()
+    p = dp.balanced_pieces(np.array([0, 0]), 4)          # no keys: one empty piece each
+    assert list(p.count) == [0, 0] and list(p.column) == [0, 0]
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 64, 256])
+def test_split_pieces_cut_equally(rng, splits):
+    n = dp.tile_spans(random_lengths(rng, 40), -1, 64)[1]
+    for columns in (1, 7, 66):
+        pieces = dp.split_pieces(n, splits, columns)
+        assert_pieces_partition(pieces, n, columns)
+        assert (pieces.per_seq <= max(1, splits)).all()
+        count = np.bincount(pieces.column, minlength=columns)
+        assert count.max() - count[count > 0].min() <= 1
+
+
+def test_split_heuristic():
+    def splits(batch, hk, length, hq=32):
+        lp = launch(hq=hq, hk=hk, slots=264)
+        return dp.plan_work(lp, np.full(batch, length, np.int32), False, -1, "split").max_pieces
+    assert splits(64, 8, 8192) == 1          # 512 (sequence, kv head) pairs fill 264 slots
+    s = splits(1, 8, 131072)                 # one long sequence fills every slot
+    assert 132 <= 8 * s <= 264
+    assert splits(1, 8, 2048) * 8 >= 64      # B1 x 2K still spreads over the GPU
+    assert splits(1, 8, 64) == 1             # one tile: nothing to split
+    assert splits(8, 8, 8192) * 64 <= 264
+
+
+# ----------------------------------------------------------------------------- descriptors
+def walk(desc, c):
+    """Descriptor rows of column c's list, following `next` from row c."""
+    rows, i = [], c
+    while i >= 0 and desc[i, 0] >= 0:
+        rows.append(i)
+        i = desc[i, 7]
+        assert len(rows) <= len(desc), "cycle"
+    return rows
+
+
+@pytest.mark.parametrize("schedule,num_splits", [("balanced", None), ("split", None),
+                                                 ("split", 3), ("split", 256)])
+@pytest.mark.parametrize("window,append", [(-1, False), (100, True)])
+def test_work_descriptors(rng, schedule, num_splits, window, append):
+    lp = launch(slots=5 * 8)
+    lens = random_lengths(rng, 23)
+    work = dp.plan_work(lp, lens, append, window, schedule, num_splits)
+    kv = lens.astype(np.int64) + append
+    first, n = dp.tile_spans(kv, window, lp.tiles.tile)
+    lists = [walk(work.desc, c) for c in range(lp.columns)]
+    rows = sorted(r for rows in lists for r in rows)
+    assert rows == sorted(set(rows)) and len(rows) == len(work.desc) - sum(not l for l in lists)
+    b, kvl, t0, t1, k, npieces, slot, _ = work.desc[rows].T
+    np.testing.assert_array_equal(kvl, kv[b])
+    np.testing.assert_array_equal(npieces, work.seq_info[b, 0])
+    for s in range(len(lens)):  # each sequence's pieces tile [first, first + n) in order
+        mine = np.argsort(k[b == s])
+        np.testing.assert_array_equal(k[b == s][mine], np.arange(work.seq_info[s, 0]))
+        cuts = np.stack([t0[b == s][mine], t1[b == s][mine]])
+        assert cuts[0, 0] == first[s] and cuts[1, -1] == first[s] + n[s]
+        np.testing.assert_array_equal(cuts[0, 1:], cuts[1, :-1])
+    split = npieces > 1
+    assert (slot[~split] == -1).all()
+    np.testing.assert_array_equal(np.sort(slot[split]), np.arange(work.num_slots))
+    np.testing.assert_array_equal(slot[split] - k[split], work.seq_info[b[split], 1])
+    assert work.max_pieces == work.seq_info[:, 0].max()
+
+
+def test_work_fits_the_decoder_capacity(rng):
+    lp = launch(slots=264)
+    rows, slots = dp.work_capacity(lp, 300)
+    for batch in (1, 7, 64, 300):
+        for top in (10, 3000, 100000):
+            work = dp.plan_work(lp, random_lengths(rng, batch, top), False, -1)
+            assert len(work.desc) <= rows and work.num_slots <= slots
+
+
+def test_pack_index_regions(rng):
+    lp = launch(slots=12 * 8)
+    lens = random_lengths(rng, 5)
+    tables = rng.integers(0, 1000, (5, 200)).astype(np.int32)
+    work = dp.plan_work(lp, lens, False, -1)
+    lay = dp.IndexLayout(9, len(work.desc) + 3, 256)
+    host = dp.pack_index(lay, lens, work, tables)
+    assert lay.desc % 4 == 0 and lay.info + 2 * 9 <= lay.desc and lay.size == lay.tables + 9 * 256
+    np.testing.assert_array_equal(host[:5], lens)
+    np.testing.assert_array_equal(host[lay.info:lay.info + 10].reshape(5, 2), work.seq_info)
+    desc = host[lay.desc:lay.tables].reshape(-1, dp.DESC_INTS)
+    np.testing.assert_array_equal(desc[:len(work.desc)], work.desc)
+    assert (desc[len(work.desc):, 0] == -1).all()
+    t = host[lay.tables:].reshape(5, 256)
+    np.testing.assert_array_equal(t[:, :200], tables)
+    assert (t[:, 200:] == -1).all()
+
+
+def test_check_variants():
+    assert dp.check_variants(None, None, None) == ("balanced", "fused")
+    assert dp.check_variants(None, "kernel", 4) == ("split", "kernel")
+    for args, text in (((None, None, 0), "num_splits"), (("balanced", None, 2), "num_splits"),
+                       (("even", None, None), "schedule"), ((None, "late", None), "merge")):
+        with pytest.raises(ValueError, match=text):
+            dp.check_variants(*args)
+
+
+# ----------------------------------------------------------------------------- the stream
+def emulate_column(desc, column, stages=dp.STAGES):
+    """Mirror of paged_decode_kernel's tile stream for one CTA: the loader (TileCursor,
+    prologue, one issue per iteration into stage (it + STAGES - 1) % STAGES, one commit
+    group per iteration) and the consumer (pieces in list order, tile `it` read from stage
+    it % STAGES after waiting for all but STAGES - 2 groups; each piece's combine in stage
+    (it + STAGES - 1) % STAGES). Asserts every read finds its tile landed and every write
+    lands in a stage nobody still needs; returns the (piece row, tile) pairs consumed."""
+    def enter(i):
+        while i >= 0 and desc[i, 0] >= 0 and desc[i, 2] >= desc[i, 3]:
+            i = desc[i, 7]
+        return [i, desc[i, 2]] if i >= 0 and desc[i, 0] >= 0 else None
+
+    def advance(cur):
+        cur[1] += 1
+        return cur if cur[1] < desc[cur[0], 3] else enter(desc[cur[0], 7])
+
+    stage = [None] * stages      # (row, tile, group) issued into each stage, until read
+    groups = 0                   # committed groups
+
+    def issue(cur, st):
+        assert stage[st] is None, "a copy into a stage whose tile is unread"
+        stage[st] = (cur[0], cur[1], groups)
+
+    cur = enter(column)
+    for st in range(stages - 1):
+        if cur is not None:
+            issue(cur, st)
+            cur = advance(cur)
+        groups += 1
+    consumed, it, row = [], 0, column
+    while row >= 0 and desc[row, 0] >= 0:
+        for tile in range(desc[row, 2], desc[row, 3]):
+            landed = groups - (stages - 2)          # cp.async.wait_group STAGES - 2
+            r, t, g = stage[it % stages]
+            assert (r, t) == (row, tile) and g < landed
+            if cur is not None:
+                issue(cur, (it + stages - 1) % stages)
+                cur = advance(cur)
+            groups += 1
+            stage[it % stages] = None               # read: free from the next barrier on
+            consumed.append((row, tile))
+            it += 1
+        assert stage[(it + stages - 1) % stages] is None, "combine over an unread tile"
+        row = desc[row, 7]
+    assert cur is None and all(s is None for s in stage)
+    return consumed
+
+
+@pytest.mark.parametrize("schedule,num_splits", [("balanced", None), ("split", 2),
+                                                 ("split", 256)])
+def test_stream_reads_every_tile_from_its_stage(rng, schedule, num_splits):
+    for slots, top in ((8, 200), (40, 3000), (264, 30)):
+        lp = launch(slots=slots)
+        work = dp.plan_work(lp, random_lengths(rng, 17, top), False, -1, schedule, num_splits)
+        seen = [emulate_column(work.desc, c) for c in range(lp.columns)]
+        tiles = sorted((int(work.desc[r, 0]), int(t)) for col in seen for r, t in col)
+        assert len(tiles) == len(set(tiles)) == int((work.desc[:, 3] - work.desc[:, 2]).sum())
