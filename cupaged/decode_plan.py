@@ -397,12 +397,13 @@ def _enumerate(per_seq):
     return seq, np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
 
 
-def balanced_pieces(n_tiles, columns) -> Pieces:
+def balanced_pieces(n_tiles, columns, min_share=1) -> Pieces:
     """Equal tile shares: with the sequences' tiles laid end to end, column ``c`` takes
-    tiles ``[c * P, (c + 1) * P)`` (``P = ceil(total / columns)``); a sequence crossing a
-    share boundary is cut there. Every column ends at the same time, whatever the mix."""
+    tiles ``[c * P, (c + 1) * P)`` (``P = max(ceil(total / columns), min_share)``); a
+    sequence crossing a share boundary is cut there. Every column ends at the same time,
+    whatever the mix of lengths."""
     n = np.asarray(n_tiles, np.int64)
-    share = max(1, -(-int(n.sum()) // columns))
+    share = max(1, min_share, -(-int(n.sum()) // columns))
     end = np.cumsum(n)
     start = end - n
     first = start // share
@@ -466,8 +467,8 @@ def plan_work(launch, seq_lens, append, window_left, schedule="balanced",
     ``num_splits`` (default: ``choose_num_splits``)."""
     kv = np.asarray(seq_lens, np.int64) + int(append)
     first, n = tile_spans(kv, window_left, launch.tiles.tile)
-    if schedule == "balanced":
-        pieces = balanced_pieces(n, launch.columns)
+    if schedule == "balanced":  # a column's first STAGES - 1 tiles load at once: no less
+        pieces = balanced_pieces(n, launch.columns, STAGES - 1)
     else:
         if num_splits is None:
             num_splits = choose_num_splits(len(kv) * launch.row_groups, int(n.max(initial=0)),

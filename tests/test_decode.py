@@ -489,6 +489,80 @@ def test_decoder_matches_function_on_gpu(rng, cp):
     np.testing.assert_array_equal(lse.get(), want_lse)
 
 
+VARIANTS = [("balanced", "fused"), ("balanced", "kernel"), ("split", "fused"), ("split", "kernel")]
+
+
+def mixed_lengths(rng, batch):
+    """Empty, short and a few long sequences: more sequences than CTA columns, sequences
+    cut across columns, columns holding many pieces."""
+    lens = rng.integers(1, 300, batch).astype(np.int32)
+    lens[rng.random(batch) < 0.15] = 0
+    lens[rng.choice(batch, 3, replace=False)] = [4097, 2500, 1100]
+    return lens
+
+
+def decoder_run(cp, case, dec, feats_dev, out_dtype):
+    out = cp.full(case["q"].shape, np.nan, out_dtype)
+    lse = cp.full(case["q"].shape[:2], np.nan, np.float32)
+    dec.run(cp.asarray(case["q"]), cp.asarray(case["k_cache"]), cp.asarray(case["v_cache"]),
+            out=out, lse=lse, **feats_dev)
+    return out.get(), lse.get()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule,merge", VARIANTS, ids=["/".join(v) for v in VARIANTS])
+@pytest.mark.parametrize("dtype,d,feats", [(bfloat16, 128, ()),
+                                           (np.float16, 256, ("sinks", "window", "alibi"))],
+                         ids=["bf16-d128", "f16-d256-features"])
+def test_decoder_schedules_and_merges(rng, cp, schedule, merge, dtype, d, feats):
+    """Every schedule and merge mode on a mixed batch of 150 sequences matches the
+    reference, twice in a row (the fused merge re-arms its counters), bit for bit."""
+    hq, hk = 8, 2
+    case = make_case(rng, lens=mixed_lengths(rng, 150), hq=hq, hk=hk, d=d, bs=16, dtype=dtype)
+    opts = features(rng, hq, feats)
+    (want, want_lse), _ = oracle(case, "NHD", **opts)
+    dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, max_batch=150,
+                               window_left=opts.pop("window_left", -1))
+    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]), schedule=schedule,
+             merge=merge, num_splits=3 if schedule == "split" else None)
+    assert dec.num_splits > 1
+    feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
+    first = decoder_run(cp, case, dec, feats_dev, dtype)
+    assert_matches(*first, want, want_lse, dtype)
+    again = decoder_run(cp, case, dec, feats_dev, dtype)
+    np.testing.assert_array_equal(again[0], first[0])
+    np.testing.assert_array_equal(again[1], first[1])
+
+
+@pytest.mark.gpu
+def test_fused_and_kernel_merges_agree(rng, cp):
+    """The same pieces merged by their last CTA or by the merge kernel (the same code)."""
+    case = make_case(rng, lens=[4097, 0, 33, 2000], hq=32, hk=8, d=128, bs=16, dtype=bfloat16)
+    got = {}
+    for merge in ("fused", "kernel"):
+        dec = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=4)
+        dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]), merge=merge)
+        got[merge] = decoder_run(cp, case, dec, {}, bfloat16)
+    np.testing.assert_allclose(got["fused"][0].astype(np.float32),
+                               got["kernel"][0].astype(np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(got["fused"][1], got["kernel"][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_decoder_replans_many_pieces(rng, cp):
+    """A plan with far more pieces than the buffers first held (they grow), then a small
+    one reusing them; the kernel merge launched even when nothing is split."""
+    case = make_case(rng, lens=mixed_lengths(rng, 40), hq=16, hk=4, d=64, bs=16,
+                     dtype=np.float16)
+    (want, want_lse), _ = oracle(case, "NHD")
+    dec = cupaged.PagedDecoder(16, 4, 64, 16, dtype=np.float16, max_batch=40)
+    bt, sl = cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"])
+    for kw in (dict(num_splits=256), dict(num_splits=256, merge="kernel"),
+               dict(num_splits=1, merge="kernel"), dict(schedule="balanced")):
+        dec.plan(bt, sl, **kw)
+        assert_matches(*decoder_run(cp, case, dec, {}, np.float16), want, want_lse, np.float16)
+
+
 @pytest.mark.gpu
 def test_device_bad_input(rng, cp):
     case = make_case(rng, lens=[5, 30], hq=4, hk=2, d=64, bs=8)

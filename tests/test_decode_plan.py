@@ -78,13 +78,13 @@ def assert_pieces_partition(pieces, n, columns):
             np.testing.assert_array_equal(off[1:], off[:-1] + cnt[:-1])
 
 
-@pytest.mark.parametrize("columns", [1, 3, 33, 264])
-def test_balanced_pieces_split_tiles_evenly(rng, columns):
+@pytest.mark.parametrize("columns,min_share", [(1, 1), (3, 1), (33, 2), (264, 1), (264, 5)])
+def test_balanced_pieces_split_tiles_evenly(rng, columns, min_share):
     for batch in (1, 5, 64, 300):
         n = dp.tile_spans(random_lengths(rng, batch), -1, 64)[1]
-        pieces = dp.balanced_pieces(n, columns)
+        pieces = dp.balanced_pieces(n, columns, min_share)
         assert_pieces_partition(pieces, n, columns)
-        share = max(1, -(-int(n.sum()) // columns))
+        share = max(min_share, -(-int(n.sum()) // columns))
         load = np.bincount(pieces.column, weights=pieces.count, minlength=columns)
         assert load.max() <= share and load.sum() == n.sum()
         # only a column's first and last pieces can belong to a cut sequence
@@ -101,6 +101,8 @@ def test_balanced_pieces_examples():
     assert p.per_seq[0] == 32 and (p.count == 1).all()
     p = dp.balanced_pieces(np.array([0, 0]), 4)          # no keys: one empty piece each
     assert list(p.count) == [0, 0] and list(p.column) == [0, 0]
+    work = dp.plan_work(launch(slots=264), np.array([2048], np.int32), False, -1)
+    assert work.max_pieces == 16                         # shares of STAGES - 1 tiles at least
 
 
 @pytest.mark.parametrize("splits", [1, 2, 7, 64, 256])

@@ -6,10 +6,16 @@ the time of ``PagedDecoder.run`` (planned once, replayed from a CUDA graph as a 
 would; ``eager_us`` without the graph), the K+V bytes read per second, their fraction of the
 device-to-device copy bandwidth measured in the same run (``timing.copy_bandwidth``), and,
 when torch is importable, SDPA's cuDNN and flash dense decode on the same shapes (q
-``[B, Hq, 1, D]``, k/v ``[B, Hk, L, D]``, graph-replayed too). Page size 1 vs 16 is
-compared at B64 x L8K. K/V sets rotate so L2 (60 MB) does not serve them, and every timed
-configuration is checked against the reference on one sequence and kv head. Run:
-``python -m cupaged.bench.decode [--quick]``.
+``[B, Hq, 1, D]``, k/v ``[B, Hk, L, D]``, graph-replayed too).
+
+The ``variant`` column is the plan's ``schedule/merge`` (``PagedDecoder.plan``): every row
+runs the default ("balanced/fused"); on the B{1, 64} x L{2K, 8K} GQA shapes the other three
+follow ("split/kernel" is the earlier design: equal splits per sequence, merged by a second
+kernel). At B64 x L8K page size 1 vs 16 and the HND layout (4 KB contiguous per page and
+kv head instead of 256-byte rows) are compared too. K/V sets rotate so L2 (60 MB) does not
+serve them, and every timed configuration is checked against the reference on one sequence
+and kv head (``ok``: relative error under 2e-2). Run: ``python -m cupaged.bench.decode
+[--quick]``.
 """
 from __future__ import annotations
 
@@ -26,6 +32,9 @@ HEAD_DIM, DTYPE = 128, bfloat16
 HEADS = {"GQA": (32, 8), "MHA": (32, 32), "MQA": (32, 1)}
 BATCHES, LENGTHS = (1, 8, 64, 256), (512, 2048, 8192, 32768, 131072)
 MAX_KV_BYTES = 40e9
+DEFAULT_VARIANT = ("balanced", "fused")
+OTHER_VARIANTS = (("split", "kernel"), ("balanced", "kernel"), ("split", "fused"))
+TOLERANCE = 2e-2
 
 
 def kv_bytes(batch, length, num_kv_heads):
@@ -49,12 +58,15 @@ def _paged_batch(batch, length, page, seed):
     return ids.reshape(batch, per_seq), np.full(batch, length, np.int32)
 
 
-def _check(out, q, k, v, tables, lens, group):
+def _check(out, q, k, v, tables, lens, group, layout):
     """Relative error of sequence 0, kv head 0 against the float64 reference."""
-    page = k.shape[1]
+    page = k.shape[1] if layout == "NHD" else k.shape[2]
     blocks = tables[0, :-(-int(lens[0]) // page)]
-    kh = k[blocks.tolist()][:, :, :1].get().astype(np.float32)
-    vh = v[blocks.tolist()][:, :, :1].get().astype(np.float32)
+    if layout == "NHD":
+        kh, vh = (c[blocks.tolist()][:, :, :1] for c in (k, v))
+    else:  # HND: [blocks, heads, page, d] -> [blocks, page, 1, d]
+        kh, vh = (c[blocks.tolist()][:, :1].transpose(0, 2, 1, 3) for c in (k, v))
+    kh, vh = (x.get().astype(np.float32) for x in (kh, vh))
     local = np.arange(len(blocks), dtype=np.int32)[None]
     want = ref.paged_decode(q[:1, :group].get().astype(np.float32), kh, vh, local, lens[:1])
     got = out[:1, :group].get().astype(np.float64)
@@ -81,13 +93,14 @@ def _graph_time(run_set, sets):
         return time_gpu(graph.launch) / len(sets)
 
 
-def bench_paged(batch, length, heads, page=16, check=True):
-    """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fraction of copy)."""
+def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="NHD"):
+    """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fraction of copy) with
+    the plan's ``variant = (schedule, merge)``."""
     import cupy
     hq, hk = heads
     nbytes = kv_bytes(batch, length, hk)
     tables, lens = _paged_batch(batch, length, page, seed=batch + length)
-    shape = (tables.size, page, hk, HEAD_DIM)
+    shape = (tables.size, page, hk, HEAD_DIM) if layout == "NHD" else (tables.size, hk, page, HEAD_DIM)
 
     def make():
         return _random_fill(cupy.empty(shape, DTYPE), 1), _random_fill(cupy.empty(shape, DTYPE), 2)
@@ -95,20 +108,21 @@ def bench_paged(batch, length, heads, page=16, check=True):
     sets = _kv_sets(make, nbytes)
     q = _random_fill(cupy.empty((batch, hq, HEAD_DIM), DTYPE), 3)
     out = cupy.empty_like(q)
-    dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, max_batch=batch, xp=cupy)
-    dec.plan(tables, lens)
+    dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, layout=layout,
+                              max_batch=batch, xp=cupy)
+    dec.plan(tables, lens, schedule=variant[0], merge=variant[1])
     cupy.cuda.Device().synchronize()
     seconds = _graph_time(lambda kv: dec.run(q, *kv, out=out), sets)
     turn = iter(range(1 << 30))
     eager = time_gpu(lambda: dec.run(q, *sets[next(turn) % len(sets)], out=out))
-    err = None
-    if check:
-        dec.run(q, *sets[0], out=out)
-        err = _check(out, q, *sets[0], tables, lens, hq // hk)
+    out.fill(np.nan)
+    dec.run(q, *sets[0], out=out)
+    err = _check(out, q, *sets[0], tables, lens, hq // hk, layout)
     bw = nbytes / seconds
-    return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page,
-            "splits": dec.num_splits, "us": seconds * 1e6, "eager_us": eager * 1e6,
-            "TB/s": bw / 1e12, "frac_copy": bw / copy_bandwidth(), "err": err}
+    return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page, "layout": layout,
+            "variant": "/".join(variant), "splits": dec.num_splits, "us": seconds * 1e6,
+            "eager_us": eager * 1e6, "TB/s": bw / 1e12, "frac_copy": bw / copy_bandwidth(),
+            "err": err, "ok": bool(err < TOLERANCE)}
 
 
 def bench_torch(batch, length, heads):
@@ -180,8 +194,13 @@ def run(quick=False):
         row.update(bench_torch(b, l, HEADS[name]))
         _free()
         rows.append(row)
-    for page in (1, 16):  # page size 1 vs 16 at B64 x L8K
-        rows.append(bench_paged(64, 8192, HEADS["GQA"], page=page))
+    for b in (1, 64):  # the other plan variants where the goals are set
+        for l in (2048, 8192):
+            for variant in OTHER_VARIANTS:
+                rows.append(bench_paged(b, l, HEADS["GQA"], variant=variant))
+                _free()
+    for page, layout in ((1, "NHD"), (16, "HND")):  # vs page 16 NHD above, at B64 x L8K
+        rows.append(bench_paged(64, 8192, HEADS["GQA"], page=page, layout=layout))
         _free()
     return rows
 
