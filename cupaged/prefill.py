@@ -9,7 +9,10 @@ host work once per batch step (``plan``) and only launches per layer (``run``).
 
 NumPy inputs run ``cupaged.reference.attention``; CuPy inputs run ``kernels_cu/prefill.cu``:
 fp16/bf16 on tensor cores (mma.sync m16n8k16, FlashAttention-2 style), fp32 on a simple
-CUDA-core path (correct, not tuned).
+CUDA-core path (correct, not tuned). ``backend="wgmma"`` runs ``kernels_cu/prefill_sm90.cu``
+instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, head sizes 64/128, no soft-cap or
+ALiBi, not the vllm layout); ``"auto"`` picks it where it applies when
+``prefill_plan.WGMMA_AUTO`` is set, else the mma.sync kernel.
 """
 from __future__ import annotations
 
@@ -39,13 +42,33 @@ def _expr(dtype, head_dim, v_transposed, tile):
     return f"cupaged::prefill_mma_kernel<{ctype(dtype)}, {head_dim}, {vt}, {tile.cpp()}>"
 
 
+def _expr_wgmma(dtype, head_dim, tile):
+    """Template name of the sm_90a wgmma kernel."""
+    return (f"cupaged::prefill_wgmma_kernel<{ctype(dtype)}, {head_dim}, {tile.block_n}, "
+            f"{tile.stages}>")
+
+
 def kernel_specializations():
     """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for the
-    vllm value layout) at the default tile of the head size, and fp32 x head dims (one
-    CUDA-core kernel for all layouts). The benchmark's other tiles compile on demand."""
+    vllm value layout) at the default tile of the head size, fp32 x head dims (one
+    CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x
+    (64, 128). The benchmark's other tiles compile on demand."""
     specs = [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt)))
              for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
+    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d)), hopper=True)
+              for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS]
     return specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
+
+
+def _device_arch():
+    import cupy
+    return cupy.cuda.Device().compute_capability
+
+
+def _backend(backend, dtype, head_dim, layout, opts, xp):
+    """The kernel family of a call: "mma" or "wgmma" (the device arch checked for CuPy)."""
+    unsupported = plan_.wgmma_unsupported(dtype, head_dim, layout, opts)
+    return plan_.resolve_backend(backend, unsupported, None if xp is np else _device_arch())
 
 
 def _window(opts):
@@ -54,26 +77,38 @@ def _window(opts):
 
 
 def _work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_transposed, causal, opts,
-          tile=None):
+          tile=None, backend="mma"):
     """Host work list for one launch (``tile`` overrides the default, benchmarks only)."""
-    tile = plan_.launch_tile(dtype, head_dim, v_transposed) if tile is None else tile
+    if tile is None:
+        tile = (plan_.wgmma_tile(head_dim) if backend == "wgmma"
+                else plan_.launch_tile(dtype, head_dim, v_transposed))
     return plan_.work_list(q_lens, kv_lens, group=num_q_heads // num_kv_heads,
                            num_kv_heads=num_kv_heads, tile=tile, causal=causal,
                            window_left=_window(opts))
 
 
+def _kernel(dtype, head_dim, v_transposed, tile, backend):
+    """(kernel, dynamic smem bytes, threads) of a launch."""
+    if backend == "wgmma":
+        tile = plan_.wgmma_tile(head_dim) if tile is None else tile
+        return (get_kernel("prefill_sm90", _expr_wgmma(dtype, head_dim, tile), hopper=True),
+                plan_.wgmma_smem_bytes(head_dim, tile), tile.threads)
+    tile = plan_.launch_tile(dtype, head_dim, v_transposed) if tile is None else tile
+    return (get_kernel("prefill", _expr(dtype, head_dim, v_transposed, tile)),
+            plan_.smem_bytes(dtype, head_dim, v_transposed, tile), tile.threads)
+
+
 def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides, opts,
-            causal, v_transposed, num_kv_heads, tile=None):
+            causal, v_transposed, num_kv_heads, tile=None, backend="mma"):
     """Launch one prefill kernel over ``work`` (device int32 ``[n, 4]``); no host sync.
 
-    ``tile`` overrides the default tile shape (benchmarks; ``work`` must be built for it).
+    ``tile`` overrides the default tile shape (benchmarks; ``work`` must be built for it);
+    ``backend`` ("mma" or "wgmma", resolved) picks the kernel family.
     """
     n, head_dim = int(work.shape[0]), int(q.shape[2])
     if n == 0:
         return
-    tile = plan_.launch_tile(q.dtype, head_dim, v_transposed) if tile is None else tile
-    kernel = get_kernel("prefill", _expr(q.dtype, head_dim, v_transposed, tile))
-    smem = plan_.smem_bytes(q.dtype, head_dim, v_transposed, tile)
+    kernel, smem, threads = _kernel(q.dtype, head_dim, v_transposed, tile, backend)
     if smem > 48 * 1024 and (id(kernel), smem) not in _SMEM_SET:
         kernel.max_dynamic_shared_size_bytes = smem
         kernel.preferred_shared_memory_carveout = 100  # room for two CTAs per SM
@@ -87,7 +122,7 @@ def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides,
             _NULL if opts.sinks is None else opts.sinks,
             i32(q.shape[1]), i32(num_kv_heads), f32(opts.sm_scale), f32(opts.logits_soft_cap),
             i32(_window(opts)), i32(causal))
-    kernel((n,), (tile.threads,), args, shared_mem=smem)
+    kernel((n,), (threads,), args, shared_mem=smem)
 
 
 def _outputs(q, out, return_lse, xp):
@@ -124,7 +159,7 @@ def _check_common(xp, q, causal, return_lse, out, options):
 @accepts_dlpack
 def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                    causal=True, sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                   logits_soft_cap=0.0, out=None, return_lse=False):
+                   logits_soft_cap=0.0, out=None, return_lse=False, backend="auto"):
     """Attention over a ragged batch packed along the token axis.
 
     Parameters
@@ -153,6 +188,11 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         ``[total_q, num_q_heads, head_dim]`` in q's dtype, written in place.
     return_lse : bool
         Also return the float32 natural-log LSE ``[total_q, num_q_heads]`` (with the sink).
+    backend : {"auto", "mma", "wgmma"}
+        Kernel family for CuPy inputs: "mma" the mma.sync kernel (any GPU); "wgmma" the
+        Hopper warpgroup-MMA kernel (sm_90 only; fp16/bf16, head_dim 64 or 128, no
+        logits_soft_cap or alibi_slopes, positive sm_scale; ValueError otherwise); "auto"
+        the wgmma kernel where it applies if ``prefill_plan.WGMMA_AUTO``, else "mma".
 
     Returns
     -------
@@ -171,14 +211,17 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
                                              alibi_slopes=alibi_slopes, sinks=sinks,
                                              logits_soft_cap=logits_soft_cap))
     plan_.check_aligned(q=q, k=k, v=v, out=out)
+    backend = _backend(backend, q.dtype, q.shape[2], "ragged", opts, xp)
     if xp is np:
         return _finish(ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=return_lse,
                                           **_ref_options(opts, causal)), out, return_lse)
     hk, head_dim = int(k.shape[1]), int(q.shape[2])
-    work = _work(q_lens, kv_lens, q.dtype, q.shape[1], hk, head_dim, False, causal, opts)
+    work = _work(q_lens, kv_lens, q.dtype, q.shape[1], hk, head_dim, False, causal, opts,
+                 backend=backend)
     out, lse = _outputs(q, out, return_lse, xp)
     _launch(q, k, v, out, lse, xp.asarray(work), cu_seqlens_q, cu_seqlens_k, None, 1,
-            plan_.kv_strides("ragged", 1, hk, head_dim, q.dtype), opts, causal, False, hk)
+            plan_.kv_strides("ragged", 1, hk, head_dim, q.dtype), opts, causal, False, hk,
+            backend=backend)
     return (out, lse) if return_lse else out
 
 
@@ -193,7 +236,7 @@ def _check_caches(k_cache, v_cache, layout, xp):
 @accepts_dlpack
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                   sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                  logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False):
+                  logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False, backend="auto"):
     """Attention of new query tokens against paged caches (chunked prefill, prefix reuse).
 
     Sequence ``b``'s ``q_len`` queries are the last ``q_len`` of its ``seq_lens[b]`` cached
@@ -214,8 +257,8 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
         block_size)`` entries of row ``b`` are block ids, the rest unread (-1).
     seq_lens : array
         int32 ``[batch_size]`` key counts including the new tokens.
-    causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, out, return_lse
-        As in :func:`varlen_prefill`.
+    causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, out, return_lse, backend
+        As in :func:`varlen_prefill` ("wgmma": NHD and HND layouts).
     layout : {"NHD", "HND", "vllm"}
 
     Returns
@@ -236,24 +279,26 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
                                              alibi_slopes=alibi_slopes, sinks=sinks,
                                              logits_soft_cap=logits_soft_cap))
     plan_.check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+    backend = _backend(backend, q.dtype, geo.head_dim, layout, opts, xp)
     if xp is np:
         return _finish(ref.paged_prefill(q, k_cache, v_cache, cu_q, block_tables, seq_lens,
                                          layout=layout, return_lse=return_lse,
                                          **_ref_options(opts, causal)), out, return_lse)
     v_t = layout == "vllm" and q.dtype != float32
     work = _work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads, geo.head_dim, v_t,
-                 causal, opts)
+                 causal, opts, backend=backend)
     out, lse = _outputs(q, out, return_lse, xp)
     _launch(q, k_cache, v_cache, out, lse, xp.asarray(work), cu_seqlens_q, seq_lens, block_tables,
             geo.block_size, plan_.kv_strides(layout, *geo[1:], q.dtype), opts, causal, v_t,
-            geo.num_kv_heads)
+            geo.num_kv_heads, backend=backend)
     return (out, lse) if return_lse else out
 
 
 @accepts_dlpack
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                     sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                    logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False):
+                    logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False,
+                    backend="auto"):
     """Attention for a batch mixing decode rows (``q_len = 1``) and prefill rows.
 
     Same arguments, semantics and results as :func:`paged_prefill`; one launch of the
@@ -263,7 +308,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
     return paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens,
                          causal=causal, sm_scale=sm_scale, window_left=window_left,
                          alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap,
-                         layout=layout, out=out, return_lse=return_lse)
+                         layout=layout, out=out, return_lse=return_lse, backend=backend)
 
 
 # ----------------------------------------------------------------------------- plan / run
@@ -288,13 +333,14 @@ class PagedPrefiller:
     dtype : str or dtype
         float16, bfloat16 or float32: the dtype of q and the caches.
     layout : {"NHD", "HND", "vllm"}
-    causal, window_left, logits_soft_cap, sm_scale
-        As in :func:`paged_prefill`.
+    causal, window_left, logits_soft_cap, sm_scale, backend
+        As in :func:`paged_prefill` ("wgmma" is checked against these here, against the
+        device and ``alibi_slopes`` in ``run``; one planned work list serves both kernels).
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout="NHD", *, causal=True, window_left=-1, logits_soft_cap=0.0,
-                 sm_scale=None):
+                 sm_scale=None, backend="auto"):
         self.num_q_heads = _positive_int("num_q_heads", num_q_heads)
         self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
         self.block_size = _positive_int("block_size", block_size)
@@ -308,6 +354,9 @@ class PagedPrefiller:
         self._options = dict(sm_scale=sm_scale, window_left=window_left,
                              logits_soft_cap=logits_soft_cap)
         self._opts = check_options(np, self.num_q_heads, self.head_dim, **self._options)
+        plan_.resolve_backend(backend, plan_.wgmma_unsupported(self.dtype, self.head_dim,
+                                                               self.layout, self._opts))
+        self.backend = backend
         self._host = self._device = None
 
     @accepts_dlpack
@@ -392,6 +441,7 @@ class PagedPrefiller:
             xp, q, self.causal, return_lse, out,
             dict(self._options, alibi_slopes=alibi_slopes, sinks=sinks))
         plan_.check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+        backend = _backend(self.backend, self.dtype, self.head_dim, self.layout, opts, xp)
         h = self._host
         if xp is np:
             return _finish(ref.paged_prefill(q, k_cache, v_cache, h["cu"], h["bt"], h["sl"],
@@ -401,5 +451,5 @@ class PagedPrefiller:
         out, lse = _outputs(q, out, return_lse, xp)
         _launch(q, k_cache, v_cache, out, lse, d["work"], d["cu"], d["sl"], d["bt"],
                 self.block_size, plan_.kv_strides(self.layout, *geo[1:], q.dtype), opts, causal,
-                self._v_transposed, self.num_kv_heads)
+                self._v_transposed, self.num_kv_heads, backend=backend)
         return (out, lse) if return_lse else out

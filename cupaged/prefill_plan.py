@@ -84,6 +84,81 @@ def smem_bytes(dtype, head_dim, v_transposed, tile):
     return 2 * (tile.block_m * ld + tile.stages * (bn * ld + v_elems))
 
 
+# ----------------------------------------------------------------------------- wgmma (sm_90a)
+# "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) where it applies once the lead's
+# H200 run shows it correct and faster than the mma.sync kernel: flip this constant then.
+WGMMA_AUTO = False
+BACKENDS = ("auto", "mma", "wgmma")
+WGMMA_HEAD_DIMS = (64, 128)
+
+
+class WgmmaTile(NamedTuple):
+    """Tile shape of the wgmma kernel: 2 warpgroups x 64 rows (128 packed rows per item),
+    ``block_n`` keys per K/V tile, ``stages`` K/V buffers (``Config`` in prefill_sm90.cu)."""
+    block_n: int
+    stages: int
+
+    @property
+    def block_m(self):
+        return 128
+
+    @property
+    def threads(self):
+        return 256
+
+
+def wgmma_tile(head_dim):
+    """wgmma tile of ``head_dim`` (64 or 128): 128-key tiles, two stages. Its ``block_m``
+    equals ``default_tile(head_dim).block_m``, so either kernel can run one work list."""
+    return WgmmaTile(128, 2)
+
+
+def wgmma_smem_bytes(head_dim, tile):
+    """Dynamic shared memory of the wgmma kernel: Q ``[128][D]``, ``stages`` K and V tiles
+    ``[block_n][D]`` (16-bit), plus 1024 bytes to align the swizzled tiles."""
+    return 2 * (tile.block_m * head_dim + 2 * tile.stages * tile.block_n * head_dim) + 1024
+
+
+def wgmma_unsupported(dtype, head_dim, layout, opts):
+    """Why the wgmma kernel cannot run a call (a phrase), or None when it can."""
+    if np.dtype(dtype) == float32:
+        return "float32 (fp16/bf16 only)"
+    if head_dim not in WGMMA_HEAD_DIMS:
+        return f"head_dim {head_dim} (only {WGMMA_HEAD_DIMS})"
+    if layout == "vllm":
+        return "the vllm cache layout"
+    if opts.logits_soft_cap > 0:
+        return "logits_soft_cap"
+    if opts.alibi_slopes is not None:
+        return "alibi_slopes"
+    if not opts.sm_scale > 0:
+        return f"sm_scale {opts.sm_scale} (positive only)"
+    return None
+
+
+def resolve_backend(backend, unsupported, arch=None):
+    """``"mma"`` or ``"wgmma"`` for a call asking for ``backend``.
+
+    Parameters
+    ----------
+    backend : {"auto", "mma", "wgmma"}
+    unsupported : str or None
+        ``wgmma_unsupported`` of the call.
+    arch : str, optional
+        The device's compute capability (``"90"``); None: no device (not checked).
+    """
+    check_choice("backend", backend, BACKENDS)
+    if backend == "wgmma":
+        if unsupported is not None:
+            raise ValueError(f"backend: 'wgmma' does not support {unsupported}; use 'auto' or 'mma'")
+        if arch is not None and arch != "90":
+            raise ValueError(f"backend: 'wgmma' needs an sm_90 (Hopper) device, got sm_{arch}")
+        return "wgmma"
+    if backend == "auto" and WGMMA_AUTO and unsupported is None and arch == "90":
+        return "wgmma"
+    return "mma"
+
+
 # ----------------------------------------------------------------------------- work list
 def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left):
     """Tile work items of a batch, longest first.

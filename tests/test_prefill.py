@@ -237,7 +237,7 @@ def test_smem_fits_and_specs_cover_every_head_dim():
             assert smem <= 163 * 1024  # one CTA fits an sm_80 SM
             assert tile.ctas * (smem + 1024) <= 228 * 1024  # its CTAs per SM fit an sm_90 SM
             assert plan_.smem_bytes(np.float32, d, vt, plan_.launch_tile(np.float32, d)) == 0
-    exprs = {s.expr for s in kernel_specializations()}
+    exprs = {s.expr for s in kernel_specializations() if s.stem == "prefill"}
     assert len(exprs) == 2 * len(HEAD_DIMS) * 2 + len(HEAD_DIMS)
     assert ("cupaged::prefill_mma_kernel<__nv_bfloat16, 128, false, "
             "cupaged::TileShape<4, 2, 64, 2, false, 2>>") in exprs
@@ -377,27 +377,29 @@ def _poisoned(cp, shape, dtype):
     return cp.asarray(np.full(shape, np.nan, dtype))
 
 
-def gpu_varlen(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, q_scale=1.0, **opts):
+def gpu_varlen(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, q_scale=1.0, backend="auto", **opts):
     """Kernel vs reference on one random ragged batch (outputs poisoned first)."""
     q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, hq, hk, d, dtype)
     q = (q.astype(np.float32) * q_scale).astype(dtype)
     out = _poisoned(cp, q.shape, dtype)
     dev_opts = {name: _dev(cp, x) for name, x in opts.items()}
     got, lse = cupaged.varlen_prefill(*(_dev(cp, a) for a in (q, k, v, cu_q, cu_k)), out=out,
-                                      return_lse=True, **dev_opts)
+                                      return_lse=True, backend=backend, **dev_opts)
     want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=True, **opts)
     assert got is out
     assert_close(got.get(), want, dtype)
     assert_lse(lse.get(), want_lse)
 
 
-def gpu_paged(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, layout, block_size, op="paged_prefill", **opts):
+def gpu_paged(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, layout, block_size, op="paged_prefill",
+              backend="auto", **opts):
     q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, hq, hk, d, dtype)
     kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, block_size)
     out = _poisoned(cp, q.shape, dtype)
     dev_opts = {name: _dev(cp, x) for name, x in opts.items()}
     got, lse = getattr(cupaged, op)(*(_dev(cp, a) for a in (q, kc, vc, cu_q, bt, sl)),
-                                    layout=layout, out=out, return_lse=True, **dev_opts)
+                                    layout=layout, out=out, return_lse=True, backend=backend,
+                                    **dev_opts)
     want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=True, **opts)
     assert_close(got.get(), want, dtype)
     assert_lse(lse.get(), want_lse)
@@ -576,3 +578,143 @@ def test_gpu_torch_tensors_in_and_out(rng):
     got = cupaged.varlen_prefill(*t, window_left=20)
     assert isinstance(got, torch.Tensor) and got.is_cuda
     assert_close(got.cpu().numpy(), ref.varlen_prefill(q, k, v, cu_q, cu_k, window_left=20), np.float16)
+
+
+# ----------------------------------------------------------------------------- wgmma backend
+def test_wgmma_backend_resolution(monkeypatch):
+    from cupaged._checks import check_options
+    opts = check_options(np, 4, 128)
+    ok = plan_.wgmma_unsupported(bfloat16, 128, "NHD", opts)
+    assert ok is None
+    assert plan_.resolve_backend("auto", ok, "90") == ("wgmma" if plan_.WGMMA_AUTO else "mma")
+    assert plan_.resolve_backend("mma", ok, "90") == "mma"
+    assert plan_.resolve_backend("wgmma", ok, "90") == "wgmma"
+    assert plan_.resolve_backend("wgmma", ok, None) == "wgmma"
+    with pytest.raises(ValueError, match="sm_80"):
+        plan_.resolve_backend("wgmma", ok, "80")
+    with pytest.raises(ValueError, match="backend"):
+        plan_.resolve_backend("WGMMA", ok, "90")
+    monkeypatch.setattr(plan_, "WGMMA_AUTO", True)
+    assert plan_.resolve_backend("auto", ok, "90") == "wgmma"
+    assert plan_.resolve_backend("auto", ok, "80") == "mma"
+    assert plan_.resolve_backend("auto", "alibi_slopes", "90") == "mma"
+    for args, why in [((np.float32, 128, "NHD", opts), "float32"), ((np.float16, 80, "NHD", opts), "80"),
+                      ((bfloat16, 64, "vllm", opts), "vllm"),
+                      ((bfloat16, 64, "HND", opts._replace(logits_soft_cap=2.0)), "soft_cap"),
+                      ((bfloat16, 64, "ragged", opts._replace(alibi_slopes=np.ones(4, np.float32))), "alibi"),
+                      ((bfloat16, 64, "ragged", opts._replace(sm_scale=-1.0)), "sm_scale")]:
+        assert why in plan_.wgmma_unsupported(*args)
+
+
+def test_wgmma_tile_shares_work_list_and_fits():
+    from cupaged.prefill import kernel_specializations
+    for d in plan_.WGMMA_HEAD_DIMS:
+        tile = plan_.wgmma_tile(d)
+        assert tile.block_m == plan_.default_tile(d).block_m  # PagedPrefiller's one work list
+        assert plan_.wgmma_smem_bytes(d, tile) <= 227 * 1024
+    hopper = {s.expr for s in kernel_specializations() if s.hopper}
+    assert hopper == {f"cupaged::prefill_wgmma_kernel<{t}, {d}, 128, 2>"
+                      for t in ("__half", "__nv_bfloat16") for d in (64, 128)}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(backend="fast"), "backend"),
+    (dict(backend="wgmma", logits_soft_cap=3.0), "logits_soft_cap"),
+    (dict(backend="wgmma", alibi_slopes=np.ones(4, np.float32)), "alibi_slopes"),
+    (dict(backend="wgmma", sm_scale=-0.5), "sm_scale"),
+])
+def test_wgmma_backend_rejects_unsupported_calls(rng, kwargs, match):
+    args = _varlen_args(rng)
+    with pytest.raises(ValueError, match=match):
+        cupaged.varlen_prefill(**args, **kwargs)
+    pargs = _paged_args(rng)
+    with pytest.raises(ValueError, match=match):
+        cupaged.paged_prefill(**pargs, **kwargs)
+
+
+def test_wgmma_backend_numpy_path_is_the_reference(rng):
+    q, k, v, cu_q, cu_k = ragged(rng, [5, 9], [7, 9], 4, 2, 64, np.float16)
+    want = ref.varlen_prefill(q, k, v, cu_q, cu_k, window_left=3)
+    got = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, window_left=3, backend="wgmma")
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="backend"):
+        cupaged.PagedPrefiller(4, 2, 80, 4, backend="wgmma")
+    with pytest.raises(ValueError, match="backend"):
+        cupaged.PagedPrefiller(4, 2, 64, 4, layout="vllm", backend="wgmma")
+    with pytest.raises(ValueError, match="backend"):
+        cupaged.PagedPrefiller(4, 2, 64, 4, backend="mmaa")
+
+
+@pytest.fixture
+def hopper(cp):
+    """Skips unless the device is sm_90 (the wgmma kernel's only target)."""
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma kernel needs an sm_90 device")
+
+
+WGMMA_FEATURES = ["plain", "non_causal", "window", "window_0", "sinks", "sharp_scores", "sm_scale"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", WGMMA_FEATURES)
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("head_dim", plan_.WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_gpu_wgmma_varlen(cp, hopper, rng, dtype, head_dim, heads, feature):
+    opts = {} if feature == "plain" else _feature_opts(rng, feature, heads[0])
+    gpu_varlen(cp, rng, Q_LENS + [257], KV_LENS + [390], *heads, head_dim, dtype, backend="wgmma", **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("block_size", [16, 6])
+@pytest.mark.parametrize("head_dim", plan_.WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_gpu_wgmma_paged(cp, hopper, rng, dtype, head_dim, block_size, layout):
+    gpu_paged(cp, rng, [5, 70, 1, 200], [300, 70, 33, 513], 8, 2, head_dim, dtype, layout, block_size,
+              backend="wgmma", window_left=150, sinks=_rand(rng, 8, np.float32, 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", plan_.WGMMA_HEAD_DIMS)
+def test_gpu_wgmma_long_sequences_match_mma(cp, hopper, rng, head_dim, causal):
+    """Many K/V tiles: wgmma vs the reference on a few rows and vs the mma.sync kernel on all."""
+    lens = np.array([2000, 1, 777, 1500])
+    q, k, v, cu_q, cu_k = (cp.asarray(a) for a in ragged(rng, lens, lens + 64, 8, 2, head_dim, bfloat16))
+    out = _poisoned(cp, q.shape, bfloat16)
+    got, lse = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, out=out, return_lse=True,
+                                      backend="wgmma")
+    want, want_lse = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, backend="mma")
+    assert_close(got.get(), want.get(), bfloat16)
+    np.testing.assert_allclose(lse.get(), want_lse.get(), rtol=1e-3, atol=1e-3)
+    rows = slice(2000 - 40, 2000)  # the last rows of sequence 0 against the float64 reference
+    kh, vh = k[:2064].get(), v[:2064].get()
+    ref_out, _ = ref.varlen_prefill(q[rows].get(), kh, vh, np.array([0, 40], np.int32),
+                                    np.array([0, 2064], np.int32), causal=causal, return_lse=True)
+    assert_close(got[rows].get(), ref_out, bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_wgmma_prefiller_and_auto_fallbacks(cp, hopper, rng):
+    q, k, v, cu_q, cu_k = ragged(rng, [1, 37, 130], [50, 37, 300], 8, 2, 128, bfloat16)
+    kc, vc, bt, sl = paged(rng, k, v, cu_k, "NHD", 16)
+    dq, dkc, dvc = (cp.asarray(a) for a in (q, kc, vc))
+    pre = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, backend="wgmma").plan(cu_q, bt, sl)
+    want = ref.varlen_prefill(q, k, v, cu_q, cu_k)
+    assert_close(pre.run(dq, dkc, dvc).get(), want, bfloat16)
+    slopes = cp.asarray((2.0 ** -np.arange(1, 9)).astype(np.float32))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        pre.run(dq, dkc, dvc, alibi_slopes=slopes)
+    auto = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16).plan(cu_q, bt, sl)  # ALiBi: mma.sync
+    want = ref.varlen_prefill(q, k, v, cu_q, cu_k, alibi_slopes=slopes.get())
+    assert_close(auto.run(dq, dkc, dvc, alibi_slopes=slopes).get(), want, bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_wgmma_rejected_off_hopper(cp, rng):
+    if cp.cuda.Device().compute_capability == "90":
+        pytest.skip("an sm_90 device runs the wgmma kernel")
+    args = {n: cp.asarray(a) for n, a in _varlen_args(rng).items()}
+    with pytest.raises(ValueError, match="sm_"):
+        cupaged.varlen_prefill(**args, backend="wgmma")

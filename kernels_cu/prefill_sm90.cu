@@ -1,0 +1,383 @@
+// Prefill attention on Hopper warpgroup tensor cores (wgmma, sm_90a): FlashAttention-3-lite.
+//
+// Same problem, work list and arguments as kernels_cu/prefill.cu (see there): one CTA per
+// work item (sequence b, kv head hk, first packed row row0) of 128 packed rows, packed row r
+// being query r / group of head hk * group + r % group; query i sits at
+// p = kv_len - q_len + i and sees keys [lo, hi) (window_left, causal). This kernel covers
+// the plain score path (positive sm_scale, no soft-cap, no ALiBi; sinks and LSE included)
+// for fp16/bf16, head sizes 64 and 128, and K/V rows of 16-byte chunks (ragged, NHD, HND;
+// not the vllm value layout): the host sends everything else to the mma.sync kernel.
+//
+// Two warpgroups each own 64 of the CTA's rows. Per K/V tile of BN keys, a warpgroup runs
+// S = Q K^T (wgmma, A = Q and B = K from 128-byte-swizzled shared memory, both K-major),
+// the online softmax on the fp32 accumulators (exp2 with one FFMA), converts P in
+// registers to A fragments and runs O += P V (wgmma, B = V [keys][d] in shared memory,
+// MN-major). All 256 threads load K/V tiles with cp.async into STAGES buffers, one tile
+// ahead of the math; tiles run from the last visible one down (masked tiles first).
+#include "common.cuh"
+#include "wgmma.cuh"
+
+namespace cupaged {
+namespace sm90 {
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+constexpr int NO_ROW = -2147483647 - 1;
+
+template <typename T>
+struct Problem {
+  const T* __restrict__ q;
+  const T* __restrict__ k;
+  const T* __restrict__ v;
+  T* __restrict__ out;
+  float* __restrict__ lse;
+  const int4* __restrict__ work;
+  const int* __restrict__ cu_q;
+  const int* __restrict__ kv_info;  // ragged: cu_seqlens_k [B + 1]; paged: seq_lens [B]
+  const int* __restrict__ block_tables;
+  int max_blocks, block_size, paged;
+  i64 k_block, k_head, k_chunk, k_tok, v_block, v_head, v_dim, v_tok;
+  const float* __restrict__ alibi;  // unused here (the host never sends ALiBi)
+  const float* __restrict__ sinks;
+  int num_q_heads, num_kv_heads;
+  float sm_scale, soft_cap;  // soft_cap unused here (always 0)
+  int window_left, causal;
+};
+
+// Sizes of one configuration: 2 warpgroups x 64 rows, BN-key K/V tiles, STAGES buffers.
+template <typename T, int D, int BN, int STAGES>
+struct Config {
+  static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "fp16/bf16, head size 64 or 128");
+  static_assert(BN % 16 == 0 && BN <= 128 && STAGES >= 2, "tile shape");
+  static constexpr int THREADS = 256, BLOCK_M = 128;
+  static constexpr int CH = D / 8;                 // 16-byte chunks per row
+  static constexpr int ROW_STEP = THREADS / CH;    // rows per load pass
+  static constexpr u32 Q_BYTES = BLOCK_M * D * 2;  // multiples of 1024: tiles stay aligned
+  static constexpr u32 KV_BYTES = BN * D * 2;
+  static constexpr u32 SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + 1024;  // + alignment slack
+  static_assert(BN % ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0, "whole load passes");
+};
+
+// The sequence, kv head and rows of one work item.
+struct Item {
+  int hk, row0, rows, group, q_start, q_len, kv_len;
+  i64 kv_start;
+  const int* table;
+
+  template <typename T>
+  __device__ __forceinline__ void init(const Problem<T>& P, int block_m) {
+    const int4 w = P.work[blockIdx.x];
+    const int b = w.x;
+    hk = w.y; row0 = w.z;
+    group = P.num_q_heads / P.num_kv_heads;
+    q_start = P.cu_q[b];
+    q_len = P.cu_q[b + 1] - q_start;
+    rows = min(block_m, q_len * group - row0);
+    if (P.paged) {
+      kv_start = 0;
+      kv_len = P.kv_info[b];
+      table = P.block_tables + (i64)b * P.max_blocks;
+    } else {
+      kv_start = P.kv_info[b];
+      kv_len = P.kv_info[b + 1] - P.kv_info[b];
+      table = nullptr;
+    }
+  }
+  __device__ __forceinline__ int position(int r) const { return kv_len - q_len + (row0 + r) / group; }
+  __device__ __forceinline__ int head(int r) const { return hk * group + (row0 + r) % group; }
+  __device__ __forceinline__ i64 token_row(int r) const { return (i64)q_start + (row0 + r) / group; }
+};
+
+__device__ __forceinline__ int visible_lo(int p, int window_left) {
+  return window_left >= 0 ? max(0, p - window_left) : 0;
+}
+__device__ __forceinline__ int visible_hi(int p, int kv_len, int causal) {
+  return causal ? min(kv_len, p + 1) : kv_len;
+}
+
+// a * b for non-negative 32-bit values as one 32 x 32 -> 64-bit multiply
+__device__ __forceinline__ i64 wide(u32 a, u32 b) { return (i64)((u64)a * b); }
+
+// K/V tile of keys [j0, j0 + BN) -> sK, sV (swizzled [BN][D]) with cp.async. Thread tid
+// copies chunk tid % CH of rows tid / CH + ROW_STEP * i: one key lookup per row serves K
+// and V; rows past kv_len are zero-filled (their lookup clamped to the last key). Block
+// and token strides fit in 32 bits (the host checks).
+template <typename T, typename C, int BN>
+__device__ __forceinline__ void load_kv(const Problem<T>& P, const T* kb, const T* vb, const int* table,
+                                        int kv_len, int j0, u32 sK, u32 sV) {
+  const int c = threadIdx.x % C::CH, r0 = threadIdx.x / C::CH;
+  kb += c * (int)P.k_chunk;
+  vb += c * 8 * (int)P.v_dim;
+#pragma unroll
+  for (int i = 0; i < BN / C::ROW_STEP; ++i) {
+    const int r = r0 + i * C::ROW_STEP, j = j0 + r;
+    const int jc = min(j, kv_len - 1);
+    int blk = 0, off = jc;
+    if (table != nullptr) {
+      const int bi = jc / P.block_size;
+      blk = __ldg(table + bi);
+      off = jc - bi * P.block_size;
+    }
+    const i64 k_off = wide(blk, (u32)P.k_block) + wide(off, (u32)P.k_tok);
+    const i64 v_off = wide(blk, (u32)P.v_block) + wide(off, (u32)P.v_tok);
+    const u32 at = swizzled<BN>(r, c);
+    const int bytes = j < kv_len ? 16 : 0;
+    cp_async16(sK + at, kb + k_off, bytes);
+    cp_async16(sV + at, vb + v_off, bytes);
+  }
+}
+
+// Q tile: packed rows [0, rows) of the item -> sQ (swizzled [128][D]); the rest zero-filled.
+template <typename T, int D, typename C>
+__device__ __forceinline__ void load_q(const Problem<T>& P, const Item& it, u32 sQ) {
+  const int c = threadIdx.x % C::CH, r0 = threadIdx.x / C::CH;
+#pragma unroll
+  for (int i = 0; i < C::BLOCK_M / C::ROW_STEP; ++i) {
+    const int r = r0 + i * C::ROW_STEP;
+    const u32 dst = sQ + swizzled<C::BLOCK_M>(r, c);
+    if (r < it.rows) cp_async16(dst, P.q + (it.token_row(r) * P.num_q_heads + it.head(r)) * D + c * 8);
+    else cp_async16(dst, P.q, 0);
+  }
+}
+
+// Keys [lo, hi) some / every valid row of one warpgroup sees (all empty without rows).
+struct GroupKeys {
+  int j_lo, j_hi, hi_min, lo_max;
+  __device__ __forceinline__ void init(const Item& it, int first, int window_left, int causal) {
+    j_lo = j_hi = hi_min = lo_max = 0;
+    if (first < it.rows) {
+      const int pf = it.position(first), pl = it.position(min(first + 64, it.rows) - 1);
+      j_lo = visible_lo(pf, window_left);
+      j_hi = visible_hi(pl, it.kv_len, causal);
+      hi_min = visible_hi(pf, it.kv_len, causal);
+      lo_max = visible_lo(pl, window_left);
+    }
+  }
+  __device__ __forceinline__ bool sees(int j0, int n) const { return j0 < j_hi && j0 + n > j_lo; }
+  __device__ __forceinline__ bool needs_mask(int j0, int n) const { return j0 + n > hi_min || j0 < lo_max; }
+};
+
+// S = Q K^T over one K tile for the warpgroup's 64 rows (raw dots).
+template <typename T, int D, int BN, int BLOCK_M>
+__device__ __forceinline__ void qk(float (&s)[BN / 2], u32 sQg, u32 sK) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const u32 koff = (kk % 4) * 32;  // k-step within a 64-column block
+    const u64 da = descriptor(sQg + (kk / 4) * (BLOCK_M * 128) + koff, 16, 1024);
+    const u64 db = descriptor(sK + (kk / 4) * (BN * 128) + koff, 16, 1024);
+    Wgmma<T, BN>::ss(s, da, db, kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_operands(s);
+}
+
+// O += P V over one V tile (P as A fragments, V MN-major).
+template <typename T, int D, int BN>
+__device__ __forceinline__ void pv(float (&o)[D / 2], const u32 (&pf)[BN / 16][4], u32 sV) {
+  fence_operands(o);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+    Wgmma<T, D>::rs(o, pf[kk], descriptor(sV + kk * 16 * 128, BN * 128, 1024), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_operands(o);
+}
+
+// Keys outside [lo, hi) of the thread's two rows -> -inf (columns j0 + 8i + 2t + e).
+template <int BN>
+__device__ __forceinline__ void mask(float (&s)[BN / 2], const int (&lo)[2], const int (&hi)[2], int j0, int lane) {
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + 8 * i + 2 * (lane % 4) + (e & 1);
+      if (j < lo[e / 2] || j >= hi[e / 2]) s[4 * i + e] = neg_inf();
+    }
+}
+
+// Online softmax step: raw scores s (sc * s in log2 units) update the row max m (raw), the
+// thread-partial sums l and rescale o; s -> probabilities exp2(sc * s - sc * m) packed as
+// A fragments of P.
+template <typename T, int D, int BN>
+__device__ __forceinline__ void softmax(float (&s)[BN / 2], float (&o)[D / 2], float (&m)[2], float (&l)[2],
+                                        u32 (&pf)[BN / 16][4], float sc) {
+  float mx[2] = {m[0], m[1]};
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
+  float m_sc[2], alpha[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+    mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+    m_sc[hr] = mx[hr] == neg_inf() ? 0.f : mx[hr] * sc;  // no key yet: p = 0, no NaN
+    alpha[hr] = fast_exp2(fmaf(m[hr], sc, -m_sc[hr]));  // m = -inf: 0 (o and l are 0)
+    m[hr] = mx[hr];
+  }
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) {
+    const int hr = (i / 2) % 2;
+    s[i] = fast_exp2(fmaf(s[i], sc, -m_sc[hr]));
+    rs[hr] += s[i];
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) l[hr] = fmaf(l[hr], alpha[hr], rs[hr]);
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) pf[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+}
+
+// Normalisation of a finished row: out = acc * inv, natural-log lse including the sink.
+// m: running max in log2 units (-inf: no visible key); l: sum of exp2(x - m).
+__device__ __forceinline__ void finish_row(float m, float l, const float* sinks, int h, float& inv, float& lse) {
+  if (sinks != nullptr) {
+    const float sink = sinks[h] * LOG2E;
+    const float mf = fmaxf(m, sink);
+    if (mf == neg_inf()) { inv = 0.f; lse = neg_inf(); return; }
+    const float f = m == neg_inf() ? 0.f : exp2f(m - mf);
+    const float total = l * f + exp2f(sink - mf);
+    inv = f / total;
+    lse = (mf + log2f(total)) * LN2;
+  } else if (l > 0.f) {
+    inv = 1.f / l;
+    lse = (m + log2f(l)) * LN2;
+  } else {
+    inv = 0.f;
+    lse = neg_inf();
+  }
+}
+
+// Epilogue of one warp's 16 rows (tile rows first .. first + 15): normalise, write LSE,
+// stage the rows in the (swizzled) Q tile and store them as 16-byte chunks.
+template <typename T, int D, typename C>
+__device__ __forceinline__ void store_rows(const Problem<T>& P, const Item& it, int first, const float (&o)[D / 2],
+                                           const float (&m)[2], float (&l)[2], float sc, u32 sQ, int lane) {
+  float inv[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+    const int r = first + lane / 4 + 8 * hr;
+    float row_lse;
+    finish_row(m[hr] * sc, l[hr], P.sinks, it.head(min(r, it.rows - 1)),
+               inv[hr], row_lse);
+    if (P.lse != nullptr && lane % 4 == 0 && r < it.rows) P.lse[it.token_row(r) * P.num_q_heads + it.head(r)] = row_lse;
+  }
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const u32 at = sQ + swizzled<C::BLOCK_M>(first + lane / 4 + 8 * hr, i) + 4 * (lane % 4);
+      const u32 x = pack2<T>(o[4 * i + 2 * hr] * inv[hr], o[4 * i + 2 * hr + 1] * inv[hr]);
+      asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(x) : "memory");
+    }
+  __syncwarp();
+#pragma unroll
+  for (int idx = lane; idx < 16 * C::CH; idx += 32) {
+    const int r = first + idx / C::CH, c = idx % C::CH;
+    if (r < it.rows) {
+      uint4 x;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(sQ + swizzled<C::BLOCK_M>(r, c)) : "memory");
+      *reinterpret_cast<uint4*>(P.out + (it.token_row(r) * P.num_q_heads + it.head(r)) * D + c * 8) = x;
+    }
+  }
+}
+
+template <typename T, int D, int BN, int STAGES>
+__device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
+  using C = Config<T, D, BN, STAGES>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+  const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+
+  Item it;
+  it.init(P, C::BLOCK_M);
+  const T* kb = P.k + it.hk * P.k_head + it.kv_start * P.k_tok;
+  const T* vb = P.v + it.hk * P.v_head + it.kv_start * P.v_tok;
+  GroupKeys gk;
+  gk.init(it, 64 * wg, P.window_left, P.causal);
+  // the thread's rows: tile rows 64 wg + 16 warp + lane / 4 (+ 8); no row: sees nothing
+  int lo[2], hi[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = 64 * wg + 16 * warp + lane / 4 + 8 * hr;
+    const int p = r < it.rows ? it.position(r) : NO_ROW;
+    lo[hr] = p == NO_ROW ? 0 : visible_lo(p, P.window_left);
+    hi[hr] = p == NO_ROW ? 0 : visible_hi(p, it.kv_len, P.causal);
+  }
+  const float sc = P.sm_scale * LOG2E;
+
+  // key tiles n_first .. n_last hold every key a row of the CTA sees
+  const int j_begin = visible_lo(it.position(0), P.window_left);
+  const int j_end = visible_hi(it.position(it.rows - 1), it.kv_len, P.causal);
+  const int n_first = j_begin / BN;
+  const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
+
+  load_q<T, D, C>(P, it, sQ);
+  if (n_last >= n_first) load_kv<T, C, BN>(P, kb, vb, it.table, it.kv_len, n_last * BN, sKV, sKV + C::KV_BYTES);
+  cp_async_commit();
+
+  float o[D / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+
+  for (int n = n_last, stage = 0; n >= n_first; --n, stage = stage + 1 == STAGES ? 0 : stage + 1) {
+    const int j0 = n * BN;
+    const u32 sK = sKV + 2 * stage * C::KV_BYTES, sV = sK + C::KV_BYTES;
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();  // tile n visible to wgmma; every warpgroup is done with tile n + 1
+    if (n > n_first) {
+      const u32 next = sKV + 2 * (stage + 1 == STAGES ? 0 : stage + 1) * C::KV_BYTES;
+      load_kv<T, C, BN>(P, kb, vb, it.table, it.kv_len, j0 - BN, next, next + C::KV_BYTES);
+    }
+    cp_async_commit();
+    if (gk.sees(j0, BN)) {  // uniform over the warpgroup
+      float s[BN / 2];
+      qk<T, D, BN, C::BLOCK_M>(s, sQ + wg * 64 * 128, sK);
+      if (gk.needs_mask(j0, BN)) mask<BN>(s, lo, hi, j0, lane);
+      u32 pf[BN / 16][4];
+      softmax<T, D, BN>(s, o, m, l, pf, sc);
+      pv<T, D, BN>(o, pf, sV);
+    }
+  }
+
+  cp_async_wait_all();
+  __syncthreads();  // every wgmma done reading sQ; Q's own copy landed
+  store_rows<T, D, C>(P, it, 64 * wg + 16 * warp, o, m, l, sc, sQ, lane);
+}
+
+}  // namespace sm90
+
+// Grid: one CTA per work item (int4 {sequence, kv head, first packed row, 0}); block: 256
+// threads = 2 warpgroups; dynamic smem: Config::SMEM bytes (Q [128][D], then STAGES pairs
+// of K [BN][D] and V [BN][D], all 128-byte swizzled, 1024-byte aligned). Warpgroup g owns
+// tile rows 64 g .. 64 g + 63: per K/V tile it runs S = Q K^T and O += P V on wgmma with
+// the online softmax between them (skipped when none of its rows sees a key of the tile);
+// every thread copies K/V chunks with cp.async one tile ahead and finally normalises and
+// stores its two rows' fragments through its warp's rows of the Q tile.
+// Arguments: those of kernels_cu/prefill.cu's kernels, in the same order.
+template <typename T, int D, int BN, int STAGES>
+__global__ void __launch_bounds__(256, 1)
+prefill_wgmma_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     T* __restrict__ out, float* __restrict__ lse, const int4* __restrict__ work,
+                     const int* __restrict__ cu_q, const int* __restrict__ kv_info,
+                     const int* __restrict__ block_tables, int max_blocks, int block_size, int paged,
+                     i64 k_block, i64 k_head, i64 k_chunk, i64 k_tok, i64 v_block, i64 v_head,
+                     i64 v_dim, i64 v_tok, const float* __restrict__ alibi,
+                     const float* __restrict__ sinks, int num_q_heads, int num_kv_heads,
+                     float sm_scale, float soft_cap, int window_left, int causal) {
+  const sm90::Problem<T> P{q, k, v, out, lse, work, cu_q, kv_info, block_tables, max_blocks,
+                           block_size, paged, k_block, k_head, k_chunk, k_tok, v_block, v_head,
+                           v_dim, v_tok, alibi, sinks, num_q_heads, num_kv_heads, sm_scale,
+                           soft_cap, window_left, causal};
+  sm90::prefill_wgmma<T, D, BN, STAGES>(P);
+}
+
+}  // namespace cupaged
