@@ -42,7 +42,7 @@ def _opt(default, help, choices=None):
 class DemoConfig:
     """Sizes of a simulation; every field is a ``cupaged demo`` option of the same name."""
     requests: int = _opt(64, "Requests in the run.")
-    seed: int = _opt(0, "Random seed (lengths, arrivals, q/k/v).")
+    seed: int = _opt(0, "Random seed (lengths, arrivals, q/k/v or model weights and prompts).")
     num_blocks: int = _opt(192, "Blocks in the KV cache pool.")
     block_size: int = _opt(16, "Tokens per cache block.")
     num_q_heads: int = _opt(8, "Query heads.")
