@@ -157,8 +157,10 @@ def test_gpu_greedy_tokens_match_numpy(cp, dtype, head_dim, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_gpu_demo_engine_matches_numpy(cp, dtype):
+    # seed 12: the reference's closest top-2 logits differ by >= 0.3 (fp32 and bf16)
     cfg = DemoConfig(requests=3, max_prompt=40, max_output=8, max_batch_tokens=24, max_seqs=3,
-                     model="tiny", dtype=dtype, num_q_heads=4, num_kv_heads=2, check=True)
+                     model="tiny", dtype=dtype, num_q_heads=4, num_kv_heads=2, check=True,
+                     seed=12)
     gpu, ref = run_demo(cfg, cp), run_demo(cfg, np)
     assert gpu.tokens == ref.tokens and len(gpu.tokens) == 3
     assert gpu.max_rel_error < CHECK_TOLERANCE[dtype]
