@@ -70,7 +70,8 @@ def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_k
                         block_size=block_size, num_q_heads=num_q_heads,
                         num_kv_heads=num_kv_heads)
     smem = lp.tiles.smem_bytes
-    kernel = _kernel_on(device_id, _decode_expr(dtype, head_dim, lp.vllm_v, lp.tiles.head_tiles), smem)
+    expr = _decode_expr(dtype, head_dim, lp.vllm_v, lp.tiles.head_tiles)
+    kernel = _kernel_on(device_id, expr, smem)
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, dp.NTHREADS, smem)
     sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
     return lp._replace(columns=max(1, sms * max(1, per_sm) // lp.row_groups))
@@ -83,9 +84,10 @@ def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_h
 
 
 class _DeviceStep(NamedTuple):
-    """Device side of one step: geometry, index views, scratch and the decode kernel's
-    scalar arguments."""
+    """Device side of one step: geometry, kernels, index views, scratch and the decode
+    kernel's scalar arguments."""
     launch: object    # decode_plan.DecodeLaunch on this device
+    kernels: tuple    # RawKernels: append (or None), decode, merge_pieces (or None)
     work: object      # int32 [rows * DESC_INTS] piece descriptors (16-byte aligned)
     seq_info: object  # int32 [batch * 2]
     tables: object    # int32 [batch, width] block tables
@@ -123,48 +125,55 @@ def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_pa
             _ptr(sinks), out, _ptr(lse)))
 
 
-def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse, merge_kernel):
-    """Append (with ``k_new``), decode and, with ``merge_kernel``, merge split pieces by a
-    second kernel; all on the current stream."""
+def _step_kernels(lp, dtype, append, merge_kernel):
+    """``(append or None, decode, merge_pieces or None)`` for one step's launches."""
+    return (_kernel(_append_expr(dtype)) if append else None,
+            _kernel(_decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles),
+                    lp.tiles.smem_bytes),
+            _kernel(_pieces_expr(dtype, lp.head_dim)) if merge_kernel else None)
+
+
+def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
+    """Append (with ``k_new``), decode and, with a merge kernel in ``dev.kernels``, merge
+    split pieces by a second kernel; all on the current stream."""
     batch, hq, d = q.shape
     lp = dev.launch
+    append, decode, merge = dev.kernels
     if k_new is not None:
-        append = _kernel(_append_expr(q.dtype))
         append((batch,), (128,), (k_new, v_new, k_cache, v_cache, dev.tables, dev.lens,
                                   *_i32((dev.tables.shape[1], lp.block_size, lp.num_kv_heads, d)),
                                   *_i32(lp.k_strides[:4]), *_i32(lp.v_strides)))
-    kernel = _kernel(_decode_expr(q.dtype, d, lp.vllm_v, lp.tiles.head_tiles), lp.tiles.smem_bytes)
-    kernel(lp.grid, (dp.NTHREADS,),
+    decode(lp.grid, (dp.NTHREADS,),
            (q, out, _ptr(lse), _ptr(dev.part_out), _ptr(dev.part_lse), _ptr(dev.counters),
             dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes), _ptr(opts.sinks))
            + dev.scalars, shared_mem=lp.tiles.smem_bytes)
-    if merge_kernel:
-        merge = _kernel(_pieces_expr(q.dtype, d))
+    if merge is not None:
         merge((batch, lp.row_groups), (dp.NTHREADS,),
               (_ptr(dev.part_out), _ptr(dev.part_lse), dev.seq_info,
                *_i32((hq, lp.num_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
                _ptr(opts.sinks), out, _ptr(lse)))
 
 
-def _partials(xp, lp, num_slots, head_dim):
+def _partials(xp, lp, num_slots):
     """Partial rows and LSEs for ``num_slots`` slots (None, None without any)."""
     if not num_slots:
         return None, None
     rows = num_slots * lp.row_groups * lp.heads_per_group
-    return xp.empty(rows * head_dim, np.float32), xp.empty(rows, np.float32)
+    return xp.empty(rows * lp.head_dim, np.float32), xp.empty(rows, np.float32)
 
 
-def _call_step(xp, lp, c, block_tables, seq_lens, num_splits, head_dim):
+def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
     """Work plan and device step of one ``paged_decode`` call (fused merge)."""
     schedule, _ = dp.check_variants(None, None, num_splits)
     work = dp.plan_work(lp, c.seq_lens_host, c.append, c.options.window_left, schedule,
                         num_splits)
     layout = dp.IndexLayout(c.batch, len(work.desc), 0)
     index = xp.asarray(dp.pack_index(layout, c.seq_lens_host, work))
-    part_out, part_lse = _partials(xp, lp, work.num_slots, head_dim)
+    part_out, part_lse = _partials(xp, lp, work.num_slots)
     counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots else None
     scalars = _decode_scalars(lp, c.num_q_heads, block_tables.shape[1], c.options, 1)
-    return _DeviceStep(lp, index[layout.desc:layout.tables],
+    return _DeviceStep(lp, _step_kernels(lp, dtype, c.append, False),
+                       index[layout.desc:layout.tables],
                        index[layout.info:layout.info + 2 * c.batch], block_tables, seq_lens,
                        part_out, part_lse, counters, scalars)
 
@@ -249,8 +258,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         return _result(out, lse, return_lse)
     lp = _current_geometry(q.dtype, q.shape[2], layout, c.geometry.block_size, c.num_q_heads,
                            c.geometry.num_kv_heads)
-    dev = _call_step(xp, lp, c, block_tables, seq_lens, num_splits, q.shape[2])
-    _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, c.options, out, lse, False)
+    dev = _call_step(xp, lp, c, q.dtype, block_tables, seq_lens, num_splits)
+    _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, c.options, out, lse)
     return _result(out, lse, return_lse)
 
 
@@ -374,7 +383,7 @@ class PagedDecoder:
             lp = self._geometry()
             work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
                                 num_splits)
-            device = self._upload(lp, bt, sl, work, merge)
+            device = self._upload(lp, bt, sl, work, merge, append)
         self._step = dp.Step(len(sl), bt, sl, bool(append), max_block, work, merge, device)
 
     @property
@@ -388,7 +397,7 @@ class PagedDecoder:
         return _current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
                                  self.num_q_heads, self.num_kv_heads)
 
-    def _upload(self, lp, bt, sl, work, merge):
+    def _upload(self, lp, bt, sl, work, merge, append):
         """One host-to-device copy of ``[lens | piece info | work | tables]``; buffers grow
         only when a plan needs more than any "balanced" plan of ``max_batch`` sequences."""
         import cupy
@@ -408,8 +417,9 @@ class PagedDecoder:
         host = dp.pack_index(lay, sl, work, bt)
         self._index[:host.size].set(host)
         idx, fused = self._index, merge == "fused"
-        return _DeviceStep(lp, idx[lay.desc:lay.tables], idx[lay.info:lay.info + 2 * batch],
-                           idx[lay.tables:lay.tables + batch * lay.width].reshape(batch, lay.width),
+        tables = idx[lay.tables:lay.tables + batch * lay.width].reshape(batch, lay.width)
+        return _DeviceStep(lp, _step_kernels(lp, self.dtype, bool(append), not fused),
+                           idx[lay.desc:lay.tables], idx[lay.info:lay.info + 2 * batch], tables,
                            idx[:batch], self._part_out, self._part_lse,
                            self._counters if fused else None,
                            _decode_scalars(lp, self.num_q_heads, lay.width, self._opts, int(fused)))
@@ -456,8 +466,7 @@ class PagedDecoder:
         if lse is None and return_lse:
             lse = xp.empty(shape[:2], np.float32)
         if st.batch:
-            _launch_decode(st.device, q, k_cache, v_cache, k_new, v_new, opts, out, lse,
-                           st.merge == "kernel")
+            _launch_decode(st.device, q, k_cache, v_cache, k_new, v_new, opts, out, lse)
         return _result(out, lse, return_lse)
 
 

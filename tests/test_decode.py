@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import decode, decode_plan as dp
-from cupaged._arrays import FLOAT_DTYPES, HEAD_DIMS, bfloat16
+from cupaged import decode_plan as dp
+from cupaged._arrays import FLOAT_DTYPES, bfloat16
 from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
 from cupaged.reference import attention as ref
 

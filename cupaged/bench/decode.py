@@ -100,7 +100,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     hq, hk = heads
     nbytes = kv_bytes(batch, length, hk)
     tables, lens = _paged_batch(batch, length, page, seed=batch + length)
-    shape = (tables.size, page, hk, HEAD_DIM) if layout == "NHD" else (tables.size, hk, page, HEAD_DIM)
+    shape = (tables.size,) + ((page, hk) if layout == "NHD" else (hk, page)) + (HEAD_DIM,)
 
     def make():
         return _random_fill(cupy.empty(shape, DTYPE), 1), _random_fill(cupy.empty(shape, DTYPE), 2)
