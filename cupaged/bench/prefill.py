@@ -9,6 +9,10 @@ Rows (bf16, H 32 query and kv heads):
   to it; ``regs`` / ``local_B`` the registers and local (spill) bytes per thread.
   ``flash_TFLOPs`` / ``cudnn_TFLOPs`` are torch SDPA on the same [B, H, S, D] problem (None
   without torch, or when the backend refuses it), ``vs_flash`` / ``vs_cudnn`` the ratios.
+- ``wgmma`` (sm_90 only): the Hopper warpgroup-MMA kernel (``backend="wgmma"``) on the
+  same problem as the default row it follows (B2 S8192 d128 / d64, causal and full; paged
+  NHD page 16; the sweep and mixed rows), ``vs_default`` its speed relative to the mma.sync
+  default.
 - ``paged``: the default tile through ``PagedPrefiller`` on NHD, HND and vllm caches of page
   16 with shuffled blocks; ``vs_ragged`` is its speed relative to the ragged row (goal >= 0.9).
 - ``sweep``: default tile, S 512 .. 32K (batch chosen so each row has 16K-32K tokens).
@@ -121,28 +125,28 @@ def _ragged_inputs(q_lens, head_dim, seed=0):
     return q, k, v, cu, cupy.asarray(cu)
 
 
-def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None):
+def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma"):
     """Launch-only closure of varlen_prefill with its work list built once (``tile``: a
-    non-default tile shape). Returns (launch, kernel)."""
+    non-default tile shape; ``backend``: "mma" or "wgmma"). Returns (launch, kernel)."""
     import cupy
     from .. import prefill
     from .._checks import check_options
-    from .._compile import get_kernel
     lens = np.diff(cu_host)
     opts = check_options(cupy, H, q.shape[2])
-    tile = plan_.launch_tile(q.dtype, q.shape[2]) if tile is None else tile
+    if tile is None:
+        tile = plan_.wgmma_tile(q.shape[2]) if backend == "wgmma" else plan_.launch_tile(q.dtype, q.shape[2])
     work = cupy.asarray(prefill._work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
     strides = plan_.kv_strides("ragged", 1, H, q.shape[2], q.dtype)
     out = cupy.empty_like(q)
 
     def launch():
         prefill._launch(q, k, v, out, None, work, cu_dev, cu_dev, None, 1, strides, opts,
-                        causal, False, H, tile=tile)
+                        causal, False, H, tile=tile, backend=backend)
         return out
-    return launch, get_kernel("prefill", prefill._expr(q.dtype, q.shape[2], False, tile))
+    return launch, prefill._kernel(q.dtype, q.shape[2], False, tile, backend)[0]
 
 
-def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16):
+def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16, backend="mma"):
     """PagedPrefiller.run over a ``layout`` cache holding k/v in shuffled pages."""
     import cupy
     import cupaged
@@ -161,7 +165,7 @@ def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16):
     kc, vc = cupy.empty(ks, q.dtype), cupy.empty(vs, q.dtype)
     cupaged.write_kv_cache(k, v, kc, vc, slots, layout=layout)
     pre = cupaged.PagedPrefiller(H, H, q.shape[2], block_size, dtype=q.dtype, layout=layout,
-                                 causal=causal)
+                                 causal=causal, backend=backend)
     pre.plan(cu_host, tables, lens.astype(np.int32))
     out = cupy.empty_like(q)
     return lambda: pre.run(q, kc, vc, out=out)
@@ -171,6 +175,32 @@ def _shape(q_lens, cu_host, head_dim, causal):
     equal = len(set(q_lens)) == 1
     return (f"B{len(q_lens)} S{q_lens[0]}" if equal else f"B{len(q_lens)} T{int(cu_host[-1])}") \
         + f" H{H} d{head_dim} {'causal' if causal else 'full'}"
+
+
+def _hopper():
+    import cupy
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+def bench_wgmma(inputs, causal, paged=False):
+    """The wgmma kernel on the inputs of a default row (ragged, or PagedPrefiller over an NHD
+    cache of page 16), checked against the reference and the default's output; [] off sm_90."""
+    q, k, v, cu_host, base_out, base_s, flops = inputs
+    if not _hopper() or q.shape[2] not in plan_.WGMMA_HEAD_DIMS:
+        return []
+    import cupy
+    if paged:
+        launch, kernel = _paged_launcher(q, k, v, cu_host, causal, backend="wgmma"), None
+    else:
+        launch, kernel = _ragged_launcher(q, k, v, cu_host, cupy.asarray(cu_host), causal, backend="wgmma")
+    ok = _check(launch().copy(), q, k, v, cu_host, causal, base_out)
+    seconds = time_gpu(launch)
+    row = dict(op="paged" if paged else "varlen", variant="wgmma" + (" NHD page16" if paged else ""),
+               tile="2wg x64r n128 s2", shape=_shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal),
+               ms=seconds * 1e3, TFLOPs=flops / seconds / 1e12, vs_default=base_s / seconds, checked=ok)
+    if kernel is not None:
+        row.update(regs=kernel.num_regs, local_B=kernel.local_size_bytes)
+    return [row]
 
 
 def bench_tiles(q_lens, head_dim, causal, tiles, label="tiles", peers=True, public=True):
@@ -218,17 +248,23 @@ def bench_paged(inputs, causal, layouts=("NHD",)):
 def run(quick=False):
     """All rows; ``quick`` keeps the tile comparison at d128 and a few others."""
     rows, inputs = bench_tiles([8192] * 2, 128, True, VARIANTS[128])
+    rows += bench_wgmma(inputs, True) + bench_wgmma(inputs, True, paged=True)
     rows += bench_paged(inputs, True, ("NHD",) if quick else ("NHD", "HND", "vllm"))
     del inputs
-    rows += bench_tiles([8192] * 2, 128, False, VARIANTS[128][:1] if quick else VARIANTS[128][:4])[0]
+    r, inputs = bench_tiles([8192] * 2, 128, False, VARIANTS[128][:1] if quick else VARIANTS[128][:4])
+    rows += r + bench_wgmma(inputs, False)
     for d in (64, 256):
-        rows += bench_tiles([8192] * 2, d, True, VARIANTS[d][:1] if quick else VARIANTS[d])[0]
+        r, inputs = bench_tiles([8192] * 2, d, True, VARIANTS[d][:1] if quick else VARIANTS[d])
+        rows += r + bench_wgmma(inputs, True)
+    r, inputs = bench_tiles([8192] * 2, 64, False, VARIANTS[64][:1])
+    rows += r + bench_wgmma(inputs, False)
+    del inputs
     for s in ((512, 4096) if quick else (512, 2048, 32768)):
         r, inputs = bench_tiles([s] * max(1, 16384 // s), 128, True, VARIANTS[128][:1], "sweep")
-        rows += r + (bench_paged(inputs, True) if s == 2048 else [])
+        rows += r + bench_wgmma(inputs, True) + (bench_paged(inputs, True) if s == 2048 else [])
     mixed = [16384, 1, 700, 5000, 33, 3000, 128, 9000, 1, 250] if not quick else [4096, 1, 700, 33]
-    rows += bench_tiles(mixed, 128, True, VARIANTS[128][:1], "mixed", peers=False)[0]
-    return rows
+    r, inputs = bench_tiles(mixed, 128, True, VARIANTS[128][:1], "mixed", peers=False)
+    return rows + r + bench_wgmma(inputs, True)
 
 
 COLUMNS = ["op", "variant", "tile", "shape", "ms", "public_ms", "TFLOPs", "flash_TFLOPs",
