@@ -94,7 +94,9 @@ WGMMA_HEAD_DIMS = (64, 128)
 
 class WgmmaTile(NamedTuple):
     """Tile shape of the wgmma kernel: 2 warpgroups x 64 rows (128 packed rows per item),
-    ``block_n`` keys per K/V tile, ``stages`` K/V buffers (``Config`` in prefill_sm90.cu)."""
+    ``block_n`` keys per K/V tile, ``stages`` K/V buffers (``Config`` in prefill_sm90.cu;
+    2: each wgmma batch waited for at once, 3: the P V batch of one tile overlaps the
+    softmax of the next)."""
     block_n: int
     stages: int
 
@@ -108,9 +110,10 @@ class WgmmaTile(NamedTuple):
 
 
 def wgmma_tile(head_dim):
-    """wgmma tile of ``head_dim`` (64 or 128): 128-key tiles, two stages. Its ``block_m``
-    equals ``default_tile(head_dim).block_m``, so either kernel can run one work list."""
-    return WgmmaTile(128, 2)
+    """wgmma tile of ``head_dim`` (64 or 128): 128-key tiles, three stages (overlapped).
+    Its ``block_m`` equals ``default_tile(head_dim).block_m``, so either kernel can run one
+    work list."""
+    return WgmmaTile(128, 3)
 
 
 def wgmma_smem_bytes(head_dim, tile):

@@ -13,7 +13,9 @@
 // the online softmax on the fp32 accumulators (exp2 with one FFMA), converts P in
 // registers to A fragments and runs O += P V (wgmma, B = V [keys][d] in shared memory,
 // MN-major). All 256 threads load K/V tiles with cp.async into STAGES buffers, one tile
-// ahead of the math; tiles run from the last visible one down (masked tiles first).
+// ahead of the math; tiles run from the last visible one down (masked tiles first). With
+// three buffers the P V batch of a tile runs during the softmax of the next one (FA3's
+// intra-warpgroup overlap; loop_overlap), with two each batch is waited for (loop_simple).
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -47,8 +49,10 @@ struct Problem {
 template <typename T, int D, int BN, int STAGES>
 struct Config {
   static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "fp16/bf16, head size 64 or 128");
-  static_assert(BN % 16 == 0 && BN <= 128 && STAGES >= 2, "tile shape");
+  static_assert(BN % 16 == 0 && BN <= 128 && (STAGES == 2 || STAGES == 3), "tile shape");
   static constexpr int THREADS = 256, BLOCK_M = 128;
+  // three buffers: the P V batch of tile n + 1 runs during the softmax of tile n
+  static constexpr bool OVERLAP = STAGES >= 3;
   static constexpr int CH = D / 8;                 // 16-byte chunks per row
   static constexpr int ROW_STEP = THREADS / CH;    // rows per load pass
   static constexpr u32 Q_BYTES = BLOCK_M * D * 2;  // multiples of 1024: tiles stay aligned
@@ -156,7 +160,7 @@ struct GroupKeys {
   __device__ __forceinline__ bool needs_mask(int j0, int n) const { return j0 + n > hi_min || j0 < lo_max; }
 };
 
-// S = Q K^T over one K tile for the warpgroup's 64 rows (raw dots).
+// Issue S = Q K^T over one K tile for the warpgroup's 64 rows (raw dots) as one batch.
 template <typename T, int D, int BN, int BLOCK_M>
 __device__ __forceinline__ void qk(float (&s)[BN / 2], u32 sQg, u32 sK) {
   wgmma_fence();
@@ -168,11 +172,9 @@ __device__ __forceinline__ void qk(float (&s)[BN / 2], u32 sQg, u32 sK) {
     Wgmma<T, BN>::ss(s, da, db, kk > 0);
   }
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(s);
 }
 
-// O += P V over one V tile (P as A fragments, V MN-major).
+// Issue O += P V over one V tile (P as A fragments, V MN-major) as one batch.
 template <typename T, int D, int BN>
 __device__ __forceinline__ void pv(float (&o)[D / 2], const u32 (&pf)[BN / 16][4], u32 sV) {
   fence_operands(o);
@@ -181,8 +183,6 @@ __device__ __forceinline__ void pv(float (&o)[D / 2], const u32 (&pf)[BN / 16][4
   for (int kk = 0; kk < BN / 16; ++kk)
     Wgmma<T, D>::rs(o, pf[kk], descriptor(sV + kk * 16 * 128, BN * 128, 1024), 1);
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(o);
 }
 
 // Keys outside [lo, hi) of the thread's two rows -> -inf (columns j0 + 8i + 2t + e).
@@ -197,16 +197,16 @@ __device__ __forceinline__ void mask(float (&s)[BN / 2], const int (&lo)[2], con
     }
 }
 
-// Online softmax step: raw scores s (sc * s in log2 units) update the row max m (raw), the
-// thread-partial sums l and rescale o; s -> probabilities exp2(sc * s - sc * m) packed as
-// A fragments of P.
-template <typename T, int D, int BN>
-__device__ __forceinline__ void softmax(float (&s)[BN / 2], float (&o)[D / 2], float (&m)[2], float (&l)[2],
-                                        u32 (&pf)[BN / 16][4], float sc) {
+// Online softmax step: raw scores s (sc * s in log2 units) update the row max m (raw) and
+// the thread-partial sums l; s -> probabilities exp2(sc * s - sc * m) packed as A fragments
+// of P; alpha: the factor the accumulators of the two rows take (see rescale).
+template <typename T, int BN>
+__device__ __forceinline__ void softmax(float (&s)[BN / 2], float (&m)[2], float (&l)[2], u32 (&pf)[BN / 16][4],
+                                        float (&alpha)[2], float sc) {
   float mx[2] = {m[0], m[1]};
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
-  float m_sc[2], alpha[2], rs[2] = {0.f, 0.f};
+  float m_sc[2], rs[2] = {0.f, 0.f};
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
@@ -224,11 +224,27 @@ __device__ __forceinline__ void softmax(float (&s)[BN / 2], float (&o)[D / 2], f
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) l[hr] = fmaf(l[hr], alpha[hr], rs[hr]);
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
-#pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
     for (int x = 0; x < 4; ++x) pf[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+}
+
+template <int D>
+__device__ __forceinline__ void rescale(float (&o)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
+}
+
+// Wait for every wgmma batch of the warpgroup; the accumulators o and the A fragments pf
+// of the last P V batch stay live (unmoved, unreused) up to here.
+template <int D, int N>
+__device__ __forceinline__ void drain(float (&o)[D / 2], u32 (&pf)[N][4]) {
+  wgmma_wait<0>();
+  fence_operands(o);
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) asm volatile("" : "+r"(pf[i][x]) :: "memory");
 }
 
 // Normalisation of a finished row: out = acc * inv, natural-log lse including the sink.
@@ -288,6 +304,107 @@ __device__ __forceinline__ void store_rows(const Problem<T>& P, const Item& it, 
   }
 }
 
+// K/V tiles in flight: tile n sits in buffer stage (n_last - n) % STAGES.
+template <typename T, typename C, int BN, int STAGES>
+struct Pipe {
+  const T* kb;
+  const T* vb;
+  const int* table;
+  int kv_len, n_first;
+  u32 sKV;
+
+  __device__ __forceinline__ u32 k_tile(int stage) const { return sKV + 2 * stage * C::KV_BYTES; }
+  __device__ __forceinline__ u32 v_tile(int stage) const { return k_tile(stage) + C::KV_BYTES; }
+  // Tile n (in `stage`) becomes visible to wgmma, and every warpgroup is done with the next
+  // buffer (its last reader, a wgmma batch, was waited for before this barrier); tile n - 1
+  // starts streaming into that buffer.
+  __device__ __forceinline__ void advance(const Problem<T>& P, int n, int stage) const {
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    if (n > n_first) {
+      const int next = stage + 1 == STAGES ? 0 : stage + 1;
+      load_kv<T, C, BN>(P, kb, vb, table, kv_len, (n - 1) * BN, k_tile(next), v_tile(next));
+    }
+    cp_async_commit();
+  }
+};
+
+// The thread's two rows: the warpgroup's key ranges, each row's visible keys [lo, hi).
+struct Rows {
+  GroupKeys gk;
+  int lo[2], hi[2];
+  float sc;
+  int lane;
+  template <int BN>
+  __device__ __forceinline__ void mask_tile(float (&s)[BN / 2], int j0) const {
+    if (gk.needs_mask(j0, BN)) mask<BN>(s, lo, hi, j0, lane);
+  }
+};
+
+// STAGES 2: per tile, S = Q K^T, softmax, O += P V, each wgmma batch waited for at once; a
+// warpgroup none of whose rows sees a key of the tile skips it.
+template <typename T, int D, int BN, int STAGES, typename Pp>
+__device__ __forceinline__ void loop_simple(const Problem<T>& P, const Pp& pipe, const Rows& rw, u32 sQg,
+                                            int n_last, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+  for (int n = n_last, stage = 0; n >= pipe.n_first; --n, stage = stage + 1 == STAGES ? 0 : stage + 1) {
+    pipe.advance(P, n, stage);
+    if (rw.gk.sees(n * BN, BN)) {  // uniform over the warpgroup
+      float s[BN / 2], alpha[2];
+      u32 pf[BN / 16][4];
+      qk<T, D, BN, 128>(s, sQg, pipe.k_tile(stage));
+      wgmma_wait<0>();
+      fence_operands(s);
+      rw.template mask_tile<BN>(s, n * BN);
+      softmax<T, BN>(s, m, l, pf, alpha, rw.sc);
+      rescale<D>(o, alpha);
+      pv<T, D, BN>(o, pf, pipe.v_tile(stage));
+      wgmma_wait<0>();
+      fence_operands(o);
+    }
+  }
+}
+
+// STAGES 3 (FA3's intra-warpgroup overlap): the P V batch of tile n + 1 is issued right
+// after S = Q K^T of tile n and runs during the softmax of tile n (its V keeps the third
+// buffer); the accumulators are rescaled once it is done. Every warpgroup computes every
+// tile (masked where its rows see nothing): wgmma waits outside divergent code keep ptxas
+// from serialising the batches.
+template <typename T, int D, int BN, int STAGES, typename Pp>
+__device__ __forceinline__ void loop_overlap(const Problem<T>& P, const Pp& pipe, const Rows& rw, u32 sQg,
+                                             int n_last, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+  if (n_last < pipe.n_first) return;
+  float s[BN / 2], alpha[2];
+  u32 pf[BN / 16][4];
+  pipe.advance(P, n_last, 0);
+  qk<T, D, BN, 128>(s, sQg, pipe.k_tile(0));
+  wgmma_wait<0>();
+  fence_operands(s);
+  rw.template mask_tile<BN>(s, n_last * BN);
+  softmax<T, BN>(s, m, l, pf, alpha, rw.sc);  // o is still 0: nothing to rescale
+  int prev = 0;                               // buffer of the tile whose P is in pf
+  for (int n = n_last - 1; n >= pipe.n_first; --n) {
+    const int stage = prev + 1 == STAGES ? 0 : prev + 1;
+    pipe.advance(P, n, stage);
+    qk<T, D, BN, 128>(s, sQg, pipe.k_tile(stage));
+    pv<T, D, BN>(o, pf, pipe.v_tile(prev));
+    wgmma_wait<1>();  // S of tile n done; P V of tile n + 1 may still run
+    fence_operands(s);
+    rw.template mask_tile<BN>(s, n * BN);
+    u32 pn[BN / 16][4];
+    softmax<T, BN>(s, m, l, pn, alpha, rw.sc);
+    drain<D>(o, pf);
+    rescale<D>(o, alpha);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) pf[kk][x] = pn[kk][x];
+    prev = stage;
+  }
+  pv<T, D, BN>(o, pf, pipe.v_tile(prev));
+  drain<D>(o, pf);
+}
+
 template <typename T, int D, int BN, int STAGES>
 __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
   using C = Config<T, D, BN, STAGES>;
@@ -319,34 +436,17 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
   const int n_first = j_begin / BN;
   const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
 
-  load_q<T, D, C>(P, it, sQ);
+  load_q<T, D, C>(P, it, sQ);  // with tile n_last (stage 0), in the first batch of copies
   if (n_last >= n_first) load_kv<T, C, BN>(P, kb, vb, it.table, it.kv_len, n_last * BN, sKV, sKV + C::KV_BYTES);
   cp_async_commit();
 
   float o[D / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-
-  for (int n = n_last, stage = 0; n >= n_first; --n, stage = stage + 1 == STAGES ? 0 : stage + 1) {
-    const int j0 = n * BN;
-    const u32 sK = sKV + 2 * stage * C::KV_BYTES, sV = sK + C::KV_BYTES;
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();  // tile n visible to wgmma; every warpgroup is done with tile n + 1
-    if (n > n_first) {
-      const u32 next = sKV + 2 * (stage + 1 == STAGES ? 0 : stage + 1) * C::KV_BYTES;
-      load_kv<T, C, BN>(P, kb, vb, it.table, it.kv_len, j0 - BN, next, next + C::KV_BYTES);
-    }
-    cp_async_commit();
-    if (gk.sees(j0, BN)) {  // uniform over the warpgroup
-      float s[BN / 2];
-      qk<T, D, BN, C::BLOCK_M>(s, sQ + wg * 64 * 128, sK);
-      if (gk.needs_mask(j0, BN)) mask<BN>(s, lo, hi, j0, lane);
-      u32 pf[BN / 16][4];
-      softmax<T, D, BN>(s, o, m, l, pf, sc);
-      pv<T, D, BN>(o, pf, sV);
-    }
-  }
+  const Pipe<T, C, BN, STAGES> pipe{kb, vb, it.table, it.kv_len, n_first, sKV};
+  const Rows rows{gk, {lo[0], lo[1]}, {hi[0], hi[1]}, sc, lane};
+  if constexpr (C::OVERLAP) loop_overlap<T, D, BN, STAGES>(P, pipe, rows, sQ + wg * 64 * 128, n_last, o, m, l);
+  else loop_simple<T, D, BN, STAGES>(P, pipe, rows, sQ + wg * 64 * 128, n_last, o, m, l);
 
   cp_async_wait_all();
   __syncthreads();  // every wgmma done reading sQ; Q's own copy landed
@@ -359,9 +459,10 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
 // threads = 2 warpgroups; dynamic smem: Config::SMEM bytes (Q [128][D], then STAGES pairs
 // of K [BN][D] and V [BN][D], all 128-byte swizzled, 1024-byte aligned). Warpgroup g owns
 // tile rows 64 g .. 64 g + 63: per K/V tile it runs S = Q K^T and O += P V on wgmma with
-// the online softmax between them (skipped when none of its rows sees a key of the tile);
-// every thread copies K/V chunks with cp.async one tile ahead and finally normalises and
-// stores its two rows' fragments through its warp's rows of the Q tile.
+// the online softmax between them (STAGES 3: P V of the previous tile overlapping it); each
+// thread owns rows 16 w + lane / 4 (+ 8) of its warp w's 16. Every thread copies K/V chunks
+// with cp.async one tile ahead and finally normalises and stores its rows' fragments
+// through its warp's rows of the Q tile (16-byte global stores).
 // Arguments: those of kernels_cu/prefill.cu's kernels, in the same order.
 template <typename T, int D, int BN, int STAGES>
 __global__ void __launch_bounds__(256, 1)

@@ -611,9 +611,10 @@ def test_wgmma_tile_shares_work_list_and_fits():
     for d in plan_.WGMMA_HEAD_DIMS:
         tile = plan_.wgmma_tile(d)
         assert tile.block_m == plan_.default_tile(d).block_m  # PagedPrefiller's one work list
-        assert plan_.wgmma_smem_bytes(d, tile) <= 227 * 1024
+        for t in [tile] + WGMMA_OTHER_TILES:
+            assert plan_.wgmma_smem_bytes(d, t) <= 227 * 1024
     hopper = {s.expr for s in kernel_specializations() if s.hopper}
-    assert hopper == {f"cupaged::prefill_wgmma_kernel<{t}, {d}, 128, 2>"
+    assert hopper == {f"cupaged::prefill_wgmma_kernel<{t}, {d}, 128, 3>"
                       for t in ("__half", "__nv_bfloat16") for d in (64, 128)}
 
 
@@ -652,6 +653,12 @@ def hopper(cp):
         pytest.skip("the wgmma kernel needs an sm_90 device")
 
 
+def _wgmma_other_tiles():
+    from cupaged.bench.prefill import WGMMA_VARIANTS
+    return WGMMA_VARIANTS[1:]  # the benchmark's non-default wgmma tiles
+
+
+WGMMA_OTHER_TILES = _wgmma_other_tiles()
 WGMMA_FEATURES = ["plain", "non_causal", "window", "window_0", "sinks", "sharp_scores", "sm_scale"]
 
 
@@ -673,6 +680,31 @@ def test_gpu_wgmma_varlen(cp, hopper, rng, dtype, head_dim, heads, feature):
 def test_gpu_wgmma_paged(cp, hopper, rng, dtype, head_dim, block_size, layout):
     gpu_paged(cp, rng, [5, 70, 1, 200], [300, 70, 33, 513], 8, 2, head_dim, dtype, layout, block_size,
               backend="wgmma", window_left=150, sinks=_rand(rng, 8, np.float32, 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", WGMMA_OTHER_TILES)
+@pytest.mark.parametrize("feature", ["plain", "non_causal", "window", "sinks"])
+@pytest.mark.parametrize("head_dim", plan_.WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_gpu_wgmma_other_tiles(cp, hopper, rng, dtype, head_dim, feature, tile):
+    """The wgmma tiles the benchmark times beside the default, against the reference."""
+    from cupaged import prefill
+    from cupaged._checks import check_options
+    q_lens, kv_lens = Q_LENS + [300], KV_LENS + [533]
+    q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, 8, 2, head_dim, dtype)
+    fo = {} if feature == "plain" else _feature_opts(rng, feature, 8)
+    causal = fo.pop("causal", True)
+    opts = check_options(np, 8, head_dim, **fo)
+    work = prefill._work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, causal, opts, tile)
+    out, lse = _poisoned(cp, q.shape, dtype), cp.full(q.shape[:2], np.nan, np.float32)
+    dopts = opts._replace(sinks=None if opts.sinks is None else cp.asarray(opts.sinks))
+    prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
+                    cp.asarray(cu_k), None, 1, plan_.kv_strides("ragged", 1, 2, head_dim, q.dtype),
+                    dopts, causal, False, 2, tile=tile, backend="wgmma")
+    want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **fo)
+    assert_close(out.get(), want, dtype)
+    assert_lse(lse.get(), want_lse)
 
 
 @pytest.mark.gpu

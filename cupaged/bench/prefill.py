@@ -44,6 +44,8 @@ VARIANTS = {
     64: [plan_.default_tile(64), TS(4, 2, 64, 2, True, 2), TS(8, 1, 128, 2, True, 1)],
     256: [plan_.default_tile(256), TS(8, 1, 32, 2, False, 1)],
 }
+# wgmma tiles (sm_90), the default first: 3 stages (overlapped) and 2 stages (plain)
+WGMMA_VARIANTS = [plan_.wgmma_tile(128), plan_.WgmmaTile(128, 2)]
 
 
 def tile_label(tile):
@@ -182,25 +184,33 @@ def _hopper():
     return cupy.cuda.Device().compute_capability == "90"
 
 
-def bench_wgmma(inputs, causal, paged=False):
-    """The wgmma kernel on the inputs of a default row (ragged, or PagedPrefiller over an NHD
-    cache of page 16), checked against the reference and the default's output; [] off sm_90."""
+def wgmma_label(tile):
+    return f"2wg x64r n{tile.block_n} s{tile.stages}" + (" overlap" if tile.stages == 3 else "")
+
+
+def bench_wgmma(inputs, causal, paged=False, tiles=WGMMA_VARIANTS[:1]):
+    """The wgmma kernel (each of ``tiles``; paged: the default tile through PagedPrefiller
+    over an NHD cache of page 16) on the inputs of a default row, checked against the
+    reference and the default's output; [] off sm_90."""
     q, k, v, cu_host, base_out, base_s, flops = inputs
     if not _hopper() or q.shape[2] not in plan_.WGMMA_HEAD_DIMS:
         return []
     import cupy
-    if paged:
-        launch, kernel = _paged_launcher(q, k, v, cu_host, causal, backend="wgmma"), None
-    else:
-        launch, kernel = _ragged_launcher(q, k, v, cu_host, cupy.asarray(cu_host), causal, backend="wgmma")
-    ok = _check(launch().copy(), q, k, v, cu_host, causal, base_out)
-    seconds = time_gpu(launch)
-    row = dict(op="paged" if paged else "varlen", variant="wgmma" + (" NHD page16" if paged else ""),
-               tile="2wg x64r n128 s2", shape=_shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal),
-               ms=seconds * 1e3, TFLOPs=flops / seconds / 1e12, vs_default=base_s / seconds, checked=ok)
-    if kernel is not None:
-        row.update(regs=kernel.num_regs, local_B=kernel.local_size_bytes)
-    return [row]
+    rows = []
+    for tile in tiles[:1] if paged else tiles:
+        if paged:
+            launch, kernel = _paged_launcher(q, k, v, cu_host, causal, backend="wgmma"), None
+        else:
+            launch, kernel = _ragged_launcher(q, k, v, cu_host, cupy.asarray(cu_host), causal, tile, "wgmma")
+        ok = _check(launch().copy(), q, k, v, cu_host, causal, base_out)
+        seconds = time_gpu(launch)
+        row = dict(op="paged" if paged else "varlen", variant="wgmma" + (" NHD page16" if paged else ""),
+                   tile=wgmma_label(tile), shape=_shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal),
+                   ms=seconds * 1e3, TFLOPs=flops / seconds / 1e12, vs_default=base_s / seconds, checked=ok)
+        if kernel is not None:
+            row.update(regs=kernel.num_regs, local_B=kernel.local_size_bytes)
+        rows.append(row)
+    return rows
 
 
 def bench_tiles(q_lens, head_dim, causal, tiles, label="tiles", peers=True, public=True):
@@ -248,16 +258,16 @@ def bench_paged(inputs, causal, layouts=("NHD",)):
 def run(quick=False):
     """All rows; ``quick`` keeps the tile comparison at d128 and a few others."""
     rows, inputs = bench_tiles([8192] * 2, 128, True, VARIANTS[128])
-    rows += bench_wgmma(inputs, True) + bench_wgmma(inputs, True, paged=True)
+    rows += bench_wgmma(inputs, True, tiles=WGMMA_VARIANTS) + bench_wgmma(inputs, True, paged=True)
     rows += bench_paged(inputs, True, ("NHD",) if quick else ("NHD", "HND", "vllm"))
     del inputs
     r, inputs = bench_tiles([8192] * 2, 128, False, VARIANTS[128][:1] if quick else VARIANTS[128][:4])
-    rows += r + bench_wgmma(inputs, False)
+    rows += r + bench_wgmma(inputs, False, tiles=WGMMA_VARIANTS)
     for d in (64, 256):
         r, inputs = bench_tiles([8192] * 2, d, True, VARIANTS[d][:1] if quick else VARIANTS[d])
-        rows += r + bench_wgmma(inputs, True)
+        rows += r + bench_wgmma(inputs, True, tiles=WGMMA_VARIANTS)
     r, inputs = bench_tiles([8192] * 2, 64, False, VARIANTS[64][:1])
-    rows += r + bench_wgmma(inputs, False)
+    rows += r + bench_wgmma(inputs, False, tiles=WGMMA_VARIANTS)
     del inputs
     for s in ((512, 4096) if quick else (512, 2048, 32768)):
         r, inputs = bench_tiles([s] * max(1, 16384 // s), 128, True, VARIANTS[128][:1], "sweep")
