@@ -12,7 +12,7 @@ fp16/bf16 on tensor cores (mma.sync m16n8k16, FlashAttention-2 style), fp32 on a
 CUDA-core path (correct, not tuned). ``backend="wgmma"`` runs ``kernels_cu/prefill_sm90.cu``
 instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, head sizes 64/128, no soft-cap or
 ALiBi, not the vllm layout); ``"auto"`` picks it where it applies when
-``prefill_plan.WGMMA_AUTO`` is set, else the mma.sync kernel.
+its layout is in ``prefill_plan.WGMMA_AUTO``, else the mma.sync kernel.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _device_arch():
 def _backend(backend, dtype, head_dim, layout, opts, xp):
     """The kernel family of a call: "mma" or "wgmma" (the device arch checked for CuPy)."""
     unsupported = plan_.wgmma_unsupported(dtype, head_dim, layout, opts)
-    return plan_.resolve_backend(backend, unsupported, None if xp is np else _device_arch())
+    return plan_.resolve_backend(backend, unsupported, None if xp is np else _device_arch(), layout)
 
 
 def _window(opts):
@@ -192,7 +192,8 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         Kernel family for CuPy inputs: "mma" the mma.sync kernel (any GPU); "wgmma" the
         Hopper warpgroup-MMA kernel (sm_90 only; fp16/bf16, head_dim 64 or 128, no
         logits_soft_cap or alibi_slopes, positive sm_scale; ValueError otherwise); "auto"
-        the wgmma kernel where it applies if ``prefill_plan.WGMMA_AUTO``, else "mma".
+        the wgmma kernel where it applies on sm_90 for the layouts in
+        ``prefill_plan.WGMMA_AUTO`` (measured faster: ragged K/V), else "mma".
 
     Returns
     -------

@@ -85,9 +85,10 @@ def smem_bytes(dtype, head_dim, v_transposed, tile):
 
 
 # ----------------------------------------------------------------------------- wgmma (sm_90a)
-# "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) where it applies once the lead's
-# H200 run shows it correct and faster than the mma.sync kernel: flip this constant then.
-WGMMA_AUTO = False
+# Layouts where "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) on sm_90, as measured
+# on the H200 (2026-11-29, B2 S8192 H32 d128 causal bf16): ragged 396 TFLOP/s against 316 for
+# mma.sync; paged NHD page 16 300 against 322, so paged caches stay on mma.sync for now.
+WGMMA_AUTO = ("ragged",)
 BACKENDS = ("auto", "mma", "wgmma")
 WGMMA_HEAD_DIMS = (64, 128)
 
@@ -139,7 +140,7 @@ def wgmma_unsupported(dtype, head_dim, layout, opts):
     return None
 
 
-def resolve_backend(backend, unsupported, arch=None):
+def resolve_backend(backend, unsupported, arch=None, layout="ragged"):
     """``"mma"`` or ``"wgmma"`` for a call asking for ``backend``.
 
     Parameters
@@ -149,6 +150,8 @@ def resolve_backend(backend, unsupported, arch=None):
         ``wgmma_unsupported`` of the call.
     arch : str, optional
         The device's compute capability (``"90"``); None: no device (not checked).
+    layout : str
+        ``"ragged"`` or the cache layout; "auto" takes wgmma only for ``WGMMA_AUTO`` layouts.
     """
     check_choice("backend", backend, BACKENDS)
     if backend == "wgmma":
@@ -157,7 +160,7 @@ def resolve_backend(backend, unsupported, arch=None):
         if arch is not None and arch != "90":
             raise ValueError(f"backend: 'wgmma' needs an sm_90 (Hopper) device, got sm_{arch}")
         return "wgmma"
-    if backend == "auto" and WGMMA_AUTO and unsupported is None and arch == "90":
+    if backend == "auto" and layout in WGMMA_AUTO and unsupported is None and arch == "90":
         return "wgmma"
     return "mma"
 

@@ -26,3 +26,19 @@ def rng(request):
 def cp():
     import cupy
     return cupy
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request):
+    """Hand pooled device memory back after each GPU test, so tests that allocate several
+    GB (caches past 2**31 elements) do not starve the next ones or parallel workers."""
+    yield
+    if "gpu" not in request.keywords:
+        return
+    import sys
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -586,7 +586,8 @@ def test_wgmma_backend_resolution(monkeypatch):
     opts = check_options(np, 4, 128)
     ok = plan_.wgmma_unsupported(bfloat16, 128, "NHD", opts)
     assert ok is None
-    assert plan_.resolve_backend("auto", ok, "90") == ("wgmma" if plan_.WGMMA_AUTO else "mma")
+    assert plan_.resolve_backend("auto", ok, "90") == ("wgmma" if "ragged" in plan_.WGMMA_AUTO else "mma")
+    assert plan_.resolve_backend("auto", ok, "90", "vllm") == "mma"
     assert plan_.resolve_backend("mma", ok, "90") == "mma"
     assert plan_.resolve_backend("wgmma", ok, "90") == "wgmma"
     assert plan_.resolve_backend("wgmma", ok, None) == "wgmma"
@@ -594,8 +595,10 @@ def test_wgmma_backend_resolution(monkeypatch):
         plan_.resolve_backend("wgmma", ok, "80")
     with pytest.raises(ValueError, match="backend"):
         plan_.resolve_backend("WGMMA", ok, "90")
-    monkeypatch.setattr(plan_, "WGMMA_AUTO", True)
+    monkeypatch.setattr(plan_, "WGMMA_AUTO", ("ragged", "NHD"))
     assert plan_.resolve_backend("auto", ok, "90") == "wgmma"
+    assert plan_.resolve_backend("auto", ok, "90", "NHD") == "wgmma"
+    assert plan_.resolve_backend("auto", ok, "90", "HND") == "mma"
     assert plan_.resolve_backend("auto", ok, "80") == "mma"
     assert plan_.resolve_backend("auto", "alibi_slopes", "90") == "mma"
     for args, why in [((np.float32, 128, "NHD", opts), "float32"), ((np.float16, 80, "NHD", opts), "80"),
