@@ -176,4 +176,56 @@ __device__ __forceinline__ void pack_p(u32 (&pf)[KS_P][4], const float (&s)[2 * 
   }
 }
 
+// Q tile: tile rows [0, t.rows) -> sQ [BLOCK_M][LD] (row r is query token t.token_row(r) of head
+// t.head(r) in q [tokens, num_q_heads, D]); rows past t.rows zero-filled.
+template <typename T, int D, typename C, typename Rows>
+__device__ __forceinline__ void load_q_tile(const T* q, int num_q_heads, const Rows& t, u32 sQ) {
+  const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
+  if (C::CL != C::CHUNKS && c >= C::CHUNKS) return;
+#pragma unroll
+  for (int i = 0; i < C::BLOCK_M / C::ROW_STEP; ++i) {
+    const int r = r0 + i * C::ROW_STEP;
+    const u32 dst = sQ + (r * C::LD + c * 8) * C::E;
+    if (r < t.rows) cp_async16(dst, q + (t.token_row(r) * num_q_heads + t.head(r)) * D + c * 8);
+    else cp_async16(dst, q, 0);
+  }
+}
+
+// Normalise the m-tile at tile row `first` (m in log2 units), write its LSE ([tokens,
+// num_q_heads], if lse), stage it in its own sQ rows and store 16-byte rows to out (rows as in
+// load_q_tile).
+template <typename T, int D, typename C, typename Rows>
+__device__ __forceinline__ void store_rows(T* out, float* lse, const float* sinks, int num_q_heads,
+                                           const Rows& t, int first,
+                                           float (&o)[D / 8][4], const float (&m)[2], float (&l)[2],
+                                           T* sQ, int lane) {
+  float inv[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+    const int r = first + lane / 4 + 8 * hr;
+    float row_lse;
+    finish_row(m[hr], l[hr], sinks, t.head(min(r, t.rows - 1)), inv[hr], row_lse);
+    if (lse != nullptr && lane % 4 == 0 && r < t.rows)
+      lse[t.token_row(r) * num_q_heads + t.head(r)] = row_lse;
+  }
+  if (first >= t.rows) return;
+  T* stage = sQ + first * C::LD;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+      *reinterpret_cast<u32*>(stage + (lane / 4 + 8 * hr) * C::LD + dt * 8 + 2 * (lane % 4)) =
+          pack2<T>(o[dt][2 * hr] * inv[hr], o[dt][2 * hr + 1] * inv[hr]);
+  __syncwarp();
+#pragma unroll
+  for (int idx = lane; idx < 16 * C::CHUNKS; idx += 32) {
+    const int r = idx / C::CHUNKS, c = idx % C::CHUNKS;
+    if (first + r < t.rows)
+      *reinterpret_cast<uint4*>(out + (t.token_row(first + r) * num_q_heads + t.head(first + r)) * D + c * 8) =
+          *reinterpret_cast<const uint4*>(stage + r * C::LD + c * 8);
+  }
+}
+
 }  // namespace cupaged

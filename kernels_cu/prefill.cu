@@ -135,7 +135,8 @@ struct ScoreMap {
 };
 
 // ----------------------------------------------------------------------------- tensor cores
-// TileShape, MmaConfig, compute_qk / compute_pv, online_softmax, pack_p: attn_tile.cuh.
+// TileShape, MmaConfig, compute_qk / compute_pv, online_softmax, pack_p, load_q_tile,
+// store_rows: attn_tile.cuh.
 
 // Where a CTA's K/V tiles come from: the kv head's bases (ragged rows: the sequence's first
 // key folded in), the block table (null: ragged) and the key count. The main loop keeps it
@@ -237,20 +238,6 @@ __device__ __forceinline__ void load_v_transposed(const Problem<T>& P, const KVS
   }
 }
 
-// Q tile: packed rows [row0, row0 + rows) -> sQ [BLOCK_M][LD]; rows past the tile zero-filled.
-template <typename T, int D, typename C>
-__device__ __forceinline__ void load_q_tile(const Problem<T>& P, const Tile& t, u32 sQ) {
-  const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
-  if (C::CL != C::CHUNKS && c >= C::CHUNKS) return;
-#pragma unroll
-  for (int i = 0; i < C::BLOCK_M / C::ROW_STEP; ++i) {
-    const int r = r0 + i * C::ROW_STEP;
-    const u32 dst = sQ + (r * C::LD + c * 8) * C::E;
-    if (r < t.rows) cp_async16(dst, P.q + (t.token_row(r) * P.num_q_heads + t.head(r)) * D + c * 8);
-    else cp_async16(dst, P.q, 0);
-  }
-}
-
 // Key range of one warp's rows [first, first + n_rows): keys some valid row sees
 // [j_lo, j_hi), and every valid row sees [lo_max, hi_min) (empty for a warp without rows).
 struct WarpKeys {
@@ -337,41 +324,6 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT_S][4], const Problem<T
     }
 }
 
-// Normalise the m-tile at tile row `first` (m in log2 units), write its LSE, stage it in its
-// own sQ rows and store 16-byte rows.
-template <typename T, int D, typename C>
-__device__ __forceinline__ void store_rows(const Problem<T>& P, const Tile& t, int first,
-                                           float (&o)[D / 8][4], const float (&m)[2], float (&l)[2],
-                                           T* sQ, int lane) {
-  float inv[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-    const int r = first + lane / 4 + 8 * hr;
-    float row_lse;
-    finish_row(m[hr], l[hr], P.sinks, t.head(min(r, t.rows - 1)), inv[hr], row_lse);
-    if (P.lse != nullptr && lane % 4 == 0 && r < t.rows)
-      P.lse[t.token_row(r) * P.num_q_heads + t.head(r)] = row_lse;
-  }
-  if (first >= t.rows) return;
-  T* stage = sQ + first * C::LD;
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
-      *reinterpret_cast<u32*>(stage + (lane / 4 + 8 * hr) * C::LD + dt * 8 + 2 * (lane % 4)) =
-          pack2<T>(o[dt][2 * hr] * inv[hr], o[dt][2 * hr + 1] * inv[hr]);
-  __syncwarp();
-#pragma unroll
-  for (int idx = lane; idx < 16 * C::CHUNKS; idx += 32) {
-    const int r = idx / C::CHUNKS, c = idx % C::CHUNKS;
-    if (first + r < t.rows)
-      *reinterpret_cast<uint4*>(P.out + (t.token_row(first + r) * P.num_q_heads + t.head(first + r)) * D + c * 8) =
-          *reinterpret_cast<const uint4*>(stage + r * C::LD + c * 8);
-  }
-}
-
 // All of K/V tile j0 (K rows; V rows or transposed) into one stage.
 template <typename T, int D, typename C, bool V_T>
 __device__ __forceinline__ void load_kv_tile(const Problem<T>& P, const KVSource<T>& src, int j0, u32 sK, u32 sV) {
@@ -450,7 +402,7 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
   const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
 
   // -- prologue: Q, and K (all of the tile with two stages) of the last tile --
-  load_q_tile<T, D, C>(P, t, sQ);
+  load_q_tile<T, D, C>(P.q, P.num_q_heads, t, sQ);
   if (n_last >= n_first) {
     KVSource<T> src;
     src.init(P, t);
@@ -520,7 +472,8 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const float m_log2[2] = {m[mt][0] * sc, m[mt][1] * sc};
-    store_rows<T, D, C>(P, t, first + 16 * mt, o[mt], m_log2, l[mt], reinterpret_cast<T*>(smem_raw), lane);
+    store_rows<T, D, C>(P.out, P.lse, P.sinks, P.num_q_heads, t, first + 16 * mt, o[mt], m_log2, l[mt],
+                        reinterpret_cast<T*>(smem_raw), lane);
   }
 }
 
