@@ -1,262 +1,267 @@
-// Block-sparse attention on tensor cores: vertical+slash (MInference) and BSR patterns,
-// dense varlen or paged K/V, GQA, sinks, fp16/bf16.
+// Block-sparse attention on tensor cores: vertical+slash (MInference) and BSR patterns over
+// dense packed or paged K/V, GQA, sinks, fp16/bf16.
 //
-// The pattern of one 64-row query tile is a list of key blocks (first keys
-// entry * entry_scale, block_width keys each, ascending) plus, for vertical+slash, a list of
-// single key columns. The CTA walks the block tiles (64 keys each) and then the columns
-// gathered 64 at a time, with an online softmax across all of them; K/V tiles are
-// gathered row by row (any key order, any page) with cp.async, double buffered for D <= 128.
-#include "sparse_tile.cuh"
+// A CTA computes 128 query rows of one head, the 64-row tiles 2c (half a) and 2c + 1 (half
+// b) of a sequence, with the tile core of the dense kernel (attn_tile.cuh: 4 warps x 32 rows,
+// 64-key K/V tiles, two stages, one barrier per tile; 8 warps x 16 rows and 32-key tiles at
+// D = 256); the warps of a half own its 64 rows. The CTA walks its tile list (sparse_plan.cuh,
+// built by sparse_index.cu) from the end: each K/V tile - contiguous keys of the halves' key
+// blocks, or vertical columns gathered from the head's vertical row - is loaded once and
+// computed by the warps of the halves whose pattern holds it. Only tiles that cross a warp's
+// diagonal (or are not full) are masked; a tile past every row of a warp is skipped.
+#include "attn_tile.cuh"
+#include "sparse_plan.cuh"
 
 namespace cupaged {
 
-// Key rows of one tile: keys base + r (block tile) or cols[r] (column tile), r < width.
-struct TileDesc {
-  int base;
-  int width;
-  const int* cols;
-  __device__ __forceinline__ int key(int r) const {
-    return r < width ? (cols != nullptr ? cols[r] : base + r) : NO_KEY;
+constexpr int HALF_ROWS = 64;          // query rows of one pattern half
+constexpr int EMPTY_KEY = 0x7fffffff;  // key of an empty K/V tile row (past every row's limit)
+
+// cp.async of 8 bytes (the L1-allocating form; .cg takes only 16).
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+
+template <typename T>
+struct SparseProblem {
+  const T* __restrict__ q;
+  const T* __restrict__ k;
+  const T* __restrict__ v;
+  T* __restrict__ out;
+  float* __restrict__ lse;
+  const int* __restrict__ cu_q;
+  const int* __restrict__ kv_lens;
+  const int* __restrict__ cu_k;          // dense rows: sequence starts; paged: unused
+  const int* __restrict__ block_tables;  // nullptr: dense rows
+  int table_stride, page_size;
+  i64 page_stride, tok_stride, head_stride;
+  int num_q_heads, group, head0, plan_heads, num_c;
+  const i64* __restrict__ plan_ptr;      // [plan rows + 1] tile list offsets
+  const int2* __restrict__ tiles;
+  const int* __restrict__ cols;          // [batch, cols_heads, cols_width] vertical rows, or nullptr
+  int cols_heads, cols_width, causal;
+  float scale_log2;                      // sm_scale * log2(e)
+  const float* __restrict__ sinks;
+};
+
+// Query rows of a CTA: tile row r is token row0 + r of head h (r < rows).
+struct SparseRows {
+  i64 row0;
+  int h, rows;
+  __device__ __forceinline__ i64 token_row(int r) const { return row0 + r; }
+  __device__ __forceinline__ int head(int) const { return h; }
+};
+
+// Per-CTA state the main loop reads from shared memory rather than holding in registers.
+template <typename T, int BN>
+struct SparseLoop {
+  const T* kb;          // the kv head's K / V (dense rows: from the sequence's first key)
+  const T* vb;
+  const int* table;     // the sequence's block table; nullptr: dense rows
+  const int* cols;      // the head's vertical row (gathered tiles)
+  const int2* tiles;    // this CTA's tile list
+  int page_size, page_shift;   // page_shift >= 0: power-of-two pages
+  u32 page_stride, tok_stride;
+  int2 desc[3];         // descriptor of tile i in slot i % 3
+  __align__(8) int keys[2][BN];  // key of each K/V row of a stage (EMPTY_KEY: none)
+
+  __device__ __forceinline__ void init(const SparseProblem<T>& P, int b, int h, i64 t0) {
+    const i64 base = (i64)(h / P.group) * P.head_stride +
+                     (P.block_tables == nullptr ? (i64)P.cu_k[b] * P.tok_stride : 0);
+    kb = P.k + base;
+    vb = P.v + base;
+    table = P.block_tables == nullptr ? nullptr : P.block_tables + (i64)b * P.table_stride;
+    cols = P.cols == nullptr ? nullptr : P.cols + ((i64)b * P.cols_heads + h) * P.cols_width;
+    tiles = P.tiles + t0;
+    page_size = P.page_size;
+    page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+    page_stride = (u32)P.page_stride;
+    tok_stride = (u32)P.tok_stride;
   }
 };
 
-// Output columns per CTA: all of D, or 128 for D = 256 (two CTAs split the columns and
-// both compute the scores, which keeps the O accumulators within the register file).
-template <int D> struct SpSplit { static constexpr int DV = D <= 128 ? D : 128, PARTS = D / DV; };
-
-// grid (heads in this call * D / DV, num_m_tiles, batch), block 128 (4 warps x 16 rows).
-// CTA (x, m, b) computes query rows [64 m', 64 m' + 64) of sequence b, head
-// head0 + x / (D / DV), output columns [dv0, dv0 + DV) with dv0 = DV * (x % (D / DV)),
-// where m' = gridDim.y - 1 - m (longest rows first; the heads of one tile run together,
-// so the query heads of a kv head share its K/V tiles in L2). Each thread holds rows g and g + 8
-// of its warp's 16: scores s[8][4], running max/sum, and O accumulators o[DV/8][4].
-// Pattern row of the CTA: prow = (b * pattern_heads + hp') * pattern_rows + m' / m_div
-// (hp' = 0 when pattern_heads == 1); its blocks are blk_list[blk_ptr[prow]..blk_ptr[prow+1])
-// when blk_ptr is given (BSR), else blk_list[prow * list_width ..][:blk_count[prow]].
-template <typename T, int D>
-__global__ void __launch_bounds__(SP_THREADS, 1) sparse_attention(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ lse,
-    const int* __restrict__ cu_q, const int* __restrict__ kv_lens, const int* __restrict__ cu_k,
-    const int* __restrict__ block_tables, int table_stride, int page_size, i64 page_stride,
-    i64 tok_stride, i64 head_stride, int num_q_heads, int group, int head0,
-    const int* __restrict__ blk_count, const int* __restrict__ blk_ptr,
-    const int* __restrict__ blk_list, int list_width, int entry_scale, int block_width,
-    const int* __restrict__ col_count, const int* __restrict__ col_index, int col_width,
-    int pattern_heads, int pattern_rows, int m_div, int causal, float scale_log2,
-    const float* __restrict__ sinks) {
-  using Tl = SpTile<D>;
-  constexpr int DV = SpSplit<D>::DV, PARTS = SpSplit<D>::PARTS;
-  constexpr int SROW = Tl::SROW, SROW_V = DV + 8;
-  constexpr int STAGES = D <= 128 ? 2 : 1;
-  constexpr int TILE_K = SP_KEYS * SROW, TILE_V = SP_KEYS * SROW_V;
-  extern __shared__ uint4 smem_u4[];
-  T* sq = reinterpret_cast<T*>(smem_u4);
-  T* sk = sq + SP_ROWS * SROW;
-  T* sv = sk + STAGES * TILE_K;
-  int* skey = reinterpret_cast<int*>(sv + STAGES * TILE_V);
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int m = gridDim.y - 1 - blockIdx.y, hp = blockIdx.x / PARTS, b = blockIdx.z;
-  const int h = head0 + hp, dv0 = DV * (blockIdx.x % PARTS);
-  const int q0 = cu_q[b], q_len = cu_q[b + 1] - q0, m0 = m * SP_ROWS;
-  if (m0 >= q_len) return;
-  const int kv_len = kv_lens[b], pos0 = kv_len - q_len;
-  const int kvh = h / group;
-  KVRows rows;
-  if (block_tables != nullptr)
-    rows = {block_tables + (i64)b * table_stride, page_size, kvh * head_stride, page_stride, tok_stride};
-  else
-    rows = {nullptr, 1, (i64)cu_k[b] * tok_stride + kvh * head_stride, 0, tok_stride};
-
-  // -- this tile's pattern: key blocks (causally reachable ones), then columns --
-  const i64 prow = ((i64)b * pattern_heads + (pattern_heads > 1 ? hp : 0)) * pattern_rows + m / m_div;
-  const int* list;
-  int count;
-  if (blk_ptr != nullptr) {
-    list = blk_list + blk_ptr[prow];
-    count = blk_ptr[prow + 1] - blk_ptr[prow];
-  } else {
-    list = blk_list + prow * list_width;
-    count = blk_count[prow];
+// K and V rows of the tile described by d -> one stage (sK, sV), their keys -> keys[]. Thread
+// tid copies 16-byte chunk tid % CL of rows tid / CL + ROW_STEP * i; rows past the tile's
+// width are zero-filled with key EMPTY_KEY. Keys (and pages) are looked up before any copy so
+// that a thread's loads issue together.
+template <typename T, typename C, bool PAGED>
+__device__ __forceinline__ void load_rows(const SparseLoop<T, C::BLOCK_N>& st, int2 d, int* keys, u32 sK, u32 sV) {
+  constexpr int NR = C::BLOCK_N / C::ROW_STEP;
+  const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
+  const int w = d.y & TILE_WIDTH;
+  const bool gather = (d.y & TILE_GATHER) != 0;
+  int key[NR], page[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    const int r = r0 + i * C::ROW_STEP;
+    key[i] = r >= w ? EMPTY_KEY : gather ? st.cols[d.x + r] : d.x + r;
   }
-  const int p_last = pos0 + min(m0 + SP_ROWS, q_len) - 1;
-  if (causal) {
-    int lo = 0, hi = count;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if ((i64)list[mid] * entry_scale <= p_last) lo = mid + 1; else hi = mid;
-    }
-    count = lo;
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    const int j = key[i] == EMPTY_KEY ? 0 : key[i];
+    if constexpr (PAGED) page[i] = __ldg(st.table + (st.page_shift >= 0 ? j >> st.page_shift : j / st.page_size));
   }
-  const int* cols = nullptr;
-  int n_cols = 0;
-  if (col_count != nullptr) {
-    n_cols = col_count[prow];
-    cols = col_index + prow * col_width;
-  }
-  const int per_entry = (block_width + SP_KEYS - 1) / SP_KEYS;
-  const int n_blk_tiles = count * per_entry;
-  const int n_tiles = n_blk_tiles + (n_cols + SP_KEYS - 1) / SP_KEYS;
-
-  auto tile_at = [&](int i) {
-    TileDesc d;
-    if (i < n_blk_tiles) {
-      const int e = i / per_entry, sub = i - e * per_entry;
-      d.base = list[e] * entry_scale + sub * SP_KEYS;
-      d.width = min(min(SP_KEYS, block_width - sub * SP_KEYS), kv_len - d.base);
-      d.cols = nullptr;
-    } else {
-      const int c0 = (i - n_blk_tiles) * SP_KEYS;
-      d.base = 0;
-      d.width = min(SP_KEYS, n_cols - c0);
-      d.cols = cols + c0;
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    const int r = r0 + i * C::ROW_STEP;
+    if (c == 0) keys[r] = key[i];
+    const bool ok = key[i] != EMPTY_KEY;
+    const u32 j = ok ? key[i] : 0;
+    unsigned long long off = wide(j, st.tok_stride);
+    if constexpr (PAGED) {
+      const u32 in_page = st.page_shift >= 0 ? j & (st.page_size - 1) : j % (u32)st.page_size;
+      off = wide(page[i], st.page_stride) + wide(in_page, st.tok_stride);
     }
-    return d;
-  };
-  auto issue = [&](int i, int buf) {
-    const TileDesc d = tile_at(i);
-    load_kv_tile<T, D, DV>(sk + buf * TILE_K, sv + buf * TILE_V, k, v, dv0, rows,
-                           [&](int r) { return d.key(r); });
-    if (threadIdx.x < SP_KEYS) skey[buf * SP_KEYS + threadIdx.x] = d.key(threadIdx.x);
-  };
-
-  // -- prologue: Q tile, first K/V tile --
-  load_q_tile<T, D>(sq, q, (i64)q0 + m0, min(SP_ROWS, q_len - m0), num_q_heads, h);
-  cp_async_commit();
-  if (n_tiles > 0) issue(0, 0);
-  cp_async_commit();
-  cp_async_wait<1>();
-  __syncthreads();
-  QOperand<T, D> qop;
-  qop.load(sq, warp, lane);
-
-  float o[DV / 8][4];
-#pragma unroll
-  for (int i = 0; i < DV / 8; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
-  float m_i[2] = {sp_neg_inf(), sp_neg_inf()}, l_i[2] = {0.f, 0.f};
-  int lim[2];  // last visible key of rows g, g + 8
-  lim[0] = causal ? pos0 + m0 + warp * 16 + g : NO_KEY - 1;
-  lim[1] = causal ? lim[0] + 8 : NO_KEY - 1;
-  const int lim_min = causal ? pos0 + m0 : NO_KEY - 1;
-
-  for (int i = 0; i < n_tiles; ++i) {
-    int buf = 0;
-    if constexpr (STAGES == 2) {
-      buf = i & 1;
-      if (i + 1 < n_tiles) issue(i + 1, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      if (i > 0) {
-        issue(i, 0);
-        cp_async_commit();
-      }
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const T* kt = sk + buf * TILE_K;
-    const T* vt = sv + buf * TILE_V;
-
-    // -- compute qk --
-    float s[8][4];
-    qk_tile<T, D>(s, qop, sq, kt, warp, lane);
-
-    // -- scale, mask (skipped for full block tiles below the diagonal) --
-    const TileDesc d = tile_at(i);
-    const bool full = d.cols == nullptr && d.width == SP_KEYS && d.base + SP_KEYS - 1 <= lim_min;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      int2 key = make_int2(0, 0);
-      if (!full) key = *reinterpret_cast<const int2*>(skey + buf * SP_KEYS + 8 * j + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int kj = (e & 1) ? key.y : key.x;
-        s[j][e] = (!full && kj > lim[e >> 1]) ? sp_neg_inf() : s[j][e] * scale_log2;
-      }
-    }
-
-    // -- online softmax --
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = sp_neg_inf();
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      const float m_new = fmaxf(m_i[r], quad_max(mx));
-      const float m_use = m_new == sp_neg_inf() ? 0.f : m_new;
-      const float alpha = fast_exp2(m_i[r] - m_use);
-      m_i[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s[j][2 * r] = fast_exp2(s[j][2 * r] - m_use);
-        s[j][2 * r + 1] = fast_exp2(s[j][2 * r + 1] - m_use);
-        sum += s[j][2 * r] + s[j][2 * r + 1];
-      }
-      l_i[r] = l_i[r] * alpha + sum;
-#pragma unroll
-      for (int n = 0; n < DV / 8; ++n) {
-        o[n][2 * r] *= alpha;
-        o[n][2 * r + 1] *= alpha;
-      }
-    }
-
-    // -- o += p v --
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      u32 a[4];
-      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-      for (int dp = 0; dp < DV / 16; ++dp) {
-        u32 bv[4];
-        ldmatrix_x4_trans(bv, vt + (kk * 16 + ldm_bkn_row(lane)) * SROW_V + dp * 16 + ldm_bkn_col(lane));
-        mma_16816<T>(o[2 * dp], a, bv[0], bv[1]);
-        mma_16816<T>(o[2 * dp + 1], a, bv[2], bv[3]);
-      }
-    }
-    __syncthreads();
-  }
-
-  // -- epilogue: sink, normalise, stage through shared, 16-byte stores --
-  const float sink2 = sinks != nullptr ? sinks[h] * LOG2E : sp_neg_inf();
-  float scale_o[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(l_i[r]);
-    const float mf = fmaxf(m_i[r], sink2);
-    float lse_r = sp_neg_inf();
-    scale_o[r] = 0.f;
-    if (mf != sp_neg_inf()) {
-      const float corr = fast_exp2(m_i[r] - mf);
-      const float total = l * corr + fast_exp2(sink2 - mf);
-      scale_o[r] = corr / total;
-      lse_r = (mf + __log2f(total)) * LN2;
-    }
-    const int row = m0 + warp * 16 + g + 8 * r;
-    if (lse != nullptr && dv0 == 0 && t == 0 && row < q_len) lse[((i64)q0 + row) * num_q_heads + h] = lse_r;
-  }
-  __syncthreads();  // every warp is done reading sq
-#pragma unroll
-  for (int n = 0; n < DV / 8; ++n) {
-    *reinterpret_cast<u32*>(sq + (warp * 16 + g) * SROW_V + n * 8 + 2 * t) =
-        pack2<T>(o[n][0] * scale_o[0], o[n][1] * scale_o[0]);
-    *reinterpret_cast<u32*>(sq + (warp * 16 + g + 8) * SROW_V + n * 8 + 2 * t) =
-        pack2<T>(o[n][2] * scale_o[1], o[n][3] * scale_o[1]);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int it = 0; it < SP_ROWS * (DV / 8) / SP_THREADS; ++it) {
-    const int i = threadIdx.x + it * SP_THREADS;
-    const int r = i / (DV / 8), c = i - r * (DV / 8);
-    if (m0 + r < q_len)
-      *reinterpret_cast<uint4*>(out + (((i64)q0 + m0 + r) * num_q_heads + h) * D + dv0 + c * 8) =
-          *reinterpret_cast<const uint4*>(sq + r * SROW_V + c * 8);
+    const u32 at = (r * C::LD + c * 8) * C::E;
+    cp_async16(sK + at, st.kb + off + c * 8, ok ? 16 : 0);
+    cp_async16(sV + at, st.vb + off + c * 8, ok ? 16 : 0);
   }
 }
+
+// All of tile i (descriptor in its ring slot) into stage `stage`.
+template <typename T, typename C>
+__device__ __forceinline__ void issue_tile(SparseLoop<T, C::BLOCK_N>& st, int i, int stage, u32 sK0, u32 sV0) {
+  if (C::CL != C::CHUNKS && threadIdx.x % C::CL >= C::CHUNKS) return;
+  const int2 d = st.desc[i % 3];
+  const u32 sK = sK0 + stage * C::K_BYTES, sV = sV0 + stage * C::V_BYTES;
+  if (st.table == nullptr) load_rows<T, C, false>(st, d, st.keys[stage], sK, sV);
+  else load_rows<T, C, true>(st, d, st.keys[stage], sK, sV);
+}
+
+// Scores of one m-tile whose keys (keys[column]) pass a row's last visible key (lim0: row g,
+// lim1: row g + 8) -> -inf; the others times pre (1 unless the scale is not positive).
+template <int NT_S>
+__device__ __forceinline__ void mask_keys(float (&s)[NT_S][4], const int* keys, int lim0, int lim1, float pre,
+                                          int lane) {
+#pragma unroll
+  for (int nt = 0; nt < NT_S; ++nt) {
+    const int2 kk = *reinterpret_cast<const int2*>(keys + nt * 8 + 2 * (lane % 4));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = (e & 1) ? kk.y : kk.x;
+      s[nt][e] = key > (e < 2 ? lim0 : lim1) ? neg_inf() : s[nt][e] * pre;
+    }
+  }
+}
+
+// Body of sparse_attention (see the header and the kernel's comment).
+template <typename T, int D, typename S>
+__device__ __forceinline__ void sparse_mma(const SparseProblem<T>& P) {
+  using C = MmaConfig<T, D, S, false>;
+  static_assert(C::BLOCK_M == 2 * HALF_ROWS && C::STAGES == 2 && !C::Q_REGS, "two halves, two stages");
+  constexpr int MT = C::MT, BN = C::BLOCK_N, NT_S = BN / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ SparseLoop<T, BN> st;
+  const u32 sQ = smem_addr(smem_raw), sK0 = sQ + C::Q_BYTES, sV0 = sK0 + 2 * C::K_BYTES;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, first = warp * MT * 16;
+  const u32 sQw = sQ + first * C::LD * C::E;
+
+  const int hh = blockIdx.x, c = P.num_c - 1 - blockIdx.y, b = blockIdx.z, h = P.head0 + hh;
+  const int q0 = P.cu_q[b], q_len = P.cu_q[b + 1] - q0, m0 = c * C::BLOCK_M;
+  if (m0 >= q_len) return;
+  const SparseRows rows{(i64)q0 + m0, h, min(C::BLOCK_M, q_len - m0)};
+  const i64 prow = ((i64)b * P.plan_heads + (P.plan_heads > 1 ? hh : 0)) * P.num_c + c;
+  const i64 t0 = P.plan_ptr[prow];
+  const int n_tiles = (int)(P.plan_ptr[prow + 1] - t0);
+  if (threadIdx.x == 0) st.init(P, b, h, t0);
+
+  // -- prologue: Q and the descriptors of the last two tiles; then all of the last tile --
+  load_q_tile<T, D, C>(P.q, P.num_q_heads, rows, sQ);
+  if ((int)threadIdx.x < min(2, n_tiles)) {
+    const int i = n_tiles - 1 - threadIdx.x;
+    cp_async8(&st.desc[i % 3], P.tiles + t0 + i);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  if (n_tiles > 0) issue_tile<T, C>(st, n_tiles - 1, 0, sK0, sV0);
+  cp_async_commit();
+
+  // the warp's rows: last visible key of its first and of its last valid row
+  const int pos0 = P.kv_lens[b] - q_len + m0 + first;
+  const int my_rows = min(16 * MT, rows.rows - first);
+  const int lim_lo = P.causal ? pos0 : EMPTY_KEY - 1;
+  const int lim_hi = P.causal ? pos0 + my_rows - 1 : EMPTY_KEY - 1;
+  const int half_bit = 1 << (first / HALF_ROWS);
+  // plain path: raw dots, the scale folded into the exponential; else scores scaled first
+  const bool plain = P.scale_log2 > 0.f;
+  const float sc = plain ? P.scale_log2 : 1.f;
+  u32 qf[1][1][4];  // Q fragments are re-read from sQ (C::Q_REGS is false)
+
+  float o[MT][D / 8][4], m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+    m[mt][0] = m[mt][1] = neg_inf();
+    l[mt][0] = l[mt][1] = 0.f;
+  }
+
+  for (int n = n_tiles - 1, stage = 0; n >= 0; --n, stage ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile n and the descriptor of n - 1 visible; every warp is done with n + 1
+    if (n > 0) issue_tile<T, C>(st, n - 1, stage ^ 1, sK0, sV0);
+    if (n > 1 && threadIdx.x == 0) cp_async8(&st.desc[(n - 2) % 3], st.tiles + (n - 2));
+    cp_async_commit();
+
+    const int2 d = st.desc[n % 3];
+    const int* keys = st.keys[stage];
+    const int w = d.y & TILE_WIDTH;
+    const bool gather = (d.y & TILE_GATHER) != 0;
+    const int k_first = gather ? keys[0] : d.x, k_last = gather ? keys[w - 1] : d.x + w - 1;
+    if (((d.y >> 8) & half_bit) && my_rows > 0 && k_first <= lim_hi) {
+      // -- compute qk; mask where a row does not see every key; online softmax; p -> A --
+      const bool mask = w < BN || k_last > lim_lo;
+      float s[MT][NT_S][4];
+      u32 pf[MT][BN / 16][4];
+      compute_qk<T, D, C>(s, qf, sQw, sK0 + stage * C::K_BYTES, lane);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int lim = P.causal ? lim_lo + 16 * mt + lane / 4 : EMPTY_KEY - 1;
+        if (mask || !plain)
+          mask_keys<NT_S>(s[mt], keys, lim, P.causal ? lim + 8 : lim, plain ? 1.f : P.scale_log2, lane);
+        online_softmax<NT_S, D / 8>(s[mt], o[mt], m[mt], l[mt], sc);
+        pack_p<T, BN / 16>(pf[mt], s[mt]);
+      }
+      // -- compute pv --
+      compute_pv<T, D, C, false>(o, pf, sV0 + stage * C::V_BYTES, lane);
+    }
+  }
+
+  // -- epilogue: rows staged in the warp's own sQ rows --
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const float m_log2[2] = {m[mt][0] * sc, m[mt][1] * sc};
+    store_rows<T, D, C>(P.out, P.lse, P.sinks, P.num_q_heads, rows, first + 16 * mt, o[mt], m_log2, l[mt],
+                        reinterpret_cast<T*>(smem_raw), lane);
+  }
+}
+
+#define CUPAGED_SPARSE_PARAMS(T)                                                                  \
+  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out, \
+      float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ kv_lens,    \
+      const int* __restrict__ cu_k, const int* __restrict__ block_tables, int table_stride,       \
+      int page_size, i64 page_stride, i64 tok_stride, i64 head_stride, int num_q_heads, int group, \
+      int head0, int plan_heads, int num_c, const i64* __restrict__ plan_ptr,                    \
+      const int2* __restrict__ tiles, const int* __restrict__ cols, int cols_heads, int cols_width, \
+      int causal, float scale_log2, const float* __restrict__ sinks
+
+// grid (heads in this call, ceil(max q_len / 128), batch), block 32 * S::WARPS; dynamic smem:
+// Q [128][D + 8], then two K and two V stages [BLOCK_N][D + 8]; static smem: SparseLoop.
+// CTA (x, y, b) computes query rows [128 c, 128 c + 128) of sequence b, head head0 + x,
+// with c = gridDim.y - 1 - y (longest rows first; the query heads of a kv head are neighbours
+// in x, so they share K/V tiles in L2). Its tile list is tiles[plan_ptr[r] .. plan_ptr[r + 1])
+// of plan row r = (b * plan_heads + (plan_heads > 1 ? x : 0)) * num_c + c. Each warp holds
+// S::MT m-tiles of scores, running max/sum and O accumulators in registers (attn_tile.cuh).
+template <typename T, int D, typename S>
+__global__ void __launch_bounds__(32 * S::WARPS, S::CTAS) sparse_attention(CUPAGED_SPARSE_PARAMS(T)) {
+  const SparseProblem<T> P{q, k, v, out, lse, cu_q, kv_lens, cu_k, block_tables, table_stride,
+                           page_size, page_stride, tok_stride, head_stride, num_q_heads, group,
+                           head0, plan_heads, num_c, plan_ptr, tiles, cols, cols_heads, cols_width,
+                           causal, scale_log2, sinks};
+  sparse_mma<T, D, S>(P);
+}
+
+#undef CUPAGED_SPARSE_PARAMS
 
 }  // namespace cupaged

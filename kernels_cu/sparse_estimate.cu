@@ -43,8 +43,7 @@ __global__ void __launch_bounds__(SP_THREADS) vs_estimate(
   const KVRows rows = {block_table, page_size, (h / group) * head_stride, page_stride, tok_stride};
   auto issue = [&](int i, int buf) {
     const int j0 = j_begin + i * SP_KEYS;
-    load_kv_tile<T, D, D>(sk + buf * TILE, nullptr, k, nullptr, 0, rows,
-                          [&](int r) { return j0 + r < j_end ? j0 + r : NO_KEY; });
+    load_k_tile<T, D>(sk + buf * TILE, k, rows, [&](int r) { return j0 + r < j_end ? j0 + r : NO_KEY; });
   };
 
   load_q_tile<T, D>(sq, q, q_row0, n, num_q_heads, h);

@@ -1,5 +1,6 @@
-// Tiles shared by the sparse kernels: 64-key K/V tiles gathered into shared memory from a
-// dense or paged cache, and the 64x64 score tile Q.K^T of four warps on tensor cores.
+// Tiles of the vertical+slash estimate (sparse_estimate.cu): 64-key K tiles gathered into
+// shared memory from a dense or paged cache, and the 64x64 score tile Q.K^T of four warps on
+// tensor cores. (The attention kernel uses the dense kernel's tile core, attn_tile.cuh.)
 //
 // A CTA has 4 warps; warp w owns query rows [16w, 16w + 16) of a 64-row Q tile. Shared
 // tiles are row-major [64][SROW] with SROW = D + 8: the 16-byte pad shifts consecutive rows
@@ -39,14 +40,11 @@ struct KVRows {
   }
 };
 
-// Issue cp.async loads of the 64 key rows key_of(r) into [64][D + 8] shared tiles: all D
-// columns of K, and columns [v_col0, v_col0 + DV) of V (when v != nullptr) into [64][DV + 8].
-// Rows with key_of(r) == NO_KEY are zero-filled.
-template <typename T, int D, int DV, typename KeyOf>
-__device__ __forceinline__ void load_kv_tile(T* sk, T* sv, const T* __restrict__ k,
-                                             const T* __restrict__ v, int v_col0,
-                                             const KVRows& rows, KeyOf key_of) {
-  constexpr int CK = D / 8, CV = DV / 8, SROW_K = D + 8, SROW_V = DV + 8;
+// Issue cp.async loads of the 64 key rows key_of(r) (all D columns of K) into a [64][D + 8]
+// shared tile; rows with key_of(r) == NO_KEY are zero-filled.
+template <typename T, int D, typename KeyOf>
+__device__ __forceinline__ void load_k_tile(T* sk, const T* __restrict__ k, const KVRows& rows, KeyOf key_of) {
+  constexpr int CK = D / 8, SROW = D + 8;
 #pragma unroll
   for (int it = 0; it < SP_KEYS * CK / SP_THREADS; ++it) {
     const int i = threadIdx.x + it * SP_THREADS;
@@ -54,20 +52,7 @@ __device__ __forceinline__ void load_kv_tile(T* sk, T* sv, const T* __restrict__
     const int j = key_of(r);
     const bool ok = j != NO_KEY;
     const i64 off = ok ? rows.offset(j) + c * 8 : 0;
-    cp_async16(sk + r * SROW_K + c * 8, k + off, ok ? 16 : 0);
-    if (DV == D && v != nullptr) cp_async16(sv + r * SROW_V + c * 8, v + off, ok ? 16 : 0);
-  }
-  if constexpr (DV != D) {
-    if (v == nullptr) return;
-#pragma unroll
-    for (int it = 0; it < SP_KEYS * CV / SP_THREADS; ++it) {
-      const int i = threadIdx.x + it * SP_THREADS;
-      const int r = i / CV, c = i - r * CV;
-      const int j = key_of(r);
-      const bool ok = j != NO_KEY;
-      const i64 off = ok ? rows.offset(j) + v_col0 + c * 8 : 0;
-      cp_async16(sv + r * SROW_V + c * 8, v + off, ok ? 16 : 0);
-    }
+    cp_async16(sk + r * SROW + c * 8, k + off, ok ? 16 : 0);
   }
 }
 

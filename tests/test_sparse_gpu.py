@@ -7,6 +7,8 @@ from cupaged import sparse
 from cupaged._arrays import bfloat16
 from cupaged.reference import attention as ra
 from cupaged.reference import sparse as ref
+from cupaged.sparse import index, tiles
+from test_sparse_tiles import check_lists
 
 pytestmark = pytest.mark.gpu
 TOL = {np.dtype(np.float16): 2e-3, np.dtype(bfloat16): 1e-2}
@@ -105,6 +107,34 @@ def test_index_kernel_equals_reference(cp, rng, block_m, block_n):
         np.testing.assert_array_equal(_host(cp, g), w, err_msg=name)
 
 
+@pytest.mark.parametrize("block_m,tile_n", [(64, 64), (128, 64), (64, 32)])
+def test_device_tile_lists_cover_the_pattern(cp, rng, block_m, tile_n):
+    """vs_prepare + vs_plan_kernel: every 64-row half of every CTA holds its pattern's keys once."""
+    q_lens = np.array([300, 0, 1, 700, 129], np.int32)
+    kv_lens = np.array([300, 50, 64, 1200, 640], np.int32)
+    rows_v, rows_s = [], []
+    for n in kv_lens:
+        rows_v.append(rng.integers(0, n + 2, (3, 40)).astype(np.int32))    # duplicates, padding
+        rows_s.append(np.concatenate([rng.integers(0, n, (3, 30)), np.tile(np.arange(70), (3, 1))],
+                                     axis=1).astype(np.int32))
+    v_idx, s_idx = sparse.pad_indices(rows_v), sparse.pad_indices(rows_s)
+    cu_q = cp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+    kv_d = cp.asarray(kv_lens)
+    prep = index.prepare(cp.asarray(v_idx), cp.asarray(s_idx), kv_d, block_m)
+    (lists,) = tiles.vs_lists(prep, cu_q, kv_d, len(q_lens), int(q_lens.max()), 64, tile_n)
+    ptr, t_all, cols = (_host(cp, x) for x in (lists.ptr, lists.tiles, lists.cols))
+    counts = _host(cp, prep.v_count)
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        bc, bo, cc, ci = ref.vertical_slash_index([q_len], v_idx[b:b + 1], s_idx[b:b + 1],
+                                                  max(q_len, 1), block_m, 64, kv_seqlens=[kv_len])
+        masks = ref.vertical_slash_mask(bc[0], bo[0], cc[0], ci[0], q_len, kv_len, block_m, 64)
+        for h in range(3):
+            def list_of(c, b=b, h=h):
+                row = (b * 3 + h) * lists.num_c + c
+                return t_all[ptr[row]:ptr[row + 1]], cols[b, h, :counts[b, h]]
+            check_lists(list_of, -(-int(q_len) // 128), masks[h], int(q_len), int(kv_len), tile_n)
+
+
 # ----------------------------------------------------------------------------- attention
 def _random_pattern(rng, hq, kv_len, nv, ns, recent=8):
     v_idx = np.sort(np.stack([rng.choice(kv_len, nv, replace=False) for _ in range(hq)]), axis=1)
@@ -153,6 +183,43 @@ def test_full_pattern_equals_dense(cp, rng, dtype):
     want, want_lse = ra.attend(q, k, v, causal=True)
     _check_close(got, want, dtype)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,d,hq,hk,q_len,kv_len", [
+    (np.float16, 64, 4, 2, 333, 333),
+    (bfloat16, 128, 8, 2, 300, 700),
+    (bfloat16, 256, 2, 1, 200, 200),
+])
+def test_full_pattern_equals_dense_prefill(cp, rng, dtype, d, hq, hk, q_len, kv_len):
+    """The sparse kernel on a full pattern and the dense prefill kernel share their tile core
+    (attn_tile.cuh): same rows, LSE included."""
+    import cupaged
+    q, k, v = (_rand(rng, s, dtype) for s in ((q_len, hq, d), (kv_len, hk, d), (kv_len, hk, d)))
+    s_all = np.tile(np.arange(kv_len, dtype=np.int32), (hq, 1))
+    sk = rng.standard_normal(hq).astype(np.float32)
+    got, lse = _vs_gpu(cp, q, k, v, s_all[:, :1].copy(), s_all, sinks=cp.asarray(sk))
+    cu_q, cu_k = (cp.asarray(np.array([0, n], np.int32)) for n in (q_len, kv_len))
+    want, want_lse = cupaged.varlen_prefill(cp.asarray(q), cp.asarray(k), cp.asarray(v), cu_q, cu_k,
+                                            causal=True, sinks=cp.asarray(sk), return_lse=True)
+    _check_close(got, _host(cp, want).astype(np.float64), dtype)
+    np.testing.assert_allclose(lse, _host(cp, want_lse), rtol=1e-3, atol=1e-3)
+
+
+def test_band_pattern_and_scales(cp, rng):
+    """A band of recent diagonals plus sinks (shared tiles, edge tiles, one column tile), with a
+    positive, a negative and a zero scale."""
+    q_len = kv_len = 1500
+    q = _rand(rng, (q_len, 4, 128), bfloat16)
+    k, v = (_rand(rng, (kv_len, 2, 128), bfloat16) for _ in range(2))
+    v_idx = np.tile(np.array([0, 1, 2, 3, 700], np.int32), (4, 1))
+    s_idx = np.tile(np.concatenate([np.arange(300), [555, 1000]]).astype(np.int32), (4, 1))
+    for scale in (0.05, -0.07, 0.0):
+        got, lse = _vs_gpu(cp, q, k, v, v_idx, s_idx, sm_scale=scale)
+        want, want_lse = sparse.vertical_slash_attention(
+            q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), v_idx, s_idx,
+            sm_scale=scale, return_lse=True)
+        _check_close(got, want, bfloat16)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-3, atol=1e-3)
 
 
 def test_block_sizes_and_empty_rows(cp, rng):
@@ -215,15 +282,16 @@ def _paged(rng, k, v, cu_k, bs, num_blocks, layout, cp, top=False):
     return kc, vc, tables
 
 
-@pytest.mark.parametrize("layout,big", [("NHD", False), ("HND", False), ("NHD", True)])
-def test_paged_equals_dense(cp, rng, layout, big):
+@pytest.mark.parametrize("layout,big,bs", [("NHD", False, 16), ("HND", False, 16), ("NHD", True, 16),
+                                           ("HND", False, 24)])
+def test_paged_equals_dense(cp, rng, layout, big, bs):
     q_lens, kv_lens = [70, 128, 1], [500, 128, 33]
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
     q = _rand(rng, (cu_q[-1], 8, 128), np.float16)
     k, v = (_rand(rng, (cu_k[-1], 2, 128), np.float16) for _ in range(2))
-    num_blocks = (2 ** 31) // (16 * 2 * 128) + 64 if big else 80      # > 2^31 elements when big
-    kc, vc, tables = _paged(rng, k, v, cu_k, 16, num_blocks, layout, cp, top=big)
+    num_blocks = (2 ** 31) // (bs * 2 * 128) + 64 if big else 80      # > 2^31 elements when big
+    kc, vc, tables = _paged(rng, k, v, cu_k, bs, num_blocks, layout, cp, top=big)
     pats = [_random_pattern(rng, 8, n, min(n, 20), min(n, 12)) for n in kv_lens]
     v_idx = sparse.pad_indices([p[0] for p in pats])
     s_idx = sparse.pad_indices([p[1] for p in pats])

@@ -1,10 +1,10 @@
 """Block-sparse attention: vertical+slash (dense, packed batches, paged caches) and BSR.
 
 Every op validates its arguments, then runs the NumPy reference (``cupaged.reference.sparse``)
-or, on CuPy, one tensor-core kernel (``kernels_cu/sparse_attention.cu``) that walks each
-64-row query tile's key blocks and then its gathered columns with an online softmax.
-Vertical+slash calls first build MInference's index with ``sparse_index.cu``, a group of
-heads at a time so the index stays within ``INDEX_BUDGET`` bytes (1M tokens fit).
+or, on CuPy, the tensor-core kernel of ``kernels_cu/sparse_attention.cu``: each CTA computes
+two 64-row query tiles of one head over a tile list built on the device (``tiles.py``): the
+union of the two tiles' key blocks as contiguous 64-key tiles, then their vertical columns
+gathered 64 at a time, with an online softmax across all of them.
 """
 from __future__ import annotations
 
@@ -18,10 +18,8 @@ from .._checks import check_block_tables, check_cu_seqlens, check_gqa, check_opt
     check_out, check_query
 from ..layouts import cache_geometry
 from ..reference import sparse as ref
-from . import kernels
-from .index import IndexPlan, build_index, check_block_size, check_pattern_indices
-
-INDEX_BUDGET = 1 << 30
+from . import kernels, tiles
+from .index import check_block_size, check_pattern_indices, prepare
 
 
 class Batch(NamedTuple):
@@ -35,23 +33,6 @@ class Batch(NamedTuple):
     @property
     def size(self):
         return len(self.q_lens)
-
-
-class Pattern(NamedTuple):
-    """Kernel arguments describing the pattern (see ``sparse_attention.cu``)."""
-    blk_count: object
-    blk_ptr: object
-    blk_list: object
-    list_width: int
-    entry_scale: int
-    block_width: int
-    col_count: object
-    col_index: object
-    col_width: int
-    heads: int
-    rows: int
-    m_div: int
-    causal: bool
 
 
 # ----------------------------------------------------------------------------- checks
@@ -103,54 +84,33 @@ def _finish_reference(result, out, lse):
 
 
 # ----------------------------------------------------------------------------- launch
-def launch(q, kv, out, lse, cu_q, kv_lens, batch, pattern, opts, head0=0, heads=None):
-    """One ``sparse_attention`` launch over heads ``[head0, head0 + heads)``."""
-    heads = batch.num_q_heads if heads is None else heads
-    max_q = int(batch.q_lens.max(initial=0))
-    if max_q == 0 or heads == 0:
+def launch(q, kv, out, lse, cu_q, kv_lens, batch, lists, opts, causal=True):
+    """One ``sparse_attention`` launch over the heads of ``lists`` (``tiles.TileLists``)."""
+    if int(batch.q_lens.max(initial=0)) == 0 or lists.heads == 0:
         return
     d = batch.head_dim
     smem = kernels.attention_smem(d)
     kern = kernels.kernel("sparse_attention", kernels.attention_expr(q.dtype, d), smem)
-    grid = (heads * kernels.column_parts(d), -(-max_q // kernels.ROWS), batch.size)
-    p = pattern
-    kern(grid, (kernels.THREADS,),
+    tile = kernels.attention_tile(d)
+    kern((lists.heads, lists.num_c, batch.size), (tile.threads,),
          (q, kv.k, kv.v, out, kernels.NULL if lse is None else lse, cu_q, kv_lens, kv.cu_k)
          + kv.args()
          + (np.int32(batch.num_q_heads), np.int32(batch.num_q_heads // batch.num_kv_heads),
-            np.int32(head0), p.blk_count, p.blk_ptr, p.blk_list, np.int32(p.list_width),
-            np.int32(p.entry_scale), np.int32(p.block_width), p.col_count, p.col_index,
-            np.int32(p.col_width), np.int32(p.heads), np.int32(p.rows), np.int32(p.m_div),
-            np.int32(p.causal), np.float32(opts.sm_scale * kernels.LOG2E),
+            np.int32(lists.head0))
+         + lists.args()
+         + (np.int32(causal), np.float32(opts.sm_scale * kernels.LOG2E),
             kernels.NULL if opts.sinks is None else opts.sinks),
          shared_mem=smem)
 
 
-def index_groups(cu_q, kv_lens, v_idx, s_idx, batch, block_m, block_n):
-    """Yield ``(head0, heads, pattern)`` per group of heads whose index fits INDEX_BUDGET,
-    building that group's index on the device (CuPy) just before yielding it."""
-    import cupy
-    max_q, max_kv = int(batch.q_lens.max(initial=0)), int(batch.kv_lens.max(initial=0))
-    num_m = -(-max(max_q, 1) // block_m)
-    w_s, w_v = ref.index_widths(v_idx.shape[2], s_idx.shape[2], max_kv, block_m, block_n)
-    plan = IndexPlan(batch.size, batch.num_q_heads, num_m, block_m, block_n, w_s, w_v)
-    per_head = batch.size * num_m * (w_s + w_v + 2) * 4
-    group = max(1, min(batch.num_q_heads, INDEX_BUDGET // per_head))
-    q_lens = cupy.diff(cu_q).astype(np.int32)
-    v_sorted, s_sorted = cupy.sort(v_idx, axis=-1), cupy.sort(s_idx, axis=-1)
-    for h0 in range(0, batch.num_q_heads, group):
-        heads = min(group, batch.num_q_heads - h0)
-        bc, bo, cc, ci = build_index(plan, q_lens, kv_lens, v_sorted, s_sorted, h0, heads,
-                                     zero_fill=False)
-        yield h0, heads, Pattern(bc, kernels.NULL, bo, w_s, 1, block_n, cc, ci, w_v, heads, num_m,
-                                 block_m // kernels.ROWS, True)
-
-
 def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, kv_lens, batch, opts, out, lse, block_m,
                        block_n):
-    """Index conversion and attention on CuPy, a group of heads at a time."""
-    for h0, heads, pattern in index_groups(cu_q, kv_lens, v_idx, s_idx, batch, block_m, block_n):
-        launch(q, kv, out, lse, cu_q, kv_lens, batch, pattern, opts, h0, heads)
+    """Tile lists and attention on CuPy, a group of heads at a time (``tiles.vs_lists``)."""
+    prep = prepare(v_idx, s_idx, kv_lens, block_m)
+    tile_n = kernels.attention_tile(batch.head_dim).block_n
+    for lists in tiles.vs_lists(prep, cu_q, kv_lens, batch.size, int(batch.q_lens.max(initial=0)),
+                                block_n, tile_n):
+        launch(q, kv, out, lse, cu_q, kv_lens, batch, lists, opts)
 
 
 def _device_lengths(xp, q_len, kv_len):
@@ -294,6 +254,9 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
     if layout not in ("NHD", "HND"):
         raise ValueError(f"layout: the CUDA kernel reads 'NHD' or 'HND' caches, got {layout!r}")
     kv = kernels.paged_kv(k_cache, v_cache, block_tables, layout)
+    if kv.page_stride >= 2 ** 32:
+        raise ValueError(f"k_cache: the CUDA kernel needs a cache block under 2^32 elements, got "
+                         f"{kv.page_stride}")
     run_vertical_slash(q, kv, v_idx, s_idx, cu_seqlens_q, seq_lens, batch, opts, out, lse,
                        block_m, block_n)
     return out if lse is None else (out, lse)
@@ -363,7 +326,8 @@ def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal
     _check_gpu(q, block_m)
     cu_q, kv_lens, cu_k = _device_lengths(xp, q_len, kv_len)
     batch = Batch(hq, k.shape[1], d, np.array([q_len]), np.array([kv_len]))
-    pattern = Pattern(kernels.NULL, indptr, indices, 0, block_n, block_n, kernels.NULL,
-                      kernels.NULL, 0, 1, len(indptr) - 1, block_m // kernels.ROWS, bool(causal))
-    launch(q, kernels.dense_kv(k, v, cu_k), out, lse, cu_q, kv_lens, batch, pattern, opts)
+    lists = tiles.bsr_lists(indptr, indices, cu_q, kv_lens, q_len, hq, block_m, block_n,
+                            bool(causal), kernels.attention_tile(d).block_n)
+    launch(q, kernels.dense_kv(k, v, cu_k), out, lse, cu_q, kv_lens, batch, lists, opts,
+           bool(causal))
     return out if lse is None else (out, lse)

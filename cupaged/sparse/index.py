@@ -2,8 +2,11 @@
 
 ``vertical_slash_index`` turns per-head vertical/slash indices into, for every 64-row (or
 ``block_m``-row) query block, its list of key blocks and its list of extra key columns;
-the rule is written out in ``cupaged.reference.sparse``. On CuPy one thread per (sequence,
-head, query block) builds them (``kernels_cu/sparse_index.cu``).
+the rule is written out in ``cupaged.reference.sparse``. On CuPy the rows are sorted, then
+``vs_prepare`` (``kernels_cu/sparse_index.cu``) deduplicates the verticals and finds the
+runs of the slash rows (slashes less than ``block_m`` apart always merge), and one warp per
+(sequence, head, query block) walks the runs (``sparse_plan.cuh``): the walk costs the
+number of runs and ranges, not the number of slashes.
 """
 from __future__ import annotations
 
@@ -75,31 +78,53 @@ def plan_index(seqlens, v_idx, s_idx, context_size, block_m, block_n, kv_seqlens
     return IndexPlan(batch, heads, num_m, block_m, block_n, w_s, w_v), q_lens, kv_lens
 
 
-def build_index(plan, seqlens, kv_seqlens, v_sorted, s_sorted, head0=0, heads=None,
-                zero_fill=True):
-    """Launch the index kernel for heads ``[head0, head0 + heads)`` (CuPy arrays).
+class Prepared(NamedTuple):
+    """Device index rows ready for the walks (``vs_prepare``); CuPy int32 arrays."""
+    s: object            # [B, H, ns] slashes, ascending
+    run_first: object    # [B, H, ns] first index of each slash's run
+    v: object            # [B, H, nv] unique verticals < kv_len first, then unspecified
+    v_count: object      # [B, H] number of unique verticals
+    block_m: int         # the runs' merge distance
 
-    ``v_sorted``/``s_sorted`` are int32 ``[B, H, n]`` with ascending rows. Returns
-    ``(block_count, block_offset, column_count, column_index)`` shaped ``[B, heads, M]`` and
-    ``[B, heads, M, W]``; list entries past the counts are 0 with ``zero_fill``, else unset.
+
+def prepare(v_idx, s_idx, kv_lens, block_m):
+    """Sort ``[B, H, n]`` vertical/slash rows and prepare them for the walks (CuPy).
+
+    ``kv_lens``: int32 ``[B]`` device key counts (verticals at or past them are padding).
     """
     import cupy
-    heads = plan.heads if heads is None else heads
-    alloc = cupy.zeros if zero_fill else cupy.empty
-    rows = (plan.batch, heads, plan.num_m)
-    bc, cc = cupy.empty(rows, np.int32), cupy.empty(rows, np.int32)
-    bo = alloc(rows + (plan.w_s,), np.int32)
-    ci = alloc(rows + (plan.w_v,), np.int32)
-    total = plan.batch * heads * plan.num_m
-    if total == 0:
-        return bc, bo, cc, ci
-    nv, ns = v_sorted.shape[2], s_sorted.shape[2]
-    kern = kernels.kernel("sparse_index", kernels.INDEX_EXPR)
-    kern((-(-total // 128),), (128,),
-         (seqlens, kv_seqlens, v_sorted, np.int64(plan.heads * nv), np.int32(nv), s_sorted,
-          np.int64(plan.heads * ns), np.int32(ns), np.int32(head0), np.int32(plan.batch),
-          np.int32(heads), np.int32(plan.num_m), np.int32(plan.block_m), np.int32(plan.block_n),
-          bc, bo, np.int32(plan.w_s), cc, ci, np.int32(plan.w_v)))
+    v_sorted, s_sorted = cupy.sort(v_idx, axis=-1), cupy.sort(s_idx, axis=-1)
+    batch, heads, nv = v_sorted.shape
+    v_unique = cupy.empty_like(v_sorted)
+    run_first = cupy.empty_like(s_sorted)
+    v_count = cupy.zeros((batch, heads), np.int32)
+    if batch * heads:
+        kern = kernels.kernel("sparse_index", kernels.PREPARE_EXPR)
+        kern((batch * heads,), (kernels.PREP_THREADS,),
+             (v_sorted, np.int32(nv), s_sorted, np.int32(s_sorted.shape[2]), kv_lens, np.int32(heads),
+              np.int32(block_m), v_unique, v_count, run_first))
+    return Prepared(s_sorted, run_first, v_unique, v_count, block_m)
+
+
+def build_index(plan, seqlens, kv_seqlens, prep):
+    """MInference lists of every query block on the device (``vs_index_kernel``).
+
+    Returns ``(block_count, block_offset, column_count, column_index)`` shaped
+    ``[B, H, M]`` and ``[B, H, M, W]``; list entries past the counts are 0.
+    """
+    import cupy
+    rows = (plan.batch, plan.heads, plan.num_m)
+    bc, cc = cupy.zeros(rows, np.int32), cupy.zeros(rows, np.int32)
+    bo = cupy.zeros(rows + (plan.w_s,), np.int32)
+    ci = cupy.zeros(rows + (plan.w_v,), np.int32)
+    warps = plan.batch * plan.heads * plan.num_m
+    if warps:
+        kern = kernels.kernel("sparse_index", kernels.INDEX_EXPR)
+        kern((-(-warps // 4),), (128,),
+             (seqlens, kv_seqlens, prep.s, prep.run_first, np.int32(prep.s.shape[2]), prep.v,
+              prep.v_count, np.int32(prep.v.shape[2]), np.int32(plan.batch), np.int32(plan.heads),
+              np.int32(plan.num_m), np.int32(plan.block_m), np.int32(plan.block_n), bc, bo,
+              np.int32(plan.w_s), cc, ci, np.int32(plan.w_v)))
     return bc, bo, cc, ci
 
 
@@ -149,7 +174,7 @@ def vertical_slash_index(seqlens, v_idx, s_idx, context_size, block_m=64, block_
                                                   plan.block_n, kv_seqlens=kv_lens)
         return bc, bo, cc, ci
     kv_d = seqlens if kv_seqlens is None else kv_seqlens
-    return build_index(plan, seqlens, kv_d, xp.sort(v_idx, axis=-1), xp.sort(s_idx, axis=-1))
+    return build_index(plan, seqlens, kv_d, prepare(v_idx, s_idx, kv_d, plan.block_m))
 
 
 def pad_indices(rows, xp=None):

@@ -1,9 +1,11 @@
 """Kernel specialisations of the sparse ops and the launch details they share.
 
 Sources: ``kernels_cu/sparse_estimate.cu`` (pattern estimate), ``sparse_index.cu`` (index
-conversion), ``sparse_attention.cu`` (block-sparse attention); ``sparse_tile.cuh`` holds
-the K/V tile gather and the Q.K^T tile all tensor-core kernels share. Kernels take fp16 or
-bf16 and every head size of ``HEAD_DIMS``.
+preparation, MInference's index conversion and the attention kernel's tile lists, walks in
+``sparse_plan.cuh``), ``sparse_attention.cu`` (block-sparse attention on the tensor-core tile
+core of ``attn_tile.cuh``, shared with the dense prefill kernel); ``sparse_tile.cuh`` holds
+the estimate's K tile gather and Q.K^T tile. Kernels take fp16 or bf16 and every head size
+of ``HEAD_DIMS``.
 """
 from __future__ import annotations
 
@@ -13,35 +15,46 @@ import numpy as np
 
 from .._arrays import HEAD_DIMS, bfloat16, float16
 from .._compile import Spec, ctype, get_kernel
+from ..prefill_plan import TileShape
 
 KERNEL_DTYPES = (float16, bfloat16)
 NULL = np.uint64(0)          # a null pointer argument
-ROWS = KEYS = 64             # query rows per CTA tile, keys per K/V tile
+ROWS = KEYS = 64             # estimate: query rows and keys per tile; pattern halves of 64 rows
+CTA_ROWS = 128               # attention: query rows per CTA (two 64-row halves)
 THREADS = 128
+PREP_THREADS = 256           # vs_prepare's block
 EST_MAX_TILES = 16           # key tiles per estimate CTA (sparse_estimate.cu)
 LOG2E = 1.4426950408889634
-INDEX_EXPR = "cupaged::vertical_slash_index_kernel"
+PREPARE_EXPR = "cupaged::vs_prepare"
+INDEX_EXPR = "cupaged::vs_index_kernel"
+VS_PLAN_EXPR = "cupaged::vs_plan_kernel"
+BSR_PLAN_EXPR = "cupaged::bsr_plan_kernel"
+INDEX_EXPRS = (PREPARE_EXPR, INDEX_EXPR, VS_PLAN_EXPR, BSR_PLAN_EXPR)
+
+
+def attention_tile(head_dim):
+    """Tile of ``sparse_attention``: the dense kernel's 4 warps x 32 rows, 64-key tiles, two
+    stages, 2 CTAs per SM up to d128; 8 warps x 16 rows and 32-key tiles at d256 (two stages
+    within an A100's shared memory)."""
+    if head_dim == 256:
+        return TileShape(8, 1, 32, 2, False, 1)
+    return TileShape(4, 2, 64, 2, False, 2)
 
 
 def attention_expr(dtype, head_dim):
-    return f"cupaged::sparse_attention<{ctype(dtype)}, {head_dim}>"
+    return (f"cupaged::sparse_attention<{ctype(dtype)}, {head_dim}, "
+            f"{attention_tile(head_dim).cpp()}>")
 
 
 def estimate_expr(dtype, head_dim):
     return f"cupaged::vs_estimate<{ctype(dtype)}, {head_dim}>"
 
 
-def column_parts(head_dim):
-    """CTAs sharing one query tile's output columns (2 for head size 256)."""
-    return 1 if head_dim <= 128 else head_dim // 128
-
-
 def attention_smem(head_dim):
-    """Dynamic shared memory of ``sparse_attention`` (matches its layout), bytes."""
-    stages = 2 if head_dim <= 128 else 1
-    dv = head_dim // column_parts(head_dim)
-    elems = ROWS * (head_dim + 8) + stages * KEYS * (head_dim + 8) + stages * KEYS * (dv + 8)
-    return elems * 2 + stages * KEYS * 4
+    """Dynamic shared memory of ``sparse_attention``: Q [128][D + 8], two K and two V
+    stages [block_n][D + 8] (16-bit elements), bytes."""
+    ld = head_dim + 8
+    return 2 * (CTA_ROWS * ld + 4 * attention_tile(head_dim).block_n * ld)
 
 
 def estimate_smem(head_dim):
@@ -99,9 +112,9 @@ def paged_kv(k_cache, v_cache, block_tables, layout):
 
 
 def kernel_specializations():
-    """Every sparse kernel the library can launch: index, estimate and attention per
-    dtype (fp16, bf16) and head size."""
-    specs = [Spec("sparse_index", INDEX_EXPR)]
+    """Every sparse kernel the library can launch: the index kernels, and estimate and
+    attention per dtype (fp16, bf16) and head size."""
+    specs = [Spec("sparse_index", e) for e in INDEX_EXPRS]
     for dtype in KERNEL_DTYPES:
         for d in HEAD_DIMS:
             specs.append(Spec("sparse_estimate", estimate_expr(dtype, d)))
