@@ -94,7 +94,7 @@ __device__ __forceinline__ void load_rows(const SparseLoop<T, C::BLOCK_N>& st, i
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
     const int r = r0 + i * C::ROW_STEP;
-    key[i] = r >= w ? EMPTY_KEY : gather ? st.cols[d.x + r] : d.x + r;
+    key[i] = r >= w ? EMPTY_KEY : gather ? __ldg(st.cols + d.x + r) : d.x + r;
   }
 #pragma unroll
   for (int i = 0; i < NR; ++i) {

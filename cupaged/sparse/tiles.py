@@ -47,6 +47,8 @@ def _offsets(counts):
     """int64 ``[n + 1]`` exclusive prefix sums of ``counts`` (device) and their total (host)."""
     import cupy
     ptr = cupy.zeros(counts.size + 1, np.int64)
+    if counts.size == 0:
+        return ptr, 0
     cupy.cumsum(counts.ravel(), out=ptr[1:])
     return ptr, int(ptr[-1])
 
