@@ -144,12 +144,38 @@ __device__ __forceinline__ void mask_keys(float (&s)[NT_S][4], const int* keys, 
   }
 }
 
+// One K/V tile for the warp's m-tiles: S = Q K^T, then (masked) keys past a row's last visible
+// key -> -inf and scores times pre, online softmax (sc: scale in the exponential), O += P V.
+// lim: last visible key of the warp's first row (rows below see one more key each when
+// causal, else all see lim).
+template <typename T, int D, typename C>
+__device__ __forceinline__ void attend_tile(float (&o)[C::MT][D / 8][4], float (&m)[C::MT][2], float (&l)[C::MT][2],
+                                            u32 sQw, u32 sK, u32 sV, const int* keys, bool masked, int lim,
+                                            bool causal, float pre, float sc, int lane) {
+  constexpr int NT_S = C::BLOCK_N / 8;
+  u32 qf[1][1][4];  // Q fragments are re-read from sQ (C::Q_REGS is false)
+  float s[C::MT][NT_S][4];
+  u32 pf[C::MT][C::BLOCK_N / 16][4];
+  // -- compute qk --
+  compute_qk<T, D, C>(s, qf, sQw, sK, lane);
+  // -- mask, online softmax, p -> A fragments --
+#pragma unroll
+  for (int mt = 0; mt < C::MT; ++mt) {
+    const int lim0 = causal ? lim + 16 * mt + lane / 4 : lim;
+    if (masked) mask_keys<NT_S>(s[mt], keys, lim0, causal ? lim0 + 8 : lim0, pre, lane);
+    online_softmax<NT_S, D / 8>(s[mt], o[mt], m[mt], l[mt], sc);
+    pack_p<T, C::BLOCK_N / 16>(pf[mt], s[mt]);
+  }
+  // -- compute pv --
+  compute_pv<T, D, C, false>(o, pf, sV, lane);
+}
+
 // Body of sparse_attention (see the header and the kernel's comment).
 template <typename T, int D, typename S>
 __device__ __forceinline__ void sparse_mma(const SparseProblem<T>& P) {
   using C = MmaConfig<T, D, S, false>;
   static_assert(C::BLOCK_M == 2 * HALF_ROWS && C::STAGES == 2 && !C::Q_REGS, "two halves, two stages");
-  constexpr int MT = C::MT, BN = C::BLOCK_N, NT_S = BN / 8;
+  constexpr int MT = C::MT, BN = C::BLOCK_N;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ SparseLoop<T, BN> st;
   const u32 sQ = smem_addr(smem_raw), sK0 = sQ + C::Q_BYTES, sV0 = sK0 + 2 * C::K_BYTES;
@@ -186,7 +212,6 @@ __device__ __forceinline__ void sparse_mma(const SparseProblem<T>& P) {
   // plain path: raw dots, the scale folded into the exponential; else scores scaled first
   const bool plain = P.scale_log2 > 0.f;
   const float sc = plain ? P.scale_log2 : 1.f;
-  u32 qf[1][1][4];  // Q fragments are re-read from sQ (C::Q_REGS is false)
 
   float o[MT][D / 8][4], m[MT][2], l[MT][2];
 #pragma unroll
@@ -210,21 +235,10 @@ __device__ __forceinline__ void sparse_mma(const SparseProblem<T>& P) {
     const bool gather = (d.y & TILE_GATHER) != 0;
     const int k_first = gather ? keys[0] : d.x, k_last = gather ? keys[w - 1] : d.x + w - 1;
     if (((d.y >> 8) & half_bit) && my_rows > 0 && k_first <= lim_hi) {
-      // -- compute qk; mask where a row does not see every key; online softmax; p -> A --
-      const bool mask = w < BN || k_last > lim_lo;
-      float s[MT][NT_S][4];
-      u32 pf[MT][BN / 16][4];
-      compute_qk<T, D, C>(s, qf, sQw, sK0 + stage * C::K_BYTES, lane);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int lim = P.causal ? lim_lo + 16 * mt + lane / 4 : EMPTY_KEY - 1;
-        if (mask || !plain)
-          mask_keys<NT_S>(s[mt], keys, lim, P.causal ? lim + 8 : lim, plain ? 1.f : P.scale_log2, lane);
-        online_softmax<NT_S, D / 8>(s[mt], o[mt], m[mt], l[mt], sc);
-        pack_p<T, BN / 16>(pf[mt], s[mt]);
-      }
-      // -- compute pv --
-      compute_pv<T, D, C, false>(o, pf, sV0 + stage * C::V_BYTES, lane);
+      const bool mask = w < BN || k_last > lim_lo;  // some row does not see every key
+      attend_tile<T, D, C>(o, m, l, sQw, sK0 + stage * C::K_BYTES, sV0 + stage * C::V_BYTES, keys,
+                           mask || !plain, P.causal ? lim_lo : EMPTY_KEY - 1, P.causal != 0,
+                           plain ? 1.f : P.scale_log2, sc, lane);
     }
   }
 

@@ -201,7 +201,8 @@ def test_full_pattern_equals_dense_prefill(cp, rng, dtype, d, hq, hk, q_len, kv_
     cu_q, cu_k = (cp.asarray(np.array([0, n], np.int32)) for n in (q_len, kv_len))
     want, want_lse = cupaged.varlen_prefill(cp.asarray(q), cp.asarray(k), cp.asarray(v), cu_q, cu_k,
                                             causal=True, sinks=cp.asarray(sk), return_lse=True)
-    _check_close(got, _host(cp, want).astype(np.float64), dtype)
+    want = _host(cp, want).astype(np.float64)
+    assert np.isfinite(got).all() and _rel_err(got, want) < 2 * TOL[np.dtype(dtype)]  # two roundings
     np.testing.assert_allclose(lse, _host(cp, want_lse), rtol=1e-3, atol=1e-3)
 
 
