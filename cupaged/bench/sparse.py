@@ -17,12 +17,14 @@ scattered diagonals, each costing a 64-wide band.
 Columns: ``est_ms`` (pattern estimate), ``index_ms`` (sort, run preparation and the tile
 lists of ``sparse.tiles``, host syncs included), ``kernel_ms`` (the sparse kernel),
 ``sparse_ms`` (all three), ``op_ms`` (the public ``vertical_slash_attention`` with its
-argument checks, plus the estimate), ``dense_ms`` (our ``varlen_prefill``, causal) and
-``vs_dense`` (dense over ``sparse_ms``; issue 7's goal: >= 5 at 128K with the seed's
-budget), ``cudnn_ms`` / ``vs_cudnn`` (torch SDPA cuDNN, GQA), ``diag_frac`` (slashes kept
-over S), ``density`` (pairs the kernel computes, whole tiles, over the causal pairs),
-``pair_ratio`` (pairs per second of the sparse kernel over the dense kernel's causal pairs
-per second: its efficiency per computed pair), ``mass`` (share of the causal softmax mass
+argument checks, plus the estimate), ``dense_ms`` (our ``varlen_prefill``, causal, default
+backend: the wgmma kernel on sm_90) and ``vs_dense`` (dense over ``sparse_ms``; issue 7's
+goal: >= 5 at 128K with the seed's budget), ``mma_ms`` (the same with the mma.sync kernel,
+whose tile core the sparse kernel shares), ``cudnn_ms`` / ``vs_cudnn`` (torch SDPA cuDNN,
+GQA), ``diag_frac`` (slashes kept over S), ``density`` (pairs the kernel computes, whole
+tiles, over the causal pairs), ``pair_ratio`` (pairs per second of the sparse kernel over the
+mma.sync dense kernel's causal pairs per second: its efficiency per computed pair, ~1 when
+the inner loops match), ``mass`` (share of the causal softmax mass
 the pattern keeps, last query block of heads 0-3) and ``checked`` (the kernel's rows there
 against a float32 recomputation). Run: ``python -m cupaged.bench.sparse [--quick]``.
 """
@@ -137,11 +139,12 @@ def _probe(q, k, v, out, v_idx, s_idx):
     return float(np.mean(masses)), bool(ok)
 
 
-def _dense_seconds(q, k, v, reps):
+def _dense_seconds(q, k, v, reps, backend="auto"):
     import cupaged
     import cupy
     cu = cupy.asarray([0, q.shape[0]], dtype=np.int32)
-    return time_gpu(lambda: cupaged.varlen_prefill(q, k, v, cu, cu, causal=True), warmup=1, reps=reps)
+    return time_gpu(lambda: cupaged.varlen_prefill(q, k, v, cu, cu, causal=True, backend=backend),
+                    warmup=1, reps=reps)
 
 
 def _cudnn_seconds(q, k, v, reps):
@@ -169,6 +172,7 @@ def bench_length(seqlen, budgets, reps):
     from .. import sparse
     q, k, v = _inputs(seqlen)
     dense = _dense_seconds(q, k, v, reps)
+    dense_mma = _dense_seconds(q, k, v, reps, backend="mma")
     cudnn = _cudnn_seconds(q, k, v, reps)
     causal_pairs = HQ * seqlen * (seqlen + 1) // 2
     rows = []
@@ -185,9 +189,10 @@ def bench_length(seqlen, budgets, reps):
             S=seqlen, budget=label, nv=v_idx.shape[1], ns=s_idx.shape[1],
             diag_frac=s_idx.shape[1] / seqlen, est_ms=est * 1e3, index_ms=t_index * 1e3,
             kernel_ms=t_kernel * 1e3, sparse_ms=total * 1e3, op_ms=(est + op) * 1e3,
-            dense_ms=dense * 1e3, vs_dense=dense / total,
+            dense_ms=dense * 1e3, vs_dense=dense / total, mma_ms=dense_mma * 1e3,
             cudnn_ms=None if cudnn is None else cudnn * 1e3, vs_cudnn=_ratio(cudnn, total),
-            density=pairs / causal_pairs, pair_ratio=(pairs / t_kernel) / (causal_pairs / dense),
+            density=pairs / causal_pairs,
+            pair_ratio=(pairs / t_kernel) / (causal_pairs / dense_mma),
             mass=mass, checked=ok))
     return rows
 
@@ -201,8 +206,8 @@ def run(quick=False):
 
 
 COLUMNS = ["S", "budget", "nv", "ns", "diag_frac", "est_ms", "index_ms", "kernel_ms", "sparse_ms",
-           "op_ms", "dense_ms", "vs_dense", "cudnn_ms", "vs_cudnn", "density", "pair_ratio", "mass",
-           "checked"]
+           "op_ms", "dense_ms", "vs_dense", "mma_ms", "cudnn_ms", "vs_cudnn", "density", "pair_ratio",
+           "mass", "checked"]
 
 
 def main(argv=None):
