@@ -9,7 +9,7 @@
 // at absolute position `end` (pattern block of bm rows), slash d < limit = min(end, kv_len)
 // covers keys [hi - bm, hi), hi = max(end - d, bm). Taken by descending d the ranges ascend;
 // one starting at or before the open range's end extends it by whole bn blocks, a later one
-// opens a new range of ceil(bm / bn) blocks. Consecutive sorted slashes less than bm apart
+// opens a new range of ceil(bm / bn) blocks. Consecutive sorted slashes at most bm apart
 // always merge (the later range starts before the earlier one ends), so the walk goes run by
 // run: a run is a maximal stretch of the sorted slash row with gaps <= bm (run_first[i]: the
 // first index of i's run), and costs O(1) whatever its length.

@@ -4,7 +4,7 @@
 ``block_m``-row) query block, its list of key blocks and its list of extra key columns;
 the rule is written out in ``cupaged.reference.sparse``. On CuPy the rows are sorted, then
 ``vs_prepare`` (``kernels_cu/sparse_index.cu``) deduplicates the verticals and finds the
-runs of the slash rows (slashes less than ``block_m`` apart always merge), and one warp per
+runs of the slash rows (slashes at most ``block_m`` apart always merge), and one warp per
 (sequence, head, query block) walks the runs (``sparse_plan.cuh``): the walk costs the
 number of runs and ranges, not the number of slashes.
 """
