@@ -44,8 +44,9 @@ VARIANTS = {
     64: [plan_.default_tile(64), TS(4, 2, 64, 2, True, 2), TS(8, 1, 128, 2, True, 1)],
     256: [plan_.default_tile(256), TS(8, 1, 32, 2, False, 1)],
 }
-# wgmma tiles (sm_90), the default first: 3 stages (overlapped) and 2 stages (plain)
-WGMMA_VARIANTS = [plan_.wgmma_tile(128), plan_.WgmmaTile(128, 2)]
+# wgmma tiles (sm_90): 2 stages (plain; the d128 default) and 3 stages (overlapped; the d64
+# default): plan_.wgmma_tile(d) names the default of each head size
+WGMMA_VARIANTS = [plan_.WgmmaTile(128, 2), plan_.WgmmaTile(128, 3)]
 
 
 def tile_label(tile):
