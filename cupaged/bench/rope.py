@@ -54,9 +54,10 @@ def bench_rope(tokens, is_neox=True, inplace=False):
     pos, q, k = nxt()
     plan, _, _ = rope.plan_rope(pos, q, k, None, 10000.0, is_neox, None, 8192, None, cupy)
     q_out, k_out = (q, k) if inplace else (cupy.empty_like(q), cupy.empty_like(k))
-    rope._launch(plan, pos, q, k, q_out, k_out)
+    # the reference reads the inputs before the launch (which may rotate them in place)
     want_q, want_k = rref.apply_rope(pos[:64].get(), q[:64].get(), k[:64].get(), is_neox=is_neox,
                                      max_position=8192)
+    rope._launch(plan, pos, q, k, q_out, k_out)
     ok = _close(q_out[:64].get(), want_q) and _close(k_out[:64].get(), want_k)
 
     def launch():
