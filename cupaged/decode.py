@@ -44,10 +44,9 @@ def _kernel(expr, smem_bytes=0):
     return _kernel_on(cupy.cuda.Device().id, expr, smem_bytes)
 
 
-def _decode_expr(dtype, head_dim, vllm_v, head_tiles, pipeline="default"):
-    p = dp.PIPELINES[pipeline][0]
+def _decode_expr(dtype, head_dim, vllm_v, head_tiles):
     return (f"cupaged::decode::paged_decode_kernel<{ctype(dtype)}, {head_dim}, "
-            f"{'true' if vllm_v else 'false'}, {head_tiles}{f', {p}' if p else ''}>")
+            f"{'true' if vllm_v else 'false'}, {head_tiles}>")
 
 
 def _merge_expr(in_dtype, out_dtype):
@@ -63,27 +62,25 @@ def _append_expr(dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads,
-              pipeline):
+def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads):
     """The launch geometry on a device: one CTA per slot its decode kernel can hold."""
     import cupy
     from cupy_backends.cuda.api import driver
     lp = dp.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
                         block_size=block_size, num_q_heads=num_q_heads,
-                        num_kv_heads=num_kv_heads, pipeline=pipeline)
+                        num_kv_heads=num_kv_heads)
     smem = lp.tiles.smem_bytes
-    expr = _decode_expr(dtype, head_dim, lp.vllm_v, lp.tiles.head_tiles, pipeline)
+    expr = _decode_expr(dtype, head_dim, lp.vllm_v, lp.tiles.head_tiles)
     kernel = _kernel_on(device_id, expr, smem)
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, dp.NTHREADS, smem)
     sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
     return lp._replace(columns=max(1, sms * max(1, per_sm) // lp.row_groups))
 
 
-def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads,
-                      pipeline="default"):
+def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads):
     import cupy
     return _geometry(cupy.cuda.Device().id, np.dtype(dtype), int(head_dim), layout,
-                     int(block_size), int(num_q_heads), int(num_kv_heads), pipeline)
+                     int(block_size), int(num_q_heads), int(num_kv_heads))
 
 
 class _DeviceStep(NamedTuple):
@@ -131,8 +128,8 @@ def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_pa
 def _step_kernels(lp, dtype, append, merge_kernel):
     """``(append or None, decode, merge_pieces or None)`` for one step's launches."""
     return (_kernel(_append_expr(dtype)) if append else None,
-            _kernel(_decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles,
-                                 lp.tiles.pipeline), lp.tiles.smem_bytes),
+            _kernel(_decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles),
+                    lp.tiles.smem_bytes),
             _kernel(_pieces_expr(dtype, lp.head_dim)) if merge_kernel else None)
 
 
@@ -355,7 +352,7 @@ class PagedDecoder:
 
     @accepts_dlpack
     def plan(self, block_tables, seq_lens, *, append=False, num_splits=None, schedule=None,
-             merge=None, pipeline=None):
+             merge=None):
         """Check and upload one step's block tables and lengths; plan the CTAs' work.
 
         Parameters
@@ -376,22 +373,14 @@ class PagedDecoder:
         merge : {"fused", "kernel"}, optional
             Who merges the pieces of a cut sequence: the CTA finishing the last one
             ("fused", default) or a second kernel launched after the decode kernel.
-        pipeline : {"default", "deep", "wide"}, optional
-            The decode kernel's K/V pipeline (``decode_plan.PIPELINES``; benchmark
-            variants): "deep" streams half-size tiles through 6 stages, "wide" half-size
-            tiles through 4 stages at 3 CTAs per SM. The variants take 16-bit caches, head
-            dim 64 or 128, NHD or HND and at most 8 query heads per kv head. A plan with
-            another pipeline than the last launches another kernel (re-capture graphs).
         """
         xp = self._xp or array_module(block_tables, seq_lens)
         bt, sl, max_block = dp.check_plan(self, block_tables, seq_lens, append, num_splits)
         schedule, merge = dp.check_variants(schedule, merge, num_splits)
-        pipeline = dp.check_pipeline(pipeline, self.dtype.itemsize, self.head_dim, self.layout,
-                                     self.num_q_heads // self.num_kv_heads)
         self._xp = xp
         work = device = None
         if xp is not np:
-            lp = self._geometry(pipeline)
+            lp = self._geometry()
             work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
                                 num_splits)
             device = self._upload(lp, bt, sl, work, merge, append)
@@ -404,9 +393,9 @@ class PagedDecoder:
         step = self._step
         return 1 if step is None or step.work is None else step.work.max_pieces
 
-    def _geometry(self, pipeline="default"):
+    def _geometry(self):
         return _current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
-                                 self.num_q_heads, self.num_kv_heads, pipeline)
+                                 self.num_q_heads, self.num_kv_heads)
 
     def _upload(self, lp, bt, sl, work, merge, append):
         """One host-to-device copy of ``[lens | piece info | work | tables]``; buffers grow
@@ -482,9 +471,8 @@ class PagedDecoder:
 
 
 def kernel_specializations():
-    """Every kernel this module can launch: append, the two merges, decode per dtype, head
-    dim, value layout (rows or vllm's transposed) and heads per warp, and the pipeline
-    variants (16-bit, head dims 64 and 128, row-major values, one head tile per warp)."""
+    """Every kernel this module can launch: append, the two merges, and decode per dtype,
+    head dim, value layout (rows or vllm's transposed) and heads per warp."""
     specs = []
     for dt in FLOAT_DTYPES:
         specs.append(Spec("decode", _append_expr(dt)))
@@ -493,7 +481,4 @@ def kernel_specializations():
         for d in HEAD_DIMS:
             for nt in sorted({dp.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
                 specs += [Spec("decode", _decode_expr(dt, d, vt, nt)) for vt in (False, True)]
-            if dt.itemsize == 2 and d in dp.PIPELINE_HEAD_DIMS:
-                specs += [Spec("decode", _decode_expr(dt, d, False, 1, p))
-                          for p in dp.PIPELINES if p != "default"]
     return specs

@@ -28,10 +28,6 @@ SCHEDULES = ("balanced", "split")  # equal tile shares per column / equal cuts p
 MERGES = ("fused", "kernel")       # split pieces merged by their last CTA / by a second kernel
 DESC_INTS = 8                      # ints per piece descriptor (decode.cu's Piece)
 NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
-# decode.cu's Pipe<P>: name -> (P, tile halvings, stages). The variants take 16-bit caches
-# with row-major value tiles (NHD, HND), head dims 64 and 128, one n8 head tile per warp.
-PIPELINES = {"default": (0, 0, STAGES), "deep": (1, 1, 6), "wide": (2, 1, 4)}
-PIPELINE_HEAD_DIMS = (64, 128)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -101,22 +97,6 @@ def check_variants(schedule, merge, num_splits):
     merge = "fused" if merge is None else merge
     check_choice("merge", merge, MERGES)
     return schedule, merge
-
-
-def check_pipeline(pipeline, itemsize, head_dim, layout, group):
-    """Resolve a plan's pipeline (None: "default"); a variant needs a 16-bit cache, head
-    dim 64 or 128, layout NHD or HND and at most 8 query heads per kv head."""
-    pipeline = "default" if pipeline is None else pipeline
-    check_choice("pipeline", pipeline, tuple(PIPELINES))
-    if pipeline != "default":
-        got = (f"{8 * itemsize}-bit, head_dim {head_dim}, layout {layout!r}, "
-               f"{group} query heads per kv head")
-        if (itemsize != 2 or head_dim not in PIPELINE_HEAD_DIMS or layout == "vllm"
-                or head_tiles(itemsize, head_dim, group) != 1):
-            raise ValueError(f"pipeline: expected 'default' unless 16-bit, head_dim in "
-                             f"{PIPELINE_HEAD_DIMS}, layout NHD/HND and group <= 8, got "
-                             f"{pipeline!r} with {got}")
-    return pipeline
 
 
 def check_lse(lse, batch, num_q_heads, xp):
@@ -262,8 +242,6 @@ class TileConfig(NamedTuple):
     head_tiles: int      # NT: n8 head tiles per warp (template parameter)
     heads_per_warp: int  # 8 * NT
     smem_bytes: int      # dynamic shared memory per CTA
-    stages: int = STAGES         # K/V tiles per CTA (STAGES - 1 in flight)
-    pipeline: str = "default"    # key of PIPELINES (template parameter P)
 
 
 def head_tiles(itemsize, head_dim, group) -> int:
@@ -271,22 +249,21 @@ def head_tiles(itemsize, head_dim, group) -> int:
     return 2 if itemsize == 2 and head_dim <= 128 and group > 8 else 1
 
 
-def tile_config(itemsize, head_dim, vllm_v, nt, pipeline="default") -> TileConfig:
-    """Mirror of ``Cfg<T, D, NT, P>`` and the kernel's shared-memory carve-up.
+def tile_config(itemsize, head_dim, vllm_v, nt) -> TileConfig:
+    """Mirror of ``Cfg<T, D, NT>`` and the kernel's shared-memory carve-up.
 
     ``vllm_v``: the value tile is stored transposed (``[D][TILE + VEC]``), as the vllm
-    value layout keeps tokens contiguous. ``pipeline``: a key of ``PIPELINES``.
+    value layout keeps tokens contiguous.
     """
-    _, halvings, stages = PIPELINES[pipeline]
     vec = 16 // itemsize
     row_bytes = head_dim * itemsize
-    tile = (64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16) >> halvings
+    tile = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
     k_elems = tile * (head_dim + vec)
     v_elems = head_dim * (tile + vec) if vllm_v else k_elems
-    smem = stages * (k_elems + v_elems) * itemsize
+    smem = STAGES * (k_elems + v_elems) * itemsize
     if itemsize == 4:  # the CUDA-core path stages each warp's q rows in shared memory
         smem += NWARPS * 8 * nt * (head_dim + 4) * 4
-    return TileConfig(tile, nt, 8 * nt, smem, stages, pipeline)
+    return TileConfig(tile, nt, 8 * nt, smem)
 
 
 class HeadLayout(NamedTuple):
@@ -314,7 +291,7 @@ def ctas_per_sm(smem_bytes, smem_per_sm=DEFAULT_SMEM_PER_SM) -> int:
     return max(1, min(MAX_CTAS_PER_SM, smem_per_sm // (smem_bytes + 1024)))
 
 
-def choose_num_splits(ctas, max_tiles, slots, stages=STAGES) -> int:
+def choose_num_splits(ctas, max_tiles, slots) -> int:
     """Splits per (sequence, kv head) of the "split" schedule so that ``slots`` CTAs are
     busy.
 
@@ -325,7 +302,7 @@ def choose_num_splits(ctas, max_tiles, slots, stages=STAGES) -> int:
     """
     if ctas <= 0 or max_tiles <= 0 or 2 * ctas > slots:
         return 1
-    splits = max(1, min(slots // ctas, -(-max_tiles // (stages - 1)), MAX_SPLITS))
+    splits = max(1, min(slots // ctas, -(-max_tiles // (STAGES - 1)), MAX_SPLITS))
     return int(-(-max_tiles // -(-max_tiles // splits)))
 
 
@@ -383,18 +360,16 @@ class DecodeLaunch(NamedTuple):
 
 
 def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_heads,
-                slots=None, pipeline="default") -> DecodeLaunch:
+                slots=None) -> DecodeLaunch:
     """Choose the kernel specialisation, head layout and grid of a decoder's launches.
 
     ``slots``: CTAs resident at once on the device (SMs x CTAs per SM, from the occupancy
     of the specialisation; default an H200 estimate from shared memory). The grid holds one
     CTA per slot (``columns = slots // row_groups``, at least 1), whatever the lengths.
-    ``pipeline``: a key of ``PIPELINES``, checked by ``check_pipeline``.
     """
     group = num_q_heads // num_kv_heads
     vllm_v = layout == "vllm"
-    tiles = tile_config(itemsize, head_dim, vllm_v, head_tiles(itemsize, head_dim, group),
-                        pipeline)
+    tiles = tile_config(itemsize, head_dim, vllm_v, head_tiles(itemsize, head_dim, group))
     heads = head_layout(group, tiles.heads_per_warp)
     if slots is None:
         slots = DEFAULT_SMS * ctas_per_sm(tiles.smem_bytes)
@@ -492,13 +467,12 @@ def plan_work(launch, seq_lens, append, window_left, schedule="balanced",
     ``num_splits`` (default: ``choose_num_splits``)."""
     kv = np.asarray(seq_lens, np.int64) + int(append)
     first, n = tile_spans(kv, window_left, launch.tiles.tile)
-    stages = launch.tiles.stages
-    if schedule == "balanced":  # a column's first stages - 1 tiles load at once: no less
-        pieces = balanced_pieces(n, launch.columns, stages - 1)
+    if schedule == "balanced":  # a column's first STAGES - 1 tiles load at once: no less
+        pieces = balanced_pieces(n, launch.columns, STAGES - 1)
     else:
         if num_splits is None:
             num_splits = choose_num_splits(len(kv) * launch.row_groups, int(n.max(initial=0)),
-                                           launch.columns * launch.row_groups, stages)
+                                           launch.columns * launch.row_groups)
         pieces = split_pieces(n, num_splits, launch.columns)
     desc, info, slots = pack_work(pieces, kv, first, launch.columns)
     return WorkPlan(schedule, desc, info, slots, int(pieces.per_seq.max(initial=1)))

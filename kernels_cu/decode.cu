@@ -34,32 +34,16 @@ typedef unsigned long long u64;
 
 constexpr int NTHREADS = 128;
 constexpr int NWARPS = NTHREADS / 32;
+constexpr int STAGES = 3;  // K/V tiles in flight per CTA: STAGES - 1 while one is consumed
 
-// Pipelines (template parameter P, decode_plan.PIPELINES): K/V bytes in flight per SM =
-// resident CTAs x (STAGES - 1) x tile bytes, between one tile landing and the next issue
-// one tile fewer. For 256-byte rows (bf16 d128) on an H200:
-//   0 "default"  64-token tiles, 3 stages (102 KB): 2 CTAs/SM, 64-128 KB in flight
-//   1 "deep"     32-token tiles, 6 stages (102 KB): 2 CTAs/SM, 128-160 KB, finer waits
-//   2 "wide"     32-token tiles, 4 stages (68 KB):  3 CTAs/SM (launch bounds cap registers
-//                at 168), 96-144 KB, 12 warps/SM to cover barrier bubbles
-// The variants rotate the m-tiles over the token warps (2 m-tiles a tile, 4 warps).
-template <int P> struct Pipe;
-template <> struct Pipe<0> { static constexpr int TILE_SHIFT = 0, STAGES = 3, MIN_CTAS = 1; };
-template <> struct Pipe<1> { static constexpr int TILE_SHIFT = 1, STAGES = 6, MIN_CTAS = 1; };
-template <> struct Pipe<2> { static constexpr int TILE_SHIFT = 1, STAGES = 4, MIN_CTAS = 3; };
-
-// Compile-time geometry of one (element type, head dim, n8 head tiles per warp, pipeline);
-// mirrored by decode_plan.tile_config. NT = 2 (16 heads a warp) serves large groups on
-// 16-bit caches.
-template <typename T, int D, int NT_ = 1, int P = 0>
+// Compile-time geometry of one (element type, head dim, n8 head tiles per warp); mirrored by
+// decode_plan.tile_config. NT = 2 (16 heads a warp) serves large groups on 16-bit caches.
+template <typename T, int D, int NT_ = 1>
 struct Cfg {
   static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte chunk
   static constexpr int CPR = D / VEC;         // chunks per K/V row
   static constexpr int ROW_BYTES = D * (int)sizeof(T);
-  static constexpr int TILE = (ROW_BYTES <= 256 ? 64 : ROW_BYTES <= 512 ? 32 : 16) >>
-                              Pipe<P>::TILE_SHIFT;  // tokens per stage
-  static constexpr int STAGES = Pipe<P>::STAGES;   // K/V tiles per CTA: STAGES - 1 in flight
-  static constexpr bool ROTATE = P != 0;           // m-tiles rotate over the token warps
+  static constexpr int TILE = ROW_BYTES <= 256 ? 64 : ROW_BYTES <= 512 ? 32 : 16;  // tokens/stage
   static constexpr int MTILES = TILE / 16;
   static constexpr int NT = NT_;              // n8 head tiles per warp
   static constexpr int HW = 8 * NT;            // query heads per warp
@@ -245,9 +229,9 @@ struct TileRef {
 // [lo, kv_len) are zero-filled so that their (masked) scores and values stay finite. Block
 // ids of a tile are fetched one pipeline step before its copies are issued, so the id
 // loads' latency hides behind a tile's math; fetch and issue take the same TileRef.
-template <typename T, int D, bool VT, int P>
+template <typename T, int D, bool VT>
 struct Loader {
-  using C = Cfg<T, D, 1, P>;
+  using C = Cfg<T, D>;
   struct Ids { int k[C::ITEMS]; int v; };
 
   const T* k_head;
@@ -578,8 +562,8 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
 // piece's fp32 partial. With fused_merge the CTA that completes a row group's pieces (an
 // atomic count per (sequence, row group), re-armed to 0) merges them into out/lse;
 // otherwise merge_pieces_kernel does.
-template <typename T, int D, bool VT, int NT, int P = 0>
-__global__ void __launch_bounds__(NTHREADS, Pipe<P>::MIN_CTAS)
+template <typename T, int D, bool VT, int NT>
+__global__ void __launch_bounds__(NTHREADS, 1)
 paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,
                     float* __restrict__ part_out, float* __restrict__ part_lse,
                     int* __restrict__ counters, const int4* __restrict__ work,
@@ -591,12 +575,10 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
                     int num_q_heads, int num_kv_heads, int head_warps, int head_chunks,
                     int window_left, int fused_merge, float scale_log2, float sm_scale,
                     float soft_cap) {
-  using C = Cfg<T, D, NT, P>;
+  using C = Cfg<T, D, NT>;
   using Math = typename MathFor<T, D, VT, NT>::type;
   using State = SoftmaxState<NT, C::DT>;
-  using Load = Loader<T, D, VT, P>;
-  constexpr int STAGES = C::STAGES;
-  static_assert(P == 0 || (!VT && sizeof(T) == 2), "pipeline variants: 16-bit, row-major V tiles");
+  using Load = Loader<T, D, VT>;
   constexpr int STAGE = C::K_ELEMS + (VT ? C::V_ELEMS_T : C::V_ELEMS_ROWS);
   static_assert((NWARPS - 1) * State::FLOATS * 32 * 4 <= STAGE * (int)sizeof(T),
                 "the combine buffer fits in one stage");
@@ -689,10 +671,7 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
 
       const T* k_s = k_stage(it % STAGES);
       const T* v_s = v_stage(it % STAGES);
-      // m-tile g = tile * MTILES + mt of the stream goes to token warp g % token_warps
-      const int mt0 = C::ROTATE ? (tg + token_warps - tile * C::MTILES % token_warps) % token_warps
-                                : tg;
-      for (int mt = mt0; mt < C::MTILES; mt += token_warps) {
+      for (int mt = tg; mt < C::MTILES; mt += token_warps) {
         const int tok0 = tile * C::TILE + mt * 16;
         if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
         float s[NT][4];

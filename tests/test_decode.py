@@ -237,12 +237,6 @@ def test_decoder_bad_input(rng):
     with pytest.raises(ValueError, match="max_batch"):
         dec.plan(case["block_tables"], case["seq_lens"])
     dec = cupaged.PagedDecoder(4, 2, 64, 8, max_batch=2)
-    with pytest.raises(ValueError, match="pipeline"):
-        dec.plan(case["block_tables"], case["seq_lens"], pipeline="fast")
-    with pytest.raises(ValueError, match="pipeline"):  # variants take 16-bit caches only
-        cupaged.PagedDecoder(4, 2, 64, 8, dtype="float32").plan(
-            case["block_tables"], case["seq_lens"], pipeline="deep")
-    dec.plan(case["block_tables"], case["seq_lens"], pipeline="wide")
     dec.plan(case["block_tables"], case["seq_lens"])
     with pytest.raises(ValueError, match="k_new"):
         dec.run(case["q"], case["k_cache"], case["v_cache"], k_new=case["q"][:, :2],
@@ -538,35 +532,6 @@ def test_decoder_schedules_and_merges(rng, cp, schedule, merge, dtype, d, feats)
     again = decoder_run(cp, case, dec, feats_dev, dtype)
     np.testing.assert_array_equal(again[0], first[0])
     np.testing.assert_array_equal(again[1], first[1])
-
-
-PIPELINE_CASES = [  # pipeline, dtype, layout, d, Hq, Hk, block size, features
-    ("deep", bfloat16, "NHD", 128, 32, 8, 16, ()),
-    ("deep", np.float16, "HND", 64, 8, 1, 5, ("sinks", "window", "alibi")),
-    ("wide", bfloat16, "HND", 128, 8, 8, 16, ("softcap",)),
-    ("wide", np.float16, "NHD", 64, 16, 2, 1, ("sinks", "window")),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pipeline,dtype,layout,d,hq,hk,bs,feats", PIPELINE_CASES,
-                         ids=[f"{c[0]}-{c[2]}-d{c[3]}-bs{c[6]}" for c in PIPELINE_CASES])
-@pytest.mark.parametrize("schedule", ["balanced", "split"])
-def test_decoder_pipelines(rng, cp, pipeline, dtype, layout, d, hq, hk, bs, feats, schedule):
-    """The pipeline variants (32-token tiles, 6 or 4 stages, m-tiles rotating over the
-    token warps) on a mixed batch match the reference, with pieces cut and merged."""
-    case = make_case(rng, lens=mixed_lengths(rng, 70), hq=hq, hk=hk, d=d, bs=bs,
-                     layout=layout, dtype=dtype)
-    opts = features(rng, hq, feats)
-    (want, want_lse), _ = oracle(case, layout, **opts)
-    dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=dtype, layout=layout, max_batch=70,
-                               window_left=opts.pop("window_left", -1),
-                               logits_soft_cap=opts.pop("logits_soft_cap", 0.0))
-    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]), schedule=schedule,
-             num_splits=3 if schedule == "split" else None, pipeline=pipeline)
-    assert dec.num_splits > 1
-    feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
-    assert_matches(*decoder_run(cp, case, dec, feats_dev, dtype), want, want_lse, dtype)
 
 
 @pytest.mark.gpu

@@ -46,52 +46,6 @@ def test_specializations_cover_every_plan(dtype):
                 assert lp.heads.head_warps <= dp.NWARPS
 
 
-def test_pipeline_geometry():
-    """The variants mirror Pipe<P>: bf16 d128 tiles of 32 tokens in 6 stages (the default's
-    shared memory, 2 CTAs per SM) or 4 stages (3 CTAs per SM)."""
-    base = launch().tiles
-    deep, wide = (launch(pipeline=p).tiles for p in ("deep", "wide"))
-    assert (base.tile, base.stages, deep.tile, deep.stages, wide.tile, wide.stages) == \
-        (64, 3, 32, 6, 32, 4)
-    assert deep.smem_bytes == base.smem_bytes == 6 * 2 * 32 * 136 * 2
-    assert [dp.ctas_per_sm(t.smem_bytes) for t in (base, deep, wide)] == [2, 2, 3]
-    assert launch(pipeline="wide").columns == dp.DEFAULT_SMS * 3 // 8
-    assert launch(head_dim=64, pipeline="deep").tiles.tile == 32
-
-
-def test_check_pipeline():
-    assert dp.check_pipeline(None, 4, 80, "vllm", 64) == "default"
-    for p in ("deep", "wide"):
-        for layout in ("NHD", "HND"):
-            assert dp.check_pipeline(p, 2, 128, layout, 8) == p
-        for args in ((4, 128, "NHD", 4), (2, 96, "NHD", 4), (2, 128, "vllm", 4),
-                     (2, 64, "NHD", 16)):
-            with pytest.raises(ValueError, match="pipeline"):
-                dp.check_pipeline(p, *args)
-    with pytest.raises(ValueError, match="pipeline"):
-        dp.check_pipeline("fast", 2, 128, "NHD", 4)
-
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_specializations_cover_every_pipeline(dtype):
-    specs = {s.expr for s in decode.kernel_specializations()}
-    size, allowed = np.dtype(dtype).itemsize, 0
-    for p in dp.PIPELINES:
-        for d in HEAD_DIMS:
-            for layout in LAYOUTS:
-                for hq, hk in ((8, 8), (32, 8), (16, 1)):
-                    try:
-                        dp.check_pipeline(p, size, d, layout, hq // hk)
-                    except ValueError:
-                        continue
-                    allowed += p != "default"
-                    lp = dp.plan_launch(itemsize=size, head_dim=d, layout=layout, block_size=16,
-                                        num_q_heads=hq, num_kv_heads=hk, pipeline=p)
-                    assert decode._decode_expr(dtype, d, lp.vllm_v, lp.tiles.head_tiles,
-                                               p) in specs
-    assert allowed == (16 if size == 2 else 0)
-
-
 def test_tiles_cover_visible_range_once():
     """tile_spans (the kernel's first_visible and tile count) covers [lo, kv_len) exactly."""
     for tile in (16, 32, 64):
@@ -298,13 +252,12 @@ def emulate_column(desc, column, stages=dp.STAGES):
     return consumed
 
 
-@pytest.mark.parametrize("pipeline", list(dp.PIPELINES))
 @pytest.mark.parametrize("schedule,num_splits", [("balanced", None), ("split", 2),
                                                  ("split", 256)])
-def test_stream_reads_every_tile_from_its_stage(rng, schedule, num_splits, pipeline):
+def test_stream_reads_every_tile_from_its_stage(rng, schedule, num_splits):
     for slots, top in ((8, 200), (40, 3000), (264, 30)):
-        lp = launch(slots=slots, pipeline=pipeline)
+        lp = launch(slots=slots)
         work = dp.plan_work(lp, random_lengths(rng, 17, top), False, -1, schedule, num_splits)
-        seen = [emulate_column(work.desc, c, lp.tiles.stages) for c in range(lp.columns)]
+        seen = [emulate_column(work.desc, c) for c in range(lp.columns)]
         tiles = sorted((int(work.desc[r, 0]), int(t)) for col in seen for r, t in col)
         assert len(tiles) == len(set(tiles)) == int((work.desc[:, 3] - work.desc[:, 2]).sum())

@@ -12,9 +12,7 @@ The ``variant`` column is the plan's ``schedule/merge`` (``PagedDecoder.plan``):
 runs the default ("balanced/fused"); on the B{1, 64} x L{2K, 8K} GQA shapes the other three
 follow ("split/kernel" is the earlier design: equal splits per sequence, merged by a second
 kernel). At B64 x L8K page size 1 vs 16 and the HND layout (4 KB contiguous per page and
-kv head instead of 256-byte rows) are compared too, and at B{1, 64} x L8K the kernel's
-pipeline variants ("deep": 32-token tiles in 6 stages; "wide": 32-token tiles in 4 stages
-at 3 CTAs per SM; variant ``balanced/fused/<pipeline>``). K/V sets rotate so L2 (60 MB) does not
+kv head instead of 256-byte rows) are compared too. K/V sets rotate so L2 (60 MB) does not
 serve them, and every timed configuration is checked against the reference on one sequence
 and kv head (``ok``: relative error under 2e-2). Run: ``python -m cupaged.bench.decode
 [--quick]``.
@@ -36,7 +34,6 @@ BATCHES, LENGTHS = (1, 8, 64, 256), (512, 2048, 8192, 32768, 131072)
 MAX_KV_BYTES = 40e9
 DEFAULT_VARIANT = ("balanced", "fused")
 OTHER_VARIANTS = (("split", "kernel"), ("balanced", "kernel"), ("split", "fused"))
-PIPELINE_VARIANTS = ("deep", "wide")  # decode_plan.PIPELINES besides the default
 TOLERANCE = 2e-2
 
 
@@ -96,10 +93,9 @@ def _graph_time(run_set, sets):
         return time_gpu(graph.launch) / len(sets)
 
 
-def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="NHD",
-                pipeline="default"):
+def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="NHD"):
     """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fraction of copy) with
-    the plan's ``variant = (schedule, merge)`` and ``pipeline``."""
+    the plan's ``variant = (schedule, merge)``."""
     import cupy
     hq, hk = heads
     nbytes = kv_bytes(batch, length, hk)
@@ -114,7 +110,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     out = cupy.empty_like(q)
     dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, layout=layout,
                               max_batch=batch, xp=cupy)
-    dec.plan(tables, lens, schedule=variant[0], merge=variant[1], pipeline=pipeline)
+    dec.plan(tables, lens, schedule=variant[0], merge=variant[1])
     cupy.cuda.Device().synchronize()
     seconds = _graph_time(lambda kv: dec.run(q, *kv, out=out), sets)
     turn = iter(range(1 << 30))
@@ -124,8 +120,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     err = _check(out, q, *sets[0], tables, lens, hq // hk, layout)
     bw = nbytes / seconds
     return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page, "layout": layout,
-            "variant": "/".join(variant + ((pipeline,) if pipeline != "default" else ())),
-            "splits": dec.num_splits, "us": seconds * 1e6,
+            "variant": "/".join(variant), "splits": dec.num_splits, "us": seconds * 1e6,
             "eager_us": eager * 1e6, "TB/s": bw / 1e12, "frac_copy": bw / copy_bandwidth(),
             "err": err, "ok": bool(err < TOLERANCE)}
 
@@ -207,11 +202,6 @@ def run(quick=False):
     for page, layout in ((1, "NHD"), (16, "HND")):  # vs page 16 NHD above, at B64 x L8K
         rows.append(bench_paged(64, 8192, HEADS["GQA"], page=page, layout=layout))
         _free()
-    for b in (64, 1):  # pipeline variants vs the default rows above, NHD and HND at B64
-        for pipeline in PIPELINE_VARIANTS:
-            for layout in (("NHD", "HND") if b == 64 else ("NHD",)):
-                rows.append(bench_paged(b, 8192, HEADS["GQA"], layout=layout, pipeline=pipeline))
-                _free()
     return rows
 
 
