@@ -13,7 +13,9 @@
 // the online softmax on the fp32 accumulators (exp2 with one FFMA), converts P in
 // registers to A fragments and runs O += P V (wgmma, B = V [keys][d] in shared memory,
 // MN-major). All 256 threads load K/V tiles with cp.async into STAGES buffers, one tile
-// ahead of the math; tiles run from the last visible one down (masked tiles first). With
+// ahead of the math (a paged cache's block-table entries one tile further ahead: one
+// lookup per row and tile, shifts for power-of-two block sizes); tiles run from the last
+// visible one down (masked tiles first). With
 // three buffers the P V batch of a tile runs during the softmax of the next one (FA3's
 // intra-warpgroup overlap; loop_overlap), with two each batch is waited for (loop_simple).
 #include "common.cuh"
@@ -101,34 +103,58 @@ __device__ __forceinline__ int visible_hi(int p, int kv_len, int causal) {
 // a * b for non-negative 32-bit values as one 32 x 32 -> 64-bit multiply
 __device__ __forceinline__ i64 wide(u32 a, u32 b) { return (i64)((u64)a * b); }
 
-// K/V tile of keys [j0, j0 + BN) -> sK, sV (swizzled [BN][D]) with cp.async. Thread tid
-// copies chunk tid % CH of rows tid / CH + ROW_STEP * i: one key lookup per row serves K
-// and V; rows past kv_len are zero-filled (their lookup clamped to the last key). Block
-// and token strides fit in 32 bits (the host checks).
+// Where the K/V rows of an item come from: the kv head's bases (ragged rows: the
+// sequence's first key folded in), its block-table row (null: ragged), the key count and
+// log2 of a power-of-two block size (-1: any other). Thread tid copies 16-byte chunk
+// tid % CH of tile rows tid / CH + ROW_STEP * i (i < RPT): one key lookup per row and tile
+// serves K and V; rows past kv_len are zero-filled (their lookup clamped to the last key).
 template <typename T, typename C, int BN>
-__device__ __forceinline__ void load_kv(const Problem<T>& P, const T* kb, const T* vb, const int* table,
-                                        int kv_len, int j0, u32 sK, u32 sV) {
-  const int c = threadIdx.x % C::CH, r0 = threadIdx.x / C::CH;
-  kb += c * (int)P.k_chunk;
-  vb += c * 8 * (int)P.v_dim;
-#pragma unroll
-  for (int i = 0; i < BN / C::ROW_STEP; ++i) {
-    const int r = r0 + i * C::ROW_STEP, j = j0 + r;
-    const int jc = min(j, kv_len - 1);
-    int blk = 0, off = jc;
-    if (table != nullptr) {
-      const int bi = jc / P.block_size;
-      blk = __ldg(table + bi);
-      off = jc - bi * P.block_size;
-    }
-    const i64 k_off = wide(blk, (u32)P.k_block) + wide(off, (u32)P.k_tok);
-    const i64 v_off = wide(blk, (u32)P.v_block) + wide(off, (u32)P.v_tok);
-    const u32 at = swizzled<BN>(r, c);
-    const int bytes = j < kv_len ? 16 : 0;
-    cp_async16(sK + at, kb + k_off, bytes);
-    cp_async16(sV + at, vb + v_off, bytes);
+struct KVRows {
+  static constexpr int RPT = BN / C::ROW_STEP;  // rows per thread and tile
+  const T* kb;
+  const T* vb;
+  const int* table;
+  int kv_len, bs_shift;
+
+  __device__ __forceinline__ int key(int j0, int i) const {
+    return min(j0 + (int)threadIdx.x / C::CH + i * C::ROW_STEP, kv_len - 1);
   }
-}
+  // Block-table entries of the thread's rows of the tile at key j0, all reads issued
+  // together (used at the next `issue`, so their latency hides behind a tile of math).
+  __device__ __forceinline__ void lookup(const Problem<T>& P, int j0, int (&blk)[RPT]) const {
+    if (table == nullptr) return;
+    if (bs_shift >= 0) {
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) blk[i] = __ldg(table + (key(j0, i) >> bs_shift));
+    } else {
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) blk[i] = __ldg(table + key(j0, i) / P.block_size);
+    }
+  }
+  // cp.async of the tile at key j0 -> sK, sV (swizzled [BN][D]) from the entries `lookup`
+  // gave. Block and token strides fit in 32 bits (the host checks): 32 x 32 -> 64-bit
+  // multiplies; the row offset in a block is a mask for power-of-two block sizes.
+  __device__ __forceinline__ void issue(const Problem<T>& P, int j0, const int (&blk)[RPT], u32 sK, u32 sV) const {
+    const int c = threadIdx.x % C::CH, r0 = threadIdx.x / C::CH;
+    const T* kc = kb + c * (int)P.k_chunk;
+    const T* vc = vb + c * 8 * (int)P.v_dim;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int r = r0 + i * C::ROW_STEP, jc = key(j0, i);
+      int b = 0, off = jc;
+      if (table != nullptr) {
+        b = blk[i];
+        off = bs_shift >= 0 ? jc & (P.block_size - 1) : jc % P.block_size;
+      }
+      const i64 k_off = wide(b, (u32)P.k_block) + wide(off, (u32)P.k_tok);
+      const i64 v_off = wide(b, (u32)P.v_block) + wide(off, (u32)P.v_tok);
+      const u32 at = swizzled<BN>(r, c);
+      const int bytes = j0 + r < kv_len ? 16 : 0;
+      cp_async16(sK + at, kc + k_off, bytes);
+      cp_async16(sV + at, vc + v_off, bytes);
+    }
+  }
+};
 
 // Q tile: packed rows [0, rows) of the item -> sQ (swizzled [128][D]); the rest zero-filled.
 template <typename T, int D, typename C>
@@ -304,27 +330,28 @@ __device__ __forceinline__ void store_rows(const Problem<T>& P, const Item& it, 
   }
 }
 
-// K/V tiles in flight: tile n sits in buffer stage (n_last - n) % STAGES.
+// K/V tiles in flight: tile n sits in buffer stage (n_last - n) % STAGES; blk holds the
+// block-table entries of the next tile to issue (looked up one tile ahead).
 template <typename T, typename C, int BN, int STAGES>
 struct Pipe {
-  const T* kb;
-  const T* vb;
-  const int* table;
-  int kv_len, n_first;
+  KVRows<T, C, BN> src;
+  int n_first;
   u32 sKV;
+  int blk[KVRows<T, C, BN>::RPT];
 
   __device__ __forceinline__ u32 k_tile(int stage) const { return sKV + 2 * stage * C::KV_BYTES; }
   __device__ __forceinline__ u32 v_tile(int stage) const { return k_tile(stage) + C::KV_BYTES; }
   // Tile n (in `stage`) becomes visible to wgmma, and every warpgroup is done with the next
   // buffer (its last reader, a wgmma batch, was waited for before this barrier); tile n - 1
-  // starts streaming into that buffer.
-  __device__ __forceinline__ void advance(const Problem<T>& P, int n, int stage) const {
+  // starts streaming into that buffer and tile n - 2's table entries are read.
+  __device__ __forceinline__ void advance(const Problem<T>& P, int n, int stage) {
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();
     if (n > n_first) {
       const int next = stage + 1 == STAGES ? 0 : stage + 1;
-      load_kv<T, C, BN>(P, kb, vb, table, kv_len, (n - 1) * BN, k_tile(next), v_tile(next));
+      src.issue(P, (n - 1) * BN, blk, k_tile(next), v_tile(next));
+      if (n - 1 > n_first) src.lookup(P, (n - 2) * BN, blk);
     }
     cp_async_commit();
   }
@@ -345,7 +372,7 @@ struct Rows {
 // STAGES 2: per tile, S = Q K^T, softmax, O += P V, each wgmma batch waited for at once; a
 // warpgroup none of whose rows sees a key of the tile skips it.
 template <typename T, int D, int BN, int STAGES, typename Pp>
-__device__ __forceinline__ void loop_simple(const Problem<T>& P, const Pp& pipe, const Rows& rw, u32 sQg,
+__device__ __forceinline__ void loop_simple(const Problem<T>& P, Pp& pipe, const Rows& rw, u32 sQg,
                                             int n_last, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
   for (int n = n_last, stage = 0; n >= pipe.n_first; --n, stage = stage + 1 == STAGES ? 0 : stage + 1) {
     pipe.advance(P, n, stage);
@@ -371,7 +398,7 @@ __device__ __forceinline__ void loop_simple(const Problem<T>& P, const Pp& pipe,
 // tile (masked where its rows see nothing): wgmma waits outside divergent code keep ptxas
 // from serialising the batches.
 template <typename T, int D, int BN, int STAGES, typename Pp>
-__device__ __forceinline__ void loop_overlap(const Problem<T>& P, const Pp& pipe, const Rows& rw, u32 sQg,
+__device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, const Rows& rw, u32 sQg,
                                              int n_last, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
   if (n_last < pipe.n_first) return;
   float s[BN / 2], alpha[2];
@@ -415,8 +442,10 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
 
   Item it;
   it.init(P, C::BLOCK_M);
-  const T* kb = P.k + it.hk * P.k_head + it.kv_start * P.k_tok;
-  const T* vb = P.v + it.hk * P.v_head + it.kv_start * P.v_tok;
+  const int bs = P.block_size;
+  const KVRows<T, C, BN> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
+                             P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table, it.kv_len,
+                             (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1};
   GroupKeys gk;
   gk.init(it, 64 * wg, P.window_left, P.causal);
   // the thread's rows: tile rows 64 wg + 16 warp + lane / 4 (+ 8); no row: sees nothing
@@ -436,14 +465,18 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
   const int n_first = j_begin / BN;
   const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
 
+  Pipe<T, C, BN, STAGES> pipe{src, n_first, sKV};
   load_q<T, D, C>(P, it, sQ);  // with tile n_last (stage 0), in the first batch of copies
-  if (n_last >= n_first) load_kv<T, C, BN>(P, kb, vb, it.table, it.kv_len, n_last * BN, sKV, sKV + C::KV_BYTES);
+  if (n_last >= n_first) {
+    src.lookup(P, n_last * BN, pipe.blk);
+    src.issue(P, n_last * BN, pipe.blk, sKV, sKV + C::KV_BYTES);
+    if (n_last > n_first) src.lookup(P, (n_last - 1) * BN, pipe.blk);
+  }
   cp_async_commit();
 
   float o[D / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  const Pipe<T, C, BN, STAGES> pipe{kb, vb, it.table, it.kv_len, n_first, sKV};
   const Rows rows{gk, {lo[0], lo[1]}, {hi[0], hi[1]}, sc, lane};
   if constexpr (C::OVERLAP) loop_overlap<T, D, BN, STAGES>(P, pipe, rows, sQ + wg * 64 * 128, n_last, o, m, l);
   else loop_simple<T, D, BN, STAGES>(P, pipe, rows, sQ + wg * 64 * 128, n_last, o, m, l);
