@@ -193,7 +193,7 @@ __device__ __forceinline__ void load_q_tile(const T* q, int num_q_heads, const R
 
 // Normalise the m-tile at tile row `first` (m in log2 units), write its LSE ([tokens,
 // num_q_heads], if lse), stage it in its own sQ rows and store 16-byte rows to out (rows as in
-// load_q_tile).
+// load_q_tile). Only the calling warp may still read those rows (its own ldmatrix of Q).
 template <typename T, int D, typename C, typename Rows>
 __device__ __forceinline__ void store_rows(T* out, float* lse, const float* sinks, int num_q_heads,
                                            const Rows& t, int first,
@@ -210,7 +210,11 @@ __device__ __forceinline__ void store_rows(T* out, float* lse, const float* sink
     if (lse != nullptr && lane % 4 == 0 && r < t.rows)
       lse[t.token_row(r) * num_q_heads + t.head(r)] = row_lse;
   }
-  if (first >= t.rows) return;
+  if (first >= t.rows) return;  // warp-uniform
+  // The warp's last compute_qk may have read these rows (Q fragments, Q_REGS false) with
+  // ldmatrix, whose row addresses come from other lanes than the ones staging here: order
+  // those reads before the stores.
+  __syncwarp();
   T* stage = sQ + first * C::LD;
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt)
