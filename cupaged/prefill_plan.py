@@ -86,9 +86,10 @@ def smem_bytes(dtype, head_dim, v_transposed, tile):
 
 # ----------------------------------------------------------------------------- wgmma (sm_90a)
 # Layouts where "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) on sm_90, as measured
-# on the H200 (2026-11-29, B2 S8192 H32 d128 causal bf16): ragged 396 TFLOP/s against 316 for
-# mma.sync; paged NHD page 16 300 against 322, so paged caches stay on mma.sync for now.
-WGMMA_AUTO = ("ragged",)
+# on the H200 (2026-11-29, B2 S8192 H32 d128 causal bf16): ragged 403 TFLOP/s against 325 for
+# mma.sync; paged NHD page 16 361 against 331 (after per-tile row addressing, 546fdaf). HND was
+# not timed on its own and stays on mma.sync until it is.
+WGMMA_AUTO = ("ragged", "NHD")
 BACKENDS = ("auto", "mma", "wgmma")
 WGMMA_HEAD_DIMS = (64, 128)
 
