@@ -8,15 +8,13 @@ the reference first. Run: ``python -m cupaged.bench.cache [--quick]``.
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from .. import cache_ops
 from .._arrays import bfloat16
 from ..layouts import LAYOUTS, CacheGeometry, cache_shapes
 from ..reference import cache as ref
-from .timing import copy_bandwidth, format_table, time_gpu
+from .timing import bench_main, copy_bandwidth, time_gpu
 
 BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, bfloat16
 
@@ -137,10 +135,7 @@ def run(quick=False):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    rows = run(quick="--quick" in argv)
-    print(f"copy bandwidth (read + write): {copy_bandwidth() / 1e12:.2f} TB/s")
-    print(format_table(rows))
+    bench_main(run, argv, copy_ceiling=True)
 
 
 if __name__ == "__main__":

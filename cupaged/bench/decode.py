@@ -19,14 +19,12 @@ and kv head (``ok``: relative error under 2e-2). Run: ``python -m cupaged.bench.
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from .. import decode
 from .._arrays import bfloat16
 from ..reference import attention as ref
-from .timing import copy_bandwidth, format_table, time_gpu, torch_or_none
+from .timing import bench_main, copy_bandwidth, time_gpu, torch_or_none
 
 HEAD_DIM, DTYPE = 128, bfloat16
 HEADS = {"GQA": (32, 8), "MHA": (32, 32), "MQA": (32, 1)}
@@ -206,10 +204,7 @@ def run(quick=False):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    rows = run(quick="--quick" in argv)
-    print(f"copy bandwidth (read + write): {copy_bandwidth() / 1e12:.2f} TB/s")
-    print(format_table(rows))
+    bench_main(run, argv, copy_ceiling=True)
 
 
 if __name__ == "__main__":

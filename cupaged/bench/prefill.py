@@ -26,14 +26,12 @@ Run: ``python -m cupaged.bench.prefill [--quick]`` or ``cupaged bench prefill``.
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from .. import prefill_plan as plan_
 from .._arrays import bfloat16
 from ..reference import attention as aref
-from .timing import format_table, time_gpu, torch_or_none
+from .timing import bench_main, time_gpu, torch_or_none
 
 H = 32
 TS = plan_.TileShape
@@ -284,8 +282,7 @@ COLUMNS = ["op", "variant", "tile", "shape", "ms", "public_ms", "TFLOPs", "flash
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    print(format_table(run(quick="--quick" in argv), COLUMNS))
+    bench_main(run, argv, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,12 @@ Run: ``python -m cupaged.bench.rope [--quick]``.
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from .._arrays import bfloat16
 from ..reference import attention as aref
 from ..reference import rope as rref
-from .timing import copy_bandwidth, format_table, rotating, time_gpu
+from .timing import bench_main, copy_bandwidth, rotating, time_gpu
 
 HQ, HK, D = 32, 8, 128
 
@@ -172,11 +170,12 @@ def run(quick=False):
     return rows
 
 
+COLUMNS = ["op", "variant", "shape", "ms", "public_ms", "TBps", "frac_copy", "TFLOPs",
+           "sink_overhead", "checked"]
+
+
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    rows = run(quick="--quick" in argv)
-    print(format_table(rows, ["op", "variant", "shape", "ms", "public_ms", "TBps", "frac_copy",
-                              "TFLOPs", "sink_overhead", "checked"]))
+    bench_main(run, argv, COLUMNS)
 
 
 if __name__ == "__main__":

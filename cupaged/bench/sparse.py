@@ -30,13 +30,11 @@ against a float32 recomputation). Run: ``python -m cupaged.bench.sparse [--quick
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from .._arrays import bfloat16
 from ..reference import sparse as ref
-from .timing import format_table, time_gpu, torch_or_none
+from .timing import bench_main, time_gpu, torch_or_none
 
 HQ, HK, D = 32, 8, 128
 BUDGETS = {"adaptive 0.3": dict(vertical_size=1000, slash_size=6096, adaptive_budget=0.3),
@@ -211,8 +209,7 @@ COLUMNS = ["S", "budget", "nv", "ns", "diag_frac", "est_ms", "index_ms", "kernel
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    print(format_table(run(quick="--quick" in argv), COLUMNS))
+    bench_main(run, argv, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 
 
 def time_gpu(fn, *, warmup=3, reps=20):
@@ -75,3 +76,24 @@ def format_table(rows, columns=None):
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+def bench_main(run, argv=None, columns=None, copy_ceiling=False):
+    """Command-line entry shared by the benchmark modules' ``main``.
+
+    Parameters
+    ----------
+    run : callable
+        ``run(quick: bool) -> list[dict]``, the module's benchmark rows.
+    argv : list of str, optional
+        Arguments (default ``sys.argv[1:]``); ``--quick`` selects the short sweep.
+    columns : list of str, optional
+        Table columns (default: the keys of the first row).
+    copy_ceiling : bool
+        Also print the copy bandwidth the rows' ``frac_copy`` refers to.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    rows = run(quick="--quick" in argv)
+    if copy_ceiling:
+        print(f"copy bandwidth (read + write): {copy_bandwidth() / 1e12:.2f} TB/s")
+    print(format_table(rows, columns))
