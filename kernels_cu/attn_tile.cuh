@@ -7,33 +7,10 @@
 // quad holds rows g and g + 8 of each m-tile). Scores stay in the units of the raw dot
 // product until the softmax step folds the scale (log2 units) into one FFMA per element.
 #pragma once
-#include "common.cuh"
+#include "attn_common.cuh"
 #include "mma.cuh"
 
 namespace cupaged {
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-// Normalisation of a finished row: out = acc * inv, natural-log lse including the sink.
-// m: running max in log2 units (-inf: no visible key); l: sum of exp2(x - m).
-__device__ __forceinline__ void finish_row(float m, float l, const float* sinks, int h,
-                                           float& inv, float& lse) {
-  if (sinks != nullptr) {
-    const float sink = sinks[h] * LOG2E;
-    const float mf = fmaxf(m, sink);
-    if (mf == neg_inf()) { inv = 0.f; lse = neg_inf(); return; }
-    const float f = m == neg_inf() ? 0.f : exp2f(m - mf);
-    const float total = l * f + exp2f(sink - mf);
-    inv = f / total;
-    lse = (mf + log2f(total)) * LN2;
-  } else if (l > 0.f) {
-    inv = 1.f / l;
-    lse = (m + log2f(l)) * LN2;
-  } else {
-    inv = 0.f;
-    lse = neg_inf();
-  }
-}
 
 // Tile shape of the tensor-core kernel: WARPS warps of MT 16-row m-tiles each (every K/V
 // fragment a warp loads feeds its MT m-tiles); BLOCK_N keys per K/V tile; STAGES K and V

@@ -13,12 +13,9 @@
 // its transpose with .trans. Helpers below compute the per-lane row/column for the usual
 // operand tilings of a row-major shared-memory tile.
 #pragma once
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 namespace cupaged {
-
-typedef unsigned int u32;
 
 // -- shared-memory address of a generic pointer (for ldmatrix / cp.async) --
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -103,26 +100,6 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const u3
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// -- pack two floats into one b32 of two 16-bit values (lo = first) --
-template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
-
-template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<u32*>(&h);
-}
-
-template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<u32*>(&h);
-}
-
-// -- fast base-2 exponential (MUFU.EX2); ex2(-inf) = +0 --
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 }  // namespace cupaged

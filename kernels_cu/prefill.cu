@@ -19,60 +19,21 @@
 //
 // fp16/bf16 run on tensor cores (mma.sync m16n8k16, fp32 accumulation); fp32 inputs run a
 // simple CUDA-core path (one warp per query row), correct but not tuned.
+#include "attn_common.cuh"
 #include "attn_tile.cuh"
 
 namespace cupaged {
 
-// ----------------------------------------------------------------------------- problem
-template <typename T>
-struct Problem {
-  const T* __restrict__ q;
-  const T* __restrict__ k;
-  const T* __restrict__ v;
-  T* __restrict__ out;
-  float* __restrict__ lse;
-  const int4* __restrict__ work;
-  const int* __restrict__ cu_q;
-  const int* __restrict__ kv_info;  // ragged: cu_seqlens_k [B + 1]; paged: seq_lens [B]
-  const int* __restrict__ block_tables;
-  int max_blocks, block_size, paged;
-  i64 k_block, k_head, k_chunk, k_tok, v_block, v_head, v_dim, v_tok;
-  const float* __restrict__ alibi;
-  const float* __restrict__ sinks;
-  int num_q_heads, num_kv_heads;
-  float sm_scale, soft_cap;
-  int window_left, causal;
-};
-
-// The sequence, kv head and packed rows of one work item, and where its keys live.
-struct Tile {
-  int b, hk, row0, rows, group, q_start, q_len, kv_len, bs_shift;
-  i64 kv_start;
-  const int* table;
+// A work item (attn_common.cuh) with the shift of a power-of-two block size (-1: any other).
+struct Tile : WorkItem {
+  int bs_shift;
 
   template <typename T>
   __device__ __forceinline__ void init(const Problem<T>& P, int4 item, int block_m) {
-    b = item.x; hk = item.y; row0 = item.z;
-    group = P.num_q_heads / P.num_kv_heads;
-    q_start = P.cu_q[b];
-    q_len = P.cu_q[b + 1] - q_start;
-    rows = min(block_m, q_len * group - row0);
-    if (P.paged) {
-      kv_start = 0;
-      kv_len = P.kv_info[b];
-      table = P.block_tables + (i64)b * P.max_blocks;
-    } else {
-      kv_start = P.kv_info[b];
-      kv_len = P.kv_info[b + 1] - P.kv_info[b];
-      table = nullptr;
-    }
+    WorkItem::init(P, item, block_m);
     const int bs = P.block_size;
     bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
   }
-  // absolute position of packed row r (0-based within the tile)
-  __device__ __forceinline__ int position(int r) const { return kv_len - q_len + (row0 + r) / group; }
-  __device__ __forceinline__ int head(int r) const { return hk * group + (row0 + r) % group; }
-  __device__ __forceinline__ i64 token_row(int r) const { return (i64)q_start + (row0 + r) / group; }
   // (blk, off) of key j
   template <typename T>
   __device__ __forceinline__ void locate(const Problem<T>& P, int j, i64& blk, i64& off) const {
@@ -107,14 +68,6 @@ struct Tile {
     return P.v + v_off + hk * P.v_head + d * P.v_dim;
   }
 };
-
-// Visible keys [lo, hi) of the query at position p.
-__device__ __forceinline__ int visible_lo(int p, int window_left) {
-  return window_left >= 0 ? max(0, p - window_left) : 0;
-}
-__device__ __forceinline__ int visible_hi(int p, int kv_len, int causal) {
-  return causal ? min(kv_len, p + 1) : kv_len;
-}
 
 // Score transform in log2 units: soft-cap, then ALiBi.
 struct ScoreMap {
@@ -238,32 +191,6 @@ __device__ __forceinline__ void load_v_transposed(const Problem<T>& P, const KVS
   }
 }
 
-// Key range of one warp's rows [first, first + n_rows): keys some valid row sees
-// [j_lo, j_hi), and every valid row sees [lo_max, hi_min) (empty for a warp without rows).
-struct WarpKeys {
-  int j_lo, j_hi, hi_min, lo_max;
-
-  __device__ __forceinline__ void init(const Tile& t, int first, int n_rows, int window_left, int causal) {
-    j_lo = j_hi = hi_min = lo_max = 0;
-    if (first < t.rows) {
-      const int p_first = t.position(first), p_last = t.position(min(first + n_rows, t.rows) - 1);
-      j_lo = visible_lo(p_first, window_left);
-      j_hi = visible_hi(p_last, t.kv_len, causal);
-      hi_min = visible_hi(p_first, t.kv_len, causal);
-      lo_max = visible_lo(p_last, window_left);
-    }
-  }
-  // some valid row sees a key of [j0, j0 + n)
-  __device__ __forceinline__ bool sees(int j0, int n) const { return j0 < j_hi && j0 + n > j_lo; }
-  // some valid row does not see every key of [j0, j0 + n)
-  __device__ __forceinline__ bool needs_mask(int j0, int n) const { return j0 + n > hi_min || j0 < lo_max; }
-};
-
-// Position of a tile row; NO_ROW past the tile's rows.
-constexpr int NO_ROW = -2147483647 - 1;
-
-__device__ __forceinline__ int row_position(const Tile& t, int r) { return r < t.rows ? t.position(r) : NO_ROW; }
-
 // The work item of this CTA, read again (volatile: the compiler cannot keep the first read's
 // values alive across the main loop instead), for the rare paths and the epilogue.
 template <typename T>
@@ -343,18 +270,18 @@ __device__ __forceinline__ void load_v_tile(const Problem<T>& P, const KVSource<
 template <typename T, int BLOCK_M, int WARPS>
 struct LoopState {
   KVSource<T> src;
-  int4 keys[WARPS];   // WarpKeys of each warp
+  int4 keys[WARPS];   // RowKeys of each warp
   int pos[BLOCK_M];   // position of each tile row (NO_ROW past the rows)
 
   __device__ __forceinline__ void publish(const Problem<T>& P, const Tile& t, int rows_per_warp) {
     const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) src.init(P, t);
     if (threadIdx.x % 32 == 0) {
-      WarpKeys w;
+      RowKeys w;
       w.init(t, warp * rows_per_warp, rows_per_warp, P.window_left, P.causal);
       keys[warp] = make_int4(w.j_lo, w.j_hi, w.hi_min, w.lo_max);
     }
-    for (int r = threadIdx.x; r < BLOCK_M; r += 32 * WARPS) pos[r] = row_position(t, r);
+    for (int r = threadIdx.x; r < BLOCK_M; r += 32 * WARPS) pos[r] = t.row_position(r);
   }
 };
 
@@ -444,7 +371,7 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
     cp_async_commit();
 
     const int4 wk = st.keys[warp];
-    const WarpKeys w{wk.x, wk.y, wk.z, wk.w};
+    const RowKeys w{wk.x, wk.y, wk.z, wk.w};
     const bool active = w.sees(j0, BN);
     u32 pf[MT][BN / 16][4];
     if (active) {

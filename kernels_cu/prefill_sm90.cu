@@ -18,34 +18,11 @@
 // visible one down (masked tiles first). With
 // three buffers the P V batch of a tile runs during the softmax of the next one (FA3's
 // intra-warpgroup overlap; loop_overlap), with two each batch is waited for (loop_simple).
-#include "common.cuh"
+#include "attn_common.cuh"
 #include "wgmma.cuh"
 
 namespace cupaged {
 namespace sm90 {
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-constexpr int NO_ROW = -2147483647 - 1;
-
-template <typename T>
-struct Problem {
-  const T* __restrict__ q;
-  const T* __restrict__ k;
-  const T* __restrict__ v;
-  T* __restrict__ out;
-  float* __restrict__ lse;
-  const int4* __restrict__ work;
-  const int* __restrict__ cu_q;
-  const int* __restrict__ kv_info;  // ragged: cu_seqlens_k [B + 1]; paged: seq_lens [B]
-  const int* __restrict__ block_tables;
-  int max_blocks, block_size, paged;
-  i64 k_block, k_head, k_chunk, k_tok, v_block, v_head, v_dim, v_tok;
-  const float* __restrict__ alibi;  // unused here (the host never sends ALiBi)
-  const float* __restrict__ sinks;
-  int num_q_heads, num_kv_heads;
-  float sm_scale, soft_cap;  // soft_cap unused here (always 0)
-  int window_left, causal;
-};
 
 // Sizes of one configuration: 2 warpgroups x 64 rows, BN-key K/V tiles, STAGES buffers.
 template <typename T, int D, int BN, int STAGES>
@@ -62,43 +39,6 @@ struct Config {
   static constexpr u32 SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + 1024;  // + alignment slack
   static_assert(BN % ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0, "whole load passes");
 };
-
-// The sequence, kv head and rows of one work item.
-struct Item {
-  int hk, row0, rows, group, q_start, q_len, kv_len;
-  i64 kv_start;
-  const int* table;
-
-  template <typename T>
-  __device__ __forceinline__ void init(const Problem<T>& P, int block_m) {
-    const int4 w = P.work[blockIdx.x];
-    const int b = w.x;
-    hk = w.y; row0 = w.z;
-    group = P.num_q_heads / P.num_kv_heads;
-    q_start = P.cu_q[b];
-    q_len = P.cu_q[b + 1] - q_start;
-    rows = min(block_m, q_len * group - row0);
-    if (P.paged) {
-      kv_start = 0;
-      kv_len = P.kv_info[b];
-      table = P.block_tables + (i64)b * P.max_blocks;
-    } else {
-      kv_start = P.kv_info[b];
-      kv_len = P.kv_info[b + 1] - P.kv_info[b];
-      table = nullptr;
-    }
-  }
-  __device__ __forceinline__ int position(int r) const { return kv_len - q_len + (row0 + r) / group; }
-  __device__ __forceinline__ int head(int r) const { return hk * group + (row0 + r) % group; }
-  __device__ __forceinline__ i64 token_row(int r) const { return (i64)q_start + (row0 + r) / group; }
-};
-
-__device__ __forceinline__ int visible_lo(int p, int window_left) {
-  return window_left >= 0 ? max(0, p - window_left) : 0;
-}
-__device__ __forceinline__ int visible_hi(int p, int kv_len, int causal) {
-  return causal ? min(kv_len, p + 1) : kv_len;
-}
 
 // a * b for non-negative 32-bit values as one 32 x 32 -> 64-bit multiply
 __device__ __forceinline__ i64 wide(u32 a, u32 b) { return (i64)((u64)a * b); }
@@ -158,7 +98,7 @@ struct KVRows {
 
 // Q tile: packed rows [0, rows) of the item -> sQ (swizzled [128][D]); the rest zero-filled.
 template <typename T, int D, typename C>
-__device__ __forceinline__ void load_q(const Problem<T>& P, const Item& it, u32 sQ) {
+__device__ __forceinline__ void load_q(const Problem<T>& P, const WorkItem& it, u32 sQ) {
   const int c = threadIdx.x % C::CH, r0 = threadIdx.x / C::CH;
 #pragma unroll
   for (int i = 0; i < C::BLOCK_M / C::ROW_STEP; ++i) {
@@ -170,22 +110,6 @@ __device__ __forceinline__ void load_q(const Problem<T>& P, const Item& it, u32 
 }
 
 // Keys [lo, hi) some / every valid row of one warpgroup sees (all empty without rows).
-struct GroupKeys {
-  int j_lo, j_hi, hi_min, lo_max;
-  __device__ __forceinline__ void init(const Item& it, int first, int window_left, int causal) {
-    j_lo = j_hi = hi_min = lo_max = 0;
-    if (first < it.rows) {
-      const int pf = it.position(first), pl = it.position(min(first + 64, it.rows) - 1);
-      j_lo = visible_lo(pf, window_left);
-      j_hi = visible_hi(pl, it.kv_len, causal);
-      hi_min = visible_hi(pf, it.kv_len, causal);
-      lo_max = visible_lo(pl, window_left);
-    }
-  }
-  __device__ __forceinline__ bool sees(int j0, int n) const { return j0 < j_hi && j0 + n > j_lo; }
-  __device__ __forceinline__ bool needs_mask(int j0, int n) const { return j0 + n > hi_min || j0 < lo_max; }
-};
-
 // Issue S = Q K^T over one K tile for the warpgroup's 64 rows (raw dots) as one batch.
 template <typename T, int D, int BN, int BLOCK_M>
 __device__ __forceinline__ void qk(float (&s)[BN / 2], u32 sQg, u32 sK) {
@@ -273,30 +197,10 @@ __device__ __forceinline__ void drain(float (&o)[D / 2], u32 (&pf)[N][4]) {
     for (int x = 0; x < 4; ++x) asm volatile("" : "+r"(pf[i][x]) :: "memory");
 }
 
-// Normalisation of a finished row: out = acc * inv, natural-log lse including the sink.
-// m: running max in log2 units (-inf: no visible key); l: sum of exp2(x - m).
-__device__ __forceinline__ void finish_row(float m, float l, const float* sinks, int h, float& inv, float& lse) {
-  if (sinks != nullptr) {
-    const float sink = sinks[h] * LOG2E;
-    const float mf = fmaxf(m, sink);
-    if (mf == neg_inf()) { inv = 0.f; lse = neg_inf(); return; }
-    const float f = m == neg_inf() ? 0.f : exp2f(m - mf);
-    const float total = l * f + exp2f(sink - mf);
-    inv = f / total;
-    lse = (mf + log2f(total)) * LN2;
-  } else if (l > 0.f) {
-    inv = 1.f / l;
-    lse = (m + log2f(l)) * LN2;
-  } else {
-    inv = 0.f;
-    lse = neg_inf();
-  }
-}
-
 // Epilogue of one warp's 16 rows (tile rows first .. first + 15): normalise, write LSE,
 // stage the rows in the (swizzled) Q tile and store them as 16-byte chunks.
 template <typename T, int D, typename C>
-__device__ __forceinline__ void store_rows(const Problem<T>& P, const Item& it, int first, const float (&o)[D / 2],
+__device__ __forceinline__ void store_rows(const Problem<T>& P, const WorkItem& it, int first, const float (&o)[D / 2],
                                            const float (&m)[2], float (&l)[2], float sc, u32 sQ, int lane) {
   float inv[2];
 #pragma unroll
@@ -359,7 +263,7 @@ struct Pipe {
 
 // The thread's two rows: the warpgroup's key ranges, each row's visible keys [lo, hi).
 struct Rows {
-  GroupKeys gk;
+  RowKeys gk;
   int lo[2], hi[2];
   float sc;
   int lane;
@@ -440,14 +344,14 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
   const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 
-  Item it;
-  it.init(P, C::BLOCK_M);
+  WorkItem it;
+  it.init(P, P.work[blockIdx.x], C::BLOCK_M);
   const int bs = P.block_size;
   const KVRows<T, C, BN> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
                              P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table, it.kv_len,
                              (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1};
-  GroupKeys gk;
-  gk.init(it, 64 * wg, P.window_left, P.causal);
+  RowKeys gk;
+  gk.init(it, 64 * wg, 64, P.window_left, P.causal);
   // the thread's rows: tile rows 64 wg + 16 warp + lane / 4 (+ 8); no row: sees nothing
   int lo[2], hi[2];
 #pragma unroll
@@ -507,7 +411,7 @@ prefill_wgmma_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      i64 v_dim, i64 v_tok, const float* __restrict__ alibi,
                      const float* __restrict__ sinks, int num_q_heads, int num_kv_heads,
                      float sm_scale, float soft_cap, int window_left, int causal) {
-  const sm90::Problem<T> P{q, k, v, out, lse, work, cu_q, kv_info, block_tables, max_blocks,
+  const Problem<T> P{q, k, v, out, lse, work, cu_q, kv_info, block_tables, max_blocks,
                            block_size, paged, k_block, k_head, k_chunk, k_tok, v_block, v_head,
                            v_dim, v_tok, alibi, sinks, num_q_heads, num_kv_heads, sm_scale,
                            soft_cap, window_left, causal};

@@ -22,13 +22,11 @@
 //     stride offset 1024 (8-row k groups), leading offset = the column-block size (the next
 //     64 N-columns); k-step kk starts 16 * 128 * kk bytes in.
 #pragma once
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 namespace cupaged {
 namespace sm90 {
 
-typedef unsigned int u32;
 typedef unsigned long long u64;
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -150,24 +148,6 @@ CUPAGED_WGMMA(__half, "f16", 128)
 #undef CUPAGED_WG_SS128
 #undef CUPAGED_WG_RS64
 #undef CUPAGED_WG_RS128
-
-// Two floats -> one b32 of two 16-bit values (lo = first).
-template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
-template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<u32*>(&h);
-}
-template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<u32*>(&h);
-}
-
-// Base-2 exponential on MUFU.EX2; ex2(-inf) = +0.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 }  // namespace sm90
 }  // namespace cupaged

@@ -1,0 +1,126 @@
+// What the two prefill kernels (prefill.cu on mma.sync, prefill_sm90.cu on wgmma) and the
+// sparse kernel's tile (attn_tile.cuh) share: the kernel arguments, the work item of a CTA
+// with the position of each packed row, each query's visible keys, and the normalisation
+// of a finished row.
+//
+// A work item (sequence b, kv head hk, first packed row row0) covers packed rows r of the
+// sequence: packed row r is query i = r / group of head hk * group + r % group. Query i of a
+// sequence with q_len queries and kv_len keys sits at p = kv_len - q_len + i and sees keys
+// [visible_lo(p), visible_hi(p)) (window_left, causal).
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Position of a row past a tile's rows (sees no key).
+constexpr int NO_ROW = -2147483647 - 1;
+
+// Arguments of both prefill kernels (one struct layout, one host packer). Element (key j,
+// dim d) of K sits at blk * k_block + hk * k_head + (d / X) * k_chunk + d % X + off * k_tok
+// and of V at blk * v_block + hk * v_head + d * v_dim + off * v_tok (prefill.cu). The wgmma
+// kernel never gets ALiBi or a soft-cap (alibi null, soft_cap 0).
+template <typename T>
+struct Problem {
+  const T* __restrict__ q;
+  const T* __restrict__ k;
+  const T* __restrict__ v;
+  T* __restrict__ out;
+  float* __restrict__ lse;
+  const int4* __restrict__ work;
+  const int* __restrict__ cu_q;
+  const int* __restrict__ kv_info;  // ragged: cu_seqlens_k [B + 1]; paged: seq_lens [B]
+  const int* __restrict__ block_tables;
+  int max_blocks, block_size, paged;
+  i64 k_block, k_head, k_chunk, k_tok, v_block, v_head, v_dim, v_tok;
+  const float* __restrict__ alibi;
+  const float* __restrict__ sinks;
+  int num_q_heads, num_kv_heads;
+  float sm_scale, soft_cap;
+  int window_left, causal;
+};
+
+// The sequence, kv head and packed rows of one work item, and where its keys live (ragged:
+// rows kv_start.., table null; paged: the sequence's block-table row).
+struct WorkItem {
+  int b, hk, row0, rows, group, q_start, q_len, kv_len;
+  i64 kv_start;
+  const int* table;
+
+  template <typename T>
+  __device__ __forceinline__ void init(const Problem<T>& P, int4 item, int block_m) {
+    b = item.x; hk = item.y; row0 = item.z;
+    group = P.num_q_heads / P.num_kv_heads;
+    q_start = P.cu_q[b];
+    q_len = P.cu_q[b + 1] - q_start;
+    rows = min(block_m, q_len * group - row0);
+    if (P.paged) {
+      kv_start = 0;
+      kv_len = P.kv_info[b];
+      table = P.block_tables + (i64)b * P.max_blocks;
+    } else {
+      kv_start = P.kv_info[b];
+      kv_len = P.kv_info[b + 1] - P.kv_info[b];
+      table = nullptr;
+    }
+  }
+  // absolute position of packed row r (0-based within the tile)
+  __device__ __forceinline__ int position(int r) const { return kv_len - q_len + (row0 + r) / group; }
+  __device__ __forceinline__ int head(int r) const { return hk * group + (row0 + r) % group; }
+  __device__ __forceinline__ i64 token_row(int r) const { return (i64)q_start + (row0 + r) / group; }
+  // position of tile row r; NO_ROW past the tile's rows
+  __device__ __forceinline__ int row_position(int r) const { return r < rows ? position(r) : NO_ROW; }
+};
+
+// Visible keys [lo, hi) of the query at position p.
+__device__ __forceinline__ int visible_lo(int p, int window_left) {
+  return window_left >= 0 ? max(0, p - window_left) : 0;
+}
+__device__ __forceinline__ int visible_hi(int p, int kv_len, int causal) {
+  return causal ? min(kv_len, p + 1) : kv_len;
+}
+
+// Key range of tile rows [first, first + n_rows) of a work item: keys some valid row sees
+// [j_lo, j_hi), and every valid row sees [lo_max, hi_min) (empty without valid rows).
+struct RowKeys {
+  int j_lo, j_hi, hi_min, lo_max;
+
+  __device__ __forceinline__ void init(const WorkItem& t, int first, int n_rows, int window_left, int causal) {
+    j_lo = j_hi = hi_min = lo_max = 0;
+    if (first < t.rows) {
+      const int p_first = t.position(first), p_last = t.position(min(first + n_rows, t.rows) - 1);
+      j_lo = visible_lo(p_first, window_left);
+      j_hi = visible_hi(p_last, t.kv_len, causal);
+      hi_min = visible_hi(p_first, t.kv_len, causal);
+      lo_max = visible_lo(p_last, window_left);
+    }
+  }
+  // some valid row sees a key of [j0, j0 + n)
+  __device__ __forceinline__ bool sees(int j0, int n) const { return j0 < j_hi && j0 + n > j_lo; }
+  // some valid row does not see every key of [j0, j0 + n)
+  __device__ __forceinline__ bool needs_mask(int j0, int n) const { return j0 + n > hi_min || j0 < lo_max; }
+};
+
+// Normalisation of a finished row: out = acc * inv, natural-log lse including the sink.
+// m: running max in log2 units (-inf: no visible key); l: sum of exp2(x - m).
+__device__ __forceinline__ void finish_row(float m, float l, const float* sinks, int h,
+                                           float& inv, float& lse) {
+  if (sinks != nullptr) {
+    const float sink = sinks[h] * LOG2E;
+    const float mf = fmaxf(m, sink);
+    if (mf == neg_inf()) { inv = 0.f; lse = neg_inf(); return; }
+    const float f = m == neg_inf() ? 0.f : exp2f(m - mf);
+    const float total = l * f + exp2f(sink - mf);
+    inv = f / total;
+    lse = (mf + log2f(total)) * LN2;
+  } else if (l > 0.f) {
+    inv = 1.f / l;
+    lse = (m + log2f(l)) * LN2;
+  } else {
+    inv = 0.f;
+    lse = neg_inf();
+  }
+}
+
+}  // namespace cupaged
