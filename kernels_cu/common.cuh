@@ -25,6 +25,11 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
+// Shared-state-space address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
 // Elements of T in one 16-byte vector.
 template <typename T> struct Vec16 { static constexpr int N = 16 / sizeof(T); };
 

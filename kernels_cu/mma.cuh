@@ -17,11 +17,6 @@
 
 namespace cupaged {
 
-// -- shared-memory address of a generic pointer (for ldmatrix / cp.async) --
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
 // -- cp.async: 16 bytes global -> shared, bypassing L1; bytes past src_bytes are zero-filled --
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes = 16) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"

@@ -29,10 +29,6 @@ namespace sm90 {
 
 typedef unsigned long long u64;
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile of R rows.
 template <int R>
 __device__ __forceinline__ u32 swizzled(int r, int c) {

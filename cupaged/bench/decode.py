@@ -12,8 +12,10 @@ The ``variant`` column is the plan's ``schedule/merge`` (``PagedDecoder.plan``):
 runs the default ("balanced/fused"); on the B{1, 64} x L{2K, 8K} GQA shapes the other three
 follow ("split/kernel" is the earlier design: equal splits per sequence, merged by a second
 kernel). At B64 x L8K page size 1 vs 16 and the HND layout (4 KB contiguous per page and
-kv head instead of 256-byte rows) are compared too. K/V sets rotate so L2 (60 MB) does not
-serve them, and every timed configuration is checked against the reference on one sequence
+kv head instead of 256-byte rows) are compared too. ``frac_read`` is the fraction of a
+read-only streaming probe's bandwidth (``timing.read_bandwidth``), the tighter ceiling for a
+kernel that only reads; ``vs_cudnn`` our TB/s over cuDNN's. K/V sets rotate so L2 (60 MB)
+does not serve them, and every timed configuration is checked against the reference on one sequence
 and kv head (``ok``: relative error under 2e-2). Run: ``python -m cupaged.bench.decode
 [--quick]``.
 """
@@ -24,7 +26,7 @@ import numpy as np
 from .. import decode
 from .._arrays import bfloat16
 from ..reference import attention as ref
-from .timing import bench_main, copy_bandwidth, time_gpu, torch_or_none
+from .timing import bench_main, copy_bandwidth, read_bandwidth, time_gpu, torch_or_none
 
 HEAD_DIM, DTYPE = 128, bfloat16
 HEADS = {"GQA": (32, 8), "MHA": (32, 32), "MQA": (32, 1)}
@@ -92,8 +94,8 @@ def _graph_time(run_set, sets):
 
 
 def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="NHD"):
-    """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fraction of copy) with
-    the plan's ``variant = (schedule, merge)``."""
+    """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fractions of the copy and
+    read ceilings) with the plan's ``variant = (schedule, merge)``."""
     import cupy
     hq, hk = heads
     nbytes = kv_bytes(batch, length, hk)
@@ -120,7 +122,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page, "layout": layout,
             "variant": "/".join(variant), "splits": dec.num_splits, "us": seconds * 1e6,
             "eager_us": eager * 1e6, "TB/s": bw / 1e12, "frac_copy": bw / copy_bandwidth(),
-            "err": err, "ok": bool(err < TOLERANCE)}
+            "frac_read": bw / read_bandwidth(), "err": err, "ok": bool(err < TOLERANCE)}
 
 
 def bench_torch(batch, length, heads):
@@ -185,11 +187,14 @@ def run(quick=False):
     if quick:
         shapes = [s for s in shapes if s[0] == "GQA" and s[1] in (1, 64) and s[2] in (2048, 8192)]
     copy_bandwidth()
+    read_bandwidth()
     rows = []
     for name, b, l in shapes:
         row = bench_paged(b, l, HEADS[name])
         _free()
         row.update(bench_torch(b, l, HEADS[name]))
+        if row.get("cudnn_TB/s"):
+            row["vs_cudnn"] = row["TB/s"] / row["cudnn_TB/s"]
         _free()
         rows.append(row)
     for b in (1, 64):  # the other plan variants where the goals are set
