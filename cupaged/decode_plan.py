@@ -397,6 +397,24 @@ def _enumerate(per_seq):
     return seq, np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
 
 
+def min_piece_tiles(launch, max_tiles) -> int:
+    """Fewest key tiles per piece of the "balanced" schedule.
+
+    At least ``STAGES - 1`` (a column's first loads all go out at once). And, as the CTA
+    that completes a sequence merges its P pieces alone (each warp serially over
+    ``ceil(hpc / NWARPS)`` heads), a sequence of ``n`` tiles costs about ``n / P + c P``
+    tile times, ``c`` the merge of one piece in tile-streaming times: a partial row is
+    ``4 D`` bytes (fp32) a head against ``4 TILE D`` of 16-bit K/V a tile, and a warp
+    merges at about half a CTA's streaming rate, so ``c = 2 ceil(hpc / NWARPS) / TILE``.
+    The best P is ``sqrt(n / c)``, that is ``sqrt(n c)`` tiles a piece: for MQA's 32 heads
+    a kv head (c = 1/4) and 512 tiles, 12 (43 pieces instead of 256, whose merge took
+    several times the streaming); for up to 8 heads (c = 1/16), 2 up to 64 tiles and 6 at
+    512, where the columns cap the pieces anyway.
+    """
+    c = 2 * -(-launch.heads_per_group // NWARPS) / launch.tiles.tile
+    return max(STAGES - 1, int(np.ceil(np.sqrt(max_tiles * c))))
+
+
 def balanced_pieces(n_tiles, columns, min_share=1) -> Pieces:
     """Equal tile shares: with the sequences' tiles laid end to end, column ``c`` takes
     tiles ``[c * P, (c + 1) * P)`` (``P = max(ceil(total / columns), min_share)``); a
@@ -467,8 +485,8 @@ def plan_work(launch, seq_lens, append, window_left, schedule="balanced",
     ``num_splits`` (default: ``choose_num_splits``)."""
     kv = np.asarray(seq_lens, np.int64) + int(append)
     first, n = tile_spans(kv, window_left, launch.tiles.tile)
-    if schedule == "balanced":  # a column's first STAGES - 1 tiles load at once: no less
-        pieces = balanced_pieces(n, launch.columns, STAGES - 1)
+    if schedule == "balanced":
+        pieces = balanced_pieces(n, launch.columns, min_piece_tiles(launch, int(n.max(initial=0))))
     else:
         if num_splits is None:
             num_splits = choose_num_splits(len(kv) * launch.row_groups, int(n.max(initial=0)),

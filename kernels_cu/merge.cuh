@@ -81,7 +81,7 @@ __device__ void merge_pieces_row(const float* __restrict__ o, i64 o_stride,
                                  const float* __restrict__ l, i64 l_stride, int np, float sink,
                                  int dim, TO* __restrict__ out, float* __restrict__ lse_out,
                                  int lane) {
-  constexpr int BATCH = 8 / CH;
+  constexpr int BATCH = 16 / CH;
   // -- max and denominator over the pieces' LSEs (lane j: pieces j, j + 32, ...) --
   const float l0 = lane < np ? __ldcg(l + lane * l_stride) : minus_inf();
   float m = fmaxf(sink, l0);

@@ -46,6 +46,17 @@ def test_specializations_cover_every_plan(dtype):
                 assert lp.heads.head_warps <= dp.NWARPS
 
 
+def test_min_piece_tiles_balances_merge_and_streaming():
+    """sqrt(n c) tiles a piece, c = 2 ceil(heads per row group / 4) / TILE; never under
+    STAGES - 1."""
+    mqa, gqa = launch(hq=32, hk=1, slots=264), launch(hq=32, hk=8, slots=264)
+    assert mqa.heads_per_group == 32 and gqa.heads_per_group == 8
+    assert [dp.min_piece_tiles(mqa, n) for n in (0, 8, 32, 512, 2048)] == [2, 2, 3, 12, 23]
+    assert [dp.min_piece_tiles(gqa, n) for n in (0, 64, 128, 512)] == [2, 2, 3, 6]
+    work = dp.plan_work(mqa, np.array([512 * 64 - 1], np.int32), True, -1)
+    assert work.max_pieces == -(-512 // 12)
+
+
 def test_tiles_cover_visible_range_once():
     """tile_spans (the kernel's first_visible and tile count) covers [lo, kv_len) exactly."""
     for tile in (16, 32, 64):
