@@ -1,3 +1,6 @@
+import fcntl
+import os
+import tempfile
 import zlib
 
 import numpy as np
@@ -42,3 +45,19 @@ def _release_gpu_memory(request):
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _one_bigmem_test_at_a_time(request):
+    """Tests marked ``bigmem`` (several GB of device memory each) hold an exclusive lock
+    shared by every pytest-xdist worker, so that parallel workers never stack them."""
+    if "bigmem" not in request.keywords:
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), "cupaged-tests-bigmem.lock")
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -325,6 +325,7 @@ def test_gpu_swap_needs_pinned_host(rng, cp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.bigmem
 def test_gpu_cache_past_2_31_elements(rng, cp, layout):
     """Blocks starting beyond 2**31 elements: write there, copy down and back up."""
     bs, hk, d = 16, 8, 128

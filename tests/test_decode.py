@@ -393,6 +393,7 @@ def test_kernel_forced_splits(rng, cp, num_splits, feats):
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 @pytest.mark.parametrize("layout", ["NHD", "vllm"])
 def test_kernel_blocks_past_2_31_elements(rng, cp, layout):
     """The used blocks sit at the top of caches of more than 2**31 elements."""

@@ -553,6 +553,7 @@ def test_gpu_prefiller_plan_run_reuse(cp, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "vllm"])
+@pytest.mark.bigmem
 def test_gpu_cache_beyond_2_pow_31_elements(cp, rng, layout):
     """Blocks at the top of a cache of more than 2^31 elements (64-bit offsets)."""
     bs, hk, d, used = 16, 2, 128, 40

@@ -283,6 +283,7 @@ def _paged(rng, k, v, cu_k, bs, num_blocks, layout, cp, top=False):
     return kc, vc, tables
 
 
+@pytest.mark.bigmem
 @pytest.mark.parametrize("layout,big,bs", [("NHD", False, 16), ("HND", False, 16), ("NHD", True, 16),
                                            ("HND", False, 24)])
 def test_paged_equals_dense(cp, rng, layout, big, bs):
