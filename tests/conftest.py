@@ -8,6 +8,10 @@ import pytest
 
 from cupaged._arrays import gpu_available
 
+# JAX (the interop tests) would otherwise claim 75% of the GPU when first used and hold it
+# for the worker's lifetime, starving the other pytest-xdist workers' large tests.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 def pytest_collection_modifyitems(config, items):
     if gpu_available():
