@@ -148,7 +148,7 @@ def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
             dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes), _ptr(opts.sinks))
            + dev.scalars, shared_mem=lp.tiles.smem_bytes)
     if merge is not None:
-        merge((batch, lp.row_groups), (dp.NTHREADS,),
+        merge((batch, lp.row_groups, dp.merge_head_blocks(lp)), (dp.NTHREADS,),
               (_ptr(dev.part_out), _ptr(dev.part_lse), dev.seq_info,
                *_i32((hq, lp.num_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
                _ptr(opts.sinks), out, _ptr(lse)))
@@ -163,16 +163,18 @@ def _partials(xp, lp, num_slots):
 
 
 def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
-    """Work plan and device step of one ``paged_decode`` call (fused merge)."""
+    """Work plan and device step of one ``paged_decode`` call (default merge)."""
     schedule, _ = dp.check_variants(None, None, num_splits)
+    merge = dp.resolve_merge(None, lp)
     work = dp.plan_work(lp, c.seq_lens_host, c.append, c.options.window_left, schedule,
-                        num_splits)
+                        num_splits, merge)
     layout = dp.IndexLayout(c.batch, len(work.desc), 0)
     index = xp.asarray(dp.pack_index(layout, c.seq_lens_host, work))
     part_out, part_lse = _partials(xp, lp, work.num_slots)
-    counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots else None
-    scalars = _decode_scalars(lp, c.num_q_heads, block_tables.shape[1], c.options, 1)
-    return _DeviceStep(lp, _step_kernels(lp, dtype, c.append, False),
+    fused = merge == "fused"
+    counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots and fused else None
+    scalars = _decode_scalars(lp, c.num_q_heads, block_tables.shape[1], c.options, int(fused))
+    return _DeviceStep(lp, _step_kernels(lp, dtype, c.append, not fused),
                        index[layout.desc:layout.tables],
                        index[layout.info:layout.info + 2 * c.batch], block_tables, seq_lens,
                        part_out, part_lse, counters, scalars)
@@ -372,7 +374,10 @@ class PagedDecoder:
             chosen so that the CTAs are busy), dealt to the columns in equal counts.
         merge : {"fused", "kernel"}, optional
             Who merges the pieces of a cut sequence: the CTA finishing the last one
-            ("fused", default) or a second kernel launched after the decode kernel.
+            ("fused") or a second kernel launched after the decode kernel, one warp a
+            query head ("kernel"). Default: "fused", or "kernel" when the kernel serves
+            more than 8 query heads a kv head (as for MQA), where one CTA would merge many
+            heads one after another.
         """
         xp = self._xp or array_module(block_tables, seq_lens)
         bt, sl, max_block = dp.check_plan(self, block_tables, seq_lens, append, num_splits)
@@ -381,10 +386,17 @@ class PagedDecoder:
         work = device = None
         if xp is not np:
             lp = self._geometry()
+            merge = dp.resolve_merge(merge, lp)
             work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
-                                num_splits)
+                                num_splits, merge)
             device = self._upload(lp, bt, sl, work, merge, append)
         self._step = dp.Step(len(sl), bt, sl, bool(append), max_block, work, merge, device)
+
+    @property
+    def merge(self):
+        """Who merges the current CuPy plan's cut sequences, "fused" or "kernel" (None on
+        the NumPy path or before a plan, unless given)."""
+        return None if self._step is None else self._step.merge
 
     @property
     def num_splits(self):

@@ -85,8 +85,9 @@ def check_num_splits(num_splits):
 
 
 def check_variants(schedule, merge, num_splits):
-    """Resolve a plan's ``(schedule, merge)``: defaults "balanced" ("split" when
-    ``num_splits`` is given, the only schedule that takes a count) and "fused"."""
+    """Check a plan's ``(schedule, merge)``; the schedule defaults to "balanced" ("split"
+    when ``num_splits`` is given, the only schedule that takes a count), ``merge=None``
+    stays None (``resolve_merge`` picks it for a launch)."""
     check_num_splits(num_splits)
     if schedule is None:
         schedule = "balanced" if num_splits is None else "split"
@@ -94,9 +95,24 @@ def check_variants(schedule, merge, num_splits):
     if num_splits is not None and schedule != "split":
         raise ValueError(f"num_splits: expected None with schedule={schedule!r} (only "
                          f"'split' takes a count), got {num_splits!r}")
-    merge = "fused" if merge is None else merge
-    check_choice("merge", merge, MERGES)
+    if merge is not None:
+        check_choice("merge", merge, MERGES)
     return schedule, merge
+
+
+def resolve_merge(merge, launch):
+    """``merge`` or, when None, "fused" (the CTA completing a sequence merges it; no second
+    launch) unless a row group holds more than ``2 * NWARPS`` query heads: then "kernel",
+    whose grid gives every head a warp, where the fused merge would walk 8 heads a warp
+    (MQA) one after the other."""
+    if merge is not None:
+        return merge
+    return "kernel" if launch.heads_per_group > 2 * NWARPS else "fused"
+
+
+def merge_head_blocks(launch):
+    """grid.z of merge_pieces_kernel: CTAs of NWARPS warps, one query head a warp."""
+    return -(-launch.heads_per_group // NWARPS)
 
 
 def check_lse(lse, batch, num_q_heads, xp):
@@ -136,7 +152,7 @@ class Step(NamedTuple):
     append: bool
     max_block: int        # largest block id the step reads (-1: none)
     work: object          # WorkPlan (device runs) or None
-    merge: str            # one of MERGES
+    merge: str            # one of MERGES (None on the NumPy path unless given)
     device: object        # decode._DeviceStep (views of the uploaded indices) or None
 
 
@@ -397,21 +413,21 @@ def _enumerate(per_seq):
     return seq, np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
 
 
-def min_piece_tiles(launch, max_tiles) -> int:
+def min_piece_tiles(launch, max_tiles, merge="fused") -> int:
     """Fewest key tiles per piece of the "balanced" schedule.
 
-    At least ``STAGES - 1`` (a column's first loads all go out at once). And, as the CTA
-    that completes a sequence merges its P pieces alone (each warp serially over
-    ``ceil(hpc / NWARPS)`` heads), a sequence of ``n`` tiles costs about ``n / P + c P``
+    At least ``STAGES - 1`` (a column's first loads all go out at once). And, as one warp
+    merges a head's P pieces (the fused merge's warps walk ``ceil(hpc / NWARPS)`` heads
+    each, the kernel merge's one), a sequence of ``n`` tiles costs about ``n / P + c P``
     tile times, ``c`` the merge of one piece in tile-streaming times: a partial row is
     ``4 D`` bytes (fp32) a head against ``4 TILE D`` of 16-bit K/V a tile, and a warp
-    merges at about half a CTA's streaming rate, so ``c = 2 ceil(hpc / NWARPS) / TILE``.
-    The best P is ``sqrt(n / c)``, that is ``sqrt(n c)`` tiles a piece: for MQA's 32 heads
-    a kv head (c = 1/4) and 512 tiles, 12 (43 pieces instead of 256, whose merge took
-    several times the streaming); for up to 8 heads (c = 1/16), 2 up to 64 tiles and 6 at
-    512, where the columns cap the pieces anyway.
+    merges at about half a CTA's streaming rate, so ``c = 2 * heads a warp / TILE``. The
+    best P is ``sqrt(n / c)``, that is ``sqrt(n c)`` tiles a piece: 4 at 512 tiles for one
+    head a warp (c = 1/32), 12 for the fused merge of MQA's 32 heads (c = 1/4; 43 pieces
+    instead of 256, whose merge took several times the streaming).
     """
-    c = 2 * -(-launch.heads_per_group // NWARPS) / launch.tiles.tile
+    per_warp = 1 if merge == "kernel" else -(-launch.heads_per_group // NWARPS)
+    c = 2 * per_warp / launch.tiles.tile
     return max(STAGES - 1, int(np.ceil(np.sqrt(max_tiles * c))))
 
 
@@ -479,14 +495,16 @@ class WorkPlan(NamedTuple):
 
 
 def plan_work(launch, seq_lens, append, window_left, schedule="balanced",
-              num_splits=None) -> WorkPlan:
+              num_splits=None, merge="fused") -> WorkPlan:
     """Cut the visible key tiles of ``seq_lens`` (host int32 ``[batch]``, + 1 with
     ``append``) into pieces for ``launch.columns`` columns by ``schedule``. "split" takes
-    ``num_splits`` (default: ``choose_num_splits``)."""
+    ``num_splits`` (default: ``choose_num_splits``); "balanced" sizes pieces for ``merge``
+    (``min_piece_tiles``)."""
     kv = np.asarray(seq_lens, np.int64) + int(append)
     first, n = tile_spans(kv, window_left, launch.tiles.tile)
     if schedule == "balanced":
-        pieces = balanced_pieces(n, launch.columns, min_piece_tiles(launch, int(n.max(initial=0))))
+        shortest = min_piece_tiles(launch, int(n.max(initial=0)), merge)
+        pieces = balanced_pieces(n, launch.columns, shortest)
     else:
         if num_splits is None:
             num_splits = choose_num_splits(len(kv) * launch.row_groups, int(n.max(initial=0)),

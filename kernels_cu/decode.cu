@@ -768,10 +768,11 @@ merge_states_kernel(const TI* __restrict__ o_first, const TI* __restrict__ o_res
                          lse_out != nullptr ? lse_out + row : nullptr);
 }
 
-// grid (batch, num_kv_heads * head_chunks); block NTHREADS. CTA (b, y) merges the pieces of
-// row group y of sequence b when b was split (seq_info[b] = (npieces, first slot), npieces >
-// 1); the decode kernel wrote every other sequence's rows. Warp w takes heads w, w + 4, ...
-// of the row group, lane j the 4-float chunks j + 32 * ch of a row (merge_group).
+// grid (batch, num_kv_heads * head_chunks, ceil(HPC / NWARPS)); block NTHREADS. CTA (b, y, z)
+// merges the pieces of row group y of sequence b when b was split (seq_info[b] = (npieces,
+// first slot), npieces > 1); the decode kernel wrote every other sequence's rows. Warp w
+// takes head z * NWARPS + w of the row group, lane j the 4-float chunks j + 32 * ch of its
+// row (merge_group).
 template <typename TO, int CH>
 __global__ void __launch_bounds__(NTHREADS, 1)
 merge_pieces_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
@@ -787,8 +788,8 @@ merge_pieces_kernel(const float* __restrict__ part_out, const float* __restrict_
   const i64 row = (i64)b * num_q_heads + hq0;
   merge_group<TO, CH>(part_out, part_lse, slot0, np, gridDim.y, y, hpc, min(group - hc * hpc, hpc),
                       dim, sinks != nullptr ? sinks + hq0 : nullptr, out + row * dim,
-                      lse != nullptr ? lse + row : nullptr, threadIdx.x >> 5, NWARPS,
-                      threadIdx.x & 31);
+                      lse != nullptr ? lse + row : nullptr, blockIdx.z * NWARPS + (threadIdx.x >> 5),
+                      gridDim.z * NWARPS, threadIdx.x & 31);
 }
 
 }  // namespace decode

@@ -550,6 +550,20 @@ def test_fused_and_kernel_merges_agree(rng, cp):
 
 
 @pytest.mark.gpu
+def test_many_heads_default_to_the_kernel_merge(rng, cp):
+    """MQA (32 query heads a kv head) defaults to the kernel merge, one warp a head: a long
+    sequence cut into many pieces, a short one and an empty one match the reference."""
+    case = make_case(rng, lens=[20000, 5, 0], hq=32, hk=1, d=128, bs=16, dtype=bfloat16)
+    opts = features(rng, 32, ("sinks",))
+    (want, want_lse), _ = oracle(case, "NHD", **opts)
+    dec = cupaged.PagedDecoder(32, 1, 128, 16, dtype=bfloat16, max_batch=3)
+    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]))
+    assert dec.merge == "kernel" and dec.num_splits > 8
+    got = decoder_run(cp, case, dec, {"sinks": cp.asarray(opts["sinks"])}, bfloat16)
+    assert_matches(*got, want, want_lse, bfloat16)
+
+
+@pytest.mark.gpu
 def test_decoder_replans_many_pieces(rng, cp):
     """A plan with far more pieces than the buffers first held (they grow), then a small
     one reusing them; the kernel merge launched even when nothing is split."""

@@ -55,6 +55,19 @@ def test_min_piece_tiles_balances_merge_and_streaming():
     assert [dp.min_piece_tiles(gqa, n) for n in (0, 64, 128, 512)] == [2, 2, 3, 6]
     work = dp.plan_work(mqa, np.array([512 * 64 - 1], np.int32), True, -1)
     assert work.max_pieces == -(-512 // 12)
+    assert dp.min_piece_tiles(mqa, 512, "kernel") == 4   # one head a warp: c = 1/32
+    work = dp.plan_work(mqa, np.array([512 * 64 - 1], np.int32), True, -1, merge="kernel")
+    assert work.max_pieces == 512 // 4
+
+
+def test_default_merge_by_heads_per_row_group():
+    """The kernel merge (a warp per head) where the fused one would walk more than two
+    heads a warp; explicit choices pass through."""
+    mqa, gqa = launch(hq=32, hk=1, slots=264), launch(hq=32, hk=8, slots=264)
+    assert dp.resolve_merge(None, mqa) == "kernel" and dp.merge_head_blocks(mqa) == 8
+    assert dp.resolve_merge(None, gqa) == "fused" and dp.merge_head_blocks(gqa) == 2
+    assert dp.resolve_merge(None, launch(hq=64, hk=4, slots=264)) == "kernel"  # 16 heads
+    assert dp.resolve_merge("fused", mqa) == "fused" and dp.resolve_merge("kernel", gqa) == "kernel"
 
 
 def test_tiles_cover_visible_range_once():
@@ -206,7 +219,7 @@ def test_pack_index_regions(rng):
 
 
 def test_check_variants():
-    assert dp.check_variants(None, None, None) == ("balanced", "fused")
+    assert dp.check_variants(None, None, None) == ("balanced", None)  # merge: resolve_merge
     assert dp.check_variants(None, "kernel", 4) == ("split", "kernel")
     for args, text in (((None, None, 0), "num_splits"), (("balanced", None, 2), "num_splits"),
                        (("even", None, None), "schedule"), ((None, "late", None), "merge")):

@@ -32,7 +32,7 @@ HEAD_DIM, DTYPE = 128, bfloat16
 HEADS = {"GQA": (32, 8), "MHA": (32, 32), "MQA": (32, 1)}
 BATCHES, LENGTHS = (1, 8, 64, 256), (512, 2048, 8192, 32768, 131072)
 MAX_KV_BYTES = 40e9
-DEFAULT_VARIANT = ("balanced", "fused")
+DEFAULT_VARIANT = (None, None)  # the plan's defaults: balanced, fused (kernel merge for MQA)
 OTHER_VARIANTS = (("split", "kernel"), ("balanced", "kernel"), ("split", "fused"))
 TOLERANCE = 2e-2
 
@@ -111,6 +111,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, layout=layout,
                               max_batch=batch, xp=cupy)
     dec.plan(tables, lens, schedule=variant[0], merge=variant[1])
+    variant = (variant[0] or "balanced", dec.merge)
     cupy.cuda.Device().synchronize()
     seconds = _graph_time(lambda kv: dec.run(q, *kv, out=out), sets)
     turn = iter(range(1 << 30))
