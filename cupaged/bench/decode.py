@@ -9,15 +9,16 @@ when torch is importable, SDPA's cuDNN and flash dense decode on the same shapes
 ``[B, Hq, 1, D]``, k/v ``[B, Hk, L, D]``, graph-replayed too).
 
 The ``variant`` column is the plan's ``schedule/merge`` (``PagedDecoder.plan``): every row
-runs the default ("balanced/fused"); on the B{1, 64} x L{2K, 8K} GQA shapes the other three
+runs the plan's defaults ("balanced", and the "fused" merge, or the "kernel" merge for MQA's
+32 query heads a kv head); on the B{1, 64} x L{2K, 8K} GQA shapes the other three variants
 follow ("split/kernel" is the earlier design: equal splits per sequence, merged by a second
-kernel). At B64 x L8K page size 1 vs 16 and the HND layout (4 KB contiguous per page and
-kv head instead of 256-byte rows) are compared too. ``frac_read`` is the fraction of a
-read-only streaming probe's bandwidth (``timing.read_bandwidth``), the tighter ceiling for a
-kernel that only reads; ``vs_cudnn`` our TB/s over cuDNN's. K/V sets rotate so L2 (60 MB)
-does not serve them, and every timed configuration is checked against the reference on one sequence
-and kv head (``ok``: relative error under 2e-2). Run: ``python -m cupaged.bench.decode
-[--quick]``.
+kernel). At B64 x L8K page size 1 vs 16 and the HND layout (4 KB contiguous per page and kv
+head instead of 256-byte rows) are compared too. ``frac_read`` is the fraction of a
+read-only streaming probe's bandwidth (``timing.read_bandwidth``; cuDNN exceeds it at long
+contexts, so it is a floor for the real ceiling), ``vs_cudnn`` our TB/s over cuDNN's. K/V
+sets rotate so L2 (60 MB) does not serve them, and every timed configuration is checked
+against the reference on one sequence and kv head (``ok``: relative error under 2e-2). Run:
+``python -m cupaged.bench.decode [--quick]``.
 """
 from __future__ import annotations
 
