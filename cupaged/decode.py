@@ -7,7 +7,8 @@ inputs run the float64 reference (``cupaged.reference.attention``); CuPy inputs 
 kernel, a persistent grid (one CTA per resident slot) whose CTAs stream host-planned pieces
 of the sequences' keys; a sequence cut into several pieces is merged (sinks added once) by
 the CTA finishing its last piece, or by a second kernel. Host planning (pieces, head
-layout, strides, checks) lives in ``cupaged.decode_plan``.
+layout, strides, merge) lives in ``cupaged.decode_plan``, argument checks in
+``cupaged.decode_checks``.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import decode_plan as dp
+from . import decode_checks as dc, decode_plan as dp
 from ._arrays import (FLOAT_DTYPES, HEAD_DIMS, accepts_dlpack, array_module, as_dtype,
                       check_array, check_choice, check_head_dim)
 from ._checks import check_gqa, check_options
@@ -164,7 +165,7 @@ def _partials(xp, lp, num_slots):
 
 def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
     """Work plan and device step of one ``paged_decode`` call (default merge)."""
-    schedule, _ = dp.check_variants(None, None, num_splits)
+    schedule, _ = dc.check_variants(None, None, num_splits)
     merge = dp.resolve_merge(None, lp)
     work = dp.plan_work(lp, c.seq_lens_host, c.append, c.options.window_left, schedule,
                         num_splits, merge)
@@ -244,7 +245,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     """
     options = dict(sm_scale=sm_scale, window_left=window_left, alibi_slopes=alibi_slopes,
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
-    c = dp.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
+    c = dc.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
                       num_splits, out, options)
     if c.xp is np:
         o, lse = ref.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new=k_new,
@@ -336,9 +337,9 @@ class PagedDecoder:
                  max_batch=256, max_blocks_per_seq=None, xp=None):
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("max_batch", max_batch)):
-            dp.check_positive(name, v)
+            dc.check_positive(name, v)
         if max_blocks_per_seq is not None:
-            dp.check_positive("max_blocks_per_seq", max_blocks_per_seq)
+            dc.check_positive("max_blocks_per_seq", max_blocks_per_seq)
         check_gqa(num_q_heads, num_kv_heads, "num_kv_heads")
         check_head_dim("head_dim", head_dim)
         check_choice("layout", layout, LAYOUTS)
@@ -380,8 +381,8 @@ class PagedDecoder:
             heads one after another.
         """
         xp = self._xp or array_module(block_tables, seq_lens)
-        bt, sl, max_block = dp.check_plan(self, block_tables, seq_lens, append, num_splits)
-        schedule, merge = dp.check_variants(schedule, merge, num_splits)
+        bt, sl, max_block = dc.check_plan(self, block_tables, seq_lens, append, num_splits)
+        schedule, merge = dc.check_variants(schedule, merge, num_splits)
         self._xp = xp
         work = device = None
         if xp is not np:
@@ -462,7 +463,7 @@ class PagedDecoder:
         out, or ``(out, lse)`` with ``return_lse``; as :func:`paged_decode`.
         """
         st = self._step
-        xp, opts = dp.check_run(self, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new,
+        xp, opts = dc.check_run(self, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new,
                                 v_new, out, lse)
         shape = (st.batch, self.num_q_heads, self.head_dim)
         if xp is np:

@@ -7,7 +7,7 @@ test_decode.py check the kernel itself against the reference on plans like these
 import numpy as np
 import pytest
 
-from cupaged import decode, decode_plan as dp
+from cupaged import decode, decode_checks as dc, decode_plan as dp
 from cupaged._arrays import FLOAT_DTYPES, HEAD_DIMS
 from cupaged.layouts import LAYOUTS
 
@@ -219,12 +219,12 @@ def test_pack_index_regions(rng):
 
 
 def test_check_variants():
-    assert dp.check_variants(None, None, None) == ("balanced", None)  # merge: resolve_merge
-    assert dp.check_variants(None, "kernel", 4) == ("split", "kernel")
+    assert dc.check_variants(None, None, None) == ("balanced", None)  # merge: resolve_merge
+    assert dc.check_variants(None, "kernel", 4) == ("split", "kernel")
     for args, text in (((None, None, 0), "num_splits"), (("balanced", None, 2), "num_splits"),
                        (("even", None, None), "schedule"), ((None, "late", None), "merge")):
         with pytest.raises(ValueError, match=text):
-            dp.check_variants(*args)
+            dc.check_variants(*args)
 
 
 # ----------------------------------------------------------------------------- the stream

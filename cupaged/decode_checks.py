@@ -1,0 +1,167 @@
+"""Argument checks of paged decode (``paged_decode``, ``PagedDecoder.plan`` and ``run``):
+shapes, dtypes, modules, layouts, block tables and plan options, all on host copies and
+before any launch, so that bad input raises without changing any state.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ._arrays import array_module, check_array, check_choice
+from ._checks import check_block_tables, check_gqa, check_options, check_out, check_query
+from .decode_plan import MAX_SPLITS, MERGES, SCHEDULES
+from .layouts import LAYOUTS, CacheGeometry, cache_geometry
+
+INT32_MAX = 2**31 - 1
+
+
+class Checked(NamedTuple):
+    """A validated ``paged_decode`` call."""
+    xp: object
+    batch: int
+    num_q_heads: int
+    geometry: CacheGeometry
+    options: object       # _checks.AttentionOptions
+    append: bool
+    seq_lens_host: object  # int32 [batch]
+
+
+def check_caches(q, k_cache, v_cache, layout, xp):
+    """Validate a cache pair against q; return its geometry. Device caches must also be
+    16-byte aligned (cp.async) with blocks under 2**31 elements (32-bit in-block offsets)."""
+    check_choice("layout", layout, LAYOUTS)
+    geo = cache_geometry(k_cache, v_cache, layout)
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache: expected dtype {q.dtype} like q, got {k_cache.dtype}")
+    if geo.head_dim != q.shape[2]:
+        raise ValueError(f"k_cache: expected head_dim {q.shape[2]} like q, got {geo.head_dim}")
+    if xp is not np:
+        if geo.block_size * geo.num_kv_heads * geo.head_dim > INT32_MAX:
+            raise ValueError(f"k_cache: expected fewer than 2**31 elements per block, got "
+                             f"{geo.block_size} x {geo.num_kv_heads} x {geo.head_dim}")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.data.ptr % 16:
+                raise ValueError(f"{name}: expected a 16-byte aligned base address, got one "
+                                 f"{c.data.ptr % 16} bytes past alignment")
+    return geo
+
+
+def check_new_kv(k_new, v_new, batch, geo, dtype, xp):
+    """Validate the append operands; True when there is a token to append."""
+    if k_new is None and v_new is None:
+        return False
+    if k_new is None or v_new is None:
+        given = "k_new" if v_new is None else "v_new"
+        raise ValueError(f"k_new, v_new: expected both or neither, got only {given}")
+    for name, a in (("k_new", k_new), ("v_new", v_new)):
+        check_array(name, a, shape=(batch, geo.num_kv_heads, geo.head_dim), dtypes=dtype, xp=xp)
+    return True
+
+
+def check_num_splits(num_splits):
+    """``None`` (heuristic) or an int in ``[1, MAX_SPLITS]``."""
+    if num_splits is None:
+        return
+    if (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer))
+            or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits: expected None or an int in [1, {MAX_SPLITS}], "
+                         f"got {num_splits!r}")
+
+
+def check_variants(schedule, merge, num_splits):
+    """Check a plan's ``(schedule, merge)``; the schedule defaults to "balanced" ("split"
+    when ``num_splits`` is given, the only schedule that takes a count), ``merge=None``
+    stays None (``resolve_merge`` picks it for a launch)."""
+    check_num_splits(num_splits)
+    if schedule is None:
+        schedule = "balanced" if num_splits is None else "split"
+    check_choice("schedule", schedule, SCHEDULES)
+    if num_splits is not None and schedule != "split":
+        raise ValueError(f"num_splits: expected None with schedule={schedule!r} (only "
+                         f"'split' takes a count), got {num_splits!r}")
+    if merge is not None:
+        check_choice("merge", merge, MERGES)
+    return schedule, merge
+
+
+def check_lse(lse, batch, num_q_heads, xp):
+    """A caller's LSE buffer: float32 ``[batch, num_q_heads]``."""
+    if lse is not None:
+        check_array("lse", lse, shape=(batch, num_q_heads), dtypes=np.float32, xp=xp)
+
+
+def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
+                 num_splits, out, options) -> Checked:
+    """Every check of ``paged_decode`` (index checks on host copies), before any launch."""
+    xp = array_module(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, out,
+                      options["alibi_slopes"], options["sinks"])
+    batch, hq, d = check_query("q", q, xp)
+    geo = check_caches(q, k_cache, v_cache, layout, xp)
+    check_gqa(hq, geo.num_kv_heads, "k_cache")
+    append = check_new_kv(k_new, v_new, batch, geo, q.dtype, xp)
+    opts = check_options(xp, hq, d, **options)
+    _, sl = check_block_tables(block_tables, seq_lens, geo, xp, batch=batch,
+                               extra_tokens=int(append))
+    check_num_splits(num_splits)
+    if out is not None:
+        check_out(out, (batch, hq, d), q.dtype, xp)
+    return Checked(xp, batch, hq, geo, opts, append, sl)
+
+
+def check_positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def check_plan(dec, block_tables, seq_lens, append, num_splits):
+    """Checks of ``PagedDecoder.plan`` on host copies; ``(tables, lengths, max block id)``.
+
+    Block ids are range-checked against the cache at ``run`` (the plan has no cache).
+    """
+    geo = CacheGeometry(INT32_MAX, dec.block_size, dec.num_kv_heads, dec.head_dim)
+    bt, sl = check_block_tables(block_tables, seq_lens, geo, array_module(block_tables),
+                                extra_tokens=int(bool(append)))
+    if bt.shape[0] > dec.max_batch:
+        raise ValueError(f"block_tables: expected at most max_batch={dec.max_batch} "
+                         f"sequences, got {bt.shape[0]}")
+    check_num_splits(num_splits)
+    return bt, sl, planned_max_block(bt, sl, dec.block_size, append)
+
+
+def check_run(dec, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse):
+    """Checks of ``PagedDecoder.run`` against decoder ``dec`` and its plan ``st`` (shapes,
+    dtypes, modules; no sync); returns ``(xp, options)``."""
+    if st is None:
+        raise ValueError("PagedDecoder.run: expected a plan() first, got none")
+    xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse)
+    if xp is not dec._xp:
+        raise TypeError(f"q: expected {dec._xp.__name__} arrays like the plan, got "
+                        f"{xp.__name__} arrays")
+    shape = (st.batch, dec.num_q_heads, dec.head_dim)
+    check_array("q", q, shape=shape, dtypes=dec.dtype, xp=xp)
+    geo = check_caches(q, k_cache, v_cache, dec.layout, xp)
+    if (geo.block_size, geo.num_kv_heads) != (dec.block_size, dec.num_kv_heads):
+        raise ValueError(f"k_cache: expected block_size {dec.block_size} and "
+                         f"{dec.num_kv_heads} kv heads like the decoder, got "
+                         f"{geo.block_size} and {geo.num_kv_heads}")
+    if st.max_block >= geo.num_blocks:
+        raise ValueError(f"block_tables: expected block ids below {geo.num_blocks} (the "
+                         f"cache's blocks), the plan reads block {st.max_block}")
+    if check_new_kv(k_new, v_new, st.batch, geo, dec.dtype, xp) != st.append:
+        raise ValueError(f"k_new, v_new: expected them {'' if st.append else 'not '}"
+                         f"given, as planned with append={st.append}")
+    opts = check_options(xp, dec.num_q_heads, dec.head_dim, sm_scale=dec._opts.sm_scale,
+                         window_left=dec._opts.window_left, alibi_slopes=alibi_slopes,
+                         sinks=sinks, logits_soft_cap=dec._opts.logits_soft_cap)
+    if out is not None:
+        check_out(out, shape, dec.dtype, xp)
+    check_lse(lse, st.batch, dec.num_q_heads, xp)
+    return xp, opts
+
+
+def planned_max_block(block_tables, seq_lens, block_size, append):
+    """Largest block id read for ``seq_lens (+1 with append)`` tokens, -1 if none."""
+    need = -(-(np.asarray(seq_lens, np.int64) + bool(append)) // block_size)
+    used = np.arange(block_tables.shape[1])[None, :] < need[:, None]
+    return int(block_tables[used].max(initial=-1))
