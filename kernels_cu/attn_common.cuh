@@ -123,4 +123,24 @@ __device__ __forceinline__ void finish_row(float m, float l, const float* sinks,
   }
 }
 
+// The two rows a lane holds of a warp's finished m-tile (tile rows first + lane / 4 + 8 hr
+// of work item t): l summed over the row's 4 lanes, inv[hr] and the LSE from finish_row
+// (m in log2 units), the LSE stored at lse[token, head] ([tokens, num_q_heads], if lse) by
+// the row's first lane when the row exists.
+template <typename Item>
+__device__ __forceinline__ void finish_warp_rows(const Item& t, int first, const float (&m)[2],
+                                                 float (&l)[2], const float* sinks, float* lse,
+                                                 int num_q_heads, float (&inv)[2], int lane) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+    const int r = first + lane / 4 + 8 * hr;
+    float row_lse;
+    finish_row(m[hr], l[hr], sinks, t.head(min(r, t.rows - 1)), inv[hr], row_lse);
+    if (lse != nullptr && lane % 4 == 0 && r < t.rows)
+      lse[t.token_row(r) * num_q_heads + t.head(r)] = row_lse;
+  }
+}
+
 }  // namespace cupaged

@@ -177,16 +177,7 @@ __device__ __forceinline__ void store_rows(T* out, float* lse, const float* sink
                                            float (&o)[D / 8][4], const float (&m)[2], float (&l)[2],
                                            T* sQ, int lane) {
   float inv[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-    const int r = first + lane / 4 + 8 * hr;
-    float row_lse;
-    finish_row(m[hr], l[hr], sinks, t.head(min(r, t.rows - 1)), inv[hr], row_lse);
-    if (lse != nullptr && lane % 4 == 0 && r < t.rows)
-      lse[t.token_row(r) * num_q_heads + t.head(r)] = row_lse;
-  }
+  finish_warp_rows(t, first, m, l, sinks, lse, num_q_heads, inv, lane);
   if (first >= t.rows) return;  // warp-uniform
   // The warp's last compute_qk may have read these rows (Q fragments, Q_REGS false) with
   // ldmatrix, whose row addresses come from other lanes than the ones staging here: order

@@ -203,16 +203,8 @@ template <typename T, int D, typename C>
 __device__ __forceinline__ void store_rows(const Problem<T>& P, const WorkItem& it, int first, const float (&o)[D / 2],
                                            const float (&m)[2], float (&l)[2], float sc, u32 sQ, int lane) {
   float inv[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-    const int r = first + lane / 4 + 8 * hr;
-    float row_lse;
-    finish_row(m[hr] * sc, l[hr], P.sinks, it.head(min(r, it.rows - 1)),
-               inv[hr], row_lse);
-    if (P.lse != nullptr && lane % 4 == 0 && r < it.rows) P.lse[it.token_row(r) * P.num_q_heads + it.head(r)] = row_lse;
-  }
+  const float m2[2] = {m[0] * sc, m[1] * sc};
+  finish_warp_rows(it, first, m2, l, P.sinks, P.lse, P.num_q_heads, inv, lane);
 #pragma unroll
   for (int i = 0; i < D / 8; ++i)
 #pragma unroll
