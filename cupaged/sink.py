@@ -139,19 +139,6 @@ class SinkPlan(NamedTuple):
     row_window: bool        # prefill mode, window and qo_len != kv_len: seed's row-index window
 
 
-def _uniform(name, total, batch_size):
-    if batch_size < 1:
-        raise ValueError(f"q: expected at least one sequence, got shape [{batch_size}, ...]")
-    if total % batch_size:
-        raise ValueError(f"{name}: expected a token count divisible by batch_size="
-                         f"{batch_size}, got {total}")
-    return total // batch_size
-
-
-def _indptr(batch, length):
-    return np.arange(batch + 1, dtype=np.int32) * length
-
-
 def _check_scalars(window_left, causal, sm_scale, batch_size):
     if not isinstance(window_left, (int, np.integer)) or window_left < -1:
         raise ValueError(f"window_left: expected an int >= -1 (-1: no window), got {window_left!r}")
@@ -189,13 +176,14 @@ def plan_sink_attention(q, k, v, sink, mode, batch_size, window_left, qo_indptr,
     if mode == "incremental":
         batch = q.shape[0]
         if k.ndim == 3:
-            kv_len = _uniform("k", k.shape[0], batch)
+            kv_len = ref.uniform_length("k", k.shape[0], batch)
         elif k.shape[0] != batch:
             raise ValueError(f"k: expected [{batch}, kv_len, num_kv_heads, head_dim] for "
                              f"incremental mode, got {tuple(k.shape)}")
         else:
             kv_len = k.shape[1]
-        return SinkPlan(mode, _indptr(batch, 1), _indptr(batch, kv_len), 1, kv_len, False)
+        return SinkPlan(mode, ref.uniform_indptr(batch, 1), ref.uniform_indptr(batch, kv_len), 1,
+                        kv_len, False)
     if k.ndim != 3:
         raise ValueError(f"k: expected [total_kv, num_kv_heads, head_dim] for {mode} mode, "
                          f"got {tuple(k.shape)}")
@@ -211,11 +199,11 @@ def plan_sink_attention(q, k, v, sink, mode, batch_size, window_left, qo_indptr,
                         int(np.diff(cu_k).max(initial=0)), False)
     if batch_size is None:
         raise ValueError(f"batch_size is required for {mode} mode")
-    qo_len = _uniform("q", q.shape[0], batch_size)
-    kv_len = _uniform("k", k.shape[0], batch_size)
+    qo_len = ref.uniform_length("q", q.shape[0], batch_size)
+    kv_len = ref.uniform_length("k", k.shape[0], batch_size)
     row_window = mode == "prefill" and window_left >= 0 and qo_len != kv_len
-    return SinkPlan(mode, _indptr(batch_size, qo_len), _indptr(batch_size, kv_len), qo_len,
-                    kv_len, row_window)
+    return SinkPlan(mode, ref.uniform_indptr(batch_size, qo_len),
+                    ref.uniform_indptr(batch_size, kv_len), qo_len, kv_len, row_window)
 
 
 def _row_window_attention(q, k, v, sink, plan, causal, window_left, sm_scale):

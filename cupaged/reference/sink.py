@@ -82,14 +82,18 @@ def detect_mode(q, k, batch_size=None, qo_indptr=None, kv_indptr=None):
                      f"k={tuple(k.shape)}")
 
 
-def _uniform_lengths(name, total, batch_size):
+def uniform_length(name, total, batch_size):
+    """Tokens per sequence of ``batch_size`` equal sequences laid end to end (``total``)."""
+    if batch_size < 1:
+        raise ValueError(f"q: expected at least one sequence, got shape [{batch_size}, ...]")
     if total % batch_size:
         raise ValueError(f"{name}: expected a token count divisible by batch_size="
                          f"{batch_size}, got {total}")
     return total // batch_size
 
 
-def _uniform_indptr(batch_size, length):
+def uniform_indptr(batch_size, length):
+    """int32 ``[batch_size + 1]`` offsets of equal sequences of ``length`` tokens."""
     return np.arange(batch_size + 1, dtype=np.int32) * length
 
 
@@ -97,15 +101,15 @@ def _incremental(q, k, v, options):
     """q ``[B, Hq, D]``, k/v ``[B, L, Hk, D]`` (or flattened ``[B * L, Hk, D]``)."""
     batch = q.shape[0]
     if k.ndim == 3:
-        kv_len = _uniform_lengths("k", k.shape[0], batch)
+        kv_len = uniform_length("k", k.shape[0], batch)
         k, v = (x.reshape(batch, kv_len, *x.shape[1:]) for x in (k, v))
     if k.ndim != 4 or k.shape[0] != batch:
         raise ValueError(f"k: expected [{batch}, kv_len, num_kv_heads, head_dim] for "
                          f"incremental mode, got {tuple(k.shape)}")
     kv_len = k.shape[1]
     flat = (x.reshape(batch * kv_len, *x.shape[2:]) for x in (k, v))
-    return varlen_prefill(q, *flat, _uniform_indptr(batch, 1),
-                          _uniform_indptr(batch, kv_len), **options)
+    return varlen_prefill(q, *flat, uniform_indptr(batch, 1),
+                          uniform_indptr(batch, kv_len), **options)
 
 
 def _prefill_row_window(q, k, v, batch_size, qo_len, kv_len, options):
@@ -128,12 +132,12 @@ def _flattened(q, k, v, batch_size, mode, options):
     """Prefill and chunk modes: q ``[B * qo_len, Hq, D]``, k/v ``[B * kv_len, Hk, D]``."""
     if batch_size is None:
         raise ValueError(f"batch_size is required for {mode} mode")
-    qo_len = _uniform_lengths("q", q.shape[0], batch_size)
-    kv_len = _uniform_lengths("k", k.shape[0], batch_size)
+    qo_len = uniform_length("q", q.shape[0], batch_size)
+    kv_len = uniform_length("k", k.shape[0], batch_size)
     if mode == "prefill" and options["window_left"] >= 0 and qo_len != kv_len:
         return _prefill_row_window(q, k, v, batch_size, qo_len, kv_len, options)
-    return varlen_prefill(q, k, v, _uniform_indptr(batch_size, qo_len),
-                          _uniform_indptr(batch_size, kv_len), **options)
+    return varlen_prefill(q, k, v, uniform_indptr(batch_size, qo_len),
+                          uniform_indptr(batch_size, kv_len), **options)
 
 
 def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None, mode="auto",
