@@ -31,8 +31,8 @@ _NULL = np.uint64(0)
 
 # ----------------------------------------------------------------------------- launches
 @functools.lru_cache(maxsize=None)
-def _kernel_on(device_id, expr, smem_bytes):
-    kernel = get_kernel("decode", expr)
+def _kernel_on(device_id, expr, smem_bytes, hopper=False):
+    kernel = get_kernel("decode", expr, hopper=hopper)
     if smem_bytes > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem_bytes
     if smem_bytes:
@@ -40,14 +40,25 @@ def _kernel_on(device_id, expr, smem_bytes):
     return kernel
 
 
-def _kernel(expr, smem_bytes=0):
+def _kernel(expr, smem_bytes=0, hopper=False):
     import cupy
-    return _kernel_on(cupy.cuda.Device().id, expr, smem_bytes)
+    return _kernel_on(cupy.cuda.Device().id, expr, smem_bytes, hopper)
 
 
 def _decode_expr(dtype, head_dim, vllm_v, head_tiles):
     return (f"cupaged::decode::paged_decode_kernel<{ctype(dtype)}, {head_dim}, "
             f"{'true' if vllm_v else 'false'}, {head_tiles}>")
+
+
+def _pages_expr(dtype, head_dim):
+    return f"cupaged::decode::paged_decode_pages_kernel<{ctype(dtype)}, {head_dim}>"
+
+
+def _launch_expr(lp, dtype):
+    """The decode kernel of launch ``lp``."""
+    if lp.pages:
+        return _pages_expr(dtype, lp.head_dim)
+    return _decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles)
 
 
 def _merge_expr(in_dtype, out_dtype):
@@ -63,25 +74,29 @@ def _append_expr(dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads):
+def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads,
+              kv_path):
     """The launch geometry on a device: one CTA per slot its decode kernel can hold."""
     import cupy
     from cupy_backends.cuda.api import driver
+    cc = cupy.cuda.Device(device_id).compute_capability
+    pages = dp.resolve_kv_path(kv_path, cc, dtype.itemsize, head_dim, layout, block_size,
+                               num_q_heads, num_kv_heads)
     lp = dp.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
                         block_size=block_size, num_q_heads=num_q_heads,
-                        num_kv_heads=num_kv_heads)
+                        num_kv_heads=num_kv_heads, pages=pages)
     smem = lp.tiles.smem_bytes
-    expr = _decode_expr(dtype, head_dim, lp.vllm_v, lp.tiles.head_tiles)
-    kernel = _kernel_on(device_id, expr, smem)
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, dp.NTHREADS, smem)
+    kernel = _kernel_on(device_id, _launch_expr(lp, dtype), smem, lp.pages)
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, lp.threads, smem)
     sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
     return lp._replace(columns=max(1, sms * max(1, per_sm) // lp.row_groups))
 
 
-def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads):
+def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads,
+                      kv_path=None):
     import cupy
     return _geometry(cupy.cuda.Device().id, np.dtype(dtype), int(head_dim), layout,
-                     int(block_size), int(num_q_heads), int(num_kv_heads))
+                     int(block_size), int(num_q_heads), int(num_kv_heads), kv_path)
 
 
 class _DeviceStep(NamedTuple):
@@ -129,8 +144,7 @@ def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_pa
 def _step_kernels(lp, dtype, append, merge_kernel):
     """``(append or None, decode, merge_pieces or None)`` for one step's launches."""
     return (_kernel(_append_expr(dtype)) if append else None,
-            _kernel(_decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles),
-                    lp.tiles.smem_bytes),
+            _kernel(_launch_expr(lp, dtype), lp.tiles.smem_bytes, lp.pages),
             _kernel(_pieces_expr(dtype, lp.head_dim)) if merge_kernel else None)
 
 
@@ -144,14 +158,14 @@ def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
         append((batch,), (128,), (k_new, v_new, k_cache, v_cache, dev.tables, dev.lens,
                                   *_i32((dev.tables.shape[1], lp.block_size, lp.num_kv_heads, d)),
                                   *_i32(lp.k_strides[:4]), *_i32(lp.v_strides)))
-    decode(lp.grid, (dp.NTHREADS,),
+    decode(lp.grid, (lp.threads,),
            (q, out, _ptr(lse), _ptr(dev.part_out), _ptr(dev.part_lse), _ptr(dev.counters),
             dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes), _ptr(opts.sinks))
            + dev.scalars, shared_mem=lp.tiles.smem_bytes)
     if merge is not None:
         merge((batch, lp.row_groups, dp.merge_head_blocks(lp)), (dp.NTHREADS,),
               (_ptr(dev.part_out), _ptr(dev.part_lse), dev.seq_info,
-               *_i32((hq, lp.num_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
+               *_i32((hq, lp.merge_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
                _ptr(opts.sinks), out, _ptr(lse)))
 
 
@@ -198,7 +212,7 @@ def _reference_into(o, lse, out, return_lse):
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                  logits_soft_cap=0.0, layout="NHD", num_splits=None, out=None,
-                 return_lse=False):
+                 return_lse=False, kv_path=None):
     """Attention of one query token per sequence over its paged keys and values.
 
     Parameters
@@ -234,6 +248,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         ``[batch, num_q_heads, head_dim]`` in q's dtype, written and returned.
     return_lse : bool
         Also return the float32 natural-log LSE ``[batch, num_q_heads]`` (sink included).
+    kv_path : {"pages", "staged"}, optional
+        "pages": one CTA per SM copies whole cache blocks (every kv head of ``block_size``
+        tokens) with ``cp.async.bulk`` (sm_90+, 16-bit NHD caches, head_dim 64/96/128,
+        block_size a multiple of 16, up to 8 kv heads and 8 query heads each; the default
+        there). "staged": 16-byte cp.async tiles of one kv head per CTA (every case).
+        CuPy path only.
 
     Returns
     -------
@@ -247,6 +267,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
     c = dc.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
                       num_splits, out, options)
+    if kv_path is not None:
+        check_choice("kv_path", kv_path, dp.KV_PATHS)
     if c.xp is np:
         o, lse = ref.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new=k_new,
                                   v_new=v_new, sm_scale=c.options.sm_scale,
@@ -260,7 +282,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     if c.batch == 0:
         return _result(out, lse, return_lse)
     lp = _current_geometry(q.dtype, q.shape[2], layout, c.geometry.block_size, c.num_q_heads,
-                           c.geometry.num_kv_heads)
+                           c.geometry.num_kv_heads, kv_path)
     dev = _call_step(xp, lp, c, q.dtype, block_tables, seq_lens, num_splits)
     _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, c.options, out, lse)
     return _result(out, lse, return_lse)
@@ -330,11 +352,13 @@ class PagedDecoder:
         reallocates it (invalidating captured graphs).
     xp : module, optional
         ``cupy`` (kernels) or ``numpy`` (reference); default: the first plan's module.
+    kv_path : {"pages", "staged"}, optional
+        As in :func:`paged_decode`.
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout="NHD", window_left=-1, logits_soft_cap=0.0, sm_scale=None,
-                 max_batch=256, max_blocks_per_seq=None, xp=None):
+                 max_batch=256, max_blocks_per_seq=None, xp=None, kv_path=None):
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("max_batch", max_batch)):
             dc.check_positive(name, v)
@@ -343,6 +367,9 @@ class PagedDecoder:
         check_gqa(num_q_heads, num_kv_heads, "num_kv_heads")
         check_head_dim("head_dim", head_dim)
         check_choice("layout", layout, LAYOUTS)
+        if kv_path is not None:
+            check_choice("kv_path", kv_path, dp.KV_PATHS)
+        self._kv_path = kv_path
         self._opts = check_options(np, num_q_heads, head_dim, sm_scale=sm_scale,
                                    window_left=window_left, logits_soft_cap=logits_soft_cap)
         self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
@@ -394,6 +421,14 @@ class PagedDecoder:
         self._step = dp.Step(len(sl), bt, sl, bool(append), max_block, work, merge, device)
 
     @property
+    def kv_path(self):
+        """The current CuPy plan's kernel, "pages" or "staged" (None otherwise)."""
+        step = self._step
+        if step is None or step.device is None:
+            return None
+        return "pages" if step.device.launch.pages else "staged"
+
+    @property
     def merge(self):
         """Who merges the current CuPy plan's cut sequences, "fused" or "kernel" (None on
         the NumPy path or before a plan, unless given)."""
@@ -408,7 +443,7 @@ class PagedDecoder:
 
     def _geometry(self):
         return _current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
-                                 self.num_q_heads, self.num_kv_heads)
+                                 self.num_q_heads, self.num_kv_heads, self._kv_path)
 
     def _upload(self, lp, bt, sl, work, merge, append):
         """One host-to-device copy of ``[lens | piece info | work | tables]``; buffers grow
@@ -484,8 +519,9 @@ class PagedDecoder:
 
 
 def kernel_specializations():
-    """Every kernel this module can launch: append, the two merges, and decode per dtype,
-    head dim, value layout (rows or vllm's transposed) and heads per warp."""
+    """Every kernel this module can launch: append, the two merges, decode per dtype, head
+    dim, value layout (rows or vllm's transposed) and heads per warp, and the pages kernel
+    (sm_90) per 16-bit dtype and head dim."""
     specs = []
     for dt in FLOAT_DTYPES:
         specs.append(Spec("decode", _append_expr(dt)))
@@ -494,4 +530,6 @@ def kernel_specializations():
         for d in HEAD_DIMS:
             for nt in sorted({dp.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
                 specs += [Spec("decode", _decode_expr(dt, d, vt, nt)) for vt in (False, True)]
+            if dt.itemsize == 2 and d in dp.PAGE_HEAD_DIMS:
+                specs.append(Spec("decode", _pages_expr(dt, d), hopper=True))
     return specs

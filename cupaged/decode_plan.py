@@ -23,6 +23,12 @@ DEFAULT_SMEM_PER_SM = 228 * 1024
 SCHEDULES = ("balanced", "split")  # equal tile shares per column / equal cuts per sequence
 MERGES = ("fused", "kernel")       # split pieces merged by their last CTA / by a second kernel
 DESC_INTS = 8                      # ints per piece descriptor (decode.cu's Piece)
+KV_PATHS = ("pages", "staged")     # whole blocks by cp.async.bulk (sm_90) / cp.async tiles
+PAGE_WARPS = 8                     # paged_decode_pages_kernel: a warp per kv head
+PAGE_THREADS = 32 * PAGE_WARPS
+PAGE_STAGES = 3
+PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
+MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
 NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
 
 
@@ -37,6 +43,42 @@ class Step(NamedTuple):
     work: object          # WorkPlan (device runs) or None
     merge: str            # one of MERGES (None on the NumPy path unless given)
     device: object        # decode._DeviceStep (views of the uploaded indices) or None
+
+
+def page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize):
+    """The pages kernel's ring: PAGE_STAGES blocks of K and of V."""
+    return PAGE_STAGES * 2 * block_size * num_kv_heads * head_dim * itemsize
+
+
+def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, num_q_heads,
+                  num_kv_heads):
+    """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit NHD cache (a block's
+    tokens x kv heads contiguous), head_dim 64/96/128, blocks of a multiple of 16 tokens,
+    up to PAGE_WARPS kv heads and 8 query heads each, and a ring that fits in shared memory."""
+    return (int(compute_capability) >= 90 and itemsize == 2 and layout == "NHD"
+            and head_dim in PAGE_HEAD_DIMS and block_size % 16 == 0
+            and num_kv_heads <= PAGE_WARPS and num_q_heads // num_kv_heads <= 8
+            and page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize) + 1024
+            <= MAX_SMEM_PER_CTA)
+
+
+def resolve_kv_path(kv_path, compute_capability, itemsize, head_dim, layout, block_size,
+                    num_q_heads, num_kv_heads):
+    """``True`` for the pages kernel, ``False`` for the staged one. ``kv_path=None`` takes
+    "pages" wherever it applies; "pages" elsewhere raises."""
+    capable = pages_capable(compute_capability, itemsize, head_dim, layout, block_size,
+                            num_q_heads, num_kv_heads)
+    if kv_path is None:
+        return capable
+    if kv_path not in KV_PATHS:
+        raise ValueError(f"kv_path: expected one of {KV_PATHS}, got {kv_path!r}")
+    if kv_path == "pages" and not capable:
+        raise ValueError(
+            f"kv_path: 'pages' needs sm_90+, a 16-bit NHD cache, head_dim in {PAGE_HEAD_DIMS}, "
+            f"block_size a multiple of 16, at most {PAGE_WARPS} kv heads and 8 query heads "
+            f"each, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
+            f"{head_dim}, block_size {block_size}, {num_q_heads}/{num_kv_heads} heads")
+    return kv_path == "pages"
 
 
 def resolve_merge(merge, launch):
@@ -204,11 +246,22 @@ class DecodeLaunch(NamedTuple):
     block_size: int
     block_magic: int
     block_shift: int
+    pages: bool = False  # paged_decode_pages_kernel: tiles are blocks, one row group of all heads
 
     @property
     def row_groups(self):
-        """(kv head, head chunk) pairs: grid.y."""
-        return self.num_kv_heads * self.heads.head_chunks
+        """(kv head, head chunk) pairs: grid.y (1 for the pages kernel: all heads a CTA)."""
+        return 1 if self.pages else self.num_kv_heads * self.heads.head_chunks
+
+    @property
+    def threads(self):
+        """Threads per CTA of the decode kernel."""
+        return PAGE_THREADS if self.pages else NTHREADS
+
+    @property
+    def merge_kv_heads(self):
+        """kv heads as merge_pieces_kernel indexes row groups (1 for the pages kernel)."""
+        return 1 if self.pages else self.num_kv_heads
 
     @property
     def heads_per_group(self):
@@ -221,24 +274,31 @@ class DecodeLaunch(NamedTuple):
 
 
 def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_heads,
-                slots=None) -> DecodeLaunch:
+                slots=None, pages=False) -> DecodeLaunch:
     """Choose the kernel specialisation, head layout and grid of a decoder's launches.
 
     ``slots``: CTAs resident at once on the device (SMs x CTAs per SM, from the occupancy
     of the specialisation; default an H200 estimate from shared memory). The grid holds one
     CTA per slot (``columns = slots // row_groups``, at least 1), whatever the lengths.
+    ``pages``: the pages kernel (the caller checks ``pages_capable``): tiles are whole
+    blocks, a warp per kv head, one row group of every query head.
     """
     group = num_q_heads // num_kv_heads
     vllm_v = layout == "vllm"
-    tiles = tile_config(itemsize, head_dim, vllm_v, head_tiles(itemsize, head_dim, group))
-    heads = head_layout(group, tiles.heads_per_warp)
+    if pages:
+        tiles = TileConfig(int(block_size), 1, group,
+                           page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize))
+        heads = HeadLayout(num_kv_heads, 1)  # heads_per_group: every query head
+    else:
+        tiles = tile_config(itemsize, head_dim, vllm_v, head_tiles(itemsize, head_dim, group))
+        heads = head_layout(group, tiles.heads_per_warp)
     if slots is None:
         slots = DEFAULT_SMS * ctas_per_sm(tiles.smem_bytes)
-    columns = max(1, slots // (num_kv_heads * heads.head_chunks))
     k_strides, v_strides = cache_strides(layout, block_size, num_kv_heads, head_dim, itemsize)
     magic, shift = block_division(block_size)
-    return DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, columns, k_strides,
-                        v_strides, int(block_size), magic, shift)
+    lp = DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, 1, k_strides, v_strides,
+                      int(block_size), magic, shift, bool(pages))
+    return lp._replace(columns=max(1, slots // lp.row_groups))
 
 
 # ----------------------------------------------------------------------------- work
@@ -269,10 +329,12 @@ def min_piece_tiles(launch, max_tiles, merge="fused") -> int:
     merges at about half a CTA's streaming rate, so ``c = 2 * heads a warp / TILE``. The
     best P is ``sqrt(n / c)``, that is ``sqrt(n c)`` tiles a piece: 4 at 512 tiles for one
     head a warp (c = 1/32), 12 for the fused merge of MQA's 32 heads (c = 1/4; 43 pieces
-    instead of 256, whose merge took several times the streaming).
+    instead of 256, whose merge took several times the streaming). A pages-kernel tile
+    holds every kv head of its tokens, so its ``c`` is divided by their number.
     """
     per_warp = 1 if merge == "kernel" else -(-launch.heads_per_group // NWARPS)
-    c = 2 * per_warp / launch.tiles.tile
+    tile_heads = launch.num_kv_heads if launch.pages else 1  # kv heads a tile holds
+    c = 2 * per_warp / (launch.tiles.tile * tile_heads)
     return max(STAGES - 1, int(np.ceil(np.sqrt(max_tiles * c))))
 
 

@@ -44,6 +44,8 @@ def test_specializations_cover_every_plan(dtype):
                 assert decode._decode_expr(dtype, d, lp.vllm_v, lp.tiles.head_tiles) in specs
                 assert lp.heads_per_group * lp.heads.head_chunks >= hq // hk
                 assert lp.heads.head_warps <= dp.NWARPS
+                if dp.pages_capable(90, np.dtype(dtype).itemsize, d, layout, 16, hq, hk):
+                    assert decode._pages_expr(dtype, d) in specs
 
 
 def test_min_piece_tiles_balances_merge_and_streaming():
@@ -68,6 +70,35 @@ def test_default_merge_by_heads_per_row_group():
     assert dp.resolve_merge(None, gqa) == "fused" and dp.merge_head_blocks(gqa) == 2
     assert dp.resolve_merge(None, launch(hq=64, hk=4, slots=264)) == "kernel"  # 16 heads
     assert dp.resolve_merge("fused", mqa) == "fused" and dp.resolve_merge("kernel", gqa) == "kernel"
+
+
+def test_pages_kernel_applies_and_plans():
+    """pages on sm_90+ for 16-bit NHD caches, d 64/96/128, blocks of 16k tokens, up to 8 kv
+    heads and 8 query heads each; its launch: one row group of every head, 256 threads,
+    block-sized tiles, a 3-stage ring of whole blocks."""
+    ok = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=32,
+              num_kv_heads=8)
+    assert dp.pages_capable("90", **ok) and dp.resolve_kv_path(None, "90", **ok)
+    for bad in (dict(itemsize=4), dict(head_dim=80), dict(layout="HND"), dict(block_size=8),
+                dict(num_q_heads=64, num_kv_heads=4), dict(num_q_heads=16, num_kv_heads=16),
+                dict(block_size=64)):  # 64 x 8 x 128 x 2 B x 2 x 3 stages > 227 KB
+        args = {**ok, **bad}
+        assert not dp.pages_capable("90", **args), bad
+        assert not dp.resolve_kv_path(None, "90", **args)
+        with pytest.raises(ValueError, match="kv_path: 'pages' needs"):
+            dp.resolve_kv_path("pages", "90", **args)
+    assert not dp.pages_capable("80", **ok)
+    assert not dp.resolve_kv_path("staged", "90", **ok)
+    with pytest.raises(ValueError, match="kv_path"):
+        dp.resolve_kv_path("tma", "90", **ok)
+    lp = launch(pages=True)
+    assert lp.pages and lp.row_groups == 1 and lp.threads == dp.PAGE_THREADS
+    assert lp.heads_per_group == 32 and lp.tiles.tile == 16 and lp.merge_kv_heads == 1
+    assert lp.tiles.smem_bytes == 3 * 2 * 16 * 8 * 128 * 2
+    assert lp.columns == dp.DEFAULT_SMS and lp.grid == (dp.DEFAULT_SMS, 1)
+    assert dp.resolve_merge(None, lp) == "kernel" and dp.merge_head_blocks(lp) == 8
+    work = dp.plan_work(lp, np.array([8192] * 64, np.int32), False, -1, merge="kernel")
+    assert work.desc[:, 3].max() == 8192 // 16  # tiles are blocks
 
 
 def test_tiles_cover_visible_range_once():
