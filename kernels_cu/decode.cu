@@ -366,10 +366,10 @@ struct Loader {
       const bool ok = r.visible(tok);
       const int in = tok - block_of(tok) * block_size;
       const T* k_src = k_head + (i64)ids.k[i] * ks.block + (in * ks.tok + c * ks.chunk);
-      cp_async16(k_s + row * C::KROW + c * C::VEC, ok ? k_src : k_head, ok ? 16 : 0);
+      cp_async16_line(k_s + row * C::KROW + c * C::VEC, ok ? k_src : k_head, ok ? 16 : 0);
       if (!VT) {
         const T* v_src = v_head + (i64)ids.k[i] * vs.block + (in * vs.tok + c * vs.chunk);
-        cp_async16(v_s + row * C::KROW + c * C::VEC, ok ? v_src : v_head, ok ? 16 : 0);
+        cp_async16_line(v_s + row * C::KROW + c * C::VEC, ok ? v_src : v_head, ok ? 16 : 0);
       }
     }
     if (VT) issue_vt(r, ids.v, v_s);
@@ -385,7 +385,7 @@ struct Loader {
 #pragma unroll
       for (int i = 0; i < C::ITEMS; ++i) {
         const int d = (tid + i * NTHREADS) / C::GPT;
-        cp_async16(dst + d * C::VTROW, whole ? src + v_dim(d) : v_head, whole ? 16 : 0);
+        cp_async16_line(dst + d * C::VTROW, whole ? src + v_dim(d) : v_head, whole ? 16 : 0);
       }
       return;
     }
