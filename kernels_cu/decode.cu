@@ -885,10 +885,12 @@ paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* _
     if (tid == 0) {
       const u32 bytes = (u32)((b - a) * row * (int)sizeof(T));
       const u32 bar = bars + 8 * st;
-      mbar_arrive_expect_tx(bar, 2 * bytes);
-      const i64 blk = __ldg(r.bt + r.tile);
-      bulk_copy_g2s(smem_addr(ks + a * row), k_cache + blk * kbs + a * row, bytes, bar);
-      bulk_copy_g2s(smem_addr(vs + a * row), v_cache + blk * vbs + a * row, bytes, bar);
+      mbar_arrive_expect_tx(bar, 2 * bytes);  // with no rows to copy, the arrival completes it
+      if (bytes) {
+        const i64 blk = __ldg(r.bt + r.tile);
+        bulk_copy_g2s(smem_addr(ks + a * row), k_cache + blk * kbs + a * row, bytes, bar);
+        bulk_copy_g2s(smem_addr(vs + a * row), v_cache + blk * vbs + a * row, bytes, bar);
+      }
     }
   };
 
