@@ -33,7 +33,7 @@ _NULL = np.uint64(0)
 @functools.lru_cache(maxsize=None)
 def _kernel_on(device_id, expr, smem_bytes, hopper=False):
     kernel = get_kernel("decode", expr, hopper=hopper)
-    if smem_bytes > 48 * 1024:
+    if smem_bytes + kernel.shared_size_bytes > 48 * 1024:  # past the default, with the static
         kernel.max_dynamic_shared_size_bytes = smem_bytes
     if smem_bytes:
         kernel.preferred_shared_memory_carveout = 100  # every resident CTA's tiles
@@ -74,14 +74,10 @@ def _append_expr(dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads,
-              kv_path):
+def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, pages):
     """The launch geometry on a device: one CTA per slot its decode kernel can hold."""
     import cupy
     from cupy_backends.cuda.api import driver
-    cc = cupy.cuda.Device(device_id).compute_capability
-    pages = dp.resolve_kv_path(kv_path, cc, dtype.itemsize, head_dim, layout, block_size,
-                               num_q_heads, num_kv_heads)
     lp = dp.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
                         block_size=block_size, num_q_heads=num_q_heads,
                         num_kv_heads=num_kv_heads, pages=pages)
@@ -92,11 +88,18 @@ def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_k
     return lp._replace(columns=max(1, sms * max(1, per_sm) // lp.row_groups))
 
 
-def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads,
-                      kv_path=None):
+def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, kv_path,
+                      batch):
+    """The launch geometry of a ``batch``-sequence step on the current device, its kernel
+    path resolved from ``kv_path`` (``dp.resolve_kv_path``)."""
     import cupy
-    return _geometry(cupy.cuda.Device().id, np.dtype(dtype), int(head_dim), layout,
-                     int(block_size), int(num_q_heads), int(num_kv_heads), kv_path)
+    device = cupy.cuda.Device()
+    dtype = np.dtype(dtype)
+    pages = dp.resolve_kv_path(kv_path, device.compute_capability, dtype.itemsize, int(head_dim),
+                               layout, int(block_size), int(num_q_heads), int(num_kv_heads),
+                               int(batch))
+    return _geometry(device.id, dtype, int(head_dim), layout, int(block_size), int(num_q_heads),
+                     int(num_kv_heads), pages)
 
 
 class _DeviceStep(NamedTuple):
@@ -111,6 +114,7 @@ class _DeviceStep(NamedTuple):
     part_out: object  # float32 partial rows, or None (nothing split)
     part_lse: object
     counters: object  # int32 [batch * row groups] zeros (fused merge), or None
+    pool: object      # int32 [2 * row groups] zeros (pool pieces taken, CTAs done), or None
     scalars: tuple    # the decode kernel's arguments after the arrays
 
 
@@ -160,7 +164,7 @@ def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
                                   *_i32(lp.k_strides[:4]), *_i32(lp.v_strides)))
     decode(lp.grid, (lp.threads,),
            (q, out, _ptr(lse), _ptr(dev.part_out), _ptr(dev.part_lse), _ptr(dev.counters),
-            dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes), _ptr(opts.sinks))
+            _ptr(dev.pool), dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes), _ptr(opts.sinks))
            + dev.scalars, shared_mem=lp.tiles.smem_bytes)
     if merge is not None:
         merge((batch, lp.row_groups, dp.merge_head_blocks(lp)), (dp.NTHREADS,),
@@ -188,11 +192,12 @@ def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
     part_out, part_lse = _partials(xp, lp, work.num_slots)
     fused = merge == "fused"
     counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots and fused else None
+    pool = xp.zeros(2 * lp.row_groups, np.int32) if work.pool_pieces else None
     scalars = _decode_scalars(lp, c.num_q_heads, block_tables.shape[1], c.options, int(fused))
     return _DeviceStep(lp, _step_kernels(lp, dtype, c.append, not fused),
                        index[layout.desc:layout.tables],
                        index[layout.info:layout.info + 2 * c.batch], block_tables, seq_lens,
-                       part_out, part_lse, counters, scalars)
+                       part_out, part_lse, counters, pool, scalars)
 
 
 def _result(out, lse, return_lse):
@@ -251,9 +256,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     kv_path : {"pages", "staged"}, optional
         "pages": one CTA per SM copies whole cache blocks (every kv head of ``block_size``
         tokens) with ``cp.async.bulk`` (sm_90+, 16-bit NHD caches, head_dim 64/96/128,
-        block_size a multiple of 16, up to 8 kv heads and 8 query heads each; the default
-        there). "staged": 16-byte cp.async tiles of one kv head per CTA (every case).
-        CuPy path only.
+        block_size a multiple of 16, up to 8 kv heads and 8 query heads each). "staged":
+        16-byte cp.async tiles of one kv head per CTA (every case). Default: "pages" where
+        it applies to batches of 16 sequences or more with 4 kv heads or more, where it is
+        the faster; else "staged". CuPy path only.
 
     Returns
     -------
@@ -282,7 +288,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     if c.batch == 0:
         return _result(out, lse, return_lse)
     lp = _current_geometry(q.dtype, q.shape[2], layout, c.geometry.block_size, c.num_q_heads,
-                           c.geometry.num_kv_heads, kv_path)
+                           c.geometry.num_kv_heads, kv_path, c.batch)
     dev = _call_step(xp, lp, c, q.dtype, block_tables, seq_lens, num_splits)
     _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, c.options, out, lse)
     return _result(out, lse, return_lse)
@@ -333,8 +339,9 @@ class PagedDecoder:
     work from buffers at fixed addresses, so a ``run`` captured in a CUDA graph stays valid
     after later ``plan`` calls of the same batch size and merge mode, whatever the lengths
     or schedule, until a plan outgrows a buffer (a wider table, or a "split" plan with more
-    pieces than any "balanced" one). ``plan`` uploads on the current stream; keep plans and
-    runs on one stream.
+    pieces than any "balanced" one). (The default kernel path depends on the batch size
+    alone, so it holds too.) ``plan`` uploads on the current stream; keep plans and runs on
+    one stream.
 
     Parameters
     ----------
@@ -378,6 +385,7 @@ class PagedDecoder:
         self._width = max_blocks_per_seq or 0
         self._xp = xp
         self._index = self._layout = self._part_out = self._part_lse = self._counters = None
+        self._pool = None
         self._step = None
 
     @accepts_dlpack
@@ -413,7 +421,7 @@ class PagedDecoder:
         self._xp = xp
         work = device = None
         if xp is not np:
-            lp = self._geometry()
+            lp = self._geometry(len(sl))
             merge = dp.resolve_merge(merge, lp)
             work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
                                 num_splits, merge)
@@ -441,9 +449,9 @@ class PagedDecoder:
         step = self._step
         return 1 if step is None or step.work is None else step.work.max_pieces
 
-    def _geometry(self):
+    def _geometry(self, batch):
         return _current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
-                                 self.num_q_heads, self.num_kv_heads, self._kv_path)
+                                 self.num_q_heads, self.num_kv_heads, self._kv_path, batch)
 
     def _upload(self, lp, bt, sl, work, merge, append):
         """One host-to-device copy of ``[lens | piece info | work | tables]``; buffers grow
@@ -460,8 +468,10 @@ class PagedDecoder:
         if self._part_lse is None or self._part_lse.size < part_rows:
             self._part_out = cupy.empty(part_rows * self.head_dim, np.float32)
             self._part_lse = cupy.empty(part_rows, np.float32)
-        if self._counters is None:  # re-armed to zero by the kernel that counts on them
+        if self._counters is None or self._pool.size < 2 * lp.row_groups:
+            # re-armed to zero by the kernels that count on them
             self._counters = cupy.zeros(self.max_batch * lp.row_groups, np.int32)
+            self._pool = cupy.zeros(2 * lp.row_groups, np.int32)
         host = dp.pack_index(lay, sl, work, bt)
         self._index[:host.size].set(host)
         idx, fused = self._index, merge == "fused"
@@ -469,7 +479,7 @@ class PagedDecoder:
         return _DeviceStep(lp, _step_kernels(lp, self.dtype, bool(append), not fused),
                            idx[lay.desc:lay.tables], idx[lay.info:lay.info + 2 * batch], tables,
                            idx[:batch], self._part_out, self._part_lse,
-                           self._counters if fused else None,
+                           self._counters if fused else None, self._pool,
                            _decode_scalars(lp, self.num_q_heads, lay.width, self._opts, int(fused)))
 
     @accepts_dlpack

@@ -411,8 +411,9 @@ struct Loader {
 // ---------------------------------------------------------------------------- work pieces
 // The host plan (decode_plan.plan_work) cuts each sequence's visible key tiles into pieces
 // and gives every CTA column (blockIdx.x) a list of them, the same for every row group
-// (blockIdx.y). Descriptor i is 8 ints at work[8 * i]; column c's first piece is
-// descriptor c and `next` links the rest:
+// (blockIdx.y), and may leave pieces to a pool taken at run time (PiecePool). Descriptor i
+// is 8 ints at work[8 * i]; column c's first piece is descriptor c, `next` links the rest;
+// descriptor gridDim.x is the pool header (first descriptor, count). A piece:
 //   b              sequence (-1: no piece)        kv_len  keys of b, the appended one included
 //   t_begin, t_end key tiles [t_begin, t_end) of b (absolute indices; equal when kv_len is 0)
 //   k, npieces     the piece's index among b's pieces, and their number
@@ -439,13 +440,53 @@ __device__ __forceinline__ int first_visible(int kv_len, int window_left) {
   return window_left >= 0 ? max(0, kv_len - 1 - window_left) : 0;
 }
 
-// The loader's walk over a CTA's tiles, piece after piece (empty pieces have none): `ref`
-// is the tile the next issue takes. On entering a piece the descriptor of its successor is
-// prefetched to L1, so the next switch finds it there.
+// The pool of a row group: once a CTA's list is done, its loader takes pool pieces one at a
+// time by an atomic count (ctr[0]); thread 0 takes, and hands the descriptor (-1: none
+// left) to the CTA's threads through the shared ring `ring` (8 entries: the loader runs at
+// most STAGES - 1 tiles, so as many pieces, ahead of the consumer, which reads the taken
+// pieces in turn). A CTA whose take fails counts itself done (ctr[1]); the last of the row
+// group's gridDim.x CTAs re-arms both counts to 0 for the next launch (no CTA takes after
+// its own failed take, and every CTA fails once).
+struct PiecePool {
+  int first, count;  // the pool's descriptors [first, first + count)
+  int* ctr;          // [2]: pieces taken, CTAs done
+  int* ring;
+  int taken, used;   // the loader's takes / the consumer's reads so far (uniform per CTA)
+
+  // Called by every thread of the CTA (it holds a barrier).
+  __device__ int take() {
+    if (threadIdx.x == 0) {
+      const int g = atomicAdd(ctr, 1);
+      ring[taken & 7] = g < count ? first + g : -1;
+      if (g >= count && atomicAdd(ctr + 1, 1) == (int)gridDim.x - 1) {
+        ctr[0] = 0;
+        ctr[1] = 0;
+      }
+    }
+    __syncthreads();
+    return ring[taken++ & 7];
+  }
+  // The consumer's piece after a list entry `next` (-1: the list is done): the loader's
+  // next take, which it made before issuing that piece's first tile.
+  __device__ int after(int next) {
+    return next >= 0 || count == 0 ? next : ring[used++ & 7];
+  }
+};
+
+__device__ __forceinline__ PiecePool piece_pool(const int4* __restrict__ work, int* ctr, int* ring) {
+  const int4 h = __ldg(work + 2 * gridDim.x);
+  return PiecePool{h.x, h.y, ctr + 2 * blockIdx.y, ring, 0, 0};
+}
+
+// The loader's walk over a CTA's tiles, piece after piece (empty pieces have none), its
+// list's then the pool's: `ref` is the tile the next issue takes. On entering a listed
+// piece the descriptor of its successor is prefetched to L1, so the next switch finds it
+// there. start and advance are called by every thread of the CTA alike (take's barrier).
 struct TileCursor {
   const int4* work;
   const int* block_tables;
   int bt_stride, window_left;
+  PiecePool pool;
   TileRef ref;
   int t_end, next;  // end of the current piece, descriptor of the following one
 
@@ -454,10 +495,21 @@ struct TileCursor {
   __device__ void advance() {
     if (++ref.tile >= t_end) enter(next);
   }
-  // the first piece with tiles from descriptor i on (none: ref.bt null)
+  // The first piece with tiles from descriptor i on, then from the pool (none: ref.bt null).
   __device__ void enter(int i) {
     Piece p = load_piece(work, i);
-    while (p.valid() && p.t_begin >= p.t_end) p = load_piece(work, p.next);
+    for (bool open = pool.count > 0;;) {
+      if (p.valid()) {
+        if (p.t_begin < p.t_end) break;
+        p = load_piece(work, p.next);
+      } else if (open) {
+        i = pool.take();
+        open = i >= 0;
+        p = load_piece(work, i);
+      } else {
+        break;
+      }
+    }
     if (p.next >= 0) prefetch_l1(work + 2 * p.next);
     ref = TileRef{p.valid() ? block_tables + (i64)p.b * bt_stride : nullptr, p.t_begin,
                   first_visible(p.kv_len, window_left), p.kv_len};
@@ -640,13 +692,16 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
 // Called by every thread of a CTA that has just written its partial rows of piece p of row
 // group y (gridDim.y row groups; hpc query heads a row group from head hq_rg, rg_heads of
 // them real): the CTA whose piece arrives last (an atomic count per (sequence, row group),
-// re-armed to 0) merges all of them into out / lse, its nwarps warps one head at a time.
-template <typename T, int D>
+// re-armed to 0) merges all of them into out / lse: with SCRATCH shared floats, and
+// rg_heads x pieces of them fitting, the whole CTA at once (merge_group_cta), else its
+// nwarps warps one head at a time.
+template <typename T, int D, int SCRATCH = 0>
 __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ counters, int y, int hq_rg,
                               int hpc, int rg_heads, int num_q_heads,
                               const float* __restrict__ part_out, const float* __restrict__ part_lse,
                               const float* __restrict__ sinks, T* __restrict__ out,
-                              float* __restrict__ lse, int& s_last, int nwarps) {
+                              float* __restrict__ lse, int& s_last, int nwarps,
+                              float* __restrict__ scratch = nullptr) {
   __syncthreads();  // this CTA's partial rows are written
   if (threadIdx.x == 0) {
     int* counter = counters + (i64)p.b * gridDim.y + y;
@@ -659,9 +714,17 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
   __syncthreads();
   if (s_last) {
     const i64 row = (i64)p.b * num_q_heads + hq_rg;
+    const float* sink_rg = sinks != nullptr ? sinks + hq_rg : nullptr;
+    float* lse_rg = lse != nullptr ? lse + row : nullptr;
+    if constexpr (SCRATCH > 0) {
+      if (rg_heads * p.npieces <= SCRATCH) {
+        merge_group_cta<T, D>(part_out, part_lse, p.slot - p.k, p.npieces, gridDim.y, y, hpc,
+                              rg_heads, sink_rg, out + row * D, lse_rg, scratch);
+        return;
+      }
+    }
     merge_group<T, (D + 127) / 128>(part_out, part_lse, p.slot - p.k, p.npieces, gridDim.y, y, hpc,
-                                    rg_heads, D, sinks != nullptr ? sinks + hq_rg : nullptr,
-                                    out + row * D, lse != nullptr ? lse + row : nullptr,
+                                    rg_heads, D, sink_rg, out + row * D, lse_rg,
                                     threadIdx.x >> 5, nwarps, threadIdx.x & 31);
   }
 }
@@ -669,7 +732,8 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
 // ---------------------------------------------------------------------------- decode kernel
 // grid (columns, num_kv_heads * head_chunks); block NTHREADS (4 warps). Row group y =
 // (kv head hk, head chunk hc) owns query heads hk*G + hc*HPC + [0, HPC) (HPC = head_warps *
-// HW). CTA (c, y) walks column c's pieces (see Piece) for its row group: all threads stream
+// HW). CTA (c, y) walks column c's pieces (see Piece), then pieces it takes from row group
+// y's pool (PiecePool; pool_ctr [2 * row groups]), for its row group: all threads stream
 // the pieces' K/V tiles back to back through one cp.async pipeline (no drain between
 // pieces); warp w serves heads (w % head_warps)*HW.. on m-tiles w / head_warps, +
 // token_warps, ... of each tile with its own online softmax. After a piece's last tile the
@@ -682,7 +746,8 @@ template <typename T, int D, bool VT, int NT>
 __global__ void __launch_bounds__(NTHREADS, 1)
 paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,
                     float* __restrict__ part_out, float* __restrict__ part_lse,
-                    int* __restrict__ counters, const int4* __restrict__ work,
+                    int* __restrict__ counters, int* __restrict__ pool_ctr,
+                    const int4* __restrict__ work,
                     const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                     const int* __restrict__ block_tables,
                     const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
@@ -700,6 +765,7 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
                 "the combine buffer fits in one stage");
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;  // this CTA completed its row group's pieces (fused merge)
+  __shared__ int s_ring[8];  // pool pieces taken (PiecePool)
   T* tiles = reinterpret_cast<T*>(smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -731,7 +797,7 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
   auto v_stage = [&](int st) { return tiles + st * STAGE + C::K_ELEMS; };
 
   // -- prologue: the column's first STAGES - 1 tiles in flight, ids of the next on their way --
-  TileCursor cur{work, block_tables, bt_stride, window_left};
+  TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
   cur.start(blockIdx.x);
   TileRef pro_ref[STAGES - 1];
   typename Load::Ids pro[STAGES - 1], next;
@@ -765,7 +831,7 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
 
   // -- pieces: one tile per iteration (one barrier), the stream's tile `it` in stage it % STAGES --
   int it = 0;
-  for (int pi = blockIdx.x; pi >= 0;) {
+  for (int pi = cur.pool.after(load_piece(work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
     Piece p = load_piece(work, pi);
     if (!p.valid()) break;
     const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len, t_end = p.t_end;
@@ -801,7 +867,7 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
     // -- combine the token warps of each head set in stage (it - 1) % STAGES, then write --
     __syncthreads();  // every warp is done with that stage's tile (or with the last combine)
     p = load_piece(work, pi);  // (an L1 hit) rather than registers held through the loop
-    pi = p.next;
+    pi = cur.pool.after(p.next);
     float* red = reinterpret_cast<float*>(k_stage((it + STAGES - 1) % STAGES)) + lane;
     state.reduce_sum();
     if (computes && tg > 0) state.store(red + (warp - head_warps) * State::FLOATS * 32);
@@ -827,11 +893,13 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
 constexpr int PAGE_WARPS = 8;  // one per kv head (up to 8)
 constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
 constexpr int PAGE_STAGES = 3;
+constexpr int PAGE_MERGE_SCRATCH = 2048;  // floats: the fused merge's LSEs (heads x pieces)
 
 // grid (columns); block PAGE_THREADS; sm_90; 16-bit NHD caches with up to 8 kv heads, at most
 // 8 query heads a kv head, block_size a multiple of 16. The plan's tiles are whole blocks
 // (tile = block_size tokens) and its one row group holds every query head. CTA c walks
-// column c's pieces; its stream of blocks goes through a PAGE_STAGES ring: thread 0 copies
+// column c's pieces, then pool pieces (PiecePool); its stream of blocks goes through a
+// PAGE_STAGES ring: thread 0 copies
 // the visible tokens of a block's K and of its V (each one contiguous run [tokens][Hk][D])
 // with two cp.async.bulk on the stage's mbarrier, every thread zeroes its share of the
 // other rows. Warp w < Hk serves kv head w: the block's m-tiles of 16 tokens, rows Hk*D
@@ -841,7 +909,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
 paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,
                           float* __restrict__ part_out, float* __restrict__ part_lse,
-                          int* __restrict__ counters, const int4* __restrict__ work,
+                          int* __restrict__ counters, int* __restrict__ pool_ctr,
+                          const int4* __restrict__ work,
                           const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                           const int* __restrict__ block_tables,
                           const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
@@ -853,6 +922,8 @@ paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* _
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) u64 full[PAGE_STAGES];  // stage st's block landed
   __shared__ int s_last;
+  __shared__ int s_ring[8];  // pool pieces taken (PiecePool)
+  __shared__ float s_merge[PAGE_MERGE_SCRATCH];
   T* ring = reinterpret_cast<T*>(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = num_q_heads / num_kv_heads;
@@ -888,13 +959,14 @@ paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* _
       mbar_arrive_expect_tx(bar, 2 * bytes);  // with no rows to copy, the arrival completes it
       if (bytes) {
         const i64 blk = __ldg(r.bt + r.tile);
-        bulk_copy_g2s(smem_addr(ks + a * row), k_cache + blk * kbs + a * row, bytes, bar);
-        bulk_copy_g2s(smem_addr(vs + a * row), v_cache + blk * vbs + a * row, bytes, bar);
+        const unsigned long long once = l2_evict_first_policy();
+        bulk_copy_g2s(smem_addr(ks + a * row), k_cache + blk * kbs + a * row, bytes, bar, once);
+        bulk_copy_g2s(smem_addr(vs + a * row), v_cache + blk * vbs + a * row, bytes, bar, once);
       }
     }
   };
 
-  TileCursor cur{work, block_tables, bt_stride, window_left};
+  TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
   cur.start(blockIdx.x);
 #pragma unroll
   for (int st = 0; st < PAGE_STAGES - 1; ++st)
@@ -913,7 +985,7 @@ paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* _
   State state;
 
   int it = 0;  // the stream's block `it` sits in stage it % PAGE_STAGES
-  for (int pi = blockIdx.x; pi >= 0;) {
+  for (int pi = cur.pool.after(load_piece(work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
     Piece p = load_piece(work, pi);
     if (!p.valid()) break;
     const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len;
@@ -943,7 +1015,7 @@ paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* _
     }
 
     p = load_piece(work, pi);
-    pi = p.next;
+    pi = cur.pool.after(p.next);
     state.reduce_sum();
     const bool whole = p.npieces == 1;
     if (warp_heads)
@@ -952,8 +1024,9 @@ paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* _
                                 sinks != nullptr ? sinks + hq_warp : nullptr, out, lse, part_out,
                                 part_lse, lane);
     if (!whole && fused_merge)
-      merge_if_last<T, D>(p, counters, 0, 0, num_q_heads, num_q_heads, num_q_heads, part_out,
-                          part_lse, sinks, out, lse, s_last, PAGE_WARPS);
+      merge_if_last<T, D, PAGE_MERGE_SCRATCH>(p, counters, 0, 0, num_q_heads, num_q_heads,
+                                              num_q_heads, part_out, part_lse, sinks, out, lse,
+                                              s_last, PAGE_WARPS, s_merge);
   }
 }
 

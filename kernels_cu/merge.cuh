@@ -149,4 +149,72 @@ __device__ void merge_group(const float* __restrict__ part_out, const float* __r
   }
 }
 
+// The same for a whole CTA (every thread calls it; it holds barriers), in a few dependent
+// rounds of loads instead of a warp walking head after head: all heads x np LSEs land in
+// `scratch` (>= heads * np floats) at once, thread h turns head h's into weights (and
+// writes its lse), then each thread sums the pieces of up to MERGE_COLS 4-float columns of
+// the heads' rows, MERGE_PIECES pieces' loads of each in flight.
+constexpr int MERGE_COLS = 4;
+constexpr int MERGE_PIECES = 4;
+
+template <typename TO, int D>
+__device__ void merge_group_cta(const float* __restrict__ part_out,
+                                const float* __restrict__ part_lse, int slot0, int np, int ny,
+                                int y, int hpc, int heads, const float* __restrict__ sinks,
+                                TO* __restrict__ out, float* __restrict__ lse,
+                                float* __restrict__ scratch) {
+  static_assert(D % 4 == 0, "whole 4-float columns");
+  constexpr int Q = D / 4;  // 4-float columns a row
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  auto row = [&](int s, int h) { return ((i64)(slot0 + s) * ny + y) * hpc + h; };
+  for (int i = tid; i < heads * np; i += nthreads) scratch[i] = __ldcg(part_lse + row(i / heads, i % heads));
+  __syncthreads();
+  if (tid < heads) {
+    const float sink = sinks != nullptr ? sinks[tid] : minus_inf();
+    float m = sink;
+    for (int s = 0; s < np; ++s) m = fmaxf(m, scratch[s * heads + tid]);
+    const float m_use = m == minus_inf() ? 0.f : m;
+    float den = exp2f((sink - m_use) * LOG2E);
+    for (int s = 0; s < np; ++s) den += exp2f((scratch[s * heads + tid] - m_use) * LOG2E);
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    for (int s = 0; s < np; ++s)
+      scratch[s * heads + tid] = exp2f((scratch[s * heads + tid] - m_use) * LOG2E) * inv;
+    if (lse != nullptr) lse[tid] = den > 0.f ? m_use + logf(den) : minus_inf();
+  }
+  __syncthreads();
+  for (int c0 = tid; c0 < heads * Q; c0 += MERGE_COLS * nthreads) {
+    float4 acc[MERGE_COLS];
+#pragma unroll
+    for (int k = 0; k < MERGE_COLS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < np; s0 += MERGE_PIECES) {
+      float4 v[MERGE_COLS][MERGE_PIECES];
+      float w[MERGE_COLS][MERGE_PIECES];
+#pragma unroll
+      for (int k = 0; k < MERGE_COLS; ++k)
+#pragma unroll
+        for (int u = 0; u < MERGE_PIECES; ++u) {
+          const int c = c0 + k * nthreads, s = s0 + u, h = c / Q;
+          const bool ok = c < heads * Q && s < np;
+          v[k][u] = ok ? __ldcg(reinterpret_cast<const float4*>(part_out + row(s, h) * D) + c % Q)
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+          w[k][u] = ok ? scratch[s * heads + h] : 0.f;
+        }
+#pragma unroll
+      for (int k = 0; k < MERGE_COLS; ++k)
+#pragma unroll
+        for (int u = 0; u < MERGE_PIECES; ++u) {
+          acc[k].x += w[k][u] * v[k][u].x;
+          acc[k].y += w[k][u] * v[k][u].y;
+          acc[k].z += w[k][u] * v[k][u].z;
+          acc[k].w += w[k][u] * v[k][u].w;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < MERGE_COLS; ++k) {
+      const int c = c0 + k * nthreads;
+      if (c < heads * Q) store4<TO>(out + (c / Q) * D + 4 * (c % Q), acc[k]);
+    }
+  }
+}
+
 }  // namespace cupaged

@@ -639,20 +639,69 @@ def test_pages_kernel_splits_and_merges(rng, cp, merge):
 
 @pytest.mark.gpu
 def test_default_kernel_path(rng, cp):
-    """"pages" by default where it applies on sm_90+, "staged" otherwise; asking for
-    "pages" where it does not apply raises before any launch."""
+    """"pages" by default where it applies on sm_90+ to 16 sequences or more with 4 kv
+    heads or more (chosen per plan), "staged" otherwise; asking for "pages" where it does
+    not apply raises before any launch."""
     hopper = int(cp.cuda.Device().compute_capability) >= 90
-    case = make_case(rng, lens=[40, 3], hq=4, hk=2, d=64, bs=16, layout="vllm")
+    case = make_case(rng, lens=[40, 3] * 8, hq=4, hk=2, d=64, bs=16, layout="vllm")
     dev = to_device(cp, case)
     for hq, hk, d, layout, dtype, want in (
-            (32, 8, 128, "NHD", bfloat16, "pages"), (8, 1, 64, "NHD", np.float16, "pages"),
-            (16, 1, 128, "NHD", bfloat16, "staged"), (8, 2, 80, "NHD", bfloat16, "staged"),
-            (8, 2, 128, "HND", bfloat16, "staged"), (8, 2, 128, "NHD", np.float32, "staged")):
-        dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, layout=layout, max_batch=2)
+            (32, 8, 128, "NHD", bfloat16, "pages"), (16, 4, 64, "NHD", np.float16, "pages"),
+            (8, 2, 64, "NHD", np.float16, "staged"), (16, 1, 128, "NHD", bfloat16, "staged"),
+            (8, 2, 80, "NHD", bfloat16, "staged"), (8, 2, 128, "HND", bfloat16, "staged"),
+            (32, 8, 128, "NHD", np.float32, "staged")):
+        dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, layout=layout, max_batch=16)
         dec.plan(dev["block_tables"], dev["seq_lens"])
         assert dec.kv_path == (want if hopper else "staged"), (hq, hk, d, layout, dtype)
+        dec.plan(dev["block_tables"][:15], dev["seq_lens"][:15])
+        assert dec.kv_path == "staged"
     with pytest.raises(ValueError, match="kv_path: 'pages' needs"):
         cupaged.paged_decode(**dev, layout="vllm", kv_path="pages")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_path,hq,hk", [("pages", 16, 4), ("staged", 8, 2)])
+@pytest.mark.parametrize("merge", ["fused", "kernel"])
+def test_pool_pieces(rng, cp, kv_path, hq, hk, merge):
+    """Long batches leave each sequence's last tiles to the run-time pool: taken by the CTAs
+    in any order, merged with the fixed pieces, the counts re-armed for the next launch
+    (run eagerly, then replayed from a CUDA graph after a new plan)."""
+    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("cp.async.bulk needs sm_90")
+    low = 5000 if kv_path == "pages" else 12000  # a column's fixed share >= POOL_MIN_SHARE
+    lens = rng.integers(low, low + 4000, 24).astype(np.int32)
+    case = make_case(rng, lens=lens, hq=hq, hk=hk, d=128, bs=16, dtype=bfloat16)
+    opts = features(rng, hq, ("sinks",))
+    feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
+    dev = to_device(cp, case)
+    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=24, kv_path=kv_path)
+    q = cp.asarray(case["q"])
+    out = cp.empty(case["q"].shape, bfloat16)
+    lse = cp.empty(case["q"].shape[:2], np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with stream:
+        dec.plan(dev["block_tables"], dev["seq_lens"], merge=merge)
+        assert dec._step.work.pool_pieces > 0  # the case is long enough for a pool
+        for _ in range(2):
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            dec.run(q, dev["k_cache"], dev["v_cache"], out=out, lse=lse, **feats_dev)
+            stream.synchronize()
+            want, want_lse = oracle(case, "NHD", **opts)[0]
+            assert_matches(out.get(), lse.get(), want, want_lse, bfloat16)
+        stream.begin_capture()
+        dec.run(q, dev["k_cache"], dev["v_cache"], out=out, lse=lse, **feats_dev)
+        graph = stream.end_capture()
+        lens2 = (lens - rng.integers(0, 1000, 24)).astype(np.int32)
+        dec.plan(dev["block_tables"], lens2, merge=merge)
+        assert dec._step.work.pool_pieces > 0
+        out.fill(np.nan)
+        lse.fill(np.nan)
+        graph.launch()
+        stream.synchronize()
+    want, want_lse = oracle({**case, "seq_lens": lens2}, "NHD", **opts)[0]
+    assert_matches(out.get(), lse.get(), want, want_lse, bfloat16)
 
 
 @pytest.mark.gpu
