@@ -27,7 +27,6 @@ KV_PATHS = ("pages", "staged")     # whole blocks by cp.async.bulk (sm_90) / cp.
 PAGE_WARPS = 8                     # paged_decode_pages_kernel: a warp per kv head
 PAGE_THREADS = 32 * PAGE_WARPS
 PAGE_STAGES = 3
-PAGE_STATIC_SMEM = 9 * 1024        # its merge scratch (2048 floats), barriers; + 1 KB reserved
 PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
 MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
 PAGE_MIN_BATCH = 16                # pages_preferred
@@ -39,7 +38,7 @@ NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
 # equal shares end on the slowest. About POOL_PIECES pieces a column; only where a column's
 # fixed share is at least POOL_MIN_SHARE tiles (shorter work is bound by latency, not rate).
 POOL_FRACTION = 1 / 16
-POOL_PIECES = 6
+POOL_PIECES = 4
 POOL_MIN_SHARE = 32
 
 
@@ -69,7 +68,7 @@ def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, nu
     return (int(compute_capability) >= 90 and itemsize == 2 and layout == "NHD"
             and head_dim in PAGE_HEAD_DIMS and block_size % 16 == 0
             and num_kv_heads <= PAGE_WARPS and num_q_heads // num_kv_heads <= 8
-            and page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize) + PAGE_STATIC_SMEM
+            and page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize) + 1024
             <= MAX_SMEM_PER_CTA)
 
 
@@ -107,12 +106,10 @@ def resolve_merge(merge, launch):
     """``merge`` or, when None, "fused" (the CTA completing a sequence merges it; no second
     launch) unless a row group holds more than ``2 * NWARPS`` query heads: then "kernel",
     whose grid gives every head a warp, where the fused merge would walk 8 heads a warp
-    (MQA) one after the other. The pages kernel's fused merge uses the whole CTA for all
-    heads at once (up to 2048 heads x pieces): "fused" there (B64 x L8K: it ends 4 us
-    before the merge kernel would, which starts after the decode kernel's last CTA)."""
+    (MQA) one after the other."""
     if merge is not None:
         return merge
-    return "kernel" if launch.heads_per_group > 2 * NWARPS and not launch.pages else "fused"
+    return "kernel" if launch.heads_per_group > 2 * NWARPS else "fused"
 
 
 def merge_head_blocks(launch):
@@ -355,10 +352,9 @@ def min_piece_tiles(launch, max_tiles, merge="fused") -> int:
     best P is ``sqrt(n / c)``, that is ``sqrt(n c)`` tiles a piece: 4 at 512 tiles for one
     head a warp (c = 1/32), 12 for the fused merge of MQA's 32 heads (c = 1/4; 43 pieces
     instead of 256, whose merge took several times the streaming). A pages-kernel tile
-    holds every kv head of its tokens, so its ``c`` is divided by their number, and its
-    fused merge serves all heads at once (as the merge kernel's warps do).
+    holds every kv head of its tokens, so its ``c`` is divided by their number.
     """
-    per_warp = 1 if merge == "kernel" or launch.pages else -(-launch.heads_per_group // NWARPS)
+    per_warp = 1 if merge == "kernel" else -(-launch.heads_per_group // NWARPS)
     tile_heads = launch.num_kv_heads if launch.pages else 1  # kv heads a tile holds
     c = 2 * per_warp / (launch.tiles.tile * tile_heads)
     return max(STAGES - 1, int(np.ceil(np.sqrt(max_tiles * c))))

@@ -692,16 +692,13 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
 // Called by every thread of a CTA that has just written its partial rows of piece p of row
 // group y (gridDim.y row groups; hpc query heads a row group from head hq_rg, rg_heads of
 // them real): the CTA whose piece arrives last (an atomic count per (sequence, row group),
-// re-armed to 0) merges all of them into out / lse: with SCRATCH shared floats, and
-// rg_heads x pieces of them fitting, the whole CTA at once (merge_group_cta), else its
-// nwarps warps one head at a time.
-template <typename T, int D, int SCRATCH = 0>
+// re-armed to 0) merges all of them into out / lse, its nwarps warps one head at a time.
+template <typename T, int D>
 __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ counters, int y, int hq_rg,
                               int hpc, int rg_heads, int num_q_heads,
                               const float* __restrict__ part_out, const float* __restrict__ part_lse,
                               const float* __restrict__ sinks, T* __restrict__ out,
-                              float* __restrict__ lse, int& s_last, int nwarps,
-                              float* __restrict__ scratch = nullptr) {
+                              float* __restrict__ lse, int& s_last, int nwarps) {
   __syncthreads();  // this CTA's partial rows are written
   if (threadIdx.x == 0) {
     int* counter = counters + (i64)p.b * gridDim.y + y;
@@ -714,17 +711,9 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
   __syncthreads();
   if (s_last) {
     const i64 row = (i64)p.b * num_q_heads + hq_rg;
-    const float* sink_rg = sinks != nullptr ? sinks + hq_rg : nullptr;
-    float* lse_rg = lse != nullptr ? lse + row : nullptr;
-    if constexpr (SCRATCH > 0) {
-      if (rg_heads * p.npieces <= SCRATCH) {
-        merge_group_cta<T, D>(part_out, part_lse, p.slot - p.k, p.npieces, gridDim.y, y, hpc,
-                              rg_heads, sink_rg, out + row * D, lse_rg, scratch);
-        return;
-      }
-    }
     merge_group<T, (D + 127) / 128>(part_out, part_lse, p.slot - p.k, p.npieces, gridDim.y, y, hpc,
-                                    rg_heads, D, sink_rg, out + row * D, lse_rg,
+                                    rg_heads, D, sinks != nullptr ? sinks + hq_rg : nullptr,
+                                    out + row * D, lse != nullptr ? lse + row : nullptr,
                                     threadIdx.x >> 5, nwarps, threadIdx.x & 31);
   }
 }
@@ -893,7 +882,6 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
 constexpr int PAGE_WARPS = 8;  // one per kv head (up to 8)
 constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
 constexpr int PAGE_STAGES = 3;
-constexpr int PAGE_MERGE_SCRATCH = 2048;  // floats: the fused merge's LSEs (heads x pieces)
 
 // grid (columns); block PAGE_THREADS; sm_90; 16-bit NHD caches with up to 8 kv heads, at most
 // 8 query heads a kv head, block_size a multiple of 16. The plan's tiles are whole blocks
@@ -923,7 +911,6 @@ paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* _
   __shared__ __align__(8) u64 full[PAGE_STAGES];  // stage st's block landed
   __shared__ int s_last;
   __shared__ int s_ring[8];  // pool pieces taken (PiecePool)
-  __shared__ float s_merge[PAGE_MERGE_SCRATCH];
   T* ring = reinterpret_cast<T*>(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = num_q_heads / num_kv_heads;
@@ -1024,9 +1011,8 @@ paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* _
                                 sinks != nullptr ? sinks + hq_warp : nullptr, out, lse, part_out,
                                 part_lse, lane);
     if (!whole && fused_merge)
-      merge_if_last<T, D, PAGE_MERGE_SCRATCH>(p, counters, 0, 0, num_q_heads, num_q_heads,
-                                              num_q_heads, part_out, part_lse, sinks, out, lse,
-                                              s_last, PAGE_WARPS, s_merge);
+      merge_if_last<T, D>(p, counters, 0, 0, num_q_heads, num_q_heads, num_q_heads, part_out,
+                          part_lse, sinks, out, lse, s_last, PAGE_WARPS);
   }
 }
 

@@ -694,7 +694,7 @@ def test_pool_pieces(rng, cp, kv_path, hq, hk, merge):
         dec.run(q, dev["k_cache"], dev["v_cache"], out=out, lse=lse, **feats_dev)
         graph = stream.end_capture()
         lens2 = (lens - rng.integers(0, 1000, 24)).astype(np.int32)
-        dec.plan(dev["block_tables"], lens2, merge=merge)
+        dec.plan(dev["block_tables"], cp.asarray(lens2), merge=merge)
         assert dec._step.work.pool_pieces > 0
         out.fill(np.nan)
         lse.fill(np.nan)

@@ -100,7 +100,7 @@ def test_pages_kernel_applies_and_plans():
     assert lp.heads_per_group == 32 and lp.tiles.tile == 16 and lp.merge_kv_heads == 1
     assert lp.tiles.smem_bytes == 3 * 2 * 16 * 8 * 128 * 2
     assert lp.columns == dp.DEFAULT_SMS and lp.grid == (dp.DEFAULT_SMS, 1)
-    assert dp.resolve_merge(None, lp) == "fused" and dp.merge_head_blocks(lp) == 8  # CTA merge
+    assert dp.resolve_merge(None, lp) == "kernel" and dp.merge_head_blocks(lp) == 8
     work = dp.plan_work(lp, np.array([8192] * 64, np.int32), False, -1, merge="kernel")
     assert work.desc[:, 3].max() == 8192 // 16  # tiles are blocks
 
@@ -189,7 +189,7 @@ def test_pool_takes_each_sequence_tail(rng):
     assert dp.pool_tiles(np.array([400] * 8), 132, 2)[1] == 0      # 3200 tiles < 32 a column
     assert dp.pool_tiles(np.array([15] * 1000), 4, 2)[1] == 0       # tails of 0 tiles
     tail, size = dp.pool_tiles(np.array([512] * 64), 132, 2)       # B64 x L8K, page 16
-    assert (tail == 32).all() and size == 3
+    assert (tail == 32).all() and size == 4
 
 
 @pytest.mark.parametrize("splits", [1, 2, 7, 64, 256])
