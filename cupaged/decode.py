@@ -31,23 +31,34 @@ _NULL = np.uint64(0)
 
 # ----------------------------------------------------------------------------- launches
 @functools.lru_cache(maxsize=None)
-def _kernel_on(device_id, expr, smem_bytes):
-    kernel = get_kernel("decode", expr)
-    if smem_bytes > 48 * 1024:
+def _kernel_on(device_id, expr, smem_bytes, hopper=False):
+    kernel = get_kernel("decode", expr, hopper=hopper)
+    if smem_bytes + kernel.shared_size_bytes > 48 * 1024:  # past the default, with the static
         kernel.max_dynamic_shared_size_bytes = smem_bytes
     if smem_bytes:
         kernel.preferred_shared_memory_carveout = 100  # every resident CTA's tiles
     return kernel
 
 
-def _kernel(expr, smem_bytes=0):
+def _kernel(expr, smem_bytes=0, hopper=False):
     import cupy
-    return _kernel_on(cupy.cuda.Device().id, expr, smem_bytes)
+    return _kernel_on(cupy.cuda.Device().id, expr, smem_bytes, hopper)
 
 
 def _decode_expr(dtype, head_dim, vllm_v, head_tiles):
     return (f"cupaged::decode::paged_decode_kernel<{ctype(dtype)}, {head_dim}, "
             f"{'true' if vllm_v else 'false'}, {head_tiles}>")
+
+
+def _pages_expr(dtype, head_dim):
+    return f"cupaged::decode::paged_decode_pages_kernel<{ctype(dtype)}, {head_dim}>"
+
+
+def _launch_expr(lp, dtype):
+    """The decode kernel of launch ``lp``."""
+    if lp.pages:
+        return _pages_expr(dtype, lp.head_dim)
+    return _decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles)
 
 
 def _merge_expr(in_dtype, out_dtype):
@@ -63,25 +74,32 @@ def _append_expr(dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads):
+def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, pages):
     """The launch geometry on a device: one CTA per slot its decode kernel can hold."""
     import cupy
     from cupy_backends.cuda.api import driver
     lp = dp.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
                         block_size=block_size, num_q_heads=num_q_heads,
-                        num_kv_heads=num_kv_heads)
+                        num_kv_heads=num_kv_heads, pages=pages)
     smem = lp.tiles.smem_bytes
-    expr = _decode_expr(dtype, head_dim, lp.vllm_v, lp.tiles.head_tiles)
-    kernel = _kernel_on(device_id, expr, smem)
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, dp.NTHREADS, smem)
+    kernel = _kernel_on(device_id, _launch_expr(lp, dtype), smem, lp.pages)
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, lp.threads, smem)
     sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
     return lp._replace(columns=max(1, sms * max(1, per_sm) // lp.row_groups))
 
 
-def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads):
+def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, kv_path,
+                      batch):
+    """The launch geometry of a ``batch``-sequence step on the current device, its kernel
+    path resolved from ``kv_path`` (``dp.resolve_kv_path``)."""
     import cupy
-    return _geometry(cupy.cuda.Device().id, np.dtype(dtype), int(head_dim), layout,
-                     int(block_size), int(num_q_heads), int(num_kv_heads))
+    device = cupy.cuda.Device()
+    dtype = np.dtype(dtype)
+    pages = dp.resolve_kv_path(kv_path, device.compute_capability, dtype.itemsize, int(head_dim),
+                               layout, int(block_size), int(num_q_heads), int(num_kv_heads),
+                               int(batch))
+    return _geometry(device.id, dtype, int(head_dim), layout, int(block_size), int(num_q_heads),
+                     int(num_kv_heads), pages)
 
 
 class _DeviceStep(NamedTuple):
@@ -96,6 +114,7 @@ class _DeviceStep(NamedTuple):
     part_out: object  # float32 partial rows, or None (nothing split)
     part_lse: object
     counters: object  # int32 [batch * row groups] zeros (fused merge), or None
+    pool: object      # int32 [2 * row groups] zeros (pool pieces taken, CTAs done), or None
     scalars: tuple    # the decode kernel's arguments after the arrays
 
 
@@ -129,8 +148,7 @@ def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_pa
 def _step_kernels(lp, dtype, append, merge_kernel):
     """``(append or None, decode, merge_pieces or None)`` for one step's launches."""
     return (_kernel(_append_expr(dtype)) if append else None,
-            _kernel(_decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles),
-                    lp.tiles.smem_bytes),
+            _kernel(_launch_expr(lp, dtype), lp.tiles.smem_bytes, lp.pages),
             _kernel(_pieces_expr(dtype, lp.head_dim)) if merge_kernel else None)
 
 
@@ -144,14 +162,14 @@ def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
         append((batch,), (128,), (k_new, v_new, k_cache, v_cache, dev.tables, dev.lens,
                                   *_i32((dev.tables.shape[1], lp.block_size, lp.num_kv_heads, d)),
                                   *_i32(lp.k_strides[:4]), *_i32(lp.v_strides)))
-    decode(lp.grid, (dp.NTHREADS,),
+    decode(lp.grid, (lp.threads,),
            (q, out, _ptr(lse), _ptr(dev.part_out), _ptr(dev.part_lse), _ptr(dev.counters),
-            dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes), _ptr(opts.sinks))
+            _ptr(dev.pool), dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes), _ptr(opts.sinks))
            + dev.scalars, shared_mem=lp.tiles.smem_bytes)
     if merge is not None:
         merge((batch, lp.row_groups, dp.merge_head_blocks(lp)), (dp.NTHREADS,),
               (_ptr(dev.part_out), _ptr(dev.part_lse), dev.seq_info,
-               *_i32((hq, lp.num_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
+               *_i32((hq, lp.merge_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
                _ptr(opts.sinks), out, _ptr(lse)))
 
 
@@ -174,11 +192,12 @@ def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
     part_out, part_lse = _partials(xp, lp, work.num_slots)
     fused = merge == "fused"
     counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots and fused else None
+    pool = xp.zeros(2 * lp.row_groups, np.int32) if work.pool_pieces else None
     scalars = _decode_scalars(lp, c.num_q_heads, block_tables.shape[1], c.options, int(fused))
     return _DeviceStep(lp, _step_kernels(lp, dtype, c.append, not fused),
                        index[layout.desc:layout.tables],
                        index[layout.info:layout.info + 2 * c.batch], block_tables, seq_lens,
-                       part_out, part_lse, counters, scalars)
+                       part_out, part_lse, counters, pool, scalars)
 
 
 def _result(out, lse, return_lse):
@@ -198,7 +217,7 @@ def _reference_into(o, lse, out, return_lse):
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                  logits_soft_cap=0.0, layout="NHD", num_splits=None, out=None,
-                 return_lse=False):
+                 return_lse=False, kv_path=None):
     """Attention of one query token per sequence over its paged keys and values.
 
     Parameters
@@ -234,6 +253,13 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         ``[batch, num_q_heads, head_dim]`` in q's dtype, written and returned.
     return_lse : bool
         Also return the float32 natural-log LSE ``[batch, num_q_heads]`` (sink included).
+    kv_path : {"pages", "staged"}, optional
+        "pages": one CTA per SM copies whole cache blocks (every kv head of ``block_size``
+        tokens) with ``cp.async.bulk`` (sm_90+, 16-bit NHD caches, head_dim 64/96/128,
+        block_size a multiple of 16, up to 8 kv heads and 8 query heads each). "staged":
+        16-byte cp.async tiles of one kv head per CTA (every case). Default: "pages" where
+        it applies to batches of 16 sequences or more with 4 kv heads or more, where it is
+        the faster; else "staged". CuPy path only.
 
     Returns
     -------
@@ -247,6 +273,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
     c = dc.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
                       num_splits, out, options)
+    if kv_path is not None:
+        check_choice("kv_path", kv_path, dp.KV_PATHS)
     if c.xp is np:
         o, lse = ref.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new=k_new,
                                   v_new=v_new, sm_scale=c.options.sm_scale,
@@ -260,7 +288,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     if c.batch == 0:
         return _result(out, lse, return_lse)
     lp = _current_geometry(q.dtype, q.shape[2], layout, c.geometry.block_size, c.num_q_heads,
-                           c.geometry.num_kv_heads)
+                           c.geometry.num_kv_heads, kv_path, c.batch)
     dev = _call_step(xp, lp, c, q.dtype, block_tables, seq_lens, num_splits)
     _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, c.options, out, lse)
     return _result(out, lse, return_lse)
@@ -311,8 +339,9 @@ class PagedDecoder:
     work from buffers at fixed addresses, so a ``run`` captured in a CUDA graph stays valid
     after later ``plan`` calls of the same batch size and merge mode, whatever the lengths
     or schedule, until a plan outgrows a buffer (a wider table, or a "split" plan with more
-    pieces than any "balanced" one). ``plan`` uploads on the current stream; keep plans and
-    runs on one stream.
+    pieces than any "balanced" one). (The default kernel path depends on the batch size
+    alone, so it holds too.) ``plan`` uploads on the current stream; keep plans and runs on
+    one stream.
 
     Parameters
     ----------
@@ -330,11 +359,13 @@ class PagedDecoder:
         reallocates it (invalidating captured graphs).
     xp : module, optional
         ``cupy`` (kernels) or ``numpy`` (reference); default: the first plan's module.
+    kv_path : {"pages", "staged"}, optional
+        As in :func:`paged_decode`.
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout="NHD", window_left=-1, logits_soft_cap=0.0, sm_scale=None,
-                 max_batch=256, max_blocks_per_seq=None, xp=None):
+                 max_batch=256, max_blocks_per_seq=None, xp=None, kv_path=None):
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("max_batch", max_batch)):
             dc.check_positive(name, v)
@@ -343,6 +374,9 @@ class PagedDecoder:
         check_gqa(num_q_heads, num_kv_heads, "num_kv_heads")
         check_head_dim("head_dim", head_dim)
         check_choice("layout", layout, LAYOUTS)
+        if kv_path is not None:
+            check_choice("kv_path", kv_path, dp.KV_PATHS)
+        self._kv_path = kv_path
         self._opts = check_options(np, num_q_heads, head_dim, sm_scale=sm_scale,
                                    window_left=window_left, logits_soft_cap=logits_soft_cap)
         self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
@@ -351,6 +385,7 @@ class PagedDecoder:
         self._width = max_blocks_per_seq or 0
         self._xp = xp
         self._index = self._layout = self._part_out = self._part_lse = self._counters = None
+        self._pool = None
         self._step = None
 
     @accepts_dlpack
@@ -386,12 +421,20 @@ class PagedDecoder:
         self._xp = xp
         work = device = None
         if xp is not np:
-            lp = self._geometry()
+            lp = self._geometry(len(sl))
             merge = dp.resolve_merge(merge, lp)
             work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
                                 num_splits, merge)
             device = self._upload(lp, bt, sl, work, merge, append)
         self._step = dp.Step(len(sl), bt, sl, bool(append), max_block, work, merge, device)
+
+    @property
+    def kv_path(self):
+        """The current CuPy plan's kernel, "pages" or "staged" (None otherwise)."""
+        step = self._step
+        if step is None or step.device is None:
+            return None
+        return "pages" if step.device.launch.pages else "staged"
 
     @property
     def merge(self):
@@ -406,9 +449,9 @@ class PagedDecoder:
         step = self._step
         return 1 if step is None or step.work is None else step.work.max_pieces
 
-    def _geometry(self):
+    def _geometry(self, batch):
         return _current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
-                                 self.num_q_heads, self.num_kv_heads)
+                                 self.num_q_heads, self.num_kv_heads, self._kv_path, batch)
 
     def _upload(self, lp, bt, sl, work, merge, append):
         """One host-to-device copy of ``[lens | piece info | work | tables]``; buffers grow
@@ -425,8 +468,10 @@ class PagedDecoder:
         if self._part_lse is None or self._part_lse.size < part_rows:
             self._part_out = cupy.empty(part_rows * self.head_dim, np.float32)
             self._part_lse = cupy.empty(part_rows, np.float32)
-        if self._counters is None:  # re-armed to zero by the kernel that counts on them
+        if self._counters is None or self._pool.size < 2 * lp.row_groups:
+            # re-armed to zero by the kernels that count on them
             self._counters = cupy.zeros(self.max_batch * lp.row_groups, np.int32)
+            self._pool = cupy.zeros(2 * lp.row_groups, np.int32)
         host = dp.pack_index(lay, sl, work, bt)
         self._index[:host.size].set(host)
         idx, fused = self._index, merge == "fused"
@@ -434,7 +479,7 @@ class PagedDecoder:
         return _DeviceStep(lp, _step_kernels(lp, self.dtype, bool(append), not fused),
                            idx[lay.desc:lay.tables], idx[lay.info:lay.info + 2 * batch], tables,
                            idx[:batch], self._part_out, self._part_lse,
-                           self._counters if fused else None,
+                           self._counters if fused else None, self._pool,
                            _decode_scalars(lp, self.num_q_heads, lay.width, self._opts, int(fused)))
 
     @accepts_dlpack
@@ -484,8 +529,9 @@ class PagedDecoder:
 
 
 def kernel_specializations():
-    """Every kernel this module can launch: append, the two merges, and decode per dtype,
-    head dim, value layout (rows or vllm's transposed) and heads per warp."""
+    """Every kernel this module can launch: append, the two merges, decode per dtype, head
+    dim, value layout (rows or vllm's transposed) and heads per warp, and the pages kernel
+    (sm_90) per 16-bit dtype and head dim."""
     specs = []
     for dt in FLOAT_DTYPES:
         specs.append(Spec("decode", _append_expr(dt)))
@@ -494,4 +540,6 @@ def kernel_specializations():
         for d in HEAD_DIMS:
             for nt in sorted({dp.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
                 specs += [Spec("decode", _decode_expr(dt, d, vt, nt)) for vt in (False, True)]
+            if dt.itemsize == 2 and d in dp.PAGE_HEAD_DIMS:
+                specs.append(Spec("decode", _pages_expr(dt, d), hopper=True))
     return specs

@@ -23,7 +23,23 @@ DEFAULT_SMEM_PER_SM = 228 * 1024
 SCHEDULES = ("balanced", "split")  # equal tile shares per column / equal cuts per sequence
 MERGES = ("fused", "kernel")       # split pieces merged by their last CTA / by a second kernel
 DESC_INTS = 8                      # ints per piece descriptor (decode.cu's Piece)
+KV_PATHS = ("pages", "staged")     # whole blocks by cp.async.bulk (sm_90) / cp.async tiles
+PAGE_WARPS = 8                     # paged_decode_pages_kernel: a warp per kv head
+PAGE_THREADS = 32 * PAGE_WARPS
+PAGE_STAGES = 3
+PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
+MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
+PAGE_MIN_BATCH = 16                # pages_preferred
+PAGE_MIN_KV_HEADS = 4
 NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
+# "balanced" plans leave the last POOL_FRACTION of each sequence's tiles to a pool of pieces
+# that CTAs take at run time once their own list is done: CTAs stream at rates a few per cent
+# apart (CTA end times of equal shares spread by 3 % at B64 x L8K on the H200), so fixed
+# equal shares end on the slowest. About POOL_PIECES pieces a column; only where a column's
+# fixed share is at least POOL_MIN_SHARE tiles (shorter work is bound by latency, not rate).
+POOL_FRACTION = 1 / 16
+POOL_PIECES = 4
+POOL_MIN_SHARE = 32
 
 
 # ----------------------------------------------------------------------------- plans
@@ -37,6 +53,53 @@ class Step(NamedTuple):
     work: object          # WorkPlan (device runs) or None
     merge: str            # one of MERGES (None on the NumPy path unless given)
     device: object        # decode._DeviceStep (views of the uploaded indices) or None
+
+
+def page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize):
+    """The pages kernel's ring: PAGE_STAGES blocks of K and of V."""
+    return PAGE_STAGES * 2 * block_size * num_kv_heads * head_dim * itemsize
+
+
+def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, num_q_heads,
+                  num_kv_heads):
+    """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit NHD cache (a block's
+    tokens x kv heads contiguous), head_dim 64/96/128, blocks of a multiple of 16 tokens,
+    up to PAGE_WARPS kv heads and 8 query heads each, and a ring that fits in shared memory."""
+    return (int(compute_capability) >= 90 and itemsize == 2 and layout == "NHD"
+            and head_dim in PAGE_HEAD_DIMS and block_size % 16 == 0
+            and num_kv_heads <= PAGE_WARPS and num_q_heads // num_kv_heads <= 8
+            and page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize) + 1024
+            <= MAX_SMEM_PER_CTA)
+
+
+def pages_preferred(batch, num_kv_heads):
+    """Whether the pages kernel beats the staged one (H200, d128, page 16, both measured on
+    B 1..256 x L 2K..16K): from PAGE_MIN_BATCH sequences, and with at least
+    PAGE_MIN_KV_HEADS kv heads (a warp computes each kv head's share of a block: with 1 or
+    2 the pages kernel is bound by their math, 0.3-0.6x the staged one). Below 16
+    sequences the staged kernel's merge of fewer, per-kv-head pieces wins (B1 x L8K: 17 vs
+    23 us)."""
+    return batch >= PAGE_MIN_BATCH and num_kv_heads >= PAGE_MIN_KV_HEADS
+
+
+def resolve_kv_path(kv_path, compute_capability, itemsize, head_dim, layout, block_size,
+                    num_q_heads, num_kv_heads, batch):
+    """``True`` for the pages kernel, ``False`` for the staged one. ``kv_path=None`` takes
+    "pages" where it applies and is the faster (``pages_preferred``); "pages" where it does
+    not apply raises."""
+    capable = pages_capable(compute_capability, itemsize, head_dim, layout, block_size,
+                            num_q_heads, num_kv_heads)
+    if kv_path is None:
+        return capable and pages_preferred(batch, num_kv_heads)
+    if kv_path not in KV_PATHS:
+        raise ValueError(f"kv_path: expected one of {KV_PATHS}, got {kv_path!r}")
+    if kv_path == "pages" and not capable:
+        raise ValueError(
+            f"kv_path: 'pages' needs sm_90+, a 16-bit NHD cache, head_dim in {PAGE_HEAD_DIMS}, "
+            f"block_size a multiple of 16, at most {PAGE_WARPS} kv heads and 8 query heads "
+            f"each, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
+            f"{head_dim}, block_size {block_size}, {num_q_heads}/{num_kv_heads} heads")
+    return kv_path == "pages"
 
 
 def resolve_merge(merge, launch):
@@ -204,11 +267,22 @@ class DecodeLaunch(NamedTuple):
     block_size: int
     block_magic: int
     block_shift: int
+    pages: bool = False  # paged_decode_pages_kernel: tiles are blocks, one row group of all heads
 
     @property
     def row_groups(self):
-        """(kv head, head chunk) pairs: grid.y."""
-        return self.num_kv_heads * self.heads.head_chunks
+        """(kv head, head chunk) pairs: grid.y (1 for the pages kernel: all heads a CTA)."""
+        return 1 if self.pages else self.num_kv_heads * self.heads.head_chunks
+
+    @property
+    def threads(self):
+        """Threads per CTA of the decode kernel."""
+        return PAGE_THREADS if self.pages else NTHREADS
+
+    @property
+    def merge_kv_heads(self):
+        """kv heads as merge_pieces_kernel indexes row groups (1 for the pages kernel)."""
+        return 1 if self.pages else self.num_kv_heads
 
     @property
     def heads_per_group(self):
@@ -221,34 +295,42 @@ class DecodeLaunch(NamedTuple):
 
 
 def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_heads,
-                slots=None) -> DecodeLaunch:
+                slots=None, pages=False) -> DecodeLaunch:
     """Choose the kernel specialisation, head layout and grid of a decoder's launches.
 
     ``slots``: CTAs resident at once on the device (SMs x CTAs per SM, from the occupancy
     of the specialisation; default an H200 estimate from shared memory). The grid holds one
     CTA per slot (``columns = slots // row_groups``, at least 1), whatever the lengths.
+    ``pages``: the pages kernel (the caller checks ``pages_capable``): tiles are whole
+    blocks, a warp per kv head, one row group of every query head.
     """
     group = num_q_heads // num_kv_heads
     vllm_v = layout == "vllm"
-    tiles = tile_config(itemsize, head_dim, vllm_v, head_tiles(itemsize, head_dim, group))
-    heads = head_layout(group, tiles.heads_per_warp)
+    if pages:
+        tiles = TileConfig(int(block_size), 1, group,
+                           page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize))
+        heads = HeadLayout(num_kv_heads, 1)  # heads_per_group: every query head
+    else:
+        tiles = tile_config(itemsize, head_dim, vllm_v, head_tiles(itemsize, head_dim, group))
+        heads = head_layout(group, tiles.heads_per_warp)
     if slots is None:
         slots = DEFAULT_SMS * ctas_per_sm(tiles.smem_bytes)
-    columns = max(1, slots // (num_kv_heads * heads.head_chunks))
     k_strides, v_strides = cache_strides(layout, block_size, num_kv_heads, head_dim, itemsize)
     magic, shift = block_division(block_size)
-    return DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, columns, k_strides,
-                        v_strides, int(block_size), magic, shift)
+    lp = DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, 1, k_strides, v_strides,
+                      int(block_size), magic, shift, bool(pages))
+    return lp._replace(columns=max(1, slots // lp.row_groups))
 
 
 # ----------------------------------------------------------------------------- work
 class Pieces(NamedTuple):
-    """Cuts of the sequences' visible key tiles, ordered by column (then sequence, piece)."""
+    """Cuts of the sequences' visible key tiles: the columns' fixed pieces ordered by column
+    (then sequence, piece), then the run-time pool's pieces (column -1)."""
     seq: np.ndarray      # int64 [n] sequence of each piece
     offset: np.ndarray   # its first tile, counted from the sequence's first visible tile
     count: np.ndarray    # its tiles (0 only for the one piece of a sequence without keys)
     index: np.ndarray    # its index among the sequence's pieces
-    column: np.ndarray   # the CTA column that runs it (non-decreasing)
+    column: np.ndarray   # the CTA column that runs it (non-decreasing), -1: the pool's
     per_seq: np.ndarray  # int64 [batch] pieces of each sequence
 
 
@@ -269,10 +351,12 @@ def min_piece_tiles(launch, max_tiles, merge="fused") -> int:
     merges at about half a CTA's streaming rate, so ``c = 2 * heads a warp / TILE``. The
     best P is ``sqrt(n / c)``, that is ``sqrt(n c)`` tiles a piece: 4 at 512 tiles for one
     head a warp (c = 1/32), 12 for the fused merge of MQA's 32 heads (c = 1/4; 43 pieces
-    instead of 256, whose merge took several times the streaming).
+    instead of 256, whose merge took several times the streaming). A pages-kernel tile
+    holds every kv head of its tokens, so its ``c`` is divided by their number.
     """
     per_warp = 1 if merge == "kernel" else -(-launch.heads_per_group // NWARPS)
-    c = 2 * per_warp / launch.tiles.tile
+    tile_heads = launch.num_kv_heads if launch.pages else 1  # kv heads a tile holds
+    c = 2 * per_warp / (launch.tiles.tile * tile_heads)
     return max(STAGES - 1, int(np.ceil(np.sqrt(max_tiles * c))))
 
 
@@ -306,23 +390,58 @@ def split_pieces(n_tiles, num_splits, columns) -> Pieces:
     return Pieces(seq, offset, np.minimum(per[seq], n[seq] - offset), index, column, per_seq)
 
 
+def pool_tiles(n_tiles, columns, min_piece):
+    """``(tail, size)``: the last ``tail[b]`` tiles of sequence b (``floor(n POOL_FRACTION)``)
+    go to the run-time pool in pieces of ``size`` tiles (about POOL_PIECES a column, at least
+    ``min_piece``); no pool (zeros, 0) when a column's fixed share would be under
+    POOL_MIN_SHARE tiles."""
+    n = np.asarray(n_tiles, np.int64)
+    tail = (n * POOL_FRACTION).astype(np.int64)
+    pooled = int(tail.sum())
+    if not pooled or int(n.sum()) - pooled < POOL_MIN_SHARE * columns:
+        return np.zeros_like(n), 0
+    return tail, max(min_piece, -(-pooled // (POOL_PIECES * columns)))
+
+
+def with_pool(fixed, n_fixed, tail, size):
+    """``fixed`` pieces (cutting the first ``n_fixed`` tiles of each sequence) followed by
+    the pool's: each sequence's ``tail`` tiles after those in pieces of ``size`` (its last
+    one shorter), indexed after the sequence's fixed pieces."""
+    if not size:
+        return fixed
+    per_pool = -(-tail // size)
+    seq, k = _enumerate(per_pool)
+    offset = n_fixed[seq] + k * size
+    count = np.minimum(size, n_fixed[seq] + tail[seq] - offset)
+    return Pieces(np.concatenate([fixed.seq, seq]), np.concatenate([fixed.offset, offset]),
+                  np.concatenate([fixed.count, count]),
+                  np.concatenate([fixed.index, fixed.per_seq[seq] + k]),
+                  np.concatenate([fixed.column, np.full(len(seq), -1, np.int64)]),
+                  fixed.per_seq + per_pool)
+
+
 def pack_work(pieces, kv_lens, first_tiles, columns):
     """Descriptors int32 ``[rows, DESC_INTS]`` (decode.cu's Piece): column ``c``'s first
-    piece in row ``c`` (or NO_PIECE), its others in rows after the columns, linked by
-    ``next``; per-sequence ``(pieces, first partial slot or -1)`` int32 ``[batch, 2]``; the
+    fixed piece in row ``c`` (or NO_PIECE), the pool header ``(first row, count, 0...)`` in
+    row ``columns``, the columns' other pieces after it linked by ``next``, then the pool's
+    pieces; per-sequence ``(pieces, first partial slot or -1)`` int32 ``[batch, 2]``; the
     number of partial slots (pieces of split sequences, consecutive per sequence)."""
     seq, col, per_seq = pieces.seq, pieces.column, pieces.per_seq
     split = per_seq > 1
     slots = np.where(split, per_seq, 0)
     slot0 = np.cumsum(slots) - slots
-    lead = np.ones(len(seq), bool)
-    lead[1:] = col[1:] != col[:-1]
-    row = np.where(lead, col, columns + np.cumsum(~lead) - 1)
+    fixed = col >= 0
+    lead = fixed.copy()
+    lead[1:] &= col[1:] != col[:-1]
+    rest = fixed & ~lead
+    row = np.where(lead, col, columns + np.cumsum(~lead))  # pool rows follow the columns' rest
     nxt = np.full(len(seq), -1, np.int64)
-    nxt[:-1] = np.where(lead[1:], -1, row[1:])
+    nxt[:-1] = np.where(rest[1:], row[1:], -1)
     t_begin = first_tiles[seq] + pieces.offset
-    desc = np.empty((columns + int((~lead).sum()), DESC_INTS), np.int32)
+    desc = np.empty((columns + 1 + int((~lead).sum()), DESC_INTS), np.int32)
     desc[:columns] = NO_PIECE
+    pool = int((~fixed).sum())
+    desc[columns] = (len(desc) - pool, pool, 0, 0, 0, 0, 0, 0)
     desc[row] = np.stack([seq, kv_lens[seq], t_begin, t_begin + pieces.count, pieces.index,
                           per_seq[seq], np.where(split[seq], slot0[seq] + pieces.index, -1),
                           nxt], axis=1)
@@ -337,6 +456,7 @@ class WorkPlan(NamedTuple):
     seq_info: np.ndarray  # int32 [batch, 2]: pieces, first partial slot (-1: not split)
     num_slots: int        # partial slots used
     max_pieces: int       # most pieces of one sequence (1: nothing to merge)
+    pool_pieces: int = 0  # pieces taken by CTAs at run time
 
 
 def plan_work(launch, seq_lens, append, window_left, schedule="balanced",
@@ -344,22 +464,29 @@ def plan_work(launch, seq_lens, append, window_left, schedule="balanced",
     """Cut the visible key tiles of ``seq_lens`` (host int32 ``[batch]``, + 1 with
     ``append``) into pieces for ``launch.columns`` columns by ``schedule``. "split" takes
     ``num_splits`` (default: ``choose_num_splits``); "balanced" sizes pieces for ``merge``
-    (``min_piece_tiles``)."""
+    (``min_piece_tiles``) and leaves each sequence's last tiles to the run-time pool
+    (``pool_tiles``)."""
     kv = np.asarray(seq_lens, np.int64) + int(append)
     first, n = tile_spans(kv, window_left, launch.tiles.tile)
     if schedule == "balanced":
         shortest = min_piece_tiles(launch, int(n.max(initial=0)), merge)
-        pieces = balanced_pieces(n, launch.columns, shortest)
+        tail, size = pool_tiles(n, launch.columns, shortest)
+        pieces = with_pool(balanced_pieces(n - tail, launch.columns, shortest), n - tail,
+                           tail, size)
     else:
         if num_splits is None:
             num_splits = choose_num_splits(len(kv) * launch.row_groups, int(n.max(initial=0)),
                                            launch.columns * launch.row_groups)
         pieces = split_pieces(n, num_splits, launch.columns)
     desc, info, slots = pack_work(pieces, kv, first, launch.columns)
-    return WorkPlan(schedule, desc, info, slots, int(pieces.per_seq.max(initial=1)))
+    return WorkPlan(schedule, desc, info, slots, int(pieces.per_seq.max(initial=1)),
+                    int((pieces.column < 0).sum()))
 
 
 def work_capacity(launch, max_batch):
     """``(descriptor rows, partial slots)`` that any "balanced" plan of up to ``max_batch``
-    sequences fits in: at most ``columns - 1`` share boundaries cut a sequence."""
-    return 2 * launch.columns + max_batch, launch.columns + max_batch
+    sequences fits in: at most ``columns - 1`` share boundaries cut a sequence's fixed
+    tiles, and its pool tail adds at most one piece more than its share of
+    ``POOL_PIECES * columns``."""
+    pool = POOL_PIECES * launch.columns + max_batch
+    return 2 * launch.columns + max_batch + 1 + pool, launch.columns + 2 * max_batch + pool

@@ -7,6 +7,10 @@
 //                        query head of the kv head from them (K/V read once per group);
 //                        split sequences leave fp32 partials, merged by the CTA finishing
 //                        the last piece (fused) or by merge_pieces_kernel
+//   paged_decode_pages_kernel  sm_90, 16-bit NHD caches of up to 8 kv heads: one CTA per SM
+//                        copies whole blocks (all kv heads of page_size tokens) with
+//                        cp.async.bulk into a 3-stage ring on mbarriers; warp w serves kv
+//                        head w straight from the unpadded rows (PageMath)
 //   merge_pieces_kernel  merges split pieces (adding sinks once) when not fused
 //   merge_states_kernel  combines two states (merge_states)
 //
@@ -26,6 +30,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "merge.cuh"
+#include "bulk_copy.cuh"
 
 namespace cupaged {
 namespace decode {
@@ -209,6 +214,87 @@ struct SimtMath {
 template <typename T, int D, bool VT, int NT> struct MathFor { using type = MmaMath<T, D, VT, NT>; };
 template <int D, bool VT, int NT> struct MathFor<float, D, VT, NT> { using type = SimtMath<D, VT, NT>; };
 
+// ---------------------------------------------------------------------------- page math
+// Fragments from unpadded 16-bit rows (a block as the cache stores it, rows D elements apart
+// or further): ldmatrix would hit one bank group with all 8 rows, so each lane reads 16-byte
+// chunks of its own rows with ld.shared and the head dim is permuted inside the products so
+// that the chunks are mma fragments as read (2-way bank conflicts instead of 8-way):
+//   lane (qr, r) reads chunk j (dims 32j + 8r + [0, 8), b32 words w0..w3) of rows qr, qr + 8.
+//   S^T = K Q^T  k-step 2j + u takes A = (w[2u] of rows qr, qr + 8; w[2u + 1] of rows qr,
+//                qr + 8) and as B the same words of q's chunk j for head qr.
+//   O^T = V^T P^T  word m of chunk j is the lane's share of an 8x8 block (tokens x dims
+//                32j + 8(c >> 1) + 2m + (c & 1) at column c = 2r + e) in the accumulator
+//                layout; movmatrix.trans makes it a V^T fragment. D-tile 2j + p takes blocks
+//                m = 2p (rows 0-7) and 2p + 1 (rows 8-15): its row g holds perm_dim(2j + p, g).
+__device__ __forceinline__ int perm_dim(int dt, int g) {
+  return 32 * (dt >> 1) + 8 * ((g & 7) >> 1) + 2 * (2 * (dt & 1) + (g >> 3)) + (g & 1);
+}
+
+__device__ __forceinline__ void lds16(u32 (&w)[4], const void* p) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(smem_addr(p)));
+}
+
+template <typename T, int D>
+struct PageMath {
+  static_assert(D % 32 == 0, "whole 16-byte chunks per lane");
+  static constexpr int J = D / 32;  // chunks per lane and row
+  u32 qf[J][4];
+
+  // q_rows: the warp's first query head [heads][D] in global memory.
+  __device__ void load_q(const T* __restrict__ q_rows, int heads, int lane) {
+    const int qr = lane >> 2, r = lane & 3;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const uint4 w = qr < heads ? *reinterpret_cast<const uint4*>(q_rows + qr * D + 32 * j + 8 * r)
+                                 : make_uint4(0, 0, 0, 0);
+      qf[j][0] = w.x; qf[j][1] = w.y; qf[j][2] = w.z; qf[j][3] = w.w;
+    }
+  }
+
+  // Chunk j of the lane's rows qr (lo) and qr + 8 (hi) of the 16 rows at `rows`, `stride`
+  // elements apart.
+  __device__ __forceinline__ void chunk(const T* rows, int stride, int j, u32 (&lo)[4],
+                                        u32 (&hi)[4], int lane) const {
+    const T* a = rows + (lane >> 2) * stride + 8 * (lane & 3) + 32 * j;
+    lds16(lo, a);
+    lds16(hi, a + 8 * stride);
+  }
+
+  // s = K Q^T for the 16 rows at k_rows.
+  __device__ void scores(const T* k_rows, int stride, float (&s)[1][4], int lane) const {
+    s[0][0] = s[0][1] = s[0][2] = s[0][3] = 0.f;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      u32 lo[4], hi[4];
+      chunk(k_rows, stride, j, lo, hi, lane);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const u32 f[4] = {lo[2 * u], hi[2 * u], lo[2 * u + 1], hi[2 * u + 1]};
+        mma_16816<T>(s[0], f, qf[j][2 * u], qf[j][2 * u + 1]);
+      }
+    }
+  }
+
+  // acc += V^T P^T over the 16 rows at v_rows; p holds probabilities in the s layout.
+  __device__ void pv(const T* v_rows, int stride, const float (&p)[1][4],
+                     float (&acc)[D / 16][1][4], int lane) const {
+    const u32 pb0 = movmatrix_trans(pack2<T>(p[0][0], p[0][1]));  // tokens 0-7
+    const u32 pb1 = movmatrix_trans(pack2<T>(p[0][2], p[0][3]));  // tokens 8-15
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      u32 lo[4], hi[4];
+      chunk(v_rows, stride, j, lo, hi, lane);
+#pragma unroll
+      for (int q2 = 0; q2 < 2; ++q2) {
+        const u32 f[4] = {movmatrix_trans(lo[2 * q2]), movmatrix_trans(lo[2 * q2 + 1]),
+                          movmatrix_trans(hi[2 * q2]), movmatrix_trans(hi[2 * q2 + 1])};
+        mma_16816<T>(acc[2 * j + q2][0], f, pb0, pb1);
+      }
+    }
+  }
+};
+
 // ---------------------------------------------------------------------------- tile loader
 // Cache strides in elements: element (block, head, token in block, dim) sits at
 // block*block + head*head + token*tok + (dim / VEC)*chunk + (dim % VEC)*elem. Everything but
@@ -280,10 +366,10 @@ struct Loader {
       const bool ok = r.visible(tok);
       const int in = tok - block_of(tok) * block_size;
       const T* k_src = k_head + (i64)ids.k[i] * ks.block + (in * ks.tok + c * ks.chunk);
-      cp_async16(k_s + row * C::KROW + c * C::VEC, ok ? k_src : k_head, ok ? 16 : 0);
+      cp_async16_line(k_s + row * C::KROW + c * C::VEC, ok ? k_src : k_head, ok ? 16 : 0);
       if (!VT) {
         const T* v_src = v_head + (i64)ids.k[i] * vs.block + (in * vs.tok + c * vs.chunk);
-        cp_async16(v_s + row * C::KROW + c * C::VEC, ok ? v_src : v_head, ok ? 16 : 0);
+        cp_async16_line(v_s + row * C::KROW + c * C::VEC, ok ? v_src : v_head, ok ? 16 : 0);
       }
     }
     if (VT) issue_vt(r, ids.v, v_s);
@@ -299,7 +385,7 @@ struct Loader {
 #pragma unroll
       for (int i = 0; i < C::ITEMS; ++i) {
         const int d = (tid + i * NTHREADS) / C::GPT;
-        cp_async16(dst + d * C::VTROW, whole ? src + v_dim(d) : v_head, whole ? 16 : 0);
+        cp_async16_line(dst + d * C::VTROW, whole ? src + v_dim(d) : v_head, whole ? 16 : 0);
       }
       return;
     }
@@ -325,8 +411,9 @@ struct Loader {
 // ---------------------------------------------------------------------------- work pieces
 // The host plan (decode_plan.plan_work) cuts each sequence's visible key tiles into pieces
 // and gives every CTA column (blockIdx.x) a list of them, the same for every row group
-// (blockIdx.y). Descriptor i is 8 ints at work[8 * i]; column c's first piece is
-// descriptor c and `next` links the rest:
+// (blockIdx.y), and may leave pieces to a pool taken at run time (PiecePool). Descriptor i
+// is 8 ints at work[8 * i]; column c's first piece is descriptor c, `next` links the rest;
+// descriptor gridDim.x is the pool header (first descriptor, count). A piece:
 //   b              sequence (-1: no piece)        kv_len  keys of b, the appended one included
 //   t_begin, t_end key tiles [t_begin, t_end) of b (absolute indices; equal when kv_len is 0)
 //   k, npieces     the piece's index among b's pieces, and their number
@@ -353,13 +440,53 @@ __device__ __forceinline__ int first_visible(int kv_len, int window_left) {
   return window_left >= 0 ? max(0, kv_len - 1 - window_left) : 0;
 }
 
-// The loader's walk over a CTA's tiles, piece after piece (empty pieces have none): `ref`
-// is the tile the next issue takes. On entering a piece the descriptor of its successor is
-// prefetched to L1, so the next switch finds it there.
+// The pool of a row group: once a CTA's list is done, its loader takes pool pieces one at a
+// time by an atomic count (ctr[0]); thread 0 takes, and hands the descriptor (-1: none
+// left) to the CTA's threads through the shared ring `ring` (8 entries: the loader runs at
+// most STAGES - 1 tiles, so as many pieces, ahead of the consumer, which reads the taken
+// pieces in turn). A CTA whose take fails counts itself done (ctr[1]); the last of the row
+// group's gridDim.x CTAs re-arms both counts to 0 for the next launch (no CTA takes after
+// its own failed take, and every CTA fails once).
+struct PiecePool {
+  int first, count;  // the pool's descriptors [first, first + count)
+  int* ctr;          // [2]: pieces taken, CTAs done
+  int* ring;
+  int taken, used;   // the loader's takes / the consumer's reads so far (uniform per CTA)
+
+  // Called by every thread of the CTA (it holds a barrier).
+  __device__ int take() {
+    if (threadIdx.x == 0) {
+      const int g = atomicAdd(ctr, 1);
+      ring[taken & 7] = g < count ? first + g : -1;
+      if (g >= count && atomicAdd(ctr + 1, 1) == (int)gridDim.x - 1) {
+        ctr[0] = 0;
+        ctr[1] = 0;
+      }
+    }
+    __syncthreads();
+    return ring[taken++ & 7];
+  }
+  // The consumer's piece after a list entry `next` (-1: the list is done): the loader's
+  // next take, which it made before issuing that piece's first tile.
+  __device__ int after(int next) {
+    return next >= 0 || count == 0 ? next : ring[used++ & 7];
+  }
+};
+
+__device__ __forceinline__ PiecePool piece_pool(const int4* __restrict__ work, int* ctr, int* ring) {
+  const int4 h = __ldg(work + 2 * gridDim.x);
+  return PiecePool{h.x, h.y, ctr + 2 * blockIdx.y, ring, 0, 0};
+}
+
+// The loader's walk over a CTA's tiles, piece after piece (empty pieces have none), its
+// list's then the pool's: `ref` is the tile the next issue takes. On entering a listed
+// piece the descriptor of its successor is prefetched to L1, so the next switch finds it
+// there. start and advance are called by every thread of the CTA alike (take's barrier).
 struct TileCursor {
   const int4* work;
   const int* block_tables;
   int bt_stride, window_left;
+  PiecePool pool;
   TileRef ref;
   int t_end, next;  // end of the current piece, descriptor of the following one
 
@@ -368,10 +495,21 @@ struct TileCursor {
   __device__ void advance() {
     if (++ref.tile >= t_end) enter(next);
   }
-  // the first piece with tiles from descriptor i on (none: ref.bt null)
+  // The first piece with tiles from descriptor i on, then from the pool (none: ref.bt null).
   __device__ void enter(int i) {
     Piece p = load_piece(work, i);
-    while (p.valid() && p.t_begin >= p.t_end) p = load_piece(work, p.next);
+    for (bool open = pool.count > 0;;) {
+      if (p.valid()) {
+        if (p.t_begin < p.t_end) break;
+        p = load_piece(work, p.next);
+      } else if (open) {
+        i = pool.take();
+        open = i >= 0;
+        p = load_piece(work, i);
+      } else {
+        break;
+      }
+    }
     if (p.next >= 0) prefetch_l1(work + 2 * p.next);
     ref = TileRef{p.valid() ? block_tables + (i64)p.b * bt_stride : nullptr, p.t_begin,
                   first_visible(p.kv_len, window_left), p.kv_len};
@@ -507,7 +645,7 @@ struct ScoreMods {
 // denominator) and lse at rows out_row + h; for one piece of several, the fp32 partial
 // (normalised over the piece's keys) and natural-log lse at rows part_row + h, for the merge.
 // sinks points at the warp's first head (or is null).
-template <typename T, int D, int NT>
+template <typename T, int D, int NT, bool PERM = false>
 __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, int warp_heads,
                                            bool whole, i64 out_row, i64 part_row,
                                            const float* __restrict__ sinks, T* __restrict__ out,
@@ -538,7 +676,7 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
       for (int dt = 0; dt < D / 16; ++dt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int d = dt * 16 + qr + 8 * hh;
+          const int d = PERM ? perm_dim(dt, qr + 8 * hh) : dt * 16 + qr + 8 * hh;
           const float v = st.acc[dt][nt][2 * hh + j] * scale;
           if (whole) out[(out_row + h) * D + d] = from_float<T>(v);
           else part_out[(part_row + h) * D + d] = v;
@@ -550,10 +688,41 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
     }
 }
 
+// ---------------------------------------------------------------------------- fused merge
+// Called by every thread of a CTA that has just written its partial rows of piece p of row
+// group y (gridDim.y row groups; hpc query heads a row group from head hq_rg, rg_heads of
+// them real): the CTA whose piece arrives last (an atomic count per (sequence, row group),
+// re-armed to 0) merges all of them into out / lse, its nwarps warps one head at a time.
+template <typename T, int D>
+__device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ counters, int y, int hq_rg,
+                              int hpc, int rg_heads, int num_q_heads,
+                              const float* __restrict__ part_out, const float* __restrict__ part_lse,
+                              const float* __restrict__ sinks, T* __restrict__ out,
+                              float* __restrict__ lse, int& s_last, int nwarps) {
+  __syncthreads();  // this CTA's partial rows are written
+  if (threadIdx.x == 0) {
+    int* counter = counters + (i64)p.b * gridDim.y + y;
+    __threadfence();  // release the rows (cumulative over the CTA's threads, after the barrier)
+    const int arrived = atomicAdd(counter, 1);
+    __threadfence();  // acquire the other pieces' rows
+    s_last = arrived == p.npieces - 1;
+    if (s_last) *counter = 0;  // every piece has arrived: re-armed for the next launch
+  }
+  __syncthreads();
+  if (s_last) {
+    const i64 row = (i64)p.b * num_q_heads + hq_rg;
+    merge_group<T, (D + 127) / 128>(part_out, part_lse, p.slot - p.k, p.npieces, gridDim.y, y, hpc,
+                                    rg_heads, D, sinks != nullptr ? sinks + hq_rg : nullptr,
+                                    out + row * D, lse != nullptr ? lse + row : nullptr,
+                                    threadIdx.x >> 5, nwarps, threadIdx.x & 31);
+  }
+}
+
 // ---------------------------------------------------------------------------- decode kernel
 // grid (columns, num_kv_heads * head_chunks); block NTHREADS (4 warps). Row group y =
 // (kv head hk, head chunk hc) owns query heads hk*G + hc*HPC + [0, HPC) (HPC = head_warps *
-// HW). CTA (c, y) walks column c's pieces (see Piece) for its row group: all threads stream
+// HW). CTA (c, y) walks column c's pieces (see Piece), then pieces it takes from row group
+// y's pool (PiecePool; pool_ctr [2 * row groups]), for its row group: all threads stream
 // the pieces' K/V tiles back to back through one cp.async pipeline (no drain between
 // pieces); warp w serves heads (w % head_warps)*HW.. on m-tiles w / head_warps, +
 // token_warps, ... of each tile with its own online softmax. After a piece's last tile the
@@ -566,7 +735,8 @@ template <typename T, int D, bool VT, int NT>
 __global__ void __launch_bounds__(NTHREADS, 1)
 paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,
                     float* __restrict__ part_out, float* __restrict__ part_lse,
-                    int* __restrict__ counters, const int4* __restrict__ work,
+                    int* __restrict__ counters, int* __restrict__ pool_ctr,
+                    const int4* __restrict__ work,
                     const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                     const int* __restrict__ block_tables,
                     const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
@@ -584,6 +754,7 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
                 "the combine buffer fits in one stage");
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;  // this CTA completed its row group's pieces (fused merge)
+  __shared__ int s_ring[8];  // pool pieces taken (PiecePool)
   T* tiles = reinterpret_cast<T*>(smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -615,7 +786,7 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
   auto v_stage = [&](int st) { return tiles + st * STAGE + C::K_ELEMS; };
 
   // -- prologue: the column's first STAGES - 1 tiles in flight, ids of the next on their way --
-  TileCursor cur{work, block_tables, bt_stride, window_left};
+  TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
   cur.start(blockIdx.x);
   TileRef pro_ref[STAGES - 1];
   typename Load::Ids pro[STAGES - 1], next;
@@ -649,7 +820,7 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
 
   // -- pieces: one tile per iteration (one barrier), the stream's tile `it` in stage it % STAGES --
   int it = 0;
-  for (int pi = blockIdx.x; pi >= 0;) {
+  for (int pi = cur.pool.after(load_piece(work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
     Piece p = load_piece(work, pi);
     if (!p.valid()) break;
     const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len, t_end = p.t_end;
@@ -685,7 +856,7 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
     // -- combine the token warps of each head set in stage (it - 1) % STAGES, then write --
     __syncthreads();  // every warp is done with that stage's tile (or with the last combine)
     p = load_piece(work, pi);  // (an L1 hit) rather than registers held through the loop
-    pi = p.next;
+    pi = cur.pool.after(p.next);
     float* red = reinterpret_cast<float*>(k_stage((it + STAGES - 1) % STAGES)) + lane;
     state.reduce_sum();
     if (computes && tg > 0) state.store(red + (warp - head_warps) * State::FLOATS * 32);
@@ -700,28 +871,149 @@ paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restr
                            part_lse, lane);
     }
 
-    // -- fused merge: the CTA writing a row group's last piece merges all of them --
-    if (!whole && fused_merge) {
-      __syncthreads();  // this CTA's partial rows are written
-      if (tid == 0) {
-        int* counter = counters + (i64)p.b * gridDim.y + y;
-        __threadfence();  // release the rows (cumulative over the CTA's threads, after the barrier)
-        const int arrived = atomicAdd(counter, 1);
-        __threadfence();  // acquire the other pieces' rows
-        s_last = arrived == p.npieces - 1;
-        if (s_last) *counter = 0;  // every piece has arrived: re-armed for the next launch
-      }
-      __syncthreads();
-      if (s_last) {
-        const i64 row = (i64)p.b * num_q_heads + hq_rg;
-        merge_group<T, (D + 127) / 128>(part_out, part_lse, p.slot - p.k, p.npieces, gridDim.y, y,
-                                        hpc, rg_heads, D, sinks != nullptr ? sinks + hq_rg : nullptr,
-                                        out + row * D, lse != nullptr ? lse + row : nullptr, warp,
-                                        NWARPS, lane);
-      }
-    }
+    if (!whole && fused_merge)
+      merge_if_last<T, D>(p, counters, y, hq_rg, hpc, rg_heads, num_q_heads, part_out, part_lse,
+                          sinks, out, lse, s_last, NWARPS);
   }
   cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------------------- page-copy kernel
+constexpr int PAGE_WARPS = 8;  // one per kv head (up to 8)
+constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
+constexpr int PAGE_STAGES = 3;
+
+// grid (columns); block PAGE_THREADS; sm_90; 16-bit NHD caches with up to 8 kv heads, at most
+// 8 query heads a kv head, block_size a multiple of 16. The plan's tiles are whole blocks
+// (tile = block_size tokens) and its one row group holds every query head. CTA c walks
+// column c's pieces, then pool pieces (PiecePool); its stream of blocks goes through a
+// PAGE_STAGES ring: thread 0 copies
+// the visible tokens of a block's K and of its V (each one contiguous run [tokens][Hk][D])
+// with two cp.async.bulk on the stage's mbarrier, every thread zeroes its share of the
+// other rows. Warp w < Hk serves kv head w: the block's m-tiles of 16 tokens, rows Hk*D
+// elements apart (PageMath), for query heads w*G .. w*G + G - 1 with its own online
+// softmax, so no warp combines with another. Pieces end as in paged_decode_kernel.
+template <typename T, int D>
+__global__ void __launch_bounds__(PAGE_THREADS, 1)
+paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,
+                          float* __restrict__ part_out, float* __restrict__ part_lse,
+                          int* __restrict__ counters, int* __restrict__ pool_ctr,
+                          const int4* __restrict__ work,
+                          const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                          const int* __restrict__ block_tables,
+                          const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
+                          int kbs, int, int, int, int vbs, int, int, int, int, int block_size,
+                          unsigned, int, int bt_stride, int num_q_heads, int num_kv_heads, int, int,
+                          int window_left, int fused_merge, float scale_log2, float sm_scale,
+                          float soft_cap) {
+  using State = SoftmaxState<1, D / 16>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) u64 full[PAGE_STAGES];  // stage st's block landed
+  __shared__ int s_last;
+  __shared__ int s_ring[8];  // pool pieces taken (PiecePool)
+  T* ring = reinterpret_cast<T*>(smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = num_q_heads / num_kv_heads;
+  const int row = num_kv_heads * D;            // elements from one token to the next
+  const int block_elems = block_size * row;    // one operand of one stage
+  const int warp_heads = warp < num_kv_heads ? group : 0;
+  const int hq_warp = warp * group;
+  const u32 bars = smem_addr(full);
+  if (tid == 0)
+    for (int st = 0; st < PAGE_STAGES; ++st) mbar_init(bars + 8 * st, 1);
+  fence_mbar_init();
+  __syncthreads();
+  auto k_stage = [&](int st) { return ring + 2 * st * block_elems; };
+  auto v_stage = [&](int st) { return ring + (2 * st + 1) * block_elems; };
+
+  // Block r.tile into stage st: rows outside [lo, kv_len) zeroed, the others copied.
+  auto issue = [&](const TileRef& r, int st) {
+    const int t0 = r.tile * block_size;
+    const int a = max(r.lo - t0, 0), b = min(r.kv_len - t0, block_size);  // copied rows [a, b)
+    T* ks = k_stage(st);
+    T* vs = v_stage(st);
+    const int chunks = row / Vec16<T>::N;  // 16-byte chunks a token row
+    const int zero_rows = a + block_size - b;
+    for (int i = tid; i < zero_rows * chunks; i += PAGE_THREADS) {
+      const int zr = i / chunks, tok = zr < a ? zr : b + zr - a, c = i - zr * chunks;
+      reinterpret_cast<uint4*>(ks + tok * row)[c] = make_uint4(0, 0, 0, 0);
+      reinterpret_cast<uint4*>(vs + tok * row)[c] = make_uint4(0, 0, 0, 0);
+    }
+    if (zero_rows) fence_proxy_async();  // a later copy into this stage overwrites them
+    if (tid == 0) {
+      const u32 bytes = (u32)((b - a) * row * (int)sizeof(T));
+      const u32 bar = bars + 8 * st;
+      mbar_arrive_expect_tx(bar, 2 * bytes);  // with no rows to copy, the arrival completes it
+      if (bytes) {
+        const i64 blk = __ldg(r.bt + r.tile);
+        const unsigned long long once = l2_evict_first_policy();
+        bulk_copy_g2s(smem_addr(ks + a * row), k_cache + blk * kbs + a * row, bytes, bar, once);
+        bulk_copy_g2s(smem_addr(vs + a * row), v_cache + blk * vbs + a * row, bytes, bar, once);
+      }
+    }
+  };
+
+  TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
+  cur.start(blockIdx.x);
+#pragma unroll
+  for (int st = 0; st < PAGE_STAGES - 1; ++st)
+    if (cur.has()) {
+      issue(cur.ref, st);
+      cur.advance();
+    }
+
+  PageMath<T, D> math;
+  float slope[1][2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int h = 2 * (lane & 3) + j;
+    slope[0][j] = (alibi_slopes != nullptr && h < warp_heads) ? alibi_slopes[hq_warp + h] : 0.f;
+  }
+  State state;
+
+  int it = 0;  // the stream's block `it` sits in stage it % PAGE_STAGES
+  for (int pi = cur.pool.after(load_piece(work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
+    Piece p = load_piece(work, pi);
+    if (!p.valid()) break;
+    const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len;
+    const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
+                         soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, kv_len - 1};
+    if (warp_heads) math.load_q(q + ((i64)p.b * num_q_heads + hq_warp) * D, warp_heads, lane);
+    state.init();
+    for (int tile = p.t_begin; tile < p.t_end; ++tile, ++it) {
+      mbar_wait(bars + 8 * (it % PAGE_STAGES), (it / PAGE_STAGES) & 1);
+      __syncthreads();  // every warp is done with stage (it - 1) % PAGE_STAGES
+      if (cur.has()) {
+        issue(cur.ref, (it + PAGE_STAGES - 1) % PAGE_STAGES);
+        cur.advance();
+      }
+      if (!warp_heads) continue;
+      const T* ks = k_stage(it % PAGE_STAGES) + warp * D;
+      const T* vs = v_stage(it % PAGE_STAGES) + warp * D;
+      for (int mt = 0; mt < block_size / 16; ++mt) {
+        const int tok0 = tile * block_size + mt * 16;
+        if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
+        float s[1][4];
+        math.scores(ks + mt * 16 * row, row, s, lane);
+        mods.apply(s, slope, tok0, lane >> 2);
+        state.update(s, 1);
+        math.pv(vs + mt * 16 * row, row, s, state.acc, lane);
+      }
+    }
+
+    p = load_piece(work, pi);
+    pi = cur.pool.after(p.next);
+    state.reduce_sum();
+    const bool whole = p.npieces == 1;
+    if (warp_heads)
+      write_rows<T, D, 1, true>(state, warp_heads, whole, (i64)p.b * num_q_heads + hq_warp,
+                                (i64)p.slot * num_q_heads + hq_warp,
+                                sinks != nullptr ? sinks + hq_warp : nullptr, out, lse, part_out,
+                                part_lse, lane);
+    if (!whole && fused_merge)
+      merge_if_last<T, D>(p, counters, 0, 0, num_q_heads, num_q_heads, num_q_heads, part_out,
+                          part_lse, sinks, out, lse, s_last, PAGE_WARPS);
+  }
 }
 
 // ---------------------------------------------------------------------------- append

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) warpgroup building blocks: wgmma.mma_async, smem matrix descriptors,
-// cp.async and the fences between them.
+// cp.async and the wgmma ordering fences (the proxy fence is in bulk_copy.cuh).
 //
 // A warpgroup is 4 consecutive warps starting at a warp index divisible by 4. For
 // wgmma.mma_async.m64nNk16 (16-bit inputs, fp32 accumulators) warp w of the warpgroup owns
@@ -22,7 +22,7 @@
 //     stride offset 1024 (8-row k groups), leading offset = the column-block size (the next
 //     64 N-columns); k-step kk starts 16 * 128 * kk bytes in.
 #pragma once
-#include "common.cuh"
+#include "bulk_copy.cuh"
 
 namespace cupaged {
 namespace sm90 {
@@ -48,12 +48,6 @@ __device__ __forceinline__ void cp_async16(u32 smem, const void* gmem, int src_b
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-// Shared memory written through the generic proxy (cp.async, st.shared) and read next by
-// wgmma (async proxy): each writing thread fences before the barrier that publishes it.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 // -- wgmma ordering: fence before the first wgmma that reads registers written since; one
 //    commit per batch; wait until at most N batches are in flight --

@@ -231,6 +231,11 @@ def test_decoder_bad_input(rng):
         cupaged.PagedDecoder(4, 2, 72, 8)
     with pytest.raises(ValueError, match="block_size"):
         cupaged.PagedDecoder(4, 2, 64, 0)
+    with pytest.raises(ValueError, match="kv_path"):
+        cupaged.PagedDecoder(4, 2, 64, 8, kv_path="tma")
+    with pytest.raises(ValueError, match="kv_path"):
+        cupaged.paged_decode(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
+                             case["seq_lens"], kv_path="tma")
     dec = cupaged.PagedDecoder(4, 2, 64, 8, max_batch=1)
     with pytest.raises(ValueError, match="plan"):
         dec.run(case["q"], case["k_cache"], case["v_cache"])
@@ -576,6 +581,127 @@ def test_decoder_replans_many_pieces(rng, cp):
                dict(num_splits=1, merge="kernel"), dict(schedule="balanced")):
         dec.plan(bt, sl, **kw)
         assert_matches(*decoder_run(cp, case, dec, {}, np.float16), want, want_lse, np.float16)
+
+
+PAGE_SHAPES = [  # id, dtype, head_dim, block_size, Hq, Hk, lengths: pages-capable NHD caches
+    ("bf16-d128-bs16-g4", bfloat16, 128, 16, 32, 8, [1, 2, 17, 511, 513, 4097]),
+    ("f16-d64-bs16-mqa8", np.float16, 64, 16, 8, 1, [70000, 3, 0]),
+    ("f16-d96-bs32-g2", np.float16, 96, 32, 8, 4, [33, 1, 513]),
+    ("bf16-d128-bs48-mha", bfloat16, 128, 48, 2, 2, [4097, 17]),
+    ("bf16-d64-bs64-g3", bfloat16, 64, 64, 6, 2, [511, 2, 65]),
+    ("bf16-d96-bs16-g5", bfloat16, 96, 16, 5, 1, [513, 64]),
+]
+
+
+def test_page_shapes_take_the_pages_kernel():
+    for _, dtype, d, bs, hq, hk, _ in PAGE_SHAPES:
+        assert dp.pages_capable(90, np.dtype(dtype).itemsize, d, "NHD", bs, hq, hk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_path", ["pages", "staged"])
+@pytest.mark.parametrize("feats", [("window", "sinks"), ("alibi", "softcap", "scale")],
+                         ids=["window+sinks", "alibi+softcap+scale"])
+@pytest.mark.parametrize("dtype,d,bs,hq,hk,lens", [s[1:] for s in PAGE_SHAPES],
+                         ids=[s[0] for s in PAGE_SHAPES])
+def test_kernel_paths(rng, cp, kv_path, feats, dtype, d, bs, hq, hk, lens):
+    """Both kernels where the pages one applies (sm_90): window edges inside blocks and
+    m-tiles, partial groups (3 and 5 heads of 8), an append into a partly filled block,
+    every score modifier."""
+    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("cp.async.bulk needs sm_90")
+    case = make_case(rng, lens=lens, hq=hq, hk=hk, d=d, bs=bs, layout="NHD", dtype=dtype,
+                     append=True)
+    check_gpu(cp, rng, case, "NHD", feats, kv_path=kv_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["fused", "kernel"])
+def test_pages_kernel_splits_and_merges(rng, cp, merge):
+    """The pages kernel's partial rows (permuted dims, one row group of every head) through
+    both merges, twice in a row (the fused merge re-arms its counters)."""
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("cp.async.bulk needs sm_90")
+    hq, hk = 16, 4
+    case = make_case(rng, lens=mixed_lengths(rng, 60), hq=hq, hk=hk, d=128, bs=16,
+                     dtype=bfloat16)
+    opts = features(rng, hq, ("sinks",))
+    (want, want_lse), _ = oracle(case, "NHD", **opts)
+    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=60, kv_path="pages")
+    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]), merge=merge)
+    assert dec.kv_path == "pages" and dec.num_splits > 1
+    feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
+    first = decoder_run(cp, case, dec, feats_dev, bfloat16)
+    assert_matches(*first, want, want_lse, bfloat16)
+    again = decoder_run(cp, case, dec, feats_dev, bfloat16)
+    np.testing.assert_array_equal(again[0], first[0])
+
+
+@pytest.mark.gpu
+def test_default_kernel_path(rng, cp):
+    """"pages" by default where it applies on sm_90+ to 16 sequences or more with 4 kv
+    heads or more (chosen per plan), "staged" otherwise; asking for "pages" where it does
+    not apply raises before any launch."""
+    hopper = int(cp.cuda.Device().compute_capability) >= 90
+    case = make_case(rng, lens=[40, 3] * 8, hq=4, hk=2, d=64, bs=16, layout="vllm")
+    dev = to_device(cp, case)
+    for hq, hk, d, layout, dtype, want in (
+            (32, 8, 128, "NHD", bfloat16, "pages"), (16, 4, 64, "NHD", np.float16, "pages"),
+            (8, 2, 64, "NHD", np.float16, "staged"), (16, 1, 128, "NHD", bfloat16, "staged"),
+            (8, 2, 80, "NHD", bfloat16, "staged"), (8, 2, 128, "HND", bfloat16, "staged"),
+            (32, 8, 128, "NHD", np.float32, "staged")):
+        dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, layout=layout, max_batch=16)
+        dec.plan(dev["block_tables"], dev["seq_lens"])
+        assert dec.kv_path == (want if hopper else "staged"), (hq, hk, d, layout, dtype)
+        dec.plan(dev["block_tables"][:15], dev["seq_lens"][:15])
+        assert dec.kv_path == "staged"
+    with pytest.raises(ValueError, match="kv_path: 'pages' needs"):
+        cupaged.paged_decode(**dev, layout="vllm", kv_path="pages")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_path,hq,hk", [("pages", 16, 4), ("staged", 8, 2)])
+@pytest.mark.parametrize("merge", ["fused", "kernel"])
+def test_pool_pieces(rng, cp, kv_path, hq, hk, merge):
+    """Long batches leave each sequence's last tiles to the run-time pool: taken by the CTAs
+    in any order, merged with the fixed pieces, the counts re-armed for the next launch
+    (run eagerly, then replayed from a CUDA graph after a new plan)."""
+    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("cp.async.bulk needs sm_90")
+    low = 5000 if kv_path == "pages" else 12000  # a column's fixed share >= POOL_MIN_SHARE
+    lens = rng.integers(low, low + 4000, 24).astype(np.int32)
+    case = make_case(rng, lens=lens, hq=hq, hk=hk, d=128, bs=16, dtype=bfloat16)
+    opts = features(rng, hq, ("sinks",))
+    feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
+    dev = to_device(cp, case)
+    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=24, kv_path=kv_path)
+    q = cp.asarray(case["q"])
+    out = cp.empty(case["q"].shape, bfloat16)
+    lse = cp.empty(case["q"].shape[:2], np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with stream:
+        dec.plan(dev["block_tables"], dev["seq_lens"], merge=merge)
+        assert dec._step.work.pool_pieces > 0  # the case is long enough for a pool
+        for _ in range(2):
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            dec.run(q, dev["k_cache"], dev["v_cache"], out=out, lse=lse, **feats_dev)
+            stream.synchronize()
+            want, want_lse = oracle(case, "NHD", **opts)[0]
+            assert_matches(out.get(), lse.get(), want, want_lse, bfloat16)
+        stream.begin_capture()
+        dec.run(q, dev["k_cache"], dev["v_cache"], out=out, lse=lse, **feats_dev)
+        graph = stream.end_capture()
+        lens2 = (lens - rng.integers(0, 1000, 24)).astype(np.int32)
+        dec.plan(dev["block_tables"], cp.asarray(lens2), merge=merge)
+        assert dec._step.work.pool_pieces > 0
+        out.fill(np.nan)
+        lse.fill(np.nan)
+        graph.launch()
+        stream.synchronize()
+    want, want_lse = oracle({**case, "seq_lens": lens2}, "NHD", **opts)[0]
+    assert_matches(out.get(), lse.get(), want, want_lse, bfloat16)
 
 
 @pytest.mark.gpu

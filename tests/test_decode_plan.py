@@ -44,6 +44,8 @@ def test_specializations_cover_every_plan(dtype):
                 assert decode._decode_expr(dtype, d, lp.vllm_v, lp.tiles.head_tiles) in specs
                 assert lp.heads_per_group * lp.heads.head_chunks >= hq // hk
                 assert lp.heads.head_warps <= dp.NWARPS
+                if dp.pages_capable(90, np.dtype(dtype).itemsize, d, layout, 16, hq, hk):
+                    assert decode._pages_expr(dtype, d) in specs
 
 
 def test_min_piece_tiles_balances_merge_and_streaming():
@@ -68,6 +70,39 @@ def test_default_merge_by_heads_per_row_group():
     assert dp.resolve_merge(None, gqa) == "fused" and dp.merge_head_blocks(gqa) == 2
     assert dp.resolve_merge(None, launch(hq=64, hk=4, slots=264)) == "kernel"  # 16 heads
     assert dp.resolve_merge("fused", mqa) == "fused" and dp.resolve_merge("kernel", gqa) == "kernel"
+
+
+def test_pages_kernel_applies_and_plans():
+    """pages on sm_90+ for 16-bit NHD caches, d 64/96/128, blocks of 16k tokens, up to 8 kv
+    heads and 8 query heads each; its launch: one row group of every head, 256 threads,
+    block-sized tiles, a 3-stage ring of whole blocks."""
+    ok = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=32,
+              num_kv_heads=8)
+    assert dp.pages_capable("90", **ok) and dp.resolve_kv_path(None, "90", **ok, batch=16)
+    assert not dp.resolve_kv_path(None, "90", **ok, batch=15)           # pages_preferred
+    assert dp.resolve_kv_path("pages", "90", **ok, batch=1)
+    few = {**ok, "num_q_heads": 8, "num_kv_heads": 2}
+    assert dp.pages_capable("90", **few) and not dp.resolve_kv_path(None, "90", **few, batch=64)
+    for bad in (dict(itemsize=4), dict(head_dim=80), dict(layout="HND"), dict(block_size=8),
+                dict(num_q_heads=64, num_kv_heads=4), dict(num_q_heads=16, num_kv_heads=16),
+                dict(block_size=64)):  # 64 x 8 x 128 x 2 B x 2 x 3 stages > 227 KB
+        args = {**ok, **bad}
+        assert not dp.pages_capable("90", **args), bad
+        assert not dp.resolve_kv_path(None, "90", **args, batch=64)
+        with pytest.raises(ValueError, match="kv_path: 'pages' needs"):
+            dp.resolve_kv_path("pages", "90", **args, batch=64)
+    assert not dp.pages_capable("80", **ok)
+    assert not dp.resolve_kv_path("staged", "90", **ok, batch=64)
+    with pytest.raises(ValueError, match="kv_path"):
+        dp.resolve_kv_path("tma", "90", **ok, batch=64)
+    lp = launch(pages=True)
+    assert lp.pages and lp.row_groups == 1 and lp.threads == dp.PAGE_THREADS
+    assert lp.heads_per_group == 32 and lp.tiles.tile == 16 and lp.merge_kv_heads == 1
+    assert lp.tiles.smem_bytes == 3 * 2 * 16 * 8 * 128 * 2
+    assert lp.columns == dp.DEFAULT_SMS and lp.grid == (dp.DEFAULT_SMS, 1)
+    assert dp.resolve_merge(None, lp) == "kernel" and dp.merge_head_blocks(lp) == 8
+    work = dp.plan_work(lp, np.array([8192] * 64, np.int32), False, -1, merge="kernel")
+    assert work.desc[:, 3].max() == 8192 // 16  # tiles are blocks
 
 
 def test_tiles_cover_visible_range_once():
@@ -129,6 +164,34 @@ def test_balanced_pieces_examples():
     assert work.max_pieces == 16                         # shares of STAGES - 1 tiles at least
 
 
+def test_pool_takes_each_sequence_tail(rng):
+    """The pool holds floor(n / 16) tiles of each sequence, after its fixed pieces, in
+    pieces of one size (the last of a sequence shorter), about POOL_PIECES a column; none
+    when the columns' fixed shares would be short."""
+    for columns in (1, 33, 132):
+        n = dp.tile_spans(random_lengths(rng, 70, 20000), -1, 16)[1]
+        tail, size = dp.pool_tiles(n, columns, 2)
+        np.testing.assert_array_equal(tail, n // 16)
+        assert size >= 2 and -(-tail // size).sum() <= dp.POOL_PIECES * columns + len(n)
+        pieces = dp.with_pool(dp.balanced_pieces(n - tail, columns, 2), n - tail, tail, size)
+        pool = pieces.column < 0
+        assert not pool[:np.argmax(pool)].any() and pool[np.argmax(pool):].all()
+        assert (pieces.count[pool] <= size).all() and (pieces.count[pool] > 0).all()
+        np.testing.assert_array_equal(np.bincount(pieces.seq[pool], pieces.count[pool],
+                                                  len(n)), tail)
+        for b in range(len(n)):  # fixed then pooled: consecutive cuts of all n tiles
+            mine = pieces.seq == b
+            order = np.argsort(pieces.index[mine])
+            off, cnt = pieces.offset[mine][order], pieces.count[mine][order]
+            np.testing.assert_array_equal(pieces.index[mine][order], np.arange(mine.sum()))
+            assert off[0] == 0 and off[-1] + cnt[-1] == n[b]
+            np.testing.assert_array_equal(off[1:], off[:-1] + cnt[:-1])
+    assert dp.pool_tiles(np.array([400] * 8), 132, 2)[1] == 0      # 3200 tiles < 32 a column
+    assert dp.pool_tiles(np.array([15] * 1000), 4, 2)[1] == 0       # tails of 0 tiles
+    tail, size = dp.pool_tiles(np.array([512] * 64), 132, 2)       # B64 x L8K, page 16
+    assert (tail == 32).all() and size == 4
+
+
 @pytest.mark.parametrize("splits", [1, 2, 7, 64, 256])
 def test_split_pieces_cut_equally(rng, splits):
     n = dp.tile_spans(random_lengths(rng, 40), -1, 64)[1]
@@ -173,8 +236,14 @@ def test_work_descriptors(rng, schedule, num_splits, window, append):
     kv = lens.astype(np.int64) + append
     first, n = dp.tile_spans(kv, window, lp.tiles.tile)
     lists = [walk(work.desc, c) for c in range(lp.columns)]
-    rows = sorted(r for rows in lists for r in rows)
-    assert rows == sorted(set(rows)) and len(rows) == len(work.desc) - sum(not l for l in lists)
+    pool_first, pool_count = work.desc[lp.columns, :2]
+    assert pool_count == work.pool_pieces and pool_first + pool_count == len(work.desc)
+    assert schedule == "balanced" or pool_count == 0
+    pool = list(range(pool_first, pool_first + pool_count))
+    assert all(work.desc[pool, 7] == -1)
+    rows = sorted([r for rows in lists for r in rows] + pool)
+    assert rows == sorted(set(rows))
+    assert len(rows) == len(work.desc) - 1 - sum(not l for l in lists)  # less header, NO_PIECE
     b, kvl, t0, t1, k, npieces, slot, _ = work.desc[rows].T
     np.testing.assert_array_equal(kvl, kv[b])
     np.testing.assert_array_equal(npieces, work.seq_info[b, 0])
@@ -228,17 +297,34 @@ def test_check_variants():
 
 
 # ----------------------------------------------------------------------------- the stream
-def emulate_column(desc, column, stages=dp.STAGES):
+def emulate_column(desc, column, pool, stages=dp.STAGES):
     """Mirror of paged_decode_kernel's tile stream for one CTA: the loader (TileCursor,
     prologue, one issue per iteration into stage (it + STAGES - 1) % STAGES, one commit
-    group per iteration) and the consumer (pieces in list order, tile `it` read from stage
-    it % STAGES after waiting for all but STAGES - 2 groups; each piece's combine in stage
-    (it + STAGES - 1) % STAGES). Asserts every read finds its tile landed and every write
-    lands in a stage nobody still needs; returns the (piece row, tile) pairs consumed."""
+    group per iteration; after its column's list, pool pieces taken from the shared
+    iterator ``pool``) and the consumer (pieces in list order, then the loader's taken pool
+    pieces in turn; tile `it` read from stage it % STAGES after waiting for all but
+    STAGES - 2 groups; each piece's combine in stage (it + STAGES - 1) % STAGES). Asserts
+    every read finds its tile landed and every write lands in a stage nobody still needs;
+    returns the (piece row, tile) pairs consumed."""
+    taken = []                   # the loader's pool pieces (-1: none left), in order
+
+    def take():
+        taken.append(next(pool, -1))
+        return taken[-1]
+
+    def valid(i):
+        return i >= 0 and desc[i, 0] >= 0
+
     def enter(i):
-        while i >= 0 and desc[i, 0] >= 0 and desc[i, 2] >= desc[i, 3]:
-            i = desc[i, 7]
-        return [i, desc[i, 2]] if i >= 0 and desc[i, 0] >= 0 else None
+        while True:
+            if valid(i) and desc[i, 2] < desc[i, 3]:
+                return [i, desc[i, 2]]
+            if valid(i):
+                i = desc[i, 7]
+            elif taken and taken[-1] < 0:
+                return None
+            else:
+                i = take()
 
     def advance(cur):
         cur[1] += 1
@@ -257,8 +343,13 @@ def emulate_column(desc, column, stages=dp.STAGES):
             issue(cur, st)
             cur = advance(cur)
         groups += 1
-    consumed, it, row = [], 0, column
-    while row >= 0 and desc[row, 0] >= 0:
+    used = iter(range(1 << 30))
+
+    def after(i):                # the consumer's next piece: list order, then the pool's
+        return i if valid(i) else taken[next(used)]
+
+    consumed, it, row = [], 0, after(column)
+    while row >= 0:
         for tile in range(desc[row, 2], desc[row, 3]):
             landed = groups - (stages - 2)          # cp.async.wait_group STAGES - 2
             r, t, g = stage[it % stages]
@@ -271,8 +362,9 @@ def emulate_column(desc, column, stages=dp.STAGES):
             consumed.append((row, tile))
             it += 1
         assert stage[(it + stages - 1) % stages] is None, "combine over an unread tile"
-        row = desc[row, 7]
-    assert cur is None and all(s is None for s in stage)
+        row = after(desc[row, 7])
+    assert cur is None and all(s is None for s in stage) and taken[-1] < 0
+    assert next(used) == len(taken), "every taken piece (and the last, failed take) read"
     return consumed
 
 
@@ -282,6 +374,8 @@ def test_stream_reads_every_tile_from_its_stage(rng, schedule, num_splits):
     for slots, top in ((8, 200), (40, 3000), (264, 30)):
         lp = launch(slots=slots)
         work = dp.plan_work(lp, random_lengths(rng, 17, top), False, -1, schedule, num_splits)
-        seen = [emulate_column(work.desc, c) for c in range(lp.columns)]
+        first, count = work.desc[lp.columns, :2]
+        pool = iter(range(first, first + count))
+        seen = [emulate_column(work.desc, c, pool) for c in range(lp.columns)]
         tiles = sorted((int(work.desc[r, 0]), int(t)) for col in seen for r, t in col)
         assert len(tiles) == len(set(tiles)) == int((work.desc[:, 3] - work.desc[:, 2]).sum())

@@ -13,7 +13,8 @@ runs the plan's defaults ("balanced", and the "fused" merge, or the "kernel" mer
 32 query heads a kv head); on the B{1, 64} x L{2K, 8K} GQA shapes the other three variants
 follow ("split/kernel" is the earlier design: equal splits per sequence, merged by a second
 kernel). At B64 x L8K page size 1 vs 16 and the HND layout (4 KB contiguous per page and kv
-head instead of 256-byte rows) are compared too. ``frac_read`` is the fraction of a
+head instead of 256-byte rows) are compared too, and on B{1, 64} x L{2K, 8K} the "staged"
+kernel against the default ``path`` ("pages" on sm_90 for these GQA shapes). ``frac_read`` is the fraction of a
 read-only streaming probe's bandwidth (``timing.read_bandwidth``; cuDNN exceeds it at long
 contexts, so it is a floor for the real ceiling), ``vs_cudnn`` our TB/s over cuDNN's. K/V
 sets rotate so L2 (60 MB) does not serve them, and every timed configuration is checked
@@ -94,9 +95,11 @@ def _graph_time(run_set, sets):
         return time_gpu(graph.launch) / len(sets)
 
 
-def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="NHD"):
+def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="NHD",
+                kv_path=None):
     """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fractions of the copy and
-    read ceilings) with the plan's ``variant = (schedule, merge)``."""
+    read ceilings) with the plan's ``variant = (schedule, merge)`` and ``kv_path`` (default:
+    the library's choice)."""
     import cupy
     hq, hk = heads
     nbytes = kv_bytes(batch, length, hk)
@@ -110,7 +113,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     q = _random_fill(cupy.empty((batch, hq, HEAD_DIM), DTYPE), 3)
     out = cupy.empty_like(q)
     dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, layout=layout,
-                              max_batch=batch, xp=cupy)
+                              max_batch=batch, xp=cupy, kv_path=kv_path)
     dec.plan(tables, lens, schedule=variant[0], merge=variant[1])
     variant = (variant[0] or "balanced", dec.merge)
     cupy.cuda.Device().synchronize()
@@ -122,7 +125,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     err = _check(out, q, *sets[0], tables, lens, hq // hk, layout)
     bw = nbytes / seconds
     return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page, "layout": layout,
-            "variant": "/".join(variant), "splits": dec.num_splits, "us": seconds * 1e6,
+            "variant": "/".join(variant), "path": dec.kv_path, "splits": dec.num_splits, "us": seconds * 1e6,
             "eager_us": eager * 1e6, "TB/s": bw / 1e12, "frac_copy": bw / copy_bandwidth(),
             "frac_read": bw / read_bandwidth(), "err": err, "ok": bool(err < TOLERANCE)}
 
@@ -206,6 +209,9 @@ def run(quick=False):
                 _free()
     for page, layout in ((1, "NHD"), (16, "HND")):  # vs page 16 NHD above, at B64 x L8K
         rows.append(bench_paged(64, 8192, HEADS["GQA"], page=page, layout=layout))
+        _free()
+    for b, l in ((1, 2048), (1, 8192), (64, 2048), (64, 8192)):  # the other kernel path
+        rows.append(bench_paged(b, l, HEADS["GQA"], kv_path="staged"))
         _free()
     return rows
 
