@@ -164,8 +164,8 @@ def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
                                   *_i32(lp.k_strides[:4]), *_i32(lp.v_strides)))
     decode(lp.grid, (lp.threads,),
            (q, out, _ptr(lse), _ptr(dev.part_out), _ptr(dev.part_lse), _ptr(dev.counters),
-            _ptr(dev.pool), dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes), _ptr(opts.sinks))
-           + dev.scalars, shared_mem=lp.tiles.smem_bytes)
+            _ptr(dev.pool), dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes),
+            _ptr(opts.sinks)) + dev.scalars, shared_mem=lp.tiles.smem_bytes)
     if merge is not None:
         merge((batch, lp.row_groups, dp.merge_head_blocks(lp)), (dp.NTHREADS,),
               (_ptr(dev.part_out), _ptr(dev.part_lse), dev.seq_info,

@@ -473,7 +473,9 @@ struct PiecePool {
   }
 };
 
-__device__ __forceinline__ PiecePool piece_pool(const int4* __restrict__ work, int* ctr, int* ring) {
+// The row group's pool, from the header after the column heads.
+__device__ __forceinline__ PiecePool piece_pool(const int4* __restrict__ work, int* ctr,
+                                                int* ring) {
   const int4 h = __ldg(work + 2 * gridDim.x);
   return PiecePool{h.x, h.y, ctr + 2 * blockIdx.y, ring, 0, 0};
 }
@@ -694,11 +696,12 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
 // them real): the CTA whose piece arrives last (an atomic count per (sequence, row group),
 // re-armed to 0) merges all of them into out / lse, its nwarps warps one head at a time.
 template <typename T, int D>
-__device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ counters, int y, int hq_rg,
-                              int hpc, int rg_heads, int num_q_heads,
-                              const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                              const float* __restrict__ sinks, T* __restrict__ out,
-                              float* __restrict__ lse, int& s_last, int nwarps) {
+__device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ counters, int y,
+                                              int hq_rg, int hpc, int rg_heads, int num_q_heads,
+                                              const float* __restrict__ part_out,
+                                              const float* __restrict__ part_lse,
+                                              const float* __restrict__ sinks, T* __restrict__ out,
+                                              float* __restrict__ lse, int& s_last, int nwarps) {
   __syncthreads();  // this CTA's partial rows are written
   if (threadIdx.x == 0) {
     int* counter = counters + (i64)p.b * gridDim.y + y;
