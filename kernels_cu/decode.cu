@@ -722,6 +722,20 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
 }
 
 // ---------------------------------------------------------------------------- decode kernel
+// The arguments of one decode launch, the same for either kernel (decode.py's
+// _launch_decode): outputs, scratch and counts, work, caches and tables, optional per-head
+// arrays, cache strides in elements (Loader), block-size division, heads, options.
+#define CUPAGED_DECODE_PARAMS(T)                                                                  \
+  const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,                          \
+      float* __restrict__ part_out, float* __restrict__ part_lse, int* __restrict__ counters,    \
+      int* __restrict__ pool_ctr, const int4* __restrict__ work, const T* __restrict__ k_cache,  \
+      const T* __restrict__ v_cache, const int* __restrict__ block_tables,                       \
+      const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, int kbs, int khs, \
+      int kts, int kcs, int vbs, int vhs, int vts, int vcs, int ves, int block_size,              \
+      unsigned block_magic, int block_shift, int bt_stride, int num_q_heads, int num_kv_heads,   \
+      int head_warps, int head_chunks, int window_left, int fused_merge, float scale_log2,       \
+      float sm_scale, float soft_cap
+
 // grid (columns, num_kv_heads * head_chunks); block NTHREADS (4 warps). Row group y =
 // (kv head hk, head chunk hc) owns query heads hk*G + hc*HPC + [0, HPC) (HPC = head_warps *
 // HW). CTA (c, y) walks column c's pieces (see Piece), then pieces it takes from row group
@@ -736,18 +750,7 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
 // otherwise merge_pieces_kernel does.
 template <typename T, int D, bool VT, int NT>
 __global__ void __launch_bounds__(NTHREADS, 1)
-paged_decode_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,
-                    float* __restrict__ part_out, float* __restrict__ part_lse,
-                    int* __restrict__ counters, int* __restrict__ pool_ctr,
-                    const int4* __restrict__ work,
-                    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                    const int* __restrict__ block_tables,
-                    const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
-                    int kbs, int khs, int kts, int kcs, int vbs, int vhs, int vts, int vcs, int ves,
-                    int block_size, unsigned block_magic, int block_shift, int bt_stride,
-                    int num_q_heads, int num_kv_heads, int head_warps, int head_chunks,
-                    int window_left, int fused_merge, float scale_log2, float sm_scale,
-                    float soft_cap) {
+paged_decode_kernel(CUPAGED_DECODE_PARAMS(T)) {
   using C = Cfg<T, D, NT>;
   using Math = typename MathFor<T, D, VT, NT>::type;
   using State = SoftmaxState<NT, C::DT>;
@@ -898,17 +901,7 @@ constexpr int PAGE_STAGES = 3;
 // softmax, so no warp combines with another. Pieces end as in paged_decode_kernel.
 template <typename T, int D>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
-paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,
-                          float* __restrict__ part_out, float* __restrict__ part_lse,
-                          int* __restrict__ counters, int* __restrict__ pool_ctr,
-                          const int4* __restrict__ work,
-                          const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                          const int* __restrict__ block_tables,
-                          const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
-                          int kbs, int, int, int, int vbs, int, int, int, int, int block_size,
-                          unsigned, int, int bt_stride, int num_q_heads, int num_kv_heads, int, int,
-                          int window_left, int fused_merge, float scale_log2, float sm_scale,
-                          float soft_cap) {
+paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   using State = SoftmaxState<1, D / 16>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) u64 full[PAGE_STAGES];  // stage st's block landed
@@ -1018,6 +1011,8 @@ paged_decode_pages_kernel(const T* __restrict__ q, T* __restrict__ out, float* _
                           part_lse, sinks, out, lse, s_last, PAGE_WARPS);
   }
 }
+
+#undef CUPAGED_DECODE_PARAMS
 
 // ---------------------------------------------------------------------------- append
 // grid (batch); block 128. CTA b writes k_new[b], v_new[b] ([Hk, D] each) into the cache slot
