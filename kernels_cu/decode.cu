@@ -446,17 +446,26 @@ __device__ __forceinline__ int first_visible(int kv_len, int window_left) {
 // most STAGES - 1 tiles, so as many pieces, ahead of the consumer, which reads the taken
 // pieces in turn). A CTA whose take fails counts itself done (ctr[1]); the last of the row
 // group's gridDim.x CTAs re-arms both counts to 0 for the next launch (no CTA takes after
-// its own failed take, and every CTA fails once).
+// its own failed take, and every CTA fails once). Under a full memory stream the atomic
+// takes microseconds, which the whole CTA would wait at the barrier: thread 0 makes it
+// ahead (take_ahead, TileCursor::TAKE_AHEAD tiles before the loader needs the piece) and
+// take only publishes the result.
 struct PiecePool {
   int first, count;  // the pool's descriptors [first, first + count)
   int* ctr;          // [2]: pieces taken, CTAs done
   int* ring;
   int taken, used;   // the loader's takes / the consumer's reads so far (uniform per CTA)
+  int ahead;         // thread 0: the count of a take made ahead (-1: none)
 
+  // Thread 0 (others return): the next take's atomic, its result waited for by take.
+  __device__ void take_ahead() {
+    if (threadIdx.x == 0 && ahead < 0) ahead = atomicAdd(ctr, 1);
+  }
   // Called by every thread of the CTA (it holds a barrier).
   __device__ int take() {
     if (threadIdx.x == 0) {
-      const int g = atomicAdd(ctr, 1);
+      const int g = ahead >= 0 ? ahead : atomicAdd(ctr, 1);
+      ahead = -1;
       ring[taken & 7] = g < count ? first + g : -1;
       if (g >= count && atomicAdd(ctr + 1, 1) == (int)gridDim.x - 1) {
         ctr[0] = 0;
@@ -477,14 +486,17 @@ struct PiecePool {
 __device__ __forceinline__ PiecePool piece_pool(const int4* __restrict__ work, int* ctr,
                                                 int* ring) {
   const int4 h = __ldg(work + 2 * gridDim.x);
-  return PiecePool{h.x, h.y, ctr + 2 * blockIdx.y, ring, 0, 0};
+  return PiecePool{h.x, h.y, ctr + 2 * blockIdx.y, ring, 0, 0, -1};
 }
 
 // The loader's walk over a CTA's tiles, piece after piece (empty pieces have none), its
 // list's then the pool's: `ref` is the tile the next issue takes. On entering a listed
 // piece the descriptor of its successor is prefetched to L1, so the next switch finds it
-// there. start and advance are called by every thread of the CTA alike (take's barrier).
+// there; a piece without a listed successor takes its pool piece TAKE_AHEAD tiles before
+// its end. start and advance are called by every thread of the CTA alike (take's barrier).
 struct TileCursor {
+  static constexpr int TAKE_AHEAD = 2;
+
   const int4* work;
   const int* block_tables;
   int bt_stride, window_left;
@@ -496,6 +508,7 @@ struct TileCursor {
   __device__ void start(int first) { enter(first); }
   __device__ void advance() {
     if (++ref.tile >= t_end) enter(next);
+    else if (t_end - ref.tile == TAKE_AHEAD && next < 0 && pool.count > 0) pool.take_ahead();
   }
   // The first piece with tiles from descriptor i on, then from the pool (none: ref.bt null).
   __device__ void enter(int i) {
@@ -513,6 +526,7 @@ struct TileCursor {
       }
     }
     if (p.next >= 0) prefetch_l1(work + 2 * p.next);
+    else if (p.valid() && pool.count > 0 && p.t_end - p.t_begin <= TAKE_AHEAD) pool.take_ahead();
     ref = TileRef{p.valid() ? block_tables + (i64)p.b * bt_stride : nullptr, p.t_begin,
                   first_visible(p.kv_len, window_left), p.kv_len};
     t_end = p.t_end;
@@ -922,8 +936,9 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   auto k_stage = [&](int st) { return ring + 2 * st * block_elems; };
   auto v_stage = [&](int st) { return ring + (2 * st + 1) * block_elems; };
 
-  // Block r.tile into stage st: rows outside [lo, kv_len) zeroed, the others copied.
-  auto issue = [&](const TileRef& r, int st) {
+  // Block r.tile (cache block blk) into stage st: rows outside [lo, kv_len) zeroed, the
+  // others copied.
+  auto issue = [&](const TileRef& r, int st, int blk) {
     const int t0 = r.tile * block_size;
     const int a = max(r.lo - t0, 0), b = min(r.kv_len - t0, block_size);  // copied rows [a, b)
     T* ks = k_stage(st);
@@ -941,21 +956,29 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
       const u32 bar = bars + 8 * st;
       mbar_arrive_expect_tx(bar, 2 * bytes);  // with no rows to copy, the arrival completes it
       if (bytes) {
-        const i64 blk = __ldg(r.bt + r.tile);
         const unsigned long long once = l2_evict_first_policy();
-        bulk_copy_g2s(smem_addr(ks + a * row), k_cache + blk * kbs + a * row, bytes, bar, once);
-        bulk_copy_g2s(smem_addr(vs + a * row), v_cache + blk * vbs + a * row, bytes, bar, once);
+        bulk_copy_g2s(smem_addr(ks + a * row), k_cache + (i64)blk * kbs + a * row, bytes, bar,
+                      once);
+        bulk_copy_g2s(smem_addr(vs + a * row), v_cache + (i64)blk * vbs + a * row, bytes, bar,
+                      once);
       }
     }
   };
 
+  // Thread 0 loads the block id of the tile after the one it issues, so that the load's
+  // latency passes during a block's math rather than in front of the next copies.
+  auto block_id = [&](const TileRef& r) {
+    return tid == 0 && r.bt != nullptr ? __ldg(r.bt + r.tile) : 0;
+  };
   TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
   cur.start(blockIdx.x);
+  int blk = block_id(cur.ref);
 #pragma unroll
   for (int st = 0; st < PAGE_STAGES - 1; ++st)
     if (cur.has()) {
-      issue(cur.ref, st);
+      issue(cur.ref, st, blk);
       cur.advance();
+      blk = block_id(cur.ref);
     }
 
   PageMath<T, D> math;
@@ -980,8 +1003,9 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
       mbar_wait(bars + 8 * (it % PAGE_STAGES), (it / PAGE_STAGES) & 1);
       __syncthreads();  // every warp is done with stage (it - 1) % PAGE_STAGES
       if (cur.has()) {
-        issue(cur.ref, (it + PAGE_STAGES - 1) % PAGE_STAGES);
+        issue(cur.ref, (it + PAGE_STAGES - 1) % PAGE_STAGES, blk);
         cur.advance();
+        blk = block_id(cur.ref);
       }
       if (!warp_heads) continue;
       const T* ks = k_stage(it % PAGE_STAGES) + warp * D;

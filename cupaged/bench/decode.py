@@ -82,8 +82,11 @@ def _kv_sets(make, nbytes, min_total=256 << 20, most=128):
 
 def _graph_time(run_set, sets):
     """Seconds per call of ``run_set(set)``: one CUDA graph runs every set once, so neither
-    Python nor launch gaps are timed (as a serving loop replays its decode step)."""
+    Python nor launch gaps are timed (as a serving loop replays its decode step). Work
+    queued on the caller's stream (a plan's upload) lands first: the timing stream does
+    not wait for it by itself."""
     import cupy
+    cupy.cuda.get_current_stream().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         run_set(sets[0])  # compiles, sets kernel attributes
