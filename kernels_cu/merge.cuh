@@ -67,7 +67,7 @@ __device__ void merge_row_warp(PartRow<TI> o, PartRow<float> lse, int num_parts,
 // and l + s * l_stride. One warp: lane j owns the 4-float chunks j + 32 * ch (CH = 1 up to
 // dim 128, 2 beyond) and keeps BATCH pieces' chunks in flight at once; the weight of piece
 // s0 + j is computed by lane j and handed out by shuffle. Loads go to L2 (__ldcg): other
-// CTAs of the running kernel may have written the pieces.
+// CTAs of the running kernel may have written the pieces. Read rows are discarded from L2.
 template <typename TO>
 __device__ __forceinline__ void store4(TO* __restrict__ p, float4 v) {
   p[0] = from_float<TO>(v.x);
@@ -124,6 +124,15 @@ __device__ void merge_pieces_row(const float* __restrict__ o, i64 o_stride,
       }
     }
   }
+  // the rows are dead once read: drop their lines from L2 unwritten (whole lines only: rows
+  // of a multiple of 32 floats, so that no line holds part of another head's row)
+  __syncwarp();
+  if ((dim & 31) == 0 && (lane & 7) == 0)
+    for (int s = 0; s < np; ++s)
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch)
+        if (4 * (lane + 32 * ch) < dim)
+          discard_l2_line(reinterpret_cast<const float4*>(o + s * o_stride) + lane + 32 * ch);
 #pragma unroll
   for (int ch = 0; ch < CH; ++ch)
     if (4 * (lane + 32 * ch) < dim) store4<TO>(out + 4 * (lane + 32 * ch), acc[ch]);
