@@ -36,15 +36,6 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
       "}\n" :: "r"(bar), "r"(parity) : "memory");
 }
 
-// An L2 cache policy that evicts the lines it tags first: for data read exactly once (a
-// decode's K/V stream), so it does not displace what is reused. Measured +0.7 % on the
-// pages decode kernel (benchmarks/NOTES.md).
-__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
-  unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst,
 // counted against barrier bar's transactions when they land; L2 lines tagged with `policy`.
 __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 bytes, u32 bar,
