@@ -54,7 +54,7 @@ __device__ __forceinline__ void store16_float(T* __restrict__ p, const float* in
 
 // L2 cache policies and residency (benchmarks/NOTES.md). evict_first tags data read exactly
 // once (a decode's K/V stream) so that it does not displace what is reused: +0.7 % on the
-// pages decode kernel. evict_last keeps split-KV partial rows, which the pages kernel writes
+// pages decode kernel. evict_last keeps split-KV partial rows, which the decode kernels write
 // with it, from being pushed out to DRAM by that stream before the merge reads them (at
 // B64 x L8K that write-back and re-read cost 8 us, 1.6 %); the merge then drops the lines it
 // has read (discard: dead rows are never written back).

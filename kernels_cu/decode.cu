@@ -659,9 +659,8 @@ struct ScoreMods {
 
 // Final rows of one warp: for a whole sequence (one piece), out (q's dtype, sink in the
 // denominator) and lse at rows out_row + h; for one piece of several, the fp32 partial
-// (normalised over the piece's keys; PERM, the pages kernel: kept in L2 for the merge) and
-// natural-log lse at rows part_row + h, for the merge. sinks points at the warp's first
-// head (or is null).
+// (normalised over the piece's keys, kept in L2 for the merge) and natural-log lse at rows
+// part_row + h, for the merge. sinks points at the warp's first head (or is null).
 template <typename T, int D, int NT, bool PERM = false>
 __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, int warp_heads,
                                            bool whole, i64 out_row, i64 part_row,
@@ -669,7 +668,7 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
                                            float* __restrict__ lse, float* __restrict__ part_out,
                                            float* __restrict__ part_lse, int lane) {
   const int qr = lane >> 2, r = lane & 3;
-  const unsigned long long keep = PERM ? l2_evict_last_policy() : 0;  // until the merge reads
+  const unsigned long long keep = l2_evict_last_policy();  // until the merge reads them
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -697,8 +696,7 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
           const int d = PERM ? perm_dim(dt, qr + 8 * hh) : dt * 16 + qr + 8 * hh;
           const float v = st.acc[dt][nt][2 * hh + j] * scale;
           if (whole) out[(out_row + h) * D + d] = from_float<T>(v);
-          else if (PERM) store_l2_hint(part_out + (part_row + h) * D + d, v, keep);
-          else part_out[(part_row + h) * D + d] = v;
+          else store_l2_hint(part_out + (part_row + h) * D + d, v, keep);
         }
       if (qr == 0) {
         if (!whole) part_lse[part_row + h] = row_lse;
