@@ -55,18 +55,24 @@ class Step(NamedTuple):
     device: object        # decode._DeviceStep (views of the uploaded indices) or None
 
 
+def page_tile(block_size):
+    """Tokens of a pages-kernel tile: a block of 16 tokens or more, else 16 / block_size
+    blocks (the math takes 16-token m-tiles)."""
+    return max(int(block_size), 16)
+
+
 def page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize):
-    """The pages kernel's ring: PAGE_STAGES blocks of K and of V."""
-    return PAGE_STAGES * 2 * block_size * num_kv_heads * head_dim * itemsize
+    """The pages kernel's ring: PAGE_STAGES tiles of K and of V."""
+    return PAGE_STAGES * 2 * page_tile(block_size) * num_kv_heads * head_dim * itemsize
 
 
 def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, num_q_heads,
                   num_kv_heads):
     """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit NHD cache (a block's
-    tokens x kv heads contiguous), head_dim 64/96/128, blocks of a multiple of 16 tokens,
-    up to PAGE_WARPS kv heads and 8 query heads each, and a ring that fits in shared memory."""
+    tokens x kv heads contiguous), head_dim 64/96/128, blocks of a multiple or a divisor of
+    16 tokens, up to PAGE_WARPS kv heads and 8 query heads each, and a ring that fits in shared memory."""
     return (int(compute_capability) >= 90 and itemsize == 2 and layout == "NHD"
-            and head_dim in PAGE_HEAD_DIMS and block_size % 16 == 0
+            and head_dim in PAGE_HEAD_DIMS and (block_size % 16 == 0 or 16 % block_size == 0)
             and num_kv_heads <= PAGE_WARPS and num_q_heads // num_kv_heads <= 8
             and page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize) + 1024
             <= MAX_SMEM_PER_CTA)
@@ -96,7 +102,7 @@ def resolve_kv_path(kv_path, compute_capability, itemsize, head_dim, layout, blo
     if kv_path == "pages" and not capable:
         raise ValueError(
             f"kv_path: 'pages' needs sm_90+, a 16-bit NHD cache, head_dim in {PAGE_HEAD_DIMS}, "
-            f"block_size a multiple of 16, at most {PAGE_WARPS} kv heads and 8 query heads "
+            f"block_size a multiple or a divisor of 16, at most {PAGE_WARPS} kv heads and 8 query heads "
             f"each, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
             f"{head_dim}, block_size {block_size}, {num_q_heads}/{num_kv_heads} heads")
     return kv_path == "pages"
@@ -302,12 +308,12 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
     of the specialisation; default an H200 estimate from shared memory). The grid holds one
     CTA per slot (``columns = slots // row_groups``, at least 1), whatever the lengths.
     ``pages``: the pages kernel (the caller checks ``pages_capable``): tiles are whole
-    blocks, a warp per kv head, one row group of every query head.
+    blocks, one or 16 / block_size (``page_tile``), a warp per kv head, one row group of every query head.
     """
     group = num_q_heads // num_kv_heads
     vllm_v = layout == "vllm"
     if pages:
-        tiles = TileConfig(int(block_size), 1, group,
+        tiles = TileConfig(page_tile(block_size), 1, group,
                            page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize))
         heads = HeadLayout(num_kv_heads, 1)  # heads_per_group: every query head
     else:

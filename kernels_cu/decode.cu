@@ -8,7 +8,7 @@
 //                        split sequences leave fp32 partials, merged by the CTA finishing
 //                        the last piece (fused) or by merge_pieces_kernel
 //   paged_decode_pages_kernel  sm_90, 16-bit NHD caches of up to 8 kv heads: one CTA per SM
-//                        copies whole blocks (all kv heads of page_size tokens) with
+//                        copies whole blocks (all kv heads of their tokens), 16 tokens or more a stage, with
 //                        cp.async.bulk into a 3-stage ring on mbarriers; warp w serves kv
 //                        head w straight from the unpadded rows (PageMath)
 //   merge_pieces_kernel  merges split pieces (adding sinks once) when not fused
@@ -905,15 +905,16 @@ constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
 constexpr int PAGE_STAGES = 3;
 
 // grid (columns); block PAGE_THREADS; sm_90; 16-bit NHD caches with up to 8 kv heads, at most
-// 8 query heads a kv head, block_size a multiple of 16. The plan's tiles are whole blocks
-// (tile = block_size tokens) and its one row group holds every query head. CTA c walks
-// column c's pieces, then pool pieces (PiecePool); its stream of blocks goes through a
-// PAGE_STAGES ring: thread 0 copies
-// the visible tokens of a block's K and of its V (each one contiguous run [tokens][Hk][D])
-// with two cp.async.bulk on the stage's mbarrier, every thread zeroes its share of the
-// other rows. Warp w < Hk serves kv head w: the block's m-tiles of 16 tokens, rows Hk*D
-// elements apart (PageMath), for query heads w*G .. w*G + G - 1 with its own online
-// softmax, so no warp combines with another. Pieces end as in paged_decode_kernel.
+// 8 query heads a kv head, block_size a multiple of 16 or a divisor of 16. The plan's tiles
+// are max(block_size, 16) tokens, whole blocks (one, or 16 / block_size of them), and its
+// one row group holds every query head. CTA c walks column c's pieces, then pool pieces
+// (PiecePool); its stream of tiles goes through a PAGE_STAGES ring: lane j of warp 0 copies
+// the visible tokens of the tile's block j, K and V (each one contiguous run
+// [tokens][Hk][D], and the blocks of a tile land one after the other as one such run), with
+// two cp.async.bulk on the stage's mbarrier; every thread zeroes its share of the other
+// rows. Warp w < Hk serves kv head w: the tile's m-tiles of 16 tokens, rows Hk*D elements
+// apart (PageMath), for query heads w*G .. w*G + G - 1 with its own online softmax, so no
+// warp combines with another. Pieces end as in paged_decode_kernel.
 template <typename T, int D>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
 paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
@@ -926,7 +927,9 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = num_q_heads / num_kv_heads;
   const int row = num_kv_heads * D;            // elements from one token to the next
-  const int block_elems = block_size * row;    // one operand of one stage
+  const int tile_rows = max(block_size, 16);   // tokens a tile (a stage) holds
+  const int tile_blocks = tile_rows / block_size;
+  const int stage_elems = tile_rows * row;     // one operand of one stage
   const int warp_heads = warp < num_kv_heads ? group : 0;
   const int hq_warp = warp * group;
   const u32 bars = smem_addr(full);
@@ -934,42 +937,47 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
     for (int st = 0; st < PAGE_STAGES; ++st) mbar_init(bars + 8 * st, 1);
   fence_mbar_init();
   __syncthreads();
-  auto k_stage = [&](int st) { return ring + 2 * st * block_elems; };
-  auto v_stage = [&](int st) { return ring + (2 * st + 1) * block_elems; };
+  auto k_stage = [&](int st) { return ring + 2 * st * stage_elems; };
+  auto v_stage = [&](int st) { return ring + (2 * st + 1) * stage_elems; };
 
-  // Block r.tile (cache block blk) into stage st: rows outside [lo, kv_len) zeroed, the
-  // others copied.
+  // Tile r.tile into stage st (lane j of warp 0 holds blk, the cache block of the tile's
+  // block j): rows outside [lo, kv_len) zeroed, the others copied.
   auto issue = [&](const TileRef& r, int st, int blk) {
-    const int t0 = r.tile * block_size;
-    const int a = max(r.lo - t0, 0), b = min(r.kv_len - t0, block_size);  // copied rows [a, b)
+    const int t0 = r.tile * tile_rows;
+    const int a = max(r.lo - t0, 0), b = min(r.kv_len - t0, tile_rows);  // copied rows [a, b)
     T* ks = k_stage(st);
     T* vs = v_stage(st);
     const int chunks = row / Vec16<T>::N;  // 16-byte chunks a token row
-    const int zero_rows = a + block_size - b;
+    const int zero_rows = a + tile_rows - b;
     for (int i = tid; i < zero_rows * chunks; i += PAGE_THREADS) {
       const int zr = i / chunks, tok = zr < a ? zr : b + zr - a, c = i - zr * chunks;
       reinterpret_cast<uint4*>(ks + tok * row)[c] = make_uint4(0, 0, 0, 0);
       reinterpret_cast<uint4*>(vs + tok * row)[c] = make_uint4(0, 0, 0, 0);
     }
     if (zero_rows) fence_proxy_async();  // a later copy into this stage overwrites them
-    if (tid == 0) {
-      const u32 bytes = (u32)((b - a) * row * (int)sizeof(T));
+    if (warp == 0) {
       const u32 bar = bars + 8 * st;
-      mbar_arrive_expect_tx(bar, 2 * bytes);  // with no rows to copy, the arrival completes it
-      if (bytes) {
+      // with no rows to copy, the arrival completes the phase
+      if (lane == 0) mbar_arrive_expect_tx(bar, 2 * (u32)((b - a) * row * (int)sizeof(T)));
+      __syncwarp();
+      const int r0 = max(a, lane * block_size), r1 = min(b, (lane + 1) * block_size);
+      if (lane < tile_blocks && r0 < r1) {
+        const u32 bytes = (u32)((r1 - r0) * row * (int)sizeof(T));
+        const int in = (r0 - lane * block_size) * row;  // first copied row in the block
         const unsigned long long once = l2_evict_first_policy();
-        bulk_copy_g2s(smem_addr(ks + a * row), k_cache + (i64)blk * kbs + a * row, bytes, bar,
-                      once);
-        bulk_copy_g2s(smem_addr(vs + a * row), v_cache + (i64)blk * vbs + a * row, bytes, bar,
-                      once);
+        bulk_copy_g2s(smem_addr(ks + r0 * row), k_cache + (i64)blk * kbs + in, bytes, bar, once);
+        bulk_copy_g2s(smem_addr(vs + r0 * row), v_cache + (i64)blk * vbs + in, bytes, bar, once);
       }
     }
   };
 
-  // Thread 0 loads the block id of the tile after the one it issues, so that the load's
-  // latency passes during a block's math rather than in front of the next copies.
+  // Lane j of warp 0 loads the id of block j of the tile after the one it issues, so that
+  // the load's latency passes during a tile's math rather than in front of the next copies
+  // (blocks past the sequence's end are not read: their table entries may be -1).
   auto block_id = [&](const TileRef& r) {
-    return tid == 0 && r.bt != nullptr ? __ldg(r.bt + r.tile) : 0;
+    const int j = r.tile * tile_blocks + lane;
+    return warp == 0 && lane < tile_blocks && r.bt != nullptr && j * block_size < r.kv_len
+               ? __ldg(r.bt + j) : 0;
   };
   TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
   cur.start(blockIdx.x);
@@ -1011,8 +1019,8 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
       if (!warp_heads) continue;
       const T* ks = k_stage(it % PAGE_STAGES) + warp * D;
       const T* vs = v_stage(it % PAGE_STAGES) + warp * D;
-      for (int mt = 0; mt < block_size / 16; ++mt) {
-        const int tok0 = tile * block_size + mt * 16;
+      for (int mt = 0; mt < tile_rows / 16; ++mt) {
+        const int tok0 = tile * tile_rows + mt * 16;
         if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
         float s[1][4];
         math.scores(ks + mt * 16 * row, row, s, lane);

@@ -590,6 +590,10 @@ PAGE_SHAPES = [  # id, dtype, head_dim, block_size, Hq, Hk, lengths: pages-capab
     ("bf16-d128-bs48-mha", bfloat16, 128, 48, 2, 2, [4097, 17]),
     ("bf16-d64-bs64-g3", bfloat16, 64, 64, 6, 2, [511, 2, 65]),
     ("bf16-d96-bs16-g5", bfloat16, 96, 16, 5, 1, [513, 64]),
+    ("bf16-d128-bs1-g4", bfloat16, 128, 1, 32, 8, [1, 2, 17, 511, 4097]),
+    ("f16-d64-bs2-g2", np.float16, 64, 2, 8, 4, [33, 1, 70000, 0]),
+    ("bf16-d96-bs4-g5", bfloat16, 96, 4, 10, 2, [513, 3, 64]),
+    ("f16-d128-bs8-mqa", np.float16, 128, 8, 8, 1, [4097, 17, 2]),
 ]
 
 

@@ -73,9 +73,9 @@ def test_default_merge_by_heads_per_row_group():
 
 
 def test_pages_kernel_applies_and_plans():
-    """pages on sm_90+ for 16-bit NHD caches, d 64/96/128, blocks of 16k tokens, up to 8 kv
-    heads and 8 query heads each; its launch: one row group of every head, 256 threads,
-    block-sized tiles, a 3-stage ring of whole blocks."""
+    """pages on sm_90+ for 16-bit NHD caches, d 64/96/128, blocks of 16k tokens or of a
+    divisor of 16, up to 8 kv heads and 8 query heads each; its launch: one row group of
+    every head, 256 threads, tiles of a block or of 16 tokens, a 3-stage ring of tiles."""
     ok = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=32,
               num_kv_heads=8)
     assert dp.pages_capable("90", **ok) and dp.resolve_kv_path(None, "90", **ok, batch=16)
@@ -83,7 +83,10 @@ def test_pages_kernel_applies_and_plans():
     assert dp.resolve_kv_path("pages", "90", **ok, batch=1)
     few = {**ok, "num_q_heads": 8, "num_kv_heads": 2}
     assert dp.pages_capable("90", **few) and not dp.resolve_kv_path(None, "90", **few, batch=64)
-    for bad in (dict(itemsize=4), dict(head_dim=80), dict(layout="HND"), dict(block_size=8),
+    for bs in (1, 2, 4, 8):
+        assert dp.pages_capable("90", **{**ok, "block_size": bs}), bs
+    for bad in (dict(itemsize=4), dict(head_dim=80), dict(layout="HND"), dict(block_size=12),
+                dict(block_size=3), dict(block_size=24),
                 dict(num_q_heads=64, num_kv_heads=4), dict(num_q_heads=16, num_kv_heads=16),
                 dict(block_size=64)):  # 64 x 8 x 128 x 2 B x 2 x 3 stages > 227 KB
         args = {**ok, **bad}
@@ -98,6 +101,11 @@ def test_pages_kernel_applies_and_plans():
     lp = launch(pages=True)
     assert lp.pages and lp.row_groups == 1 and lp.threads == dp.PAGE_THREADS
     assert lp.heads_per_group == 32 and lp.tiles.tile == 16 and lp.merge_kv_heads == 1
+    for bs, tile in ((1, 16), (4, 16), (8, 16), (32, 32), (48, 48)):
+        lp_bs = dp.plan_launch(itemsize=2, head_dim=128, layout="NHD", block_size=bs,
+                               num_q_heads=32, num_kv_heads=8, pages=True)
+        assert lp_bs.tiles.tile == tile, bs
+        assert lp_bs.tiles.smem_bytes == 3 * 2 * tile * 8 * 128 * 2, bs
     assert lp.tiles.smem_bytes == 3 * 2 * 16 * 8 * 128 * 2
     assert lp.columns == dp.DEFAULT_SMS and lp.grid == (dp.DEFAULT_SMS, 1)
     assert dp.resolve_merge(None, lp) == "kernel" and dp.merge_head_blocks(lp) == 8
