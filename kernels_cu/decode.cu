@@ -908,7 +908,7 @@ constexpr int PAGE_STAGES = 3;
 // 8 query heads a kv head, block_size a multiple of 16 or a divisor of 16. The plan's tiles
 // are max(block_size, 16) tokens, whole blocks (one, or 16 / block_size of them), and its
 // one row group holds every query head. CTA c walks column c's pieces, then pool pieces
-// (PiecePool); its stream of tiles goes through a PAGE_STAGES ring: lane j of warp 0 copies
+// (PiecePool); its stream of tiles goes through a PAGE_STAGES ring: thread copier(j) copies
 // the visible tokens of the tile's block j, K and V (each one contiguous run
 // [tokens][Hk][D], and the blocks of a tile land one after the other as one such run), with
 // two cp.async.bulk on the stage's mbarrier; every thread zeroes its share of the other
@@ -940,8 +940,14 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   auto k_stage = [&](int st) { return ring + 2 * st * stage_elems; };
   auto v_stage = [&](int st) { return ring + (2 * st + 1) * stage_elems; };
 
-  // Tile r.tile into stage st (lane j of warp 0 holds blk, the cache block of the tile's
-  // block j): rows outside [lo, kv_len) zeroed, the others copied.
+  // Block j of a tile is copied by lane j / 8 of warp j % 8: a cp.async.bulk holds its warp
+  // for a while, so 16 blocks a tile from one warp would hold it, and at the next barrier
+  // every warp, for all 32 copies.
+  const int tile_block = lane * PAGE_WARPS + warp;  // the block this thread copies
+  const bool copier = tile_block < tile_blocks;
+
+  // Tile r.tile into stage st (a copier holds blk, the cache block of its tile_block):
+  // rows outside [lo, kv_len) zeroed, the others copied.
   auto issue = [&](const TileRef& r, int st, int blk) {
     const int t0 = r.tile * tile_rows;
     const int a = max(r.lo - t0, 0), b = min(r.kv_len - t0, tile_rows);  // copied rows [a, b)
@@ -955,15 +961,15 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
       reinterpret_cast<uint4*>(vs + tok * row)[c] = make_uint4(0, 0, 0, 0);
     }
     if (zero_rows) fence_proxy_async();  // a later copy into this stage overwrites them
-    if (warp == 0) {
-      const u32 bar = bars + 8 * st;
-      // with no rows to copy, the arrival completes the phase
-      if (lane == 0) mbar_arrive_expect_tx(bar, 2 * (u32)((b - a) * row * (int)sizeof(T)));
-      __syncwarp();
-      const int r0 = max(a, lane * block_size), r1 = min(b, (lane + 1) * block_size);
-      if (lane < tile_blocks && r0 < r1) {
+    const u32 bar = bars + 8 * st;
+    // The one arrival, with every copy's bytes: the phase completes when it has happened and
+    // the copies (landing before or after it) are all in; with no rows to copy, at once.
+    if (tid == 0) mbar_arrive_expect_tx(bar, 2 * (u32)((b - a) * row * (int)sizeof(T)));
+    if (copier) {
+      const int r0 = max(a, tile_block * block_size), r1 = min(b, (tile_block + 1) * block_size);
+      if (r0 < r1) {
         const u32 bytes = (u32)((r1 - r0) * row * (int)sizeof(T));
-        const int in = (r0 - lane * block_size) * row;  // first copied row in the block
+        const int in = (r0 - tile_block * block_size) * row;  // first copied row in the block
         const unsigned long long once = l2_evict_first_policy();
         bulk_copy_g2s(smem_addr(ks + r0 * row), k_cache + (i64)blk * kbs + in, bytes, bar, once);
         bulk_copy_g2s(smem_addr(vs + r0 * row), v_cache + (i64)blk * vbs + in, bytes, bar, once);
@@ -971,13 +977,12 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
     }
   };
 
-  // Lane j of warp 0 loads the id of block j of the tile after the one it issues, so that
-  // the load's latency passes during a tile's math rather than in front of the next copies
+  // A copier loads the id of its block of the tile after the one it issues, so that the
+  // load's latency passes during a tile's math rather than in front of the next copies
   // (blocks past the sequence's end are not read: their table entries may be -1).
   auto block_id = [&](const TileRef& r) {
-    const int j = r.tile * tile_blocks + lane;
-    return warp == 0 && lane < tile_blocks && r.bt != nullptr && j * block_size < r.kv_len
-               ? __ldg(r.bt + j) : 0;
+    const int j = r.tile * tile_blocks + tile_block;
+    return copier && r.bt != nullptr && j * block_size < r.kv_len ? __ldg(r.bt + j) : 0;
   };
   TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
   cur.start(blockIdx.x);

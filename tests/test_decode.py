@@ -620,6 +620,18 @@ def test_kernel_paths(rng, cp, kv_path, feats, dtype, d, bs, hq, hk, lens):
 
 
 @pytest.mark.gpu
+def test_pages_kernel_ring_sizes_share_the_function(rng, cp):
+    """Geometries with rings of different sizes launch one pages function: one planned with
+    a larger ring still runs after a smaller one set the function's shared-memory limit."""
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("cp.async.bulk needs sm_90")
+    big = make_case(rng, lens=[40, 513], hq=16, hk=8, d=128, bs=16, dtype=bfloat16)
+    small = make_case(rng, lens=[33, 2], hq=4, hk=2, d=128, bs=16, dtype=bfloat16)
+    for case in (big, small, big):
+        check_gpu(cp, rng, case, "NHD", kv_path="pages")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("merge", ["fused", "kernel"])
 def test_pages_kernel_splits_and_merges(rng, cp, merge):
     """The pages kernel's partial rows (permuted dims, one row group of every head) through
