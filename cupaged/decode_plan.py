@@ -70,7 +70,8 @@ def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, nu
                   num_kv_heads):
     """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit NHD cache (a block's
     tokens x kv heads contiguous), head_dim 64/96/128, blocks of a multiple or a divisor of
-    16 tokens, up to PAGE_WARPS kv heads and 8 query heads each, and a ring that fits in shared memory."""
+    16 tokens, up to PAGE_WARPS kv heads and 8 query heads each, and a ring that fits in
+    shared memory."""
     return (int(compute_capability) >= 90 and itemsize == 2 and layout == "NHD"
             and head_dim in PAGE_HEAD_DIMS and (block_size % 16 == 0 or 16 % block_size == 0)
             and num_kv_heads <= PAGE_WARPS and num_q_heads // num_kv_heads <= 8
@@ -102,8 +103,8 @@ def resolve_kv_path(kv_path, compute_capability, itemsize, head_dim, layout, blo
     if kv_path == "pages" and not capable:
         raise ValueError(
             f"kv_path: 'pages' needs sm_90+, a 16-bit NHD cache, head_dim in {PAGE_HEAD_DIMS}, "
-            f"block_size a multiple or a divisor of 16, at most {PAGE_WARPS} kv heads and 8 query heads "
-            f"each, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
+            f"block_size a multiple or a divisor of 16, at most {PAGE_WARPS} kv heads and 8 "
+            f"query heads each, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
             f"{head_dim}, block_size {block_size}, {num_q_heads}/{num_kv_heads} heads")
     return kv_path == "pages"
 
@@ -308,7 +309,8 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
     of the specialisation; default an H200 estimate from shared memory). The grid holds one
     CTA per slot (``columns = slots // row_groups``, at least 1), whatever the lengths.
     ``pages``: the pages kernel (the caller checks ``pages_capable``): tiles are whole
-    blocks, one or 16 / block_size (``page_tile``), a warp per kv head, one row group of every query head.
+    blocks, one or 16 / block_size (``page_tile``), a warp per kv head, one row group of
+    every query head.
     """
     group = num_q_heads // num_kv_heads
     vllm_v = layout == "vllm"

@@ -8,9 +8,10 @@
 //                        split sequences leave fp32 partials, merged by the CTA finishing
 //                        the last piece (fused) or by merge_pieces_kernel
 //   paged_decode_pages_kernel  sm_90, 16-bit NHD caches of up to 8 kv heads: one CTA per SM
-//                        copies whole blocks (all kv heads of their tokens), 16 tokens or more a stage, with
-//                        cp.async.bulk into a 3-stage ring on mbarriers; warp w serves kv
-//                        head w straight from the unpadded rows (PageMath)
+//                        copies whole blocks (all kv heads of their tokens; 16 tokens or
+//                        more a stage) with cp.async.bulk into a 3-stage ring on
+//                        mbarriers; warp w serves kv head w straight from the unpadded
+//                        rows (PageMath)
 //   merge_pieces_kernel  merges split pieces (adding sinks once) when not fused
 //   merge_states_kernel  combines two states (merge_states)
 //
@@ -908,8 +909,8 @@ constexpr int PAGE_STAGES = 3;
 // 8 query heads a kv head, block_size a multiple of 16 or a divisor of 16. The plan's tiles
 // are max(block_size, 16) tokens, whole blocks (one, or 16 / block_size of them), and its
 // one row group holds every query head. CTA c walks column c's pieces, then pool pieces
-// (PiecePool); its stream of tiles goes through a PAGE_STAGES ring: thread copier(j) copies
-// the visible tokens of the tile's block j, K and V (each one contiguous run
+// (PiecePool); its stream of tiles goes through a PAGE_STAGES ring: lane j / 8 of warp j % 8
+// copies the visible tokens of the tile's block j, K and V (each one contiguous run
 // [tokens][Hk][D], and the blocks of a tile land one after the other as one such run), with
 // two cp.async.bulk on the stage's mbarrier; every thread zeroes its share of the other
 // rows. Warp w < Hk serves kv head w: the tile's m-tiles of 16 tokens, rows Hk*D elements
