@@ -196,6 +196,27 @@ def _kernel(device_id, stem, expr, arch, options):
     return cupy.RawModule(path=str(cubin_path)).get_function(name)
 
 
+_DYNAMIC_SMEM = {}  # id(kernel) -> the most dynamic shared memory asked for it so far
+
+
+def allow_dynamic_smem(kernel, smem):
+    """Let ``kernel`` (from :func:`get_kernel`, kept for the process) launch with ``smem``
+    bytes of dynamic shared memory.
+
+    Past the default (48 KiB less the kernel's static shared memory) the function's limit is
+    raised to ``smem``. The limit belongs to the function, which launches of other sizes
+    share, so it is only ever raised: a launch sized earlier with more still fits. Returns
+    True when ``smem`` is more than any earlier call asked (callers set their carveout
+    preference then); no driver call otherwise.
+    """
+    if smem <= _DYNAMIC_SMEM.get(id(kernel), 0):
+        return False
+    if smem + kernel.shared_size_bytes > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = smem
+    _DYNAMIC_SMEM[id(kernel)] = smem
+    return True
+
+
 def get_kernel(stem, expr, *, hopper=False, options=()):
     """The ``cupy.RawKernel`` for template expression ``expr`` of ``kernels_cu/<stem>.cu``.
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ._arrays import (accepts_dlpack, array_module, check_array, check_choice, check_range,
                       host, is_cupy)
-from ._compile import Spec, get_kernel
+from ._compile import Spec, allow_dynamic_smem, get_kernel
 from .layouts import LAYOUTS, cache_geometry
 from .reference import cache as ref
 
@@ -211,8 +211,7 @@ def _launch_write(key, value, k_cache, v_cache, slot_mapping, geo, layout):
     expr, grid, smem, ints = write_launch_config(key.shape[0], geo, k_cache.dtype.itemsize,
                                                  layout)
     kernel = get_kernel("cache_ops", expr)
-    if smem > 48 * 1024:
-        kernel.max_dynamic_shared_size_bytes = smem
+    allow_dynamic_smem(kernel, smem)
     kernel(grid, (THREADS,), (key, value, k_cache, v_cache, slot_mapping,
                               *(np.int32(i) for i in ints)), shared_mem=smem)
 

@@ -21,7 +21,7 @@ from . import decode_checks as dc, decode_plan as dp
 from ._arrays import (FLOAT_DTYPES, HEAD_DIMS, accepts_dlpack, array_module, as_dtype,
                       check_array, check_choice, check_head_dim)
 from ._checks import check_gqa, check_options
-from ._compile import Spec, ctype, get_kernel
+from ._compile import Spec, allow_dynamic_smem, ctype, get_kernel
 from .layouts import LAYOUTS
 from .reference import attention as ref
 
@@ -33,12 +33,7 @@ _NULL = np.uint64(0)
 @functools.lru_cache(maxsize=None)
 def _kernel_on(device_id, expr, smem_bytes, hopper=False):
     kernel = get_kernel("decode", expr, hopper=hopper)
-    # Past the default (48 KiB with the static) the limit is raised. It belongs to the
-    # function, which geometries of other ring sizes share (the pages kernel's depends on
-    # block_size and num_kv_heads), so it is never lowered: their cached launches still fit.
-    if (smem_bytes + kernel.shared_size_bytes > 48 * 1024
-            and smem_bytes > kernel.max_dynamic_shared_size_bytes):
-        kernel.max_dynamic_shared_size_bytes = smem_bytes
+    allow_dynamic_smem(kernel, smem_bytes)  # the pages kernel's ring varies with the geometry
     if smem_bytes:
         kernel.preferred_shared_memory_carveout = 100  # every resident CTA's tiles
     return kernel

@@ -22,7 +22,7 @@ from . import prefill_plan as plan_
 from ._arrays import (HEAD_DIMS, accepts_dlpack, array_module, as_dtype, bfloat16, check_array,
                       check_head_dim, float16, float32, gpu_available)
 from ._checks import check_block_tables, check_cu_seqlens, check_gqa, check_options, check_out
-from ._compile import Spec, ctype, get_kernel
+from ._compile import Spec, allow_dynamic_smem, ctype, get_kernel
 from .layouts import CacheGeometry, cache_geometry
 from .reference import attention as ref
 
@@ -30,7 +30,6 @@ __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller
            "kernel_specializations"]
 
 _NULL = np.uint64(0)  # null device pointer for absent optional arrays
-_SMEM_SET = set()      # kernels whose dynamic shared-memory limit was raised
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -109,10 +108,8 @@ def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides,
     if n == 0:
         return
     kernel, smem, threads = _kernel(q.dtype, head_dim, v_transposed, tile, backend)
-    if smem > 48 * 1024 and (id(kernel), smem) not in _SMEM_SET:
-        kernel.max_dynamic_shared_size_bytes = smem
+    if allow_dynamic_smem(kernel, smem) and smem > 48 * 1024:
         kernel.preferred_shared_memory_carveout = 100  # room for two CTAs per SM
-        _SMEM_SET.add((id(kernel), smem))
     i32, i64, f32 = np.int32, np.int64, np.float32
     paged = tables is not None
     args = (q, k, v, out, _NULL if lse is None else lse, work, cu_q, kv_info,

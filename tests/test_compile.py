@@ -1,5 +1,6 @@
 """The CI compile gate: every kernel specialisation compiles with NVRTC for sm_80 and sm_90
-without register spills; plus include inlining, the spill detector and the disk cache key.
+without register spills; plus include inlining, the spill detector, the disk cache key and
+the dynamic shared-memory limit rule.
 
 Needs NVRTC and the CUDA headers (no GPU): skipped only where either is missing.
 """
@@ -170,3 +171,31 @@ def test_check_kernels_skips_hopper_specs_off_sm90(kernel_dir):
     assert sorted((r.expr, r.arch) for r in on90) == [("scale<double>", "sm_90a"),
                                                      ("scale<float>", "sm_90")]
 
+
+
+def test_dynamic_smem_limit_is_only_raised():
+    """The limit is the function's: raised past the default (48 KiB less the static), kept
+    when a later launch asks for less, and no driver attribute is touched again for it."""
+    class Kernel:
+        shared_size_bytes = 128
+
+        def __init__(self):
+            self.sets = []
+
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            raise AssertionError("not read")
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, v):
+            self.sets.append(v)
+
+    k = Kernel()
+    assert _compile.allow_dynamic_smem(k, 48 * 1024 - 128)        # fits the default: no set
+    assert k.sets == []
+    assert _compile.allow_dynamic_smem(k, 48 * 1024)              # with the static, past it
+    assert _compile.allow_dynamic_smem(k, 196608)
+    assert not _compile.allow_dynamic_smem(k, 49152)              # less than before: kept
+    assert not _compile.allow_dynamic_smem(k, 196608)
+    assert k.sets == [48 * 1024, 196608]
+    assert not _compile.allow_dynamic_smem(Kernel(), 0)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._arrays import HEAD_DIMS, bfloat16, float16
-from .._compile import Spec, ctype, get_kernel
+from .._compile import Spec, allow_dynamic_smem, ctype, get_kernel
 from ..prefill_plan import TileShape
 
 KERNEL_DTYPES = (float16, bfloat16)
@@ -62,16 +62,11 @@ def estimate_smem(head_dim):
     return (ROWS + 2 * KEYS) * (head_dim + 8) * 2
 
 
-_SMEM_SET = set()
-
-
 def kernel(stem, expr, smem=0):
     """The compiled kernel, allowed ``smem`` bytes of dynamic shared memory."""
     kern = get_kernel(stem, expr)
-    if smem and (id(kern), smem) not in _SMEM_SET:  # the default allows 48 KiB - static
-        kern.max_dynamic_shared_size_bytes = smem
+    if allow_dynamic_smem(kern, smem):
         kern.preferred_shared_memory_carveout = 100   # two CTAs per SM where they fit
-        _SMEM_SET.add((id(kern), smem))
     return kern
 
 
