@@ -1101,9 +1101,11 @@ merge_states_kernel(const TI* __restrict__ o_first, const TI* __restrict__ o_res
 // merges the pieces of row group y of sequence b when b was split (seq_info[b] = (npieces,
 // first slot), npieces > 1); the decode kernel wrote every other sequence's rows. Warp w
 // takes head z * NWARPS + w of the row group, lane j the 4-float chunks j + 32 * ch of its
-// row (merge_group).
+// row (merge_group). At most 128 registers a thread, so that 4 CTAs (16 warps) fit an SM
+// and B64 x 32 heads merge in one wave: each warp is a few L2 round trips long, and a
+// second wave would double the time the merge adds after the decode kernel.
 template <typename TO, int CH>
-__global__ void __launch_bounds__(NTHREADS, 1)
+__global__ void __launch_bounds__(NTHREADS, 4)
 merge_pieces_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                     const int* __restrict__ seq_info, int num_q_heads, int num_kv_heads,
                     int head_chunks, int hpc, int dim, const float* __restrict__ sinks,

@@ -66,8 +66,10 @@ __device__ void merge_row_warp(PartRow<TI> o, PartRow<float> lse, int num_parts,
 // of one head: piece s at o + s * o_stride (dim floats, a multiple of 4, 16-byte aligned)
 // and l + s * l_stride. One warp: lane j owns the 4-float chunks j + 32 * ch (CH = 1 up to
 // dim 128, 2 beyond) and keeps BATCH pieces' chunks in flight at once; the weight of piece
-// s0 + j is computed by lane j and handed out by shuffle. Loads go to L2 (__ldcg): other
-// CTAs of the running kernel may have written the pieces. Read rows are discarded from L2.
+// s0 + j is computed by lane j and handed out by shuffle. The first batch of rows is loaded
+// with the LSEs (a row's address needs no weight), so that a row of up to BATCH pieces costs
+// one round trip, not two. Loads go to L2 (__ldcg): other CTAs of the running kernel may
+// have written the pieces. Read rows are discarded from L2.
 template <typename TO>
 __device__ __forceinline__ void store4(TO* __restrict__ p, float4 v) {
   p[0] = from_float<TO>(v.x);
@@ -76,14 +78,49 @@ __device__ __forceinline__ void store4(TO* __restrict__ p, float4 v) {
   p[3] = from_float<TO>(v.w);
 }
 
+// Pieces [s, s + BATCH) of a row that are below np: lane's chunks (zeros past np or dim).
+template <int BATCH, int CH>
+__device__ __forceinline__ void load_pieces(float4 (&v)[BATCH][CH], const float* __restrict__ o,
+                                            i64 o_stride, int s, int np, int dim, int lane) {
+#pragma unroll
+  for (int u = 0; u < BATCH; ++u)
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+      const int c = lane + 32 * ch;
+      const float4* src = reinterpret_cast<const float4*>(o + (s + u) * o_stride) + c;
+      v[u][ch] = s + u < np && 4 * c < dim ? __ldcg(src) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// acc += the weights of pieces [s0 + j0, s0 + j0 + BATCH) (lane j of the warp holds piece
+// s0 + j's) times their chunks v.
+template <int BATCH, int CH>
+__device__ __forceinline__ void add_pieces(float4 (&acc)[CH], const float4 (&v)[BATCH][CH],
+                                           float w_mine, int j0) {
+#pragma unroll
+  for (int u = 0; u < BATCH; ++u) {
+    const float w = __shfl_sync(0xffffffffu, w_mine, (j0 + u) & 31);
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+      acc[ch].x += w * v[u][ch].x;
+      acc[ch].y += w * v[u][ch].y;
+      acc[ch].z += w * v[u][ch].z;
+      acc[ch].w += w * v[u][ch].w;
+    }
+  }
+}
+
 template <typename TO, int CH>
 __device__ void merge_pieces_row(const float* __restrict__ o, i64 o_stride,
                                  const float* __restrict__ l, i64 l_stride, int np, float sink,
                                  int dim, TO* __restrict__ out, float* __restrict__ lse_out,
                                  int lane) {
-  constexpr int BATCH = 16 / CH;
-  // -- max and denominator over the pieces' LSEs (lane j: pieces j, j + 32, ...) --
+  constexpr int BATCH = 16 / CH;  // divides 32: a batch never straddles two weight chunks
+  // -- the LSEs (lane j: pieces j, j + 32, ...) and the first batch of rows, in flight together
   const float l0 = lane < np ? __ldcg(l + lane * l_stride) : minus_inf();
+  float4 v[BATCH][CH];
+  load_pieces<BATCH, CH>(v, o, o_stride, 0, np, dim, lane);
+  // -- max and denominator
   float m = fmaxf(sink, l0);
   for (int s = lane + 32; s < np; s += 32) m = fmaxf(m, __ldcg(l + s * l_stride));
   m = warp_max(m);
@@ -93,36 +130,20 @@ __device__ void merge_pieces_row(const float* __restrict__ o, i64 o_stride,
   den = warp_sum(den) + exp2f((sink - m_use) * LOG2E);
   const float inv = den > 0.f ? 1.f / den : 0.f;
 
-  // -- weighted sum of the rows, BATCH pieces' loads in flight --
+  // -- weighted sum of the rows, batch after batch (the first one already loaded)
   float4 acc[CH];
 #pragma unroll
   for (int ch = 0; ch < CH; ++ch) acc[ch] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = 0; s0 < np; s0 += 32) {
-    const float ls = s0 == 0 ? l0 : s0 + lane < np ? __ldcg(l + (s0 + lane) * l_stride) : minus_inf();
-    const float w_mine = exp2f((ls - m_use) * LOG2E) * inv;
-    const int n = min(32, np - s0);
-    for (int j0 = 0; j0 < n; j0 += BATCH) {
-      float4 v[BATCH][CH];
-#pragma unroll
-      for (int u = 0; u < BATCH; ++u)
-#pragma unroll
-        for (int ch = 0; ch < CH; ++ch) {
-          const int c = lane + 32 * ch;
-          const float4* src = reinterpret_cast<const float4*>(o + (s0 + j0 + u) * o_stride) + c;
-          v[u][ch] = j0 + u < n && 4 * c < dim ? __ldcg(src) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-      for (int u = 0; u < BATCH; ++u) {
-        const float w = __shfl_sync(0xffffffffu, w_mine, j0 + u);  // j0 + u < 32
-#pragma unroll
-        for (int ch = 0; ch < CH; ++ch) {
-          acc[ch].x += w * v[u][ch].x;
-          acc[ch].y += w * v[u][ch].y;
-          acc[ch].z += w * v[u][ch].z;
-          acc[ch].w += w * v[u][ch].w;
-        }
+  float w_mine = exp2f((l0 - m_use) * LOG2E) * inv;
+  for (int s = 0; s < np; s += BATCH) {
+    if (s > 0) {
+      if ((s & 31) == 0) {  // the weights of pieces s .. s + 31
+        const float ls = s + lane < np ? __ldcg(l + (s + lane) * l_stride) : minus_inf();
+        w_mine = exp2f((ls - m_use) * LOG2E) * inv;
       }
+      load_pieces<BATCH, CH>(v, o, o_stride, s, np, dim, lane);
     }
+    add_pieces<BATCH, CH>(acc, v, w_mine, s);
   }
   // the rows are dead once read: drop their lines from L2 unwritten (whole lines only: rows
   // of a multiple of 32 floats, so that no line holds part of another head's row)
