@@ -166,10 +166,11 @@ def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
             _ptr(dev.pool), dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes),
             _ptr(opts.sinks)) + dev.scalars, shared_mem=lp.tiles.smem_bytes)
     if merge is not None:
-        merge((batch, lp.row_groups, dp.merge_head_blocks(lp)), (dp.NTHREADS,),
+        grid, threads, wph = dp.merge_launch(lp, batch)
+        merge(grid, (threads,),
               (_ptr(dev.part_out), _ptr(dev.part_lse), dev.seq_info,
                *_i32((hq, lp.merge_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
-               _ptr(opts.sinks), out, _ptr(lse)))
+               _ptr(opts.sinks), out, _ptr(lse), np.int32(wph)))
 
 
 def _partials(xp, lp, num_slots):

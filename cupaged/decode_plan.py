@@ -30,6 +30,7 @@ PAGE_STAGES = 3
 PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
 MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
 PAGE_MIN_BATCH = 16                # pages_preferred
+MERGE_MAX_WARPS = 16               # decode.cu: warps of a merge_pieces_kernel CTA
 PAGE_MIN_KV_HEADS = 4
 NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
 # "balanced" plans leave the last POOL_FRACTION of each sequence's tiles to a pool of pieces
@@ -119,9 +120,27 @@ def resolve_merge(merge, launch):
     return "kernel" if launch.heads_per_group > 2 * NWARPS else "fused"
 
 
-def merge_head_blocks(launch):
-    """grid.z of merge_pieces_kernel: CTAs of NWARPS warps, one query head a warp."""
-    return -(-launch.heads_per_group // NWARPS)
+def merge_warps_per_head(launch, batch):
+    """Warps of merge_pieces_kernel that split one head's pieces: a warp merges up to 16 in
+    one L2 round trip, and a sequence has about ``1.5 columns / batch`` pieces (a column's
+    share cuts few sequences when they are many; B1 has one or more a column), so the
+    smallest power of two, up to MERGE_MAX_WARPS, for 16 pieces a warp. Depends on the
+    batch, not the lengths, so that a captured graph stays valid."""
+    pieces = 1.5 * launch.columns / max(1, batch)
+    warps = 1
+    while warps < MERGE_MAX_WARPS and 16 * warps < pieces:
+        warps *= 2
+    return warps
+
+
+def merge_launch(launch, batch):
+    """``(grid, threads, warps_per_head)`` of merge_pieces_kernel for ``batch`` sequences:
+    CTAs of ``max(NWARPS, warps_per_head)`` warps, ``warps / warps_per_head`` query heads
+    each."""
+    wph = merge_warps_per_head(launch, batch)
+    warps = max(NWARPS, wph)
+    grid = (batch, launch.row_groups, -(-launch.heads_per_group // (warps // wph)))
+    return grid, 32 * warps, wph
 
 
 class IndexLayout(NamedTuple):

@@ -1097,30 +1097,65 @@ merge_states_kernel(const TI* __restrict__ o_first, const TI* __restrict__ o_res
                          lse_out != nullptr ? lse_out + row : nullptr);
 }
 
-// grid (batch, num_kv_heads * head_chunks, ceil(HPC / NWARPS)); block NTHREADS. CTA (b, y, z)
-// merges the pieces of row group y of sequence b when b was split (seq_info[b] = (npieces,
-// first slot), npieces > 1); the decode kernel wrote every other sequence's rows. Warp w
-// takes head z * NWARPS + w of the row group, lane j the 4-float chunks j + 32 * ch of its
-// row (merge_group). At most 128 registers a thread, so that 4 CTAs (16 warps) fit an SM
-// and B64 x 32 heads merge in one wave: each warp is a few L2 round trips long, and a
-// second wave would double the time the merge adds after the decode kernel.
+// grid (batch, num_kv_heads * head_chunks, ceil(HPC / (W / WPH))); block 32 * W threads,
+// W = max(NWARPS, WPH) warps, WPH (warps per head) a power of two up to MERGE_MAX_WARPS.
+// CTA (b, y, z) merges the pieces of row group y of sequence b when b was split
+// (seq_info[b] = (npieces, first slot), npieces > 1); the decode kernel wrote every other
+// sequence's rows. Its W / WPH heads (z * W / WPH + warp / WPH of the row group) each take
+// WPH warps, which split the head's pieces into equal runs (merge_pieces_share: one L2
+// round trip a run of up to 16 pieces). With WPH > 1 the runs' shares meet in shared memory
+// and the head's first warp combines them and writes the row. Few sequences have many
+// pieces each (B1: one a column), which one warp a head would walk a batch after another.
+// At most 128 registers a thread (4 CTAs of 4 warps an SM, or one of 16), so that B64 x 32
+// heads merge in one wave: a second wave would double the time the merge adds after the
+// decode kernel.
+constexpr int MERGE_MAX_WARPS = 16;
+
 template <typename TO, int CH>
-__global__ void __launch_bounds__(NTHREADS, 4)
+__global__ void __launch_bounds__(32 * MERGE_MAX_WARPS, 1)
 merge_pieces_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
                     const int* __restrict__ seq_info, int num_q_heads, int num_kv_heads,
                     int head_chunks, int hpc, int dim, const float* __restrict__ sinks,
-                    TO* __restrict__ out, float* __restrict__ lse) {
+                    TO* __restrict__ out, float* __restrict__ lse, int wph) {
+  __shared__ float4 s_acc[MERGE_MAX_WARPS][CH][32];  // the runs' shares (WPH > 1)
+  __shared__ float s_m[MERGE_MAX_WARPS], s_den[MERGE_MAX_WARPS];
   const int b = blockIdx.x, y = blockIdx.y;
   const int np = seq_info[2 * b], slot0 = seq_info[2 * b + 1];
   if (np <= 1) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int group = num_q_heads / num_kv_heads;
   const int hc = y % head_chunks;
-  const int hq0 = (y / head_chunks) * group + hc * hpc;
-  const i64 row = (i64)b * num_q_heads + hq0;
-  merge_group<TO, CH>(part_out, part_lse, slot0, np, gridDim.y, y, hpc, min(group - hc * hpc, hpc),
-                      dim, sinks != nullptr ? sinks + hq0 : nullptr, out + row * dim,
-                      lse != nullptr ? lse + row : nullptr, blockIdx.z * NWARPS + (threadIdx.x >> 5),
-                      gridDim.z * NWARPS, threadIdx.x & 31);
+  const int heads = min(group - hc * hpc, hpc);
+  const int h = blockIdx.z * ((blockDim.x >> 5) / wph) + warp / wph;  // head in the row group
+  const int part = warp % wph;                                         // run of its pieces
+  const int hq = (y / head_chunks) * group + hc * hpc + h;             // query head
+  const i64 stride = (i64)gridDim.y * hpc;  // rows from one piece to the next
+  const i64 row = ((i64)slot0 * gridDim.y + y) * hpc + h;
+  RowShare<CH> r{minus_inf(), 0.f};
+  if (h < heads)
+    r = merge_pieces_share<CH>(part_out + row * dim, stride * dim, part_lse + row, stride,
+                               part * np / wph, (part + 1) * np / wph, dim, lane);
+  if (wph > 1) {
+    if (lane == 0) {
+      s_m[warp] = r.m;
+      s_den[warp] = r.den;
+    }
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) s_acc[warp][ch][lane] = r.acc[ch];
+    __syncthreads();
+    if (part != 0 || h >= heads) return;
+    for (int w = warp + 1; w < warp + wph; ++w) {
+      RowShare<CH> q{s_m[w], s_den[w]};
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch) q.acc[ch] = s_acc[w][ch][lane];
+      r.combine(q);
+    }
+  } else if (h >= heads) {
+    return;
+  }
+  const i64 orow = (i64)b * num_q_heads + hq;
+  write_merged<TO, CH>(r, sinks != nullptr ? sinks[hq] : minus_inf(), dim, out + orow * dim,
+                       lse != nullptr ? lse + orow : nullptr, lane);
 }
 
 }  // namespace decode

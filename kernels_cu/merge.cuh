@@ -62,14 +62,16 @@ __device__ void merge_row_warp(PartRow<TI> o, PartRow<float> lse, int num_parts,
 
 // ---------------------------------------------------------------------------- decode pieces
 // Split-KV decode leaves, per query head, one float32 partial row (normalised over its
-// piece's keys) and one natural-log LSE per piece. merge_pieces_row merges the `np` pieces
-// of one head: piece s at o + s * o_stride (dim floats, a multiple of 4, 16-byte aligned)
-// and l + s * l_stride. One warp: lane j owns the 4-float chunks j + 32 * ch (CH = 1 up to
-// dim 128, 2 beyond) and keeps BATCH pieces' chunks in flight at once; the weight of piece
-// s0 + j is computed by lane j and handed out by shuffle. The first batch of rows is loaded
-// with the LSEs (a row's address needs no weight), so that a row of up to BATCH pieces costs
-// one round trip, not two. Loads go to L2 (__ldcg): other CTAs of the running kernel may
-// have written the pieces. Read rows are discarded from L2.
+// piece's keys) and one natural-log LSE per piece: piece s of a head at o + s * o_stride
+// (dim floats, a multiple of 4, 16-byte aligned) and l + s * l_stride. A warp merges a run
+// of pieces [s0, s1) into a RowShare, relative to the run's own max: lane j owns the
+// 4-float chunks j + 32 * ch (CH = 1 up to dim 128, 2 beyond) and keeps BATCH pieces'
+// chunks in flight at once; the weight of piece s0 + j is computed by lane j and handed out
+// by shuffle. The first batch of rows is loaded with the LSEs (a row's address needs no
+// weight), so that a run of up to BATCH pieces costs one round trip. Shares of one head
+// combine (several warps may split its pieces), and write_merged adds the sink and writes
+// the row. Loads go to L2 (__ldcg): other CTAs of the running kernel may have written the
+// pieces. Read rows are discarded from L2.
 template <typename TO>
 __device__ __forceinline__ void store4(TO* __restrict__ p, float4 v) {
   p[0] = from_float<TO>(v.x);
@@ -78,22 +80,22 @@ __device__ __forceinline__ void store4(TO* __restrict__ p, float4 v) {
   p[3] = from_float<TO>(v.w);
 }
 
-// Pieces [s, s + BATCH) of a row that are below np: lane's chunks (zeros past np or dim).
+// Pieces [s, s + BATCH) of a row that are below s1: lane's chunks (zeros past s1 or dim).
 template <int BATCH, int CH>
 __device__ __forceinline__ void load_pieces(float4 (&v)[BATCH][CH], const float* __restrict__ o,
-                                            i64 o_stride, int s, int np, int dim, int lane) {
+                                            i64 o_stride, int s, int s1, int dim, int lane) {
 #pragma unroll
   for (int u = 0; u < BATCH; ++u)
 #pragma unroll
     for (int ch = 0; ch < CH; ++ch) {
       const int c = lane + 32 * ch;
       const float4* src = reinterpret_cast<const float4*>(o + (s + u) * o_stride) + c;
-      v[u][ch] = s + u < np && 4 * c < dim ? __ldcg(src) : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[u][ch] = s + u < s1 && 4 * c < dim ? __ldcg(src) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
-// acc += the weights of pieces [s0 + j0, s0 + j0 + BATCH) (lane j of the warp holds piece
-// s0 + j's) times their chunks v.
+// acc += the weights of pieces [j0, j0 + BATCH) of a 32-piece chunk (lane j holds piece
+// j's) times their chunks v.
 template <int BATCH, int CH>
 __device__ __forceinline__ void add_pieces(float4 (&acc)[CH], const float4 (&v)[BATCH][CH],
                                            float w_mine, int j0) {
@@ -110,54 +112,107 @@ __device__ __forceinline__ void add_pieces(float4 (&acc)[CH], const float4 (&v)[
   }
 }
 
-template <typename TO, int CH>
-__device__ void merge_pieces_row(const float* __restrict__ o, i64 o_stride,
-                                 const float* __restrict__ l, i64 l_stride, int np, float sink,
-                                 int dim, TO* __restrict__ out, float* __restrict__ lse_out,
-                                 int lane) {
+// A run of pieces merged relative to its max lse m (-inf: no keys): den = sum_s exp(lse_s - m)
+// and acc = sum_s exp(lse_s - m) o_s (lane's chunks), not yet normalised.
+template <int CH>
+struct RowShare {
+  float m, den;
+  float4 acc[CH];
+
+  // this = this (+) r: both rescaled to the larger max.
+  __device__ __forceinline__ void combine(const RowShare& r) {
+    const float mx = fmaxf(m, r.m);
+    const float m_use = mx == minus_inf() ? 0.f : mx;
+    const float a = exp2f((m - m_use) * LOG2E), b = exp2f((r.m - m_use) * LOG2E);
+    m = mx;
+    den = den * a + r.den * b;
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+      acc[ch].x = acc[ch].x * a + r.acc[ch].x * b;
+      acc[ch].y = acc[ch].y * a + r.acc[ch].y * b;
+      acc[ch].z = acc[ch].z * a + r.acc[ch].z * b;
+      acc[ch].w = acc[ch].w * a + r.acc[ch].w * b;
+    }
+  }
+};
+
+// One warp's RowShare of pieces [s0, s1) of a head (all 32 lanes must call it; s0 == s1
+// gives the empty share).
+template <int CH>
+__device__ RowShare<CH> merge_pieces_share(const float* __restrict__ o, i64 o_stride,
+                                           const float* __restrict__ l, i64 l_stride, int s0,
+                                           int s1, int dim, int lane) {
   constexpr int BATCH = 16 / CH;  // divides 32: a batch never straddles two weight chunks
-  // -- the LSEs (lane j: pieces j, j + 32, ...) and the first batch of rows, in flight together
-  const float l0 = lane < np ? __ldcg(l + lane * l_stride) : minus_inf();
+  // -- the LSEs (lane j: pieces s0 + j, s0 + j + 32, ...) and the first batch of rows, in
+  // flight together
+  const float l0 = s0 + lane < s1 ? __ldcg(l + (s0 + lane) * l_stride) : minus_inf();
   float4 v[BATCH][CH];
-  load_pieces<BATCH, CH>(v, o, o_stride, 0, np, dim, lane);
-  // -- max and denominator
-  float m = fmaxf(sink, l0);
-  for (int s = lane + 32; s < np; s += 32) m = fmaxf(m, __ldcg(l + s * l_stride));
-  m = warp_max(m);
-  const float m_use = m == minus_inf() ? 0.f : m;
-  float den = exp2f((l0 - m_use) * LOG2E);
-  for (int s = lane + 32; s < np; s += 32) den += exp2f((__ldcg(l + s * l_stride) - m_use) * LOG2E);
-  den = warp_sum(den) + exp2f((sink - m_use) * LOG2E);
-  const float inv = den > 0.f ? 1.f / den : 0.f;
+  load_pieces<BATCH, CH>(v, o, o_stride, s0, s1, dim, lane);
+  RowShare<CH> r;
+  float m = l0;
+  for (int s = s0 + lane + 32; s < s1; s += 32) m = fmaxf(m, __ldcg(l + s * l_stride));
+  r.m = warp_max(m);
+  const float m_use = r.m == minus_inf() ? 0.f : r.m;
+  float w_mine = exp2f((l0 - m_use) * LOG2E);
+  float den = w_mine;
+  for (int s = s0 + lane + 32; s < s1; s += 32) den += exp2f((__ldcg(l + s * l_stride) - m_use) * LOG2E);
+  r.den = warp_sum(den);
 
   // -- weighted sum of the rows, batch after batch (the first one already loaded)
-  float4 acc[CH];
 #pragma unroll
-  for (int ch = 0; ch < CH; ++ch) acc[ch] = make_float4(0.f, 0.f, 0.f, 0.f);
-  float w_mine = exp2f((l0 - m_use) * LOG2E) * inv;
-  for (int s = 0; s < np; s += BATCH) {
-    if (s > 0) {
-      if ((s & 31) == 0) {  // the weights of pieces s .. s + 31
-        const float ls = s + lane < np ? __ldcg(l + (s + lane) * l_stride) : minus_inf();
-        w_mine = exp2f((ls - m_use) * LOG2E) * inv;
+  for (int ch = 0; ch < CH; ++ch) r.acc[ch] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = s0; s < s1; s += BATCH) {
+    if (s > s0) {
+      if (((s - s0) & 31) == 0) {  // the weights of pieces s .. s + 31
+        const float ls = s + lane < s1 ? __ldcg(l + (s + lane) * l_stride) : minus_inf();
+        w_mine = exp2f((ls - m_use) * LOG2E);
       }
-      load_pieces<BATCH, CH>(v, o, o_stride, s, np, dim, lane);
+      load_pieces<BATCH, CH>(v, o, o_stride, s, s1, dim, lane);
     }
-    add_pieces<BATCH, CH>(acc, v, w_mine, s);
+    add_pieces<BATCH, CH>(r.acc, v, w_mine, s - s0);
   }
   // the rows are dead once read: drop their lines from L2 unwritten (whole lines only: rows
   // of a multiple of 32 floats, so that no line holds part of another head's row)
   __syncwarp();
   if ((dim & 31) == 0 && (lane & 7) == 0)
-    for (int s = 0; s < np; ++s)
+    for (int s = s0; s < s1; ++s)
 #pragma unroll
       for (int ch = 0; ch < CH; ++ch)
         if (4 * (lane + 32 * ch) < dim)
           discard_l2_line(reinterpret_cast<const float4*>(o + s * o_stride) + lane + 32 * ch);
+  return r;
+}
+
+// Writes a head's merged row from the share of all its pieces, the sink (-inf: none) in
+// the denominator: out [dim] in TO and, when lse_out is given, its natural-log LSE.
+template <typename TO, int CH>
+__device__ __forceinline__ void write_merged(const RowShare<CH>& r, float sink, int dim,
+                                             TO* __restrict__ out, float* __restrict__ lse_out,
+                                             int lane) {
+  const float mx = fmaxf(r.m, sink);
+  const float m_use = mx == minus_inf() ? 0.f : mx;
+  const float a = exp2f((r.m - m_use) * LOG2E);
+  const float den = r.den * a + exp2f((sink - m_use) * LOG2E);
+  const float scale = den > 0.f ? a / den : 0.f;
 #pragma unroll
   for (int ch = 0; ch < CH; ++ch)
-    if (4 * (lane + 32 * ch) < dim) store4<TO>(out + 4 * (lane + 32 * ch), acc[ch]);
+    if (4 * (lane + 32 * ch) < dim) {
+      const float4 x = r.acc[ch];
+      store4<TO>(out + 4 * (lane + 32 * ch),
+                 make_float4(x.x * scale, x.y * scale, x.z * scale, x.w * scale));
+    }
   if (lane == 0 && lse_out != nullptr) *lse_out = den > 0.f ? m_use + logf(den) : minus_inf();
+}
+
+// One warp merges all `np` pieces of one head into out / lse_out.
+template <typename TO, int CH>
+__device__ __forceinline__ void merge_pieces_row(const float* __restrict__ o, i64 o_stride,
+                                                 const float* __restrict__ l, i64 l_stride,
+                                                 int np, float sink, int dim,
+                                                 TO* __restrict__ out,
+                                                 float* __restrict__ lse_out, int lane) {
+  write_merged<TO, CH>(merge_pieces_share<CH>(o, o_stride, l, l_stride, 0, np, dim, lane), sink,
+                       dim, out, lse_out, lane);
 }
 
 // Merges the pieces of one row group (sequence, kv head, head chunk): its `heads` query heads'

@@ -555,6 +555,29 @@ def test_fused_and_kernel_merges_agree(rng, cp):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_path", ["pages", "staged"])
+@pytest.mark.parametrize("lens", [[70001], [40000, 0, 9000], [17, 30000, 513, 2, 20000, 4097, 1, 8193, 65]],
+                         ids=["b1", "b3", "b9"])
+def test_kernel_merge_splits_heads_over_warps(rng, cp, kv_path, lens):
+    """Few long sequences have many pieces each, which the merge kernel splits over several
+    warps a head (merge_launch: 16 at B1 on the pages kernel, then fewer), combining their
+    shares in shared memory: outputs and LSEs (sinks in) match the reference on both kernel
+    paths."""
+    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("cp.async.bulk needs sm_90")
+    case = make_case(rng, lens=lens, hq=32, hk=8, d=128, bs=16, dtype=bfloat16)
+    opts = features(rng, 32, ("sinks",))
+    (want, want_lse), _ = oracle(case, "NHD", **opts)
+    dec = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=len(lens),
+                               kv_path=kv_path)
+    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]), merge="kernel")
+    wph = dp.merge_launch(dec._step.device.launch, len(lens))[2]
+    assert (wph > 1 and dec.num_splits > 16) or len(lens) == 9  # B9: 1 or 2 a head
+    got = decoder_run(cp, case, dec, {"sinks": cp.asarray(opts["sinks"])}, bfloat16)
+    assert_matches(*got, want, want_lse, bfloat16)
+
+
+@pytest.mark.gpu
 def test_many_heads_default_to_the_kernel_merge(rng, cp):
     """MQA (32 query heads a kv head) defaults to the kernel merge, one warp a head: a long
     sequence cut into many pieces, a short one and an empty one match the reference."""

@@ -66,10 +66,29 @@ def test_default_merge_by_heads_per_row_group():
     """The kernel merge (a warp per head) where the fused one would walk more than two
     heads a warp; explicit choices pass through."""
     mqa, gqa = launch(hq=32, hk=1, slots=264), launch(hq=32, hk=8, slots=264)
-    assert dp.resolve_merge(None, mqa) == "kernel" and dp.merge_head_blocks(mqa) == 8
-    assert dp.resolve_merge(None, gqa) == "fused" and dp.merge_head_blocks(gqa) == 2
+    assert dp.resolve_merge(None, mqa) == "kernel" and dp.merge_launch(mqa, 64)[0][2] == 8
+    assert dp.resolve_merge(None, gqa) == "fused" and dp.merge_launch(gqa, 64)[0][2] == 2
     assert dp.resolve_merge(None, launch(hq=64, hk=4, slots=264)) == "kernel"  # 16 heads
     assert dp.resolve_merge("fused", mqa) == "fused" and dp.resolve_merge("kernel", gqa) == "kernel"
+
+
+def test_merge_splits_many_pieces_over_warps():
+    """merge_pieces_kernel gives a head one warp while sequences have about 16 pieces or
+    fewer, else a power of two of warps (CTAs of up to MERGE_MAX_WARPS), by the batch alone."""
+    lp = launch(pages=True)  # 132 columns, 32 heads in one row group
+    got = {b: dp.merge_launch(lp, b) for b in (1, 2, 4, 8, 12, 13, 64, 300)}
+    assert got[1] == ((1, 1, 32), 512, 16)
+    assert got[2] == ((2, 1, 32), 256, 8)        # about 99 pieces: 13 a warp
+    assert got[4] == ((4, 1, 32), 128, 4)
+    assert got[8] == ((8, 1, 16), 128, 2)
+    assert got[12] == ((12, 1, 16), 128, 2) and got[13] == ((13, 1, 8), 128, 1)
+    assert got[64] == ((64, 1, 8), 128, 1) and got[300] == ((300, 1, 8), 128, 1)
+    for b, (grid, threads, wph) in got.items():
+        warps = threads // 32
+        assert wph <= warps <= dp.MERGE_MAX_WARPS and warps % wph == 0
+        assert grid[2] * (warps // wph) >= lp.heads_per_group  # every head has its warps
+    staged = launch(hq=32, hk=8, slots=264)  # 8 row groups of 8 heads, 33 columns
+    assert dp.merge_launch(staged, 1) == ((1, 8, 8), 128, 4)
 
 
 def test_pages_kernel_applies_and_plans():
@@ -108,7 +127,7 @@ def test_pages_kernel_applies_and_plans():
         assert lp_bs.tiles.smem_bytes == 3 * 2 * tile * 8 * 128 * 2, bs
     assert lp.tiles.smem_bytes == 3 * 2 * 16 * 8 * 128 * 2
     assert lp.columns == dp.DEFAULT_SMS and lp.grid == (dp.DEFAULT_SMS, 1)
-    assert dp.resolve_merge(None, lp) == "kernel" and dp.merge_head_blocks(lp) == 8
+    assert dp.resolve_merge(None, lp) == "kernel" and dp.merge_launch(lp, 64) == ((64, 1, 8), 128, 1)
     work = dp.plan_work(lp, np.array([8192] * 64, np.int32), False, -1, merge="kernel")
     assert work.desc[:, 3].max() == 8192 // 16  # tiles are blocks
 
