@@ -258,7 +258,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         tokens) with ``cp.async.bulk`` (sm_90+, 16-bit NHD caches, head_dim 64/96/128,
         block_size a multiple or a divisor of 16, up to 8 kv heads and 8 query heads each).
         "staged": 16-byte cp.async tiles of one kv head per CTA (every case). Default:
-        "pages" where it applies to batches of 16 sequences or more with 4 kv heads or
+        "pages" where it applies to batches of 2 sequences or more with 4 kv heads or
         more, where it is the faster; else "staged". CuPy path only.
 
     Returns

@@ -29,7 +29,7 @@ PAGE_THREADS = 32 * PAGE_WARPS
 PAGE_STAGES = 3
 PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
 MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
-PAGE_MIN_BATCH = 16                # pages_preferred
+PAGE_MIN_BATCH = 2                 # pages_preferred
 MERGE_MAX_WARPS = 16               # decode.cu: warps of a merge_pieces_kernel CTA
 PAGE_MIN_KV_HEADS = 4
 NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
@@ -81,12 +81,16 @@ def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, nu
 
 
 def pages_preferred(batch, num_kv_heads):
-    """Whether the pages kernel beats the staged one (H200, d128, page 16, both measured on
-    B 1..256 x L 2K..16K): from PAGE_MIN_BATCH sequences, and with at least
+    """Whether the pages kernel beats the staged one (H200, bf16 d128, page 16, measured on
+    B 1..256 x L 512..128K): from PAGE_MIN_BATCH sequences, and with at least
     PAGE_MIN_KV_HEADS kv heads (a warp computes each kv head's share of a block: with 1 or
-    2 the pages kernel is bound by their math, 0.3-0.6x the staged one). Below 16
-    sequences the staged kernel's merge of fewer, per-kv-head pieces wins (B1 x L8K: 17 vs
-    23 us)."""
+    2 the pages kernel is bound by their math, 0.3-0.6x the staged one). From B2 to B8 it
+    is 2-8 % faster from L8K up at 32/8, 16/4 and 64/8 heads (B8 x L128K 960 vs 1030 us
+    at 32/8), and at L512-2K within about a microsecond either way (latency: 0.87-1.12x).
+    One sequence alone stays on the staged kernel: its fused merge saves the merge kernel's
+    launch where the time is latency (B1 x L2K 11.4 vs 12.7 us), though from L8K the pages
+    kernel is faster (B1 x L128K 143 vs 154 us; ask for it with kv_path).
+    Depends on the batch, not the lengths, so that a captured graph stays valid."""
     return batch >= PAGE_MIN_BATCH and num_kv_heads >= PAGE_MIN_KV_HEADS
 
 

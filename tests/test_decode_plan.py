@@ -98,7 +98,8 @@ def test_pages_kernel_applies_and_plans():
     ok = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=32,
               num_kv_heads=8)
     assert dp.pages_capable("90", **ok) and dp.resolve_kv_path(None, "90", **ok, batch=16)
-    assert not dp.resolve_kv_path(None, "90", **ok, batch=15)           # pages_preferred
+    assert not dp.resolve_kv_path(None, "90", **ok, batch=1)            # pages_preferred
+    assert dp.resolve_kv_path(None, "90", **ok, batch=2)
     assert dp.resolve_kv_path("pages", "90", **ok, batch=1)
     few = {**ok, "num_q_heads": 8, "num_kv_heads": 2}
     assert dp.pages_capable("90", **few) and not dp.resolve_kv_path(None, "90", **few, batch=64)
