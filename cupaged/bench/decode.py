@@ -28,7 +28,8 @@ import numpy as np
 from .. import decode
 from .._arrays import bfloat16
 from ..reference import attention as ref
-from .timing import bench_main, copy_bandwidth, read_bandwidth, time_gpu, torch_or_none
+from .timing import (bench_main, copy_bandwidth, read_bandwidth, settle, time_gpu,
+                     torch_or_none)
 
 HEAD_DIM, DTYPE = 128, bfloat16
 HEADS = {"GQA": (32, 8), "MHA": (32, 32), "MQA": (32, 1)}
@@ -167,8 +168,7 @@ def _torch_graph_time(torch, run_set, sets, reps=20):
     with torch.cuda.graph(graph):
         for kv in sets:
             run_set(kv)
-    graph.replay()
-    torch.cuda.synchronize()
+    settle(graph.replay, torch.cuda.synchronize, warmup=1)
     times = []
     for _ in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -4,17 +4,35 @@ from __future__ import annotations
 import functools
 import statistics
 import sys
+import time
+
+
+WARM_SECONDS = 0.03
+
+
+def settle(fn, sync, warmup=3, seconds=WARM_SECONDS):
+    """Run ``fn()`` ``warmup`` times, then on until ``seconds`` have passed since the start
+    (``sync()`` after each): right after a large allocation is freed and another made, the
+    first milliseconds of GPU work can run markedly slower (seen on H200s: a B16 x L8K
+    decode 12 % slower for ~4 ms after an 8 GB K/V set was freed), which a few short
+    warm-up calls do not cover; long calls are not repeated."""
+    start = time.perf_counter()
+    for _ in range(warmup):
+        fn()
+    sync()
+    while time.perf_counter() - start < seconds:
+        fn()
+        sync()
 
 
 def time_gpu(fn, *, warmup=3, reps=20):
-    """Median seconds of ``fn()`` over ``reps`` runs, each timed with CUDA events.
+    """Median seconds of ``fn()`` over ``reps`` runs, each timed with CUDA events, after
+    :func:`settle`.
 
     ``fn`` should rotate its inputs itself when they would fit in L2 (60 MB on an H200).
     """
     import cupy
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
+    settle(fn, cupy.cuda.get_current_stream().synchronize, warmup)
     times = []
     for _ in range(reps):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
