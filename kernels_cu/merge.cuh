@@ -155,7 +155,8 @@ __device__ RowShare<CH> merge_pieces_share(const float* __restrict__ o, i64 o_st
   const float m_use = r.m == minus_inf() ? 0.f : r.m;
   float w_mine = exp2f((l0 - m_use) * LOG2E);
   float den = w_mine;
-  for (int s = s0 + lane + 32; s < s1; s += 32) den += exp2f((__ldcg(l + s * l_stride) - m_use) * LOG2E);
+  for (int s = s0 + lane + 32; s < s1; s += 32)
+    den += exp2f((__ldcg(l + s * l_stride) - m_use) * LOG2E);
   r.den = warp_sum(den);
 
   // -- weighted sum of the rows, batch after batch (the first one already loaded)

@@ -556,7 +556,8 @@ def test_fused_and_kernel_merges_agree(rng, cp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_path", ["pages", "staged"])
-@pytest.mark.parametrize("lens", [[70001], [40000, 0, 9000], [17, 30000, 513, 2, 20000, 4097, 1, 8193, 65]],
+@pytest.mark.parametrize("lens", [[70001], [40000, 0, 9000],
+                                  [17, 30000, 513, 2, 20000, 4097, 1, 8193, 65]],
                          ids=["b1", "b3", "b9"])
 def test_kernel_merge_splits_heads_over_warps(rng, cp, kv_path, lens):
     """Few long sequences have many pieces each, which the merge kernel splits over several

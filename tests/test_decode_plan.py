@@ -128,7 +128,8 @@ def test_pages_kernel_applies_and_plans():
         assert lp_bs.tiles.smem_bytes == 3 * 2 * tile * 8 * 128 * 2, bs
     assert lp.tiles.smem_bytes == 3 * 2 * 16 * 8 * 128 * 2
     assert lp.columns == dp.DEFAULT_SMS and lp.grid == (dp.DEFAULT_SMS, 1)
-    assert dp.resolve_merge(None, lp) == "kernel" and dp.merge_launch(lp, 64) == ((64, 1, 8), 128, 1)
+    assert dp.resolve_merge(None, lp) == "kernel"
+    assert dp.merge_launch(lp, 64) == ((64, 1, 8), 128, 1)
     work = dp.plan_work(lp, np.array([8192] * 64, np.int32), False, -1, merge="kernel")
     assert work.desc[:, 3].max() == 8192 // 16  # tiles are blocks
 
