@@ -255,8 +255,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         Also return the float32 natural-log LSE ``[batch, num_q_heads]`` (sink included).
     kv_path : {"pages", "staged"}, optional
         "pages": one CTA per SM copies whole cache blocks (every kv head of ``block_size``
-        tokens) with ``cp.async.bulk`` (sm_90+, 16-bit NHD caches, head_dim 64/96/128,
-        block_size a multiple or a divisor of 16, up to 8 kv heads and 8 query heads each).
+        tokens) with ``cp.async.bulk`` (sm_90+, 16-bit NHD caches with block_size a multiple
+        or a divisor of 16 or HND ones with block_size a multiple of 16, head_dim 64/96/128,
+        up to 8 kv heads and 8 query heads each).
         "staged": 16-byte cp.async tiles of one kv head per CTA (every case). Default:
         "pages" where it applies to batches of 2 sequences or more with 4 kv heads or
         more, where it is the faster; else "staged". CuPy path only.

@@ -70,11 +70,13 @@ def page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize):
 def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, num_q_heads,
                   num_kv_heads):
     """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit NHD cache (a block's
-    tokens x kv heads contiguous), head_dim 64/96/128, blocks of a multiple or a divisor of
-    16 tokens, up to PAGE_WARPS kv heads and 8 query heads each, and a ring that fits in
-    shared memory."""
-    return (int(compute_capability) >= 90 and itemsize == 2 and layout == "NHD"
-            and head_dim in PAGE_HEAD_DIMS and (block_size % 16 == 0 or 16 % block_size == 0)
+    tokens x kv heads contiguous) with blocks of a multiple or a divisor of 16 tokens, or an
+    HND one (kv heads x tokens) with blocks of a multiple of 16 (a tile is then one whole
+    block, each head's rows evenly spaced); head_dim 64/96/128, up to PAGE_WARPS kv heads and
+    8 query heads each, and a ring that fits in shared memory."""
+    blocks_ok = (block_size % 16 == 0 or (layout == "NHD" and 16 % block_size == 0))
+    return (int(compute_capability) >= 90 and itemsize == 2 and layout in ("NHD", "HND")
+            and blocks_ok and head_dim in PAGE_HEAD_DIMS
             and num_kv_heads <= PAGE_WARPS and num_q_heads // num_kv_heads <= 8
             and page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize) + 1024
             <= MAX_SMEM_PER_CTA)
@@ -107,8 +109,9 @@ def resolve_kv_path(kv_path, compute_capability, itemsize, head_dim, layout, blo
         raise ValueError(f"kv_path: expected one of {KV_PATHS}, got {kv_path!r}")
     if kv_path == "pages" and not capable:
         raise ValueError(
-            f"kv_path: 'pages' needs sm_90+, a 16-bit NHD cache, head_dim in {PAGE_HEAD_DIMS}, "
-            f"block_size a multiple or a divisor of 16, at most {PAGE_WARPS} kv heads and 8 "
+            f"kv_path: 'pages' needs sm_90+, a 16-bit NHD cache with block_size a multiple "
+            f"or a divisor of 16 or an HND one with block_size a multiple of 16, head_dim in "
+            f"{PAGE_HEAD_DIMS}, at most {PAGE_WARPS} kv heads and 8 "
             f"query heads each, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
             f"{head_dim}, block_size {block_size}, {num_q_heads}/{num_kv_heads} heads")
     return kv_path == "pages"

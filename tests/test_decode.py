@@ -621,26 +621,35 @@ PAGE_SHAPES = [  # id, dtype, head_dim, block_size, Hq, Hk, lengths: pages-capab
 ]
 
 
+# every shape in NHD, and in HND those whose blocks are whole tiles (16k tokens)
+PAGE_CASES = [("nhd-" + s[0], "NHD") + s[1:] for s in PAGE_SHAPES] + [
+    ("hnd-" + s[0], "HND") + s[1:] for s in PAGE_SHAPES if s[3] % 16 == 0]
+
+
 def test_page_shapes_take_the_pages_kernel():
-    for _, dtype, d, bs, hq, hk, _ in PAGE_SHAPES:
-        assert dp.pages_capable(90, np.dtype(dtype).itemsize, d, "NHD", bs, hq, hk)
+    for _, layout, dtype, d, bs, hq, hk, _ in PAGE_CASES:
+        assert dp.pages_capable(90, np.dtype(dtype).itemsize, d, layout, bs, hq, hk)
+    assert len(PAGE_CASES) == len(PAGE_SHAPES) + 6
+    assert not dp.pages_capable(90, 2, 128, "HND", 8, 32, 8)  # a tile of several HND blocks
+    assert not dp.pages_capable(90, 2, 128, "vllm", 16, 32, 8)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_path", ["pages", "staged"])
 @pytest.mark.parametrize("feats", [("window", "sinks"), ("alibi", "softcap", "scale")],
                          ids=["window+sinks", "alibi+softcap+scale"])
-@pytest.mark.parametrize("dtype,d,bs,hq,hk,lens", [s[1:] for s in PAGE_SHAPES],
-                         ids=[s[0] for s in PAGE_SHAPES])
-def test_kernel_paths(rng, cp, kv_path, feats, dtype, d, bs, hq, hk, lens):
+@pytest.mark.parametrize("layout,dtype,d,bs,hq,hk,lens", [s[1:] for s in PAGE_CASES],
+                         ids=[s[0] for s in PAGE_CASES])
+def test_kernel_paths(rng, cp, kv_path, feats, layout, dtype, d, bs, hq, hk, lens):
     """Both kernels where the pages one applies (sm_90): window edges inside blocks and
     m-tiles, partial groups (3 and 5 heads of 8), an append into a partly filled block,
-    every score modifier."""
+    every score modifier; in HND the whole-block copies bring in the cache's NaN-poisoned
+    rows outside the visible keys, which must be zeroed."""
     if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("cp.async.bulk needs sm_90")
-    case = make_case(rng, lens=lens, hq=hq, hk=hk, d=d, bs=bs, layout="NHD", dtype=dtype,
+    case = make_case(rng, lens=lens, hq=hq, hk=hk, d=d, bs=bs, layout=layout, dtype=dtype,
                      append=True)
-    check_gpu(cp, rng, case, "NHD", feats, kv_path=kv_path)
+    check_gpu(cp, rng, case, layout, feats, kv_path=kv_path)
 
 
 @pytest.mark.gpu

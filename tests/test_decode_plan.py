@@ -92,9 +92,10 @@ def test_merge_splits_many_pieces_over_warps():
 
 
 def test_pages_kernel_applies_and_plans():
-    """pages on sm_90+ for 16-bit NHD caches, d 64/96/128, blocks of 16k tokens or of a
-    divisor of 16, up to 8 kv heads and 8 query heads each; its launch: one row group of
-    every head, 256 threads, tiles of a block or of 16 tokens, a 3-stage ring of tiles."""
+    """pages on sm_90+ for 16-bit NHD caches with blocks of 16k tokens or of a divisor of 16
+    and HND ones with blocks of 16k tokens, d 64/96/128, up to 8 kv heads and 8 query heads
+    each; its launch: one row group of every head, 256 threads, tiles of a block or of 16
+    tokens, a 3-stage ring of tiles."""
     ok = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=32,
               num_kv_heads=8)
     assert dp.pages_capable("90", **ok) and dp.resolve_kv_path(None, "90", **ok, batch=16)
@@ -105,7 +106,11 @@ def test_pages_kernel_applies_and_plans():
     assert dp.pages_capable("90", **few) and not dp.resolve_kv_path(None, "90", **few, batch=64)
     for bs in (1, 2, 4, 8):
         assert dp.pages_capable("90", **{**ok, "block_size": bs}), bs
-    for bad in (dict(itemsize=4), dict(head_dim=80), dict(layout="HND"), dict(block_size=12),
+    for bs, hk in ((16, 8), (32, 4), (48, 2)):  # HND: whole blocks of 16k tokens a tile
+        args = {**ok, "layout": "HND", "block_size": bs, "num_q_heads": 4 * hk, "num_kv_heads": hk}
+        assert dp.pages_capable("90", **args), bs
+    for bad in (dict(itemsize=4), dict(head_dim=80), dict(layout="HND", block_size=8),
+                dict(layout="vllm"), dict(block_size=12),
                 dict(block_size=3), dict(block_size=24),
                 dict(num_q_heads=64, num_kv_heads=4), dict(num_q_heads=16, num_kv_heads=16),
                 dict(block_size=64)):  # 64 x 8 x 128 x 2 B x 2 x 3 stages > 227 KB
