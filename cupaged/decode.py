@@ -49,14 +49,15 @@ def _decode_expr(dtype, head_dim, vllm_v, head_tiles):
             f"{'true' if vllm_v else 'false'}, {head_tiles}>")
 
 
-def _pages_expr(dtype, head_dim):
-    return f"cupaged::decode::paged_decode_pages_kernel<{ctype(dtype)}, {head_dim}>"
+def _pages_expr(dtype, head_dim, head_major=False):
+    return (f"cupaged::decode::paged_decode_pages_kernel<{ctype(dtype)}, {head_dim}, "
+            f"{'true' if head_major else 'false'}>")
 
 
 def _launch_expr(lp, dtype):
     """The decode kernel of launch ``lp``."""
     if lp.pages:
-        return _pages_expr(dtype, lp.head_dim)
+        return _pages_expr(dtype, lp.head_dim, lp.head_major)
     return _decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles)
 
 
@@ -542,5 +543,6 @@ def kernel_specializations():
             for nt in sorted({dp.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
                 specs += [Spec("decode", _decode_expr(dt, d, vt, nt)) for vt in (False, True)]
             if dt.itemsize == 2 and d in dp.PAGE_HEAD_DIMS:
-                specs.append(Spec("decode", _pages_expr(dt, d), hopper=True))
+                specs += [Spec("decode", _pages_expr(dt, d, hm), hopper=True)
+                          for hm in (False, True)]
     return specs

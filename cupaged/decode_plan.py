@@ -308,6 +308,11 @@ class DecodeLaunch(NamedTuple):
         return 1 if self.pages else self.num_kv_heads * self.heads.head_chunks
 
     @property
+    def head_major(self):
+        """The pages kernel on an HND cache: a kv head's rows of a block lie together."""
+        return self.pages and self.k_strides[1] > self.k_strides[2]
+
+    @property
     def threads(self):
         """Threads per CTA of the decode kernel."""
         return PAGE_THREADS if self.pages else NTHREADS

@@ -905,22 +905,6 @@ constexpr int PAGE_WARPS = 8;  // one per kv head (up to 8)
 constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
 constexpr int PAGE_STAGES = 3;
 
-// grid (columns); block PAGE_THREADS; sm_90; 16-bit caches with up to 8 kv heads, at most 8
-// query heads a kv head: NHD with block_size a multiple of 16 or a divisor of 16, or HND with
-// block_size a multiple of 16. The plan's tiles are max(block_size, 16) tokens, whole blocks
-// (one, or 16 / block_size of them), and its one row group holds every query head. CTA c
-// walks column c's pieces, then pool pieces (PiecePool); its stream of tiles goes through a
-// PAGE_STAGES ring, a stage holding its tile as the cache lays out a block (kv head h's
-// token t at h * khs + t * kts):
-//   NHD  lane j / 8 of warp j % 8 copies the visible tokens of the tile's block j, K and V
-//        (each one contiguous run [tokens][Hk][D]; the blocks of a tile land one after the
-//        other as one such run) with two cp.async.bulk on the stage's mbarrier, and every
-//        thread zeroes its share of the other rows before;
-//   HND  thread 0 copies the whole block [Hk][tokens][D] (one run whatever the visible
-//        tokens), and once it landed each warp zeroes its own head's invisible rows.
-// Warp w < Hk serves kv head w: the tile's m-tiles of 16 tokens, rows kts elements apart
-// (PageMath), for query heads w*G .. w*G + G - 1 with its own online softmax, so no warp
-// combines with another. Pieces end as in paged_decode_kernel.
 // HND stage of one kv head (rows `stride` elements apart, tokens t0 .. t0 + rows - 1 of the
 // sequence): zeroes the K and V rows outside the visible keys [lo, kv_len), which the whole-
 // block copy brought in as the cache held them, so that their masked scores and values stay
@@ -941,7 +925,24 @@ __device__ __forceinline__ void zero_head_rows(T* k_rows, T* v_rows, int stride,
   __syncwarp();
 }
 
-template <typename T, int D>
+// grid (columns); block PAGE_THREADS; sm_90; 16-bit caches with up to 8 kv heads, at most 8
+// query heads a kv head: NHD with block_size a multiple of 16 or a divisor of 16, or HND with
+// block_size a multiple of 16. The plan's tiles are max(block_size, 16) tokens, whole blocks
+// (one, or 16 / block_size of them), and its one row group holds every query head. CTA c
+// walks column c's pieces, then pool pieces (PiecePool); its stream of tiles goes through a
+// PAGE_STAGES ring, a stage holding its tile as the cache lays out a block:
+//   NHD  (HEAD_MAJOR false; kv head h's token t at (t * Hk + h) * D): lane j / 8 of warp
+//        j % 8 copies the visible tokens of the tile's block j, K and V (each one
+//        contiguous run [tokens][Hk][D]; the blocks of a tile land one after the other as
+//        one such run) with two cp.async.bulk on the stage's mbarrier, and every thread
+//        zeroes its share of the other rows before;
+//   HND  (HEAD_MAJOR; kv head h's token t at (h * tokens + t) * D): thread 0 copies the
+//        whole block (one run whatever the visible tokens), and once it landed each warp
+//        zeroes its own head's invisible rows (zero_head_rows).
+// Warp w < Hk serves kv head w: the tile's m-tiles of 16 tokens (PageMath), for query heads
+// w*G .. w*G + G - 1 with its own online softmax, so no warp combines with another. Pieces
+// end as in paged_decode_kernel.
+template <typename T, int D, bool HEAD_MAJOR>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
 paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   using State = SoftmaxState<1, D / 16>;
@@ -953,10 +954,11 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = num_q_heads / num_kv_heads;
   const int row = num_kv_heads * D;            // elements of a token, every kv head
-  const bool head_major = khs > kts;            // HND: a head's rows together (kts = D)
   const int tile_rows = max(block_size, 16);   // tokens a tile (a stage) holds
   const int tile_blocks = tile_rows / block_size;
   const int stage_elems = tile_rows * row;     // one operand of one stage
+  const int head_rows = HEAD_MAJOR ? D : row;   // elements between a kv head's tokens
+  const int head_first = HEAD_MAJOR ? tile_rows * D : D;  // ... and from one head to the next
   const int warp_heads = warp < num_kv_heads ? group : 0;
   const int hq_warp = warp * group;
   const u32 bars = smem_addr(full);
@@ -979,8 +981,8 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
     const int t0 = r.tile * tile_rows;
     // copied rows [a, b): the visible ones (NHD), or the whole block (HND: a head's
     // invisible rows are zeroed once it landed)
-    const int a = head_major ? 0 : max(r.lo - t0, 0);
-    const int b = head_major ? tile_rows : min(r.kv_len - t0, tile_rows);
+    const int a = HEAD_MAJOR ? 0 : max(r.lo - t0, 0);
+    const int b = HEAD_MAJOR ? tile_rows : min(r.kv_len - t0, tile_rows);
     T* ks = k_stage(st);
     T* vs = v_stage(st);
     const int chunks = row / Vec16<T>::N;  // 16-byte chunks a token row
@@ -1052,18 +1054,18 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
         blk = block_id(cur.ref);
       }
       if (!warp_heads) continue;
-      T* ks = k_stage(it % PAGE_STAGES) + warp * khs;  // this warp's kv head
-      T* vs = v_stage(it % PAGE_STAGES) + warp * khs;
-      if (head_major)
-        zero_head_rows<T, D>(ks, vs, kts, tile * tile_rows, tile_rows, lo, kv_len, lane);
+      T* ks = k_stage(it % PAGE_STAGES) + warp * head_first;  // this warp's kv head
+      T* vs = v_stage(it % PAGE_STAGES) + warp * head_first;
+      if (HEAD_MAJOR)
+        zero_head_rows<T, D>(ks, vs, D, tile * tile_rows, tile_rows, lo, kv_len, lane);
       for (int mt = 0; mt < tile_rows / 16; ++mt) {
         const int tok0 = tile * tile_rows + mt * 16;
         if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
         float s[1][4];
-        math.scores(ks + mt * 16 * kts, kts, s, lane);
+        math.scores(ks + mt * 16 * head_rows, head_rows, s, lane);
         mods.apply(s, slope, tok0, lane >> 2);
         state.update(s, 1);
-        math.pv(vs + mt * 16 * kts, kts, s, state.acc, lane);
+        math.pv(vs + mt * 16 * head_rows, head_rows, s, state.acc, lane);
       }
     }
 

@@ -45,7 +45,11 @@ def test_specializations_cover_every_plan(dtype):
                 assert lp.heads_per_group * lp.heads.head_chunks >= hq // hk
                 assert lp.heads.head_warps <= dp.NWARPS
                 if dp.pages_capable(90, np.dtype(dtype).itemsize, d, layout, 16, hq, hk):
-                    assert decode._pages_expr(dtype, d) in specs
+                    pl = dp.plan_launch(itemsize=np.dtype(dtype).itemsize, head_dim=d,
+                                        layout=layout, block_size=16, num_q_heads=hq,
+                                        num_kv_heads=hk, pages=True)
+                    assert pl.head_major == (layout == "HND")
+                    assert decode._launch_expr(pl, dtype) in specs
 
 
 def test_min_piece_tiles_balances_merge_and_streaming():
