@@ -116,6 +116,7 @@ class _DeviceStep(NamedTuple):
     counters: object  # int32 [batch * row groups] zeros (fused merge), or None
     pool: object      # int32 [2 * row groups] zeros (pool pieces taken, CTAs done), or None
     scalars: tuple    # the decode kernel's arguments after the arrays
+    merge_launch: tuple  # (grid, threads, warps a head) of merge_pieces_kernel, or None
 
 
 def _ptr(a):
@@ -152,6 +153,11 @@ def _step_kernels(lp, dtype, append, merge_kernel):
             _kernel(_pieces_expr(dtype, lp.head_dim)) if merge_kernel else None)
 
 
+def _merge_launch(lp, batch, fused):
+    """merge_pieces_kernel's launch for a step (None with the fused merge)."""
+    return None if fused else dp.merge_launch(lp, batch)
+
+
 def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
     """Append (with ``k_new``), decode and, with a merge kernel in ``dev.kernels``, merge
     split pieces by a second kernel; all on the current stream."""
@@ -167,7 +173,7 @@ def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
             _ptr(dev.pool), dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes),
             _ptr(opts.sinks)) + dev.scalars, shared_mem=lp.tiles.smem_bytes)
     if merge is not None:
-        grid, threads, wph = dp.merge_launch(lp, batch)
+        grid, threads, wph = dev.merge_launch
         merge(grid, (threads,),
               (_ptr(dev.part_out), _ptr(dev.part_lse), dev.seq_info,
                *_i32((hq, lp.merge_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
@@ -198,7 +204,8 @@ def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
     return _DeviceStep(lp, _step_kernels(lp, dtype, c.append, not fused),
                        index[layout.desc:layout.tables],
                        index[layout.info:layout.info + 2 * c.batch], block_tables, seq_lens,
-                       part_out, part_lse, counters, pool, scalars)
+                       part_out, part_lse, counters, pool, scalars,
+                       _merge_launch(lp, c.batch, fused))
 
 
 def _result(out, lse, return_lse):
@@ -412,10 +419,10 @@ class PagedDecoder:
             chosen so that the CTAs are busy), dealt to the columns in equal counts.
         merge : {"fused", "kernel"}, optional
             Who merges the pieces of a cut sequence: the CTA finishing the last one
-            ("fused") or a second kernel launched after the decode kernel, one warp a
-            query head ("kernel"). Default: "fused", or "kernel" when the kernel serves
-            more than 8 query heads a kv head (as for MQA), where one CTA would merge many
-            heads one after another.
+            ("fused") or a second kernel launched after the decode kernel, one warp or more
+            a query head ("kernel"; ``decode_plan.merge_launch``). Default: "fused", or
+            "kernel" when a CTA serves more than 8 query heads (MQA; the pages kernel, whose
+            CTAs serve every head), where one CTA would merge many heads one after another.
         """
         xp = self._xp or array_module(block_tables, seq_lens)
         bt, sl, max_block = dc.check_plan(self, block_tables, seq_lens, append, num_splits)
@@ -482,7 +489,8 @@ class PagedDecoder:
                            idx[lay.desc:lay.tables], idx[lay.info:lay.info + 2 * batch], tables,
                            idx[:batch], self._part_out, self._part_lse,
                            self._counters if fused else None, self._pool,
-                           _decode_scalars(lp, self.num_q_heads, lay.width, self._opts, int(fused)))
+                           _decode_scalars(lp, self.num_q_heads, lay.width, self._opts, int(fused)),
+                           _merge_launch(lp, batch, fused))
 
     @accepts_dlpack
     def run(self, q, k_cache, v_cache, sinks=None, alibi_slopes=None, k_new=None, v_new=None,
@@ -533,7 +541,7 @@ class PagedDecoder:
 def kernel_specializations():
     """Every kernel this module can launch: append, the two merges, decode per dtype, head
     dim, value layout (rows or vllm's transposed) and heads per warp, and the pages kernel
-    (sm_90) per 16-bit dtype and head dim."""
+    (sm_90) per 16-bit dtype, head dim and block layout (NHD or HND)."""
     specs = []
     for dt in FLOAT_DTYPES:
         specs.append(Spec("decode", _append_expr(dt)))
