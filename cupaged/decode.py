@@ -262,13 +262,14 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     return_lse : bool
         Also return the float32 natural-log LSE ``[batch, num_q_heads]`` (sink included).
     kv_path : {"pages", "staged"}, optional
-        "pages": one CTA per SM copies whole cache blocks (every kv head of ``block_size``
-        tokens) with ``cp.async.bulk`` (sm_90+, 16-bit NHD caches with block_size a multiple
-        or a divisor of 16 or HND ones with block_size a multiple of 16, head_dim 64/96/128,
-        up to 8 kv heads and 8 query heads each).
+        "pages": one CTA per SM copies whole cache blocks (``block_size`` tokens of up to 8
+        kv heads: all of them, or a group of a divisor of their number, e.g. 8 of MHA's 32)
+        with ``cp.async.bulk`` (sm_90+, 16-bit NHD caches with block_size a multiple or a
+        divisor of 16 or HND ones with block_size a multiple of 16, head_dim 64/96/128, up
+        to 8 query heads a kv head).
         "staged": 16-byte cp.async tiles of one kv head per CTA (every case). Default:
         "pages" where it applies to batches of 2 sequences or more with 4 kv heads or
-        more, where it is the faster; else "staged". CuPy path only.
+        more a CTA, where it is the faster; else "staged". CuPy path only.
 
     Returns
     -------
@@ -420,9 +421,10 @@ class PagedDecoder:
         merge : {"fused", "kernel"}, optional
             Who merges the pieces of a cut sequence: the CTA finishing the last one
             ("fused") or a second kernel launched after the decode kernel, one warp or more
-            a query head ("kernel"; ``decode_plan.merge_launch``). Default: "fused", or
-            "kernel" when a CTA serves more than 8 query heads (MQA; the pages kernel, whose
-            CTAs serve every head), where one CTA would merge many heads one after another.
+            a query head ("kernel"; ``decode_plan.merge_launch``). Default: "kernel" on the
+            pages kernel (whose fused merge holds up a CTA's whole stream) and where a CTA
+            serves more than 8 query heads (MQA: one CTA would merge many heads one after
+            another), else "fused".
         """
         xp = self._xp or array_module(block_tables, seq_lens)
         bt, sl, max_block = dc.check_plan(self, block_tables, seq_lens, append, num_splits)

@@ -24,7 +24,7 @@ SCHEDULES = ("balanced", "split")  # equal tile shares per column / equal cuts p
 MERGES = ("fused", "kernel")       # split pieces merged by their last CTA / by a second kernel
 DESC_INTS = 8                      # ints per piece descriptor (decode.cu's Piece)
 KV_PATHS = ("pages", "staged")     # whole blocks by cp.async.bulk (sm_90) / cp.async tiles
-PAGE_WARPS = 8                     # paged_decode_pages_kernel: a warp per kv head
+PAGE_WARPS = 8                     # paged_decode_pages_kernel: a warp per kv head of a CTA
 PAGE_THREADS = 32 * PAGE_WARPS
 PAGE_STAGES = 3
 PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
@@ -62,9 +62,16 @@ def page_tile(block_size):
     return max(int(block_size), 16)
 
 
+def page_kv_heads(num_kv_heads):
+    """kv heads one pages-kernel CTA serves, a warp each: every one up to PAGE_WARPS, else
+    the largest divisor of their number up to PAGE_WARPS (a row group each; 8 of MHA's 32)."""
+    return max(h for h in range(1, PAGE_WARPS + 1) if num_kv_heads % h == 0)
+
+
 def page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize):
-    """The pages kernel's ring: PAGE_STAGES tiles of K and of V."""
-    return PAGE_STAGES * 2 * page_tile(block_size) * num_kv_heads * head_dim * itemsize
+    """The pages kernel's ring: PAGE_STAGES tiles of K and of V, of a CTA's kv heads."""
+    heads = page_kv_heads(num_kv_heads)
+    return PAGE_STAGES * 2 * page_tile(block_size) * heads * head_dim * itemsize
 
 
 def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, num_q_heads,
@@ -72,12 +79,11 @@ def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, nu
     """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit NHD cache (a block's
     tokens x kv heads contiguous) with blocks of a multiple or a divisor of 16 tokens, or an
     HND one (kv heads x tokens) with blocks of a multiple of 16 (a tile is then one whole
-    block, each head's rows evenly spaced); head_dim 64/96/128, up to PAGE_WARPS kv heads and
-    8 query heads each, and a ring that fits in shared memory."""
+    block, each head's rows evenly spaced); head_dim 64/96/128, up to 8 query heads a kv
+    head, and a ring of a CTA's kv heads (``page_kv_heads``) that fits in shared memory."""
     blocks_ok = (block_size % 16 == 0 or (layout == "NHD" and 16 % block_size == 0))
     return (int(compute_capability) >= 90 and itemsize == 2 and layout in ("NHD", "HND")
-            and blocks_ok and head_dim in PAGE_HEAD_DIMS
-            and num_kv_heads <= PAGE_WARPS and num_q_heads // num_kv_heads <= 8
+            and blocks_ok and head_dim in PAGE_HEAD_DIMS and num_q_heads // num_kv_heads <= 8
             and page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize) + 1024
             <= MAX_SMEM_PER_CTA)
 
@@ -85,15 +91,16 @@ def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, nu
 def pages_preferred(batch, num_kv_heads):
     """Whether the pages kernel beats the staged one (H200, bf16 d128, page 16, measured on
     B 1..256 x L 512..128K): from PAGE_MIN_BATCH sequences, and with at least
-    PAGE_MIN_KV_HEADS kv heads (a warp computes each kv head's share of a block: with 1 or
-    2 the pages kernel is bound by their math, 0.3-0.6x the staged one). From B2 to B8 it
+    PAGE_MIN_KV_HEADS kv heads a CTA (``page_kv_heads``; a warp computes each kv head's
+    share of a block: with 1 or 2 the pages kernel is bound by their math, 0.3-0.6x the
+    staged one). From B2 to B8 it
     is 2-8 % faster from L8K up at 32/8, 16/4 and 64/8 heads (B8 x L128K 960 vs 1030 us
     at 32/8), and at L512-2K within about a microsecond either way (latency: 0.87-1.12x).
     One sequence alone stays on the staged kernel: its fused merge saves the merge kernel's
     launch where the time is latency (B1 x L2K 11.4 vs 12.7 us), though from L8K the pages
     kernel is faster (B1 x L128K 143 vs 154 us; ask for it with kv_path).
     Depends on the batch, not the lengths, so that a captured graph stays valid."""
-    return batch >= PAGE_MIN_BATCH and num_kv_heads >= PAGE_MIN_KV_HEADS
+    return batch >= PAGE_MIN_BATCH and page_kv_heads(num_kv_heads) >= PAGE_MIN_KV_HEADS
 
 
 def resolve_kv_path(kv_path, compute_capability, itemsize, head_dim, layout, block_size,
@@ -111,8 +118,8 @@ def resolve_kv_path(kv_path, compute_capability, itemsize, head_dim, layout, blo
         raise ValueError(
             f"kv_path: 'pages' needs sm_90+, a 16-bit NHD cache with block_size a multiple "
             f"or a divisor of 16 or an HND one with block_size a multiple of 16, head_dim in "
-            f"{PAGE_HEAD_DIMS}, at most {PAGE_WARPS} kv heads and 8 "
-            f"query heads each, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
+            f"{PAGE_HEAD_DIMS}, at most 8 query heads a kv head and a ring that fits in shared "
+            f"memory, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
             f"{head_dim}, block_size {block_size}, {num_q_heads}/{num_kv_heads} heads")
     return kv_path == "pages"
 
@@ -121,10 +128,12 @@ def resolve_merge(merge, launch):
     """``merge`` or, when None, "fused" (the CTA completing a sequence merges it; no second
     launch) unless a row group holds more than ``2 * NWARPS`` query heads: then "kernel",
     whose grid gives every head a warp, where the fused merge would walk 8 heads a warp
-    (MQA) one after the other."""
+    (MQA) one after the other. The pages kernel takes "kernel" whatever its heads: its
+    fused merge holds up a CTA's whole stream, 0.5-2 % slower at B64 (H200: 64/16 heads
+    L4K 503 vs 493 us, 8/8 L8K 485 vs 482)."""
     if merge is not None:
         return merge
-    return "kernel" if launch.heads_per_group > 2 * NWARPS else "fused"
+    return "kernel" if launch.pages or launch.heads_per_group > 2 * NWARPS else "fused"
 
 
 def merge_warps_per_head(launch, batch):
@@ -300,12 +309,15 @@ class DecodeLaunch(NamedTuple):
     block_size: int
     block_magic: int
     block_shift: int
-    pages: bool = False  # paged_decode_pages_kernel: tiles are blocks, one row group of all heads
+    pages: bool = False  # paged_decode_pages_kernel: tiles are blocks, a warp per kv head
 
     @property
     def row_groups(self):
-        """(kv head, head chunk) pairs: grid.y (1 for the pages kernel: all heads a CTA)."""
-        return 1 if self.pages else self.num_kv_heads * self.heads.head_chunks
+        """grid.y: (kv head, head chunk) pairs, or for the pages kernel groups of
+        ``head_warps`` kv heads (one of every head up to PAGE_WARPS of them)."""
+        if self.pages:
+            return self.num_kv_heads // self.heads.head_warps
+        return self.num_kv_heads * self.heads.head_chunks
 
     @property
     def head_major(self):
@@ -319,8 +331,9 @@ class DecodeLaunch(NamedTuple):
 
     @property
     def merge_kv_heads(self):
-        """kv heads as merge_pieces_kernel indexes row groups (1 for the pages kernel)."""
-        return 1 if self.pages else self.num_kv_heads
+        """kv heads as merge_pieces_kernel indexes row groups (for the pages kernel its row
+        groups, each as one kv head of all the group's query heads)."""
+        return self.row_groups if self.pages else self.num_kv_heads
 
     @property
     def heads_per_group(self):
@@ -340,15 +353,15 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
     of the specialisation; default an H200 estimate from shared memory). The grid holds one
     CTA per slot (``columns = slots // row_groups``, at least 1), whatever the lengths.
     ``pages``: the pages kernel (the caller checks ``pages_capable``): tiles are whole
-    blocks, one or 16 / block_size (``page_tile``), a warp per kv head, one row group of
-    every query head.
+    blocks, one or 16 / block_size (``page_tile``), a warp per kv head, row groups of
+    ``page_kv_heads`` kv heads with all their query heads.
     """
     group = num_q_heads // num_kv_heads
     vllm_v = layout == "vllm"
     if pages:
         tiles = TileConfig(page_tile(block_size), 1, group,
                            page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize))
-        heads = HeadLayout(num_kv_heads, 1)  # heads_per_group: every query head
+        heads = HeadLayout(page_kv_heads(num_kv_heads), 1)  # kv heads (warps) a row group
     else:
         tiles = tile_config(itemsize, head_dim, vllm_v, head_tiles(itemsize, head_dim, group))
         heads = head_layout(group, tiles.heads_per_warp)
@@ -391,10 +404,10 @@ def min_piece_tiles(launch, max_tiles, merge="fused") -> int:
     best P is ``sqrt(n / c)``, that is ``sqrt(n c)`` tiles a piece: 4 at 512 tiles for one
     head a warp (c = 1/32), 12 for the fused merge of MQA's 32 heads (c = 1/4; 43 pieces
     instead of 256, whose merge took several times the streaming). A pages-kernel tile
-    holds every kv head of its tokens, so its ``c`` is divided by their number.
+    holds a row group's kv heads of its tokens, so its ``c`` is divided by their number.
     """
     per_warp = 1 if merge == "kernel" else -(-launch.heads_per_group // NWARPS)
-    tile_heads = launch.num_kv_heads if launch.pages else 1  # kv heads a tile holds
+    tile_heads = launch.heads.head_warps if launch.pages else 1  # kv heads a tile holds
     c = 2 * per_warp / (launch.tiles.tile * tile_heads)
     return max(STAGES - 1, int(np.ceil(np.sqrt(max_tiles * c))))
 

@@ -925,23 +925,26 @@ __device__ __forceinline__ void zero_head_rows(T* k_rows, T* v_rows, int stride,
   __syncwarp();
 }
 
-// grid (columns); block PAGE_THREADS; sm_90; 16-bit caches with up to 8 kv heads, at most 8
-// query heads a kv head: NHD with block_size a multiple of 16 or a divisor of 16, or HND with
-// block_size a multiple of 16. The plan's tiles are max(block_size, 16) tokens, whole blocks
-// (one, or 16 / block_size of them), and its one row group holds every query head. CTA c
-// walks column c's pieces, then pool pieces (PiecePool); its stream of tiles goes through a
-// PAGE_STAGES ring, a stage holding its tile as the cache lays out a block:
-//   NHD  (HEAD_MAJOR false; kv head h's token t at (t * Hk + h) * D): lane j / 8 of warp
-//        j % 8 copies the visible tokens of the tile's block j, K and V (each one
-//        contiguous run [tokens][Hk][D]; the blocks of a tile land one after the other as
-//        one such run) with two cp.async.bulk on the stage's mbarrier, and every thread
-//        zeroes its share of the other rows before;
+// grid (columns, row groups); block PAGE_THREADS; sm_90; 16-bit caches, at most 8 query heads
+// a kv head: NHD with block_size a multiple of 16 or a divisor of 16, or HND with block_size
+// a multiple of 16. Row group y is the kv heads y*HG .. y*HG + HG - 1 (HG = head_warps, at
+// most PAGE_WARPS: every kv head, or a divisor of their number) with all their query heads.
+// The plan's tiles are max(block_size, 16) tokens, whole blocks (one, or 16 / block_size of
+// them). CTA (c, y) walks column c's pieces, then pool pieces of row group y (PiecePool);
+// its stream of tiles goes through a PAGE_STAGES ring, a stage holding its tile's HG heads
+// as the cache lays them out:
+//   NHD  (HEAD_MAJOR false; kv head h's token t at (t * HG + h) * D in the stage): with
+//        HG = Hk a block's visible tokens are one contiguous run [tokens][Hk][D] in the
+//        cache, else each token's HG heads are one; lane j / 8 of warp j % 8 copies run j
+//        of the tile, K and V, with two cp.async.bulk on the stage's mbarrier (the runs of
+//        a tile land one after the other), and every thread zeroes its share of the
+//        invisible rows before;
 //   HND  (HEAD_MAJOR; kv head h's token t at (h * tokens + t) * D): thread 0 copies the
-//        whole block (one run whatever the visible tokens), and once it landed each warp
-//        zeroes its own head's invisible rows (zero_head_rows).
-// Warp w < Hk serves kv head w: the tile's m-tiles of 16 tokens (PageMath), for query heads
-// w*G .. w*G + G - 1 with its own online softmax, so no warp combines with another. Pieces
-// end as in paged_decode_kernel.
+//        row group's HG heads of the block (one run whatever the visible tokens), and once
+//        it landed each warp zeroes its own head's invisible rows (zero_head_rows).
+// Warp w < HG serves kv head y*HG + w: the tile's m-tiles of 16 tokens (PageMath), for its
+// G query heads with its own online softmax, so no warp combines with another. Pieces end
+// as in paged_decode_kernel.
 template <typename T, int D, bool HEAD_MAJOR>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
 paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
@@ -953,14 +956,16 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   T* ring = reinterpret_cast<T*>(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = num_q_heads / num_kv_heads;
-  const int row = num_kv_heads * D;            // elements of a token, every kv head
+  const int hg = head_warps;                   // kv heads of the row group
+  const int kv0 = blockIdx.y * hg;             // its first
+  const int row = hg * D;                      // elements of a token in a stage (NHD)
   const int tile_rows = max(block_size, 16);   // tokens a tile (a stage) holds
   const int tile_blocks = tile_rows / block_size;
   const int stage_elems = tile_rows * row;     // one operand of one stage
   const int head_rows = HEAD_MAJOR ? D : row;   // elements between a kv head's tokens
   const int head_first = HEAD_MAJOR ? tile_rows * D : D;  // ... and from one head to the next
-  const int warp_heads = warp < num_kv_heads ? group : 0;
-  const int hq_warp = warp * group;
+  const int warp_heads = warp < hg ? group : 0;
+  const int hq_warp = (kv0 + warp) * group;
   const u32 bars = smem_addr(full);
   if (tid == 0)
     for (int st = 0; st < PAGE_STAGES; ++st) mbar_init(bars + 8 * st, 1);
@@ -969,13 +974,18 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   auto k_stage = [&](int st) { return ring + 2 * st * stage_elems; };
   auto v_stage = [&](int st) { return ring + (2 * st + 1) * stage_elems; };
 
-  // Block j of a tile is copied by lane j / 8 of warp j % 8: a cp.async.bulk holds its warp
-  // for a while, so 16 blocks a tile from one warp would hold it, and at the next barrier
-  // every warp, for all 32 copies.
-  const int tile_block = lane * PAGE_WARPS + warp;  // the block this thread copies
-  const bool copier = tile_block < tile_blocks;
+  // Run j of a tile (a block's tokens, or with fewer heads than the cache's one token's)
+  // is copied by lane j / 8 of warp j % 8: a cp.async.bulk holds its warp for a while, so
+  // 16 runs a tile from one warp would hold it, and at the next barrier every warp, for
+  // all 32 copies.
+  const int run_rows = !HEAD_MAJOR && hg < num_kv_heads ? 1 : block_size;  // tokens a run
+  const int run = lane * PAGE_WARPS + warp;  // the run this thread copies
+  const bool copier = run < tile_rows / run_rows;
+  const int run_block = run * run_rows / block_size;     // its block in the tile
+  const int run_in = run * run_rows - run_block * block_size;  // its first token there
+  const i64 head_off = (i64)kv0 * khs;  // the row group's first head in a block
 
-  // Tile r.tile into stage st (a copier holds blk, the cache block of its tile_block):
+  // Tile r.tile into stage st (a copier holds blk, the cache block of its run):
   // rows outside [lo, kv_len) zeroed, the others copied.
   auto issue = [&](const TileRef& r, int st, int blk) {
     const int t0 = r.tile * tile_rows;
@@ -998,10 +1008,11 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
     // the copies (landing before or after it) are all in; with no rows to copy, at once.
     if (tid == 0) mbar_arrive_expect_tx(bar, 2 * (u32)((b - a) * row * (int)sizeof(T)));
     if (copier) {
-      const int r0 = max(a, tile_block * block_size), r1 = min(b, (tile_block + 1) * block_size);
+      const int r0 = max(a, run * run_rows), r1 = min(b, (run + 1) * run_rows);
       if (r0 < r1) {
         const u32 bytes = (u32)((r1 - r0) * row * (int)sizeof(T));
-        const int in = (r0 - tile_block * block_size) * row;  // first copied row in the block
+        // the first copied token in the block (HND: the run starts at its first)
+        const i64 in = head_off + (HEAD_MAJOR ? 0 : (i64)(run_in + r0 - run * run_rows) * kts);
         const unsigned long long once = l2_evict_first_policy();
         bulk_copy_g2s(smem_addr(ks + r0 * row), k_cache + (i64)blk * kbs + in, bytes, bar, once);
         bulk_copy_g2s(smem_addr(vs + r0 * row), v_cache + (i64)blk * vbs + in, bytes, bar, once);
@@ -1013,8 +1024,8 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   // load's latency passes during a tile's math rather than in front of the next copies
   // (blocks past the sequence's end are not read: their table entries may be -1).
   auto block_id = [&](const TileRef& r) {
-    const int j = r.tile * tile_blocks + tile_block;
-    return copier && r.bt != nullptr && j * block_size < r.kv_len ? __ldg(r.bt + j) : 0;
+    const int j = r.tile * tile_blocks + run_block;
+    return copier && r.bt != nullptr && j * block_size + run_in < r.kv_len ? __ldg(r.bt + j) : 0;
   };
   TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
   cur.start(blockIdx.x);
@@ -1079,8 +1090,8 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
                                 sinks != nullptr ? sinks + hq_warp : nullptr, out, lse, part_out,
                                 part_lse, lane);
     if (!whole && fused_merge)
-      merge_if_last<T, D>(p, counters, 0, 0, num_q_heads, num_q_heads, num_q_heads, part_out,
-                          part_lse, sinks, out, lse, s_last, PAGE_WARPS);
+      merge_if_last<T, D>(p, counters, blockIdx.y, kv0 * group, hg * group, hg * group,
+                          num_q_heads, part_out, part_lse, sinks, out, lse, s_last, PAGE_WARPS);
   }
 }
 

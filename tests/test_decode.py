@@ -618,6 +618,10 @@ PAGE_SHAPES = [  # id, dtype, head_dim, block_size, Hq, Hk, lengths: pages-capab
     ("f16-d64-bs2-g2", np.float16, 64, 2, 8, 4, [33, 1, 70000, 0]),
     ("bf16-d96-bs4-g5", bfloat16, 96, 4, 10, 2, [513, 3, 64]),
     ("f16-d128-bs8-mqa", np.float16, 128, 8, 8, 1, [4097, 17, 2]),
+    # row groups of kv heads (8 of 32, 6 of 12, 8 of 16): in NHD a run a token
+    ("bf16-d128-bs16-mha32", bfloat16, 128, 16, 32, 32, [1, 17, 513, 4097]),
+    ("f16-d64-bs1-hk12-g2", np.float16, 64, 1, 24, 12, [70000, 17, 0]),
+    ("bf16-d64-bs32-hk16-g2", bfloat16, 64, 32, 32, 16, [33, 1, 2049]),
 ]
 
 
@@ -629,7 +633,7 @@ PAGE_CASES = [("nhd-" + s[0], "NHD") + s[1:] for s in PAGE_SHAPES] + [
 def test_page_shapes_take_the_pages_kernel():
     for _, layout, dtype, d, bs, hq, hk, _ in PAGE_CASES:
         assert dp.pages_capable(90, np.dtype(dtype).itemsize, d, layout, bs, hq, hk)
-    assert len(PAGE_CASES) == len(PAGE_SHAPES) + 6
+    assert len(PAGE_CASES) == len(PAGE_SHAPES) + 8
     assert not dp.pages_capable(90, 2, 128, "HND", 8, 32, 8)  # a tile of several HND blocks
     assert not dp.pages_capable(90, 2, 128, "vllm", 16, 32, 8)
 
@@ -666,12 +670,13 @@ def test_pages_kernel_ring_sizes_share_the_function(rng, cp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("merge", ["fused", "kernel"])
-def test_pages_kernel_splits_and_merges(rng, cp, merge):
-    """The pages kernel's partial rows (permuted dims, one row group of every head) through
-    both merges, twice in a row (the fused merge re-arms its counters)."""
+@pytest.mark.parametrize("hq,hk", [(16, 4), (32, 16)], ids=["one-group", "two-groups"])
+def test_pages_kernel_splits_and_merges(rng, cp, merge, hq, hk):
+    """The pages kernel's partial rows (permuted dims; one row group of every head, or two
+    of 8 kv heads) through both merges, twice in a row (the fused merge re-arms its
+    counters)."""
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("cp.async.bulk needs sm_90")
-    hq, hk = 16, 4
     case = make_case(rng, lens=mixed_lengths(rng, 60), hq=hq, hk=hk, d=128, bs=16,
                      dtype=bfloat16)
     opts = features(rng, hq, ("sinks",))
@@ -698,7 +703,8 @@ def test_default_kernel_path(rng, cp):
             (32, 8, 128, "NHD", bfloat16, "pages"), (16, 4, 64, "NHD", np.float16, "pages"),
             (8, 2, 64, "NHD", np.float16, "staged"), (16, 1, 128, "NHD", bfloat16, "staged"),
             (8, 2, 80, "NHD", bfloat16, "staged"), (8, 2, 128, "HND", bfloat16, "staged"),
-            (32, 8, 128, "NHD", np.float32, "staged")):
+            (32, 8, 128, "NHD", np.float32, "staged"), (32, 32, 128, "NHD", bfloat16, "pages"),
+            (32, 32, 128, "HND", bfloat16, "pages")):
         dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, layout=layout, max_batch=16)
         dec.plan(dev["block_tables"], dev["seq_lens"])
         assert dec.kv_path == (want if hopper else "staged"), (hq, hk, d, layout, dtype)
@@ -709,7 +715,7 @@ def test_default_kernel_path(rng, cp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_path,hq,hk", [("pages", 16, 4), ("staged", 8, 2)])
+@pytest.mark.parametrize("kv_path,hq,hk", [("pages", 16, 4), ("pages", 16, 16), ("staged", 8, 2)])
 @pytest.mark.parametrize("merge", ["fused", "kernel"])
 def test_pool_pieces(rng, cp, kv_path, hq, hk, merge):
     """Long batches leave each sequence's last tiles to the run-time pool: taken by the CTAs

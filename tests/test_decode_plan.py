@@ -73,6 +73,7 @@ def test_default_merge_by_heads_per_row_group():
     assert dp.resolve_merge(None, mqa) == "kernel" and dp.merge_launch(mqa, 64)[0][2] == 8
     assert dp.resolve_merge(None, gqa) == "fused" and dp.merge_launch(gqa, 64)[0][2] == 2
     assert dp.resolve_merge(None, launch(hq=64, hk=4, slots=264)) == "kernel"  # 16 heads
+    assert dp.resolve_merge(None, launch(hq=32, hk=32, pages=True)) == "kernel"  # 8 heads
     assert dp.resolve_merge("fused", mqa) == "fused" and dp.resolve_merge("kernel", gqa) == "kernel"
 
 
@@ -97,9 +98,9 @@ def test_merge_splits_many_pieces_over_warps():
 
 def test_pages_kernel_applies_and_plans():
     """pages on sm_90+ for 16-bit NHD caches with blocks of 16k tokens or of a divisor of 16
-    and HND ones with blocks of 16k tokens, d 64/96/128, up to 8 kv heads and 8 query heads
-    each; its launch: one row group of every head, 256 threads, tiles of a block or of 16
-    tokens, a 3-stage ring of tiles."""
+    and HND ones with blocks of 16k tokens, d 64/96/128, up to 8 query heads a kv head;
+    its launch: one row group of every head up to 8 kv heads, 256 threads, tiles of a block
+    or of 16 tokens, a 3-stage ring of tiles."""
     ok = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=32,
               num_kv_heads=8)
     assert dp.pages_capable("90", **ok) and dp.resolve_kv_path(None, "90", **ok, batch=16)
@@ -116,7 +117,7 @@ def test_pages_kernel_applies_and_plans():
     for bad in (dict(itemsize=4), dict(head_dim=80), dict(layout="HND", block_size=8),
                 dict(layout="vllm"), dict(block_size=12),
                 dict(block_size=3), dict(block_size=24),
-                dict(num_q_heads=64, num_kv_heads=4), dict(num_q_heads=16, num_kv_heads=16),
+                dict(num_q_heads=64, num_kv_heads=4),
                 dict(block_size=64)):  # 64 x 8 x 128 x 2 B x 2 x 3 stages > 227 KB
         args = {**ok, **bad}
         assert not dp.pages_capable("90", **args), bad
@@ -141,6 +142,29 @@ def test_pages_kernel_applies_and_plans():
     assert dp.merge_launch(lp, 64) == ((64, 1, 8), 128, 1)
     work = dp.plan_work(lp, np.array([8192] * 64, np.int32), False, -1, merge="kernel")
     assert work.desc[:, 3].max() == 8192 // 16  # tiles are blocks
+
+
+def test_pages_kernel_row_groups_of_kv_heads():
+    """Beyond 8 kv heads a pages CTA serves a group of them, the largest divisor of their
+    number up to 8 (a warp each); the groups are the grid's rows and the merge's kv heads;
+    preferred only with groups of 4 kv heads or more."""
+    assert [dp.page_kv_heads(h) for h in (1, 4, 8, 12, 16, 32, 40, 11)] == [1, 4, 8, 6, 8, 8, 8, 1]
+    mha = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=32,
+               num_kv_heads=32)
+    for layout in ("NHD", "HND"):
+        assert dp.pages_capable("90", **{**mha, "layout": layout})
+        assert dp.resolve_kv_path(None, "90", **{**mha, "layout": layout}, batch=2)
+    lp = dp.plan_launch(**mha, pages=True)
+    assert lp.heads.head_warps == 8 and lp.row_groups == 4 and lp.heads_per_group == 8
+    assert lp.merge_kv_heads == 4 and lp.grid == (dp.DEFAULT_SMS // 4, 4)
+    assert lp.tiles.smem_bytes == 3 * 2 * 16 * 8 * 128 * 2
+    assert dp.merge_launch(lp, 64)[0] == (64, 4, 2)
+    hk12 = dp.plan_launch(**{**mha, "num_q_heads": 24, "num_kv_heads": 12}, pages=True)
+    assert hk12.row_groups == 2 and hk12.heads_per_group == 12
+    prime = {**mha, "num_q_heads": 22, "num_kv_heads": 11}   # a kv head a CTA: capable only
+    assert dp.pages_capable("90", **prime) and not dp.resolve_kv_path(None, "90", **prime,
+                                                                      batch=64)
+    assert dp.plan_launch(**prime, pages=True).row_groups == 11
 
 
 def test_tiles_cover_visible_range_once():

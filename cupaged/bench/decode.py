@@ -8,18 +8,18 @@ device-to-device copy bandwidth measured in the same run (``timing.copy_bandwidt
 when torch is importable, SDPA's cuDNN and flash dense decode on the same shapes (q
 ``[B, Hq, 1, D]``, k/v ``[B, Hk, L, D]``, graph-replayed too).
 
-The ``variant`` column is the plan's ``schedule/merge`` (``PagedDecoder.plan``): every row
-runs the plan's defaults ("balanced", and the "fused" merge, or the "kernel" merge for MQA's
-32 query heads a kv head); on the B{1, 64} x L{2K, 8K} GQA shapes the other three variants
-follow ("split/kernel" is the earlier design: equal splits per sequence, merged by a second
-kernel). At B64 x L8K page size 1 vs 16 and the HND layout (4 KB contiguous per page and kv
-head instead of 256-byte rows) are compared too, and on B{1, 64} x L{2K, 8K} the "staged"
-kernel against the default ``path`` ("pages" on sm_90 for these GQA shapes). ``frac_read`` is the fraction of a
-read-only streaming probe's bandwidth (``timing.read_bandwidth``; cuDNN exceeds it at long
-contexts, so it is a floor for the real ceiling), ``vs_cudnn`` our TB/s over cuDNN's. K/V
-sets rotate so L2 (60 MB) does not serve them, and every timed configuration is checked
-against the reference on one sequence and kv head (``ok``: relative error under 2e-2). Run:
-``python -m cupaged.bench.decode [--quick]``.
+The ``variant`` column is the plan's ``schedule/merge`` (``PagedDecoder.plan``): every row runs
+the plan's defaults ("balanced", and the "kernel" merge on the pages kernel and for MQA's 32
+query heads a kv head, else the "fused" one); on the B{1, 64} x L{2K, 8K} GQA shapes the other
+three variants follow ("split/kernel" is the earlier design: equal splits per sequence, merged
+by a second kernel). At B64 x L8K page size 1 vs 16 and the HND layout (4 KB contiguous per
+page and kv head instead of 256-byte rows) are compared too, and on B{1, 64} x L{2K, 8K} the
+"staged" kernel against the default ``path`` ("pages" on sm_90 for these GQA shapes).
+``frac_read`` is the fraction of a read-only streaming probe's bandwidth
+(``timing.read_bandwidth``; cuDNN exceeds it at long contexts, so it is a floor for the real
+ceiling), ``vs_cudnn`` our TB/s over cuDNN's. K/V sets rotate so L2 (60 MB) does not serve
+them, and every timed configuration is checked against the reference on one sequence and kv
+head (``ok``: relative error under 2e-2). Run: ``python -m cupaged.bench.decode [--quick]``.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ HEAD_DIM, DTYPE = 128, bfloat16
 HEADS = {"GQA": (32, 8), "MHA": (32, 32), "MQA": (32, 1)}
 BATCHES, LENGTHS = (1, 8, 64, 256), (512, 2048, 8192, 32768, 131072)
 MAX_KV_BYTES = 40e9
-DEFAULT_VARIANT = (None, None)  # the plan's defaults: balanced, fused (kernel merge for MQA)
-OTHER_VARIANTS = (("split", "kernel"), ("balanced", "kernel"), ("split", "fused"))
+DEFAULT_VARIANT = (None, None)  # the plan's defaults (decode_plan.resolve_merge)
+VARIANTS = (("balanced", "fused"), ("balanced", "kernel"), ("split", "fused"), ("split", "kernel"))
 TOLERANCE = 2e-2
 
 
@@ -205,11 +205,13 @@ def run(quick=False):
             row["vs_cudnn"] = row["TB/s"] / row["cudnn_TB/s"]
         _free()
         rows.append(row)
+    defaults = {(r["B"], r["L"]): r["variant"] for r in rows if r["heads"] == "32/8"}
     for b in (1, 64):  # the other plan variants where the goals are set
         for l in (2048, 8192):
-            for variant in OTHER_VARIANTS:
-                rows.append(bench_paged(b, l, HEADS["GQA"], variant=variant))
-                _free()
+            for variant in VARIANTS:
+                if "/".join(variant) != defaults.get((b, l)):
+                    rows.append(bench_paged(b, l, HEADS["GQA"], variant=variant))
+                    _free()
     for page, layout in ((1, "NHD"), (16, "HND")):  # vs page 16 NHD above, at B64 x L8K
         rows.append(bench_paged(64, 8192, HEADS["GQA"], page=page, layout=layout))
         _free()
