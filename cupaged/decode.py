@@ -268,8 +268,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         divisor of 16 or HND ones with block_size a multiple of 16, head_dim 64/96/128, up
         to 8 query heads a kv head).
         "staged": 16-byte cp.async tiles of one kv head per CTA (every case). Default:
-        "pages" where it applies to batches of 2 sequences or more with 4 kv heads or
-        more a CTA, where it is the faster; else "staged". CuPy path only.
+        "pages" where it applies to batches of 2 sequences or more and its CTAs serve every
+        kv head or 4 of them or more, where it is the faster; else "staged". CuPy path
+        only.
 
     Returns
     -------

@@ -27,6 +27,7 @@ KV_PATHS = ("pages", "staged")     # whole blocks by cp.async.bulk (sm_90) / cp.
 PAGE_WARPS = 8                     # paged_decode_pages_kernel: a warp per kv head of a CTA
 PAGE_THREADS = 32 * PAGE_WARPS
 PAGE_STAGES = 3
+PAGE_TILE_BYTES = 32 * 1024        # a pages-kernel tile of one operand, unless a block is larger
 PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
 MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
 PAGE_MIN_BATCH = 2                 # pages_preferred
@@ -56,30 +57,36 @@ class Step(NamedTuple):
     device: object        # decode._DeviceStep (views of the uploaded indices) or None
 
 
-def page_tile(block_size):
-    """Tokens of a pages-kernel tile: a block of 16 tokens or more, else 16 / block_size
-    blocks (the math takes 16-token m-tiles)."""
-    return max(int(block_size), 16)
-
-
 def page_kv_heads(num_kv_heads):
-    """kv heads one pages-kernel CTA serves, a warp each: every one up to PAGE_WARPS, else
-    the largest divisor of their number up to PAGE_WARPS (a row group each; 8 of MHA's 32)."""
+    """kv heads one pages-kernel CTA serves: every one up to PAGE_WARPS, else the largest
+    divisor of their number up to PAGE_WARPS (a row group each; 8 of MHA's 32)."""
     return max(h for h in range(1, PAGE_WARPS + 1) if num_kv_heads % h == 0)
+
+
+def page_tile(block_size, num_kv_heads, head_dim, itemsize):
+    """Tokens of a pages-kernel tile: whole blocks, at least 16 (an m-tile) for each of the
+    ``PAGE_WARPS // page_kv_heads`` warps that split a kv head's tokens (16 with 8 kv heads
+    a CTA, 128 with one), so that a stage holds about as many bytes however few the heads;
+    but no more blocks than PAGE_TILE_BYTES of an operand hold (at least one)."""
+    heads = page_kv_heads(num_kv_heads)
+    bs, token_warps = int(block_size), PAGE_WARPS // heads
+    cap = PAGE_TILE_BYTES // (bs * heads * head_dim * itemsize)
+    return max(1, min(-(-16 * token_warps // bs), cap)) * bs
 
 
 def page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize):
     """The pages kernel's ring: PAGE_STAGES tiles of K and of V, of a CTA's kv heads."""
     heads = page_kv_heads(num_kv_heads)
-    return PAGE_STAGES * 2 * page_tile(block_size) * heads * head_dim * itemsize
+    tile = page_tile(block_size, num_kv_heads, head_dim, itemsize)
+    return PAGE_STAGES * 2 * tile * heads * head_dim * itemsize
 
 
 def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, num_q_heads,
                   num_kv_heads):
     """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit NHD cache (a block's
     tokens x kv heads contiguous) with blocks of a multiple or a divisor of 16 tokens, or an
-    HND one (kv heads x tokens) with blocks of a multiple of 16 (a tile is then one whole
-    block, each head's rows evenly spaced); head_dim 64/96/128, up to 8 query heads a kv
+    HND one (kv heads x tokens) with blocks of a multiple of 16 (an m-tile of 16 tokens
+    then lies in one block, its rows evenly spaced); head_dim 64/96/128, up to 8 query heads a kv
     head, and a ring of a CTA's kv heads (``page_kv_heads``) that fits in shared memory."""
     blocks_ok = (block_size % 16 == 0 or (layout == "NHD" and 16 % block_size == 0))
     return (int(compute_capability) >= 90 and itemsize == 2 and layout in ("NHD", "HND")
@@ -90,17 +97,19 @@ def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, nu
 
 def pages_preferred(batch, num_kv_heads):
     """Whether the pages kernel beats the staged one (H200, bf16 d128, page 16, measured on
-    B 1..256 x L 512..128K): from PAGE_MIN_BATCH sequences, and with at least
-    PAGE_MIN_KV_HEADS kv heads a CTA (``page_kv_heads``; a warp computes each kv head's
-    share of a block: with 1 or 2 the pages kernel is bound by their math, 0.3-0.6x the
-    staged one). From B2 to B8 it
-    is 2-8 % faster from L8K up at 32/8, 16/4 and 64/8 heads (B8 x L128K 960 vs 1030 us
-    at 32/8), and at L512-2K within about a microsecond either way (latency: 0.87-1.12x).
-    One sequence alone stays on the staged kernel: its fused merge saves the merge kernel's
-    launch where the time is latency (B1 x L2K 11.4 vs 12.7 us), though from L8K the pages
-    kernel is faster (B1 x L128K 143 vs 154 us; ask for it with kv_path).
-    Depends on the batch, not the lengths, so that a captured graph stays valid."""
-    return batch >= PAGE_MIN_BATCH and page_kv_heads(num_kv_heads) >= PAGE_MIN_KV_HEADS
+    B 1..256 x L 512..128K and heads 8/1 .. 32/32): from PAGE_MIN_BATCH sequences, where
+    its copies are whole blocks (a CTA serves every kv head) or a CTA serves at least
+    PAGE_MIN_KV_HEADS kv heads (runs of one token's heads: 2 KB for 8 heads at d128, but
+    256 bytes for one). From B2 to B8 it is 2-8 % faster from L8K up at 32/8, 16/4 and 64/8
+    heads (B8 x L128K 960 vs 1030 us at 32/8), and at L512-2K within about a microsecond
+    either way (latency: 0.87-1.12x); at B64 x L8K 0.98-1.00x at 8/1 and 0.88-0.92x at 16/2
+    to 32/32 (its time / the staged one's). One sequence alone stays on the staged kernel:
+    its fused merge saves the merge kernel's launch where the time is latency (B1 x L2K
+    11.4 vs 12.7 us), though from L8K the pages kernel is faster (B1 x L128K 143 vs 154 us;
+    ask for it with kv_path). Depends on the batch, not the lengths, so that a captured
+    graph stays valid."""
+    heads = page_kv_heads(num_kv_heads)
+    return batch >= PAGE_MIN_BATCH and (heads == num_kv_heads or heads >= PAGE_MIN_KV_HEADS)
 
 
 def resolve_kv_path(kv_path, compute_capability, itemsize, head_dim, layout, block_size,
@@ -353,13 +362,13 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
     of the specialisation; default an H200 estimate from shared memory). The grid holds one
     CTA per slot (``columns = slots // row_groups``, at least 1), whatever the lengths.
     ``pages``: the pages kernel (the caller checks ``pages_capable``): tiles are whole
-    blocks, one or 16 / block_size (``page_tile``), a warp per kv head, row groups of
-    ``page_kv_heads`` kv heads with all their query heads.
+    blocks (``page_tile``), row groups of ``page_kv_heads`` kv heads with all their query
+    heads, PAGE_WARPS warps splitting them and their tokens.
     """
     group = num_q_heads // num_kv_heads
     vllm_v = layout == "vllm"
     if pages:
-        tiles = TileConfig(page_tile(block_size), 1, group,
+        tiles = TileConfig(page_tile(block_size, num_kv_heads, head_dim, itemsize), 1, group,
                            page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize))
         heads = HeadLayout(page_kv_heads(num_kv_heads), 1)  # kv heads (warps) a row group
     else:

@@ -904,6 +904,7 @@ paged_decode_kernel(CUPAGED_DECODE_PARAMS(T)) {
 constexpr int PAGE_WARPS = 8;  // one per kv head (up to 8)
 constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
 constexpr int PAGE_STAGES = 3;
+constexpr int PAGE_TILE_BYTES = 32 * 1024;  // a tile of one operand, unless a block is larger
 
 // HND stage of one kv head (rows `stride` elements apart, tokens t0 .. t0 + rows - 1 of the
 // sequence): zeroes the K and V rows outside the visible keys [lo, kv_len), which the whole-
@@ -929,22 +930,25 @@ __device__ __forceinline__ void zero_head_rows(T* k_rows, T* v_rows, int stride,
 // a kv head: NHD with block_size a multiple of 16 or a divisor of 16, or HND with block_size
 // a multiple of 16. Row group y is the kv heads y*HG .. y*HG + HG - 1 (HG = head_warps, at
 // most PAGE_WARPS: every kv head, or a divisor of their number) with all their query heads.
-// The plan's tiles are max(block_size, 16) tokens, whole blocks (one, or 16 / block_size of
-// them). CTA (c, y) walks column c's pieces, then pool pieces of row group y (PiecePool);
-// its stream of tiles goes through a PAGE_STAGES ring, a stage holding its tile's HG heads
-// as the cache lays them out:
+// Warp w serves kv head y*HG + w % HG on the m-tiles (16 tokens) w / HG, + TW, ... of each
+// tile (TW = PAGE_WARPS / HG token warps a head), for its G query heads (PageMath) with its
+// own online softmax; a tile is whole blocks, at least 16 * TW tokens unless that passes
+// PAGE_TILE_BYTES an operand (page_tile), so that a stage holds about as many bytes however
+// few the heads. CTA (c, y) walks column c's
+// pieces, then pool pieces of row group y (PiecePool); its stream of tiles goes through a
+// PAGE_STAGES ring, a stage holding its tile's HG heads as the cache lays them out:
 //   NHD  (HEAD_MAJOR false; kv head h's token t at (t * HG + h) * D in the stage): with
 //        HG = Hk a block's visible tokens are one contiguous run [tokens][Hk][D] in the
 //        cache, else each token's HG heads are one; lane j / 8 of warp j % 8 copies run j
 //        of the tile, K and V, with two cp.async.bulk on the stage's mbarrier (the runs of
 //        a tile land one after the other), and every thread zeroes its share of the
-//        invisible rows before;
-//   HND  (HEAD_MAJOR; kv head h's token t at (h * tokens + t) * D): thread 0 copies the
-//        row group's HG heads of the block (one run whatever the visible tokens), and once
-//        it landed each warp zeroes its own head's invisible rows (zero_head_rows).
-// Warp w < HG serves kv head y*HG + w: the tile's m-tiles of 16 tokens (PageMath), for its
-// G query heads with its own online softmax, so no warp combines with another. Pieces end
-// as in paged_decode_kernel.
+//        invisible rows of partly visible m-tiles before;
+//   HND  (HEAD_MAJOR; block j of the tile at j * block_size * HG * D in the stage, there
+//        [HG][block_size][D]): lane j / 8 of warp j % 8 copies the row group's heads of
+//        block j as one run (all its tokens) if any of them is visible, and the warp of a
+//        partly visible m-tile zeroes its invisible rows once it landed (zero_head_rows).
+// After a piece's last tile the token warps of each head combine in the stage that tile
+// used, and its first writes. Pieces end as in paged_decode_kernel.
 template <typename T, int D, bool HEAD_MAJOR>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
 paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
@@ -958,14 +962,17 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   const int group = num_q_heads / num_kv_heads;
   const int hg = head_warps;                   // kv heads of the row group
   const int kv0 = blockIdx.y * hg;             // its first
+  const int tw = PAGE_WARPS / hg;              // token warps a kv head
+  const int wh = warp % hg, tg = warp / hg;    // this warp's head in the group, token warp
   const int row = hg * D;                      // elements of a token in a stage (NHD)
-  const int tile_rows = max(block_size, 16);   // tokens a tile (a stage) holds
-  const int tile_blocks = tile_rows / block_size;
+  const int tile_blocks = max(1, min((16 * tw + block_size - 1) / block_size,  // page_tile
+                                    PAGE_TILE_BYTES / (block_size * row * (int)sizeof(T))));
+  const int tile_rows = tile_blocks * block_size;  // tokens a tile (a stage) holds
   const int stage_elems = tile_rows * row;     // one operand of one stage
-  const int head_rows = HEAD_MAJOR ? D : row;   // elements between a kv head's tokens
-  const int head_first = HEAD_MAJOR ? tile_rows * D : D;  // ... and from one head to the next
-  const int warp_heads = warp < hg ? group : 0;
-  const int hq_warp = (kv0 + warp) * group;
+  const int head_rows = HEAD_MAJOR ? D : row;  // elements between a kv head's tokens
+  const int head_first = HEAD_MAJOR ? block_size * D : D;  // ... and from one head to the next
+  const int warp_heads = tg < tw ? group : 0;
+  const int hq_warp = (kv0 + wh) * group;
   const u32 bars = smem_addr(full);
   if (tid == 0)
     for (int st = 0; st < PAGE_STAGES; ++st) mbar_init(bars + 8 * st, 1);
@@ -985,24 +992,30 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   const int run_in = run * run_rows - run_block * block_size;  // its first token there
   const i64 head_off = (i64)kv0 * khs;  // the row group's first head in a block
 
-  // Tile r.tile into stage st (a copier holds blk, the cache block of its run):
-  // rows outside [lo, kv_len) zeroed, the others copied.
+  // Tile r.tile into stage st (a copier holds blk, the cache block of its run): the
+  // visible rows [a, b) copied (HND: the whole blocks holding them; their heads' invisible
+  // rows are zeroed once they landed), NHD's invisible rows of partly visible m-tiles
+  // zeroed (the math skips wholly invisible ones).
   auto issue = [&](const TileRef& r, int st, int blk) {
     const int t0 = r.tile * tile_rows;
-    // copied rows [a, b): the visible ones (NHD), or the whole block (HND: a head's
-    // invisible rows are zeroed once it landed)
-    const int a = HEAD_MAJOR ? 0 : max(r.lo - t0, 0);
-    const int b = HEAD_MAJOR ? tile_rows : min(r.kv_len - t0, tile_rows);
+    int a = max(r.lo - t0, 0), b = min(r.kv_len - t0, tile_rows);
+    if (HEAD_MAJOR) {
+      a -= a % block_size;
+      b = min(b + (block_size - b % block_size) % block_size, tile_rows);
+    }
     T* ks = k_stage(st);
     T* vs = v_stage(st);
-    const int chunks = row / Vec16<T>::N;  // 16-byte chunks a token row
-    const int zero_rows = a + tile_rows - b;
-    for (int i = tid; i < zero_rows * chunks; i += PAGE_THREADS) {
-      const int zr = i / chunks, tok = zr < a ? zr : b + zr - a, c = i - zr * chunks;
-      reinterpret_cast<uint4*>(ks + tok * row)[c] = make_uint4(0, 0, 0, 0);
-      reinterpret_cast<uint4*>(vs + tok * row)[c] = make_uint4(0, 0, 0, 0);
+    if (!HEAD_MAJOR) {
+      const int chunks = row / Vec16<T>::N;  // 16-byte chunks a token row
+      const int below = a % 16, above = min((b + 15) / 16 * 16, tile_rows) - b;
+      for (int i = tid; i < (below + above) * chunks; i += PAGE_THREADS) {
+        const int zr = i / chunks, c = i - zr * chunks;
+        const int tok = zr < below ? a - below + zr : b + zr - below;
+        reinterpret_cast<uint4*>(ks + tok * row)[c] = make_uint4(0, 0, 0, 0);
+        reinterpret_cast<uint4*>(vs + tok * row)[c] = make_uint4(0, 0, 0, 0);
+      }
+      if (below + above) fence_proxy_async();  // a later copy into this stage overwrites them
     }
-    if (zero_rows) fence_proxy_async();  // a later copy into this stage overwrites them
     const u32 bar = bars + 8 * st;
     // The one arrival, with every copy's bytes: the phase completes when it has happened and
     // the copies (landing before or after it) are all in; with no rows to copy, at once.
@@ -1011,7 +1024,7 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
       const int r0 = max(a, run * run_rows), r1 = min(b, (run + 1) * run_rows);
       if (r0 < r1) {
         const u32 bytes = (u32)((r1 - r0) * row * (int)sizeof(T));
-        // the first copied token in the block (HND: the run starts at its first)
+        // the first copied token in the block (HND: whole blocks)
         const i64 in = head_off + (HEAD_MAJOR ? 0 : (i64)(run_in + r0 - run * run_rows) * kts);
         const unsigned long long once = l2_evict_first_policy();
         bulk_copy_g2s(smem_addr(ks + r0 * row), k_cache + (i64)blk * kbs + in, bytes, bar, once);
@@ -1065,26 +1078,39 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
         blk = block_id(cur.ref);
       }
       if (!warp_heads) continue;
-      T* ks = k_stage(it % PAGE_STAGES) + warp * head_first;  // this warp's kv head
-      T* vs = v_stage(it % PAGE_STAGES) + warp * head_first;
-      if (HEAD_MAJOR)
-        zero_head_rows<T, D>(ks, vs, D, tile * tile_rows, tile_rows, lo, kv_len, lane);
-      for (int mt = 0; mt < tile_rows / 16; ++mt) {
+      T* ks = k_stage(it % PAGE_STAGES) + wh * head_first;  // this warp's kv head
+      T* vs = v_stage(it % PAGE_STAGES) + wh * head_first;
+      for (int mt = tg; mt < tile_rows / 16; mt += tw) {
         const int tok0 = tile * tile_rows + mt * 16;
         if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
+        // the m-tile's rows: HND [block][HG][block_size][D], NHD [token][HG][D]
+        const int off = HEAD_MAJOR ? (mt * 16 / block_size) * block_size * row +
+                                         (mt * 16 % block_size) * D
+                                   : mt * 16 * row;
+        if (HEAD_MAJOR && (tok0 < lo || tok0 + 16 > kv_len))
+          zero_head_rows<T, D>(ks + off, vs + off, D, tok0, 16, lo, kv_len, lane);
         float s[1][4];
-        math.scores(ks + mt * 16 * head_rows, head_rows, s, lane);
+        math.scores(ks + off, head_rows, s, lane);
         mods.apply(s, slope, tok0, lane >> 2);
         state.update(s, 1);
-        math.pv(vs + mt * 16 * head_rows, head_rows, s, state.acc, lane);
+        math.pv(vs + off, head_rows, s, state.acc, lane);
       }
     }
 
     p = load_piece(work, pi);
     pi = cur.pool.after(p.next);
     state.reduce_sum();
+    if (tw > 1) {  // token warps combine in the stage of the piece's last tile (see above)
+      float* red = reinterpret_cast<float*>(k_stage((it + PAGE_STAGES - 1) % PAGE_STAGES)) + lane;
+      __syncthreads();  // every warp is done with that tile
+      if (warp_heads && tg > 0) state.store(red + (warp - hg) * State::FLOATS * 32);
+      __syncthreads();
+      if (warp_heads && tg == 0)
+        for (int t2 = 1; t2 < tw; ++t2) state.absorb(red + ((t2 - 1) * hg + wh) * State::FLOATS * 32);
+      fence_proxy_async();  // the stage's next copy comes after these accesses
+    }
     const bool whole = p.npieces == 1;
-    if (warp_heads)
+    if (warp_heads && tg == 0)
       write_rows<T, D, 1, true>(state, warp_heads, whole, (i64)p.b * num_q_heads + hq_warp,
                                 (i64)p.slot * num_q_heads + hq_warp,
                                 sinks != nullptr ? sinks + hq_warp : nullptr, out, lse, part_out,

@@ -618,6 +618,7 @@ PAGE_SHAPES = [  # id, dtype, head_dim, block_size, Hq, Hk, lengths: pages-capab
     ("f16-d64-bs2-g2", np.float16, 64, 2, 8, 4, [33, 1, 70000, 0]),
     ("bf16-d96-bs4-g5", bfloat16, 96, 4, 10, 2, [513, 3, 64]),
     ("f16-d128-bs8-mqa", np.float16, 128, 8, 8, 1, [4097, 17, 2]),
+    ("bf16-d128-bs16-hk3-g4", bfloat16, 128, 16, 12, 3, [4097, 2, 100]),  # 6 of 8 warps
     # row groups of kv heads (8 of 32, 6 of 12, 8 of 16): in NHD a run a token
     ("bf16-d128-bs16-mha32", bfloat16, 128, 16, 32, 32, [1, 17, 513, 4097]),
     ("f16-d64-bs1-hk12-g2", np.float16, 64, 1, 24, 12, [70000, 17, 0]),
@@ -633,7 +634,7 @@ PAGE_CASES = [("nhd-" + s[0], "NHD") + s[1:] for s in PAGE_SHAPES] + [
 def test_page_shapes_take_the_pages_kernel():
     for _, layout, dtype, d, bs, hq, hk, _ in PAGE_CASES:
         assert dp.pages_capable(90, np.dtype(dtype).itemsize, d, layout, bs, hq, hk)
-    assert len(PAGE_CASES) == len(PAGE_SHAPES) + 8
+    assert len(PAGE_CASES) == len(PAGE_SHAPES) + 9
     assert not dp.pages_capable(90, 2, 128, "HND", 8, 32, 8)  # a tile of several HND blocks
     assert not dp.pages_capable(90, 2, 128, "vllm", 16, 32, 8)
 
@@ -693,18 +694,18 @@ def test_pages_kernel_splits_and_merges(rng, cp, merge, hq, hk):
 
 @pytest.mark.gpu
 def test_default_kernel_path(rng, cp):
-    """"pages" by default where it applies on sm_90+ to 2 sequences or more with 4 kv heads
-    or more (chosen per plan), "staged" otherwise; asking for "pages" where it does not
-    apply raises before any launch."""
+    """"pages" by default where it applies on sm_90+ to 2 sequences or more, its CTAs
+    serving every kv head or 4 of them or more (chosen per plan), "staged" otherwise;
+    asking for "pages" where it does not apply raises before any launch."""
     hopper = int(cp.cuda.Device().compute_capability) >= 90
     case = make_case(rng, lens=[40, 3] * 8, hq=4, hk=2, d=64, bs=16, layout="vllm")
     dev = to_device(cp, case)
     for hq, hk, d, layout, dtype, want in (
             (32, 8, 128, "NHD", bfloat16, "pages"), (16, 4, 64, "NHD", np.float16, "pages"),
-            (8, 2, 64, "NHD", np.float16, "staged"), (16, 1, 128, "NHD", bfloat16, "staged"),
+            (8, 2, 64, "NHD", np.float16, "pages"), (16, 1, 128, "NHD", bfloat16, "staged"),
             (8, 2, 80, "NHD", bfloat16, "staged"), (8, 2, 128, "HND", bfloat16, "staged"),
             (32, 8, 128, "NHD", np.float32, "staged"), (32, 32, 128, "NHD", bfloat16, "pages"),
-            (32, 32, 128, "HND", bfloat16, "pages")):
+            (32, 32, 128, "HND", bfloat16, "pages"), (22, 11, 64, "NHD", bfloat16, "staged")):
         dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, layout=layout, max_batch=16)
         dec.plan(dev["block_tables"], dev["seq_lens"])
         assert dec.kv_path == (want if hopper else "staged"), (hq, hk, d, layout, dtype)

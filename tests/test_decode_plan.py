@@ -108,7 +108,7 @@ def test_pages_kernel_applies_and_plans():
     assert dp.resolve_kv_path(None, "90", **ok, batch=2)
     assert dp.resolve_kv_path("pages", "90", **ok, batch=1)
     few = {**ok, "num_q_heads": 8, "num_kv_heads": 2}
-    assert dp.pages_capable("90", **few) and not dp.resolve_kv_path(None, "90", **few, batch=64)
+    assert dp.pages_capable("90", **few) and dp.resolve_kv_path(None, "90", **few, batch=64)
     for bs in (1, 2, 4, 8):
         assert dp.pages_capable("90", **{**ok, "block_size": bs}), bs
     for bs, hk in ((16, 8), (32, 4), (48, 2)):  # HND: whole blocks of 16k tokens a tile
@@ -142,6 +142,24 @@ def test_pages_kernel_applies_and_plans():
     assert dp.merge_launch(lp, 64) == ((64, 1, 8), 128, 1)
     work = dp.plan_work(lp, np.array([8192] * 64, np.int32), False, -1, merge="kernel")
     assert work.desc[:, 3].max() == 8192 // 16  # tiles are blocks
+
+
+def test_pages_kernel_tiles_grow_as_heads_shrink():
+    """8 warps split a CTA's kv heads and their tokens: a tile is whole blocks of at least 16
+    tokens a token warp (8 kv heads: 16, 4: 32, 2: 64, 1: 128), so a stage keeps its bytes,
+    but no more blocks than 32 KB an operand hold (at least one)."""
+    def tile(bs, hk, d=128):
+        return dp.page_tile(bs, hk, d, 2)
+    assert [tile(16, hk) for hk in (1, 2, 4, 8)] == [128, 64, 32, 16]
+    assert tile(1, 1) == 128 and tile(8, 2) == 64 and tile(48, 8) == 48 and tile(16, 3) == 32
+    assert tile(48, 2) == 48 and tile(48, 2, 64) == 96  # a second block would pass 32 KB
+    assert tile(256, 1) == 256 and tile(64, 8) == 64    # one block, however large
+    assert tile(16, 32) == 16                           # 8 kv heads a CTA
+    for hk in (1, 2, 4, 8):
+        assert dp.page_smem_bytes(16, hk, 128, 2) == 3 * 2 * 16 * 8 * 128 * 2
+    mqa8 = dp.plan_launch(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=8,
+                          num_kv_heads=1, pages=True)
+    assert mqa8.tiles.tile == 128 and mqa8.row_groups == 1 and mqa8.heads_per_group == 8
 
 
 def test_pages_kernel_row_groups_of_kv_heads():
