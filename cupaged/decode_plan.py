@@ -38,10 +38,19 @@ NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
 # that CTAs take at run time once their own list is done: CTAs stream at rates a few per cent
 # apart (CTA end times of equal shares spread by 3 % at B64 x L8K on the H200), so fixed
 # equal shares end on the slowest. About POOL_PIECES pieces a column; only where a column's
-# fixed share is at least POOL_MIN_SHARE tiles (shorter work is bound by latency, not rate).
+# fixed share is at least POOL_MIN_SHARE tiles: a pool piece cuts its sequence once more,
+# and its partial rows and merge cost more than the spread it saves on short shares (pages
+# kernel, 32/8 heads, shares of 62 tiles: B64 x L2K 131.5 us without the pool vs 134.9 with
+# it, B256 x L512 138.4 vs 143.1; shares of 124: within 0.5 % either way; shares of 248:
+# B64 x L8K 481.4 vs 478.5, and 32/32 heads B64 x L2K 498 vs 491).
 POOL_FRACTION = 1 / 16
 POOL_PIECES = 4
-POOL_MIN_SHARE = 32
+POOL_MIN_SHARE = 128
+# "balanced" plans keep every sequence whole (no cut, no merge) where whole sequences dealt
+# to the columns (whole_pieces) end no later than WHOLE_SLACK of a column's equal share, or
+# WHOLE_SLACK_TILES tiles, after it: B256 x L512 132 us whole vs 138 us cut (32/8 heads).
+WHOLE_SLACK = 1 / 64
+WHOLE_SLACK_TILES = 2
 
 
 # ----------------------------------------------------------------------------- plans
@@ -439,6 +448,23 @@ def balanced_pieces(n_tiles, columns, min_share=1) -> Pieces:
     return Pieces(seq, lo - start[seq], hi - lo, index, np.minimum(chunk, columns - 1), per_seq)
 
 
+def whole_pieces(n_tiles, columns):
+    """``(pieces, makespan)``: each sequence one piece, the longest first dealt to the
+    columns back and forth (0 .. C-1, C-1 .. 0, ...); makespan: the most tiles a column
+    gets."""
+    n = np.asarray(n_tiles, np.int64)
+    order = np.argsort(-n, kind="stable")
+    rank = np.arange(len(n))
+    lap, k = rank // columns, rank % columns
+    column = np.empty(len(n), np.int64)
+    column[order] = np.where(lap % 2 == 0, k, columns - 1 - k)
+    makespan = int(np.bincount(column, weights=n, minlength=columns).max(initial=0))
+    seq = np.lexsort((np.arange(len(n)), column))
+    ones = np.ones(len(n), np.int64)
+    return Pieces(seq, np.zeros(len(n), np.int64), n[seq], np.zeros(len(n), np.int64),
+                  column[seq], ones), makespan
+
+
 def split_pieces(n_tiles, num_splits, columns) -> Pieces:
     """Up to ``num_splits`` equal cuts of each sequence (none empty; one, empty, for a
     sequence without keys), dealt to the columns in order, an equal count each (+-1)."""
@@ -526,14 +552,18 @@ def plan_work(launch, seq_lens, append, window_left, schedule="balanced",
     ``append``) into pieces for ``launch.columns`` columns by ``schedule``. "split" takes
     ``num_splits`` (default: ``choose_num_splits``); "balanced" sizes pieces for ``merge``
     (``min_piece_tiles``) and leaves each sequence's last tiles to the run-time pool
-    (``pool_tiles``)."""
+    (``pool_tiles``), unless whole sequences end nearly as soon (``whole_pieces``, within
+    WHOLE_SLACK of a column's share)."""
     kv = np.asarray(seq_lens, np.int64) + int(append)
     first, n = tile_spans(kv, window_left, launch.tiles.tile)
     if schedule == "balanced":
-        shortest = min_piece_tiles(launch, int(n.max(initial=0)), merge)
-        tail, size = pool_tiles(n, launch.columns, shortest)
-        pieces = with_pool(balanced_pieces(n - tail, launch.columns, shortest), n - tail,
-                           tail, size)
+        pieces, makespan = whole_pieces(n, launch.columns)
+        share = -(-int(n.sum()) // launch.columns)
+        if makespan > share + max(WHOLE_SLACK_TILES, share * WHOLE_SLACK):
+            shortest = min_piece_tiles(launch, int(n.max(initial=0)), merge)
+            tail, size = pool_tiles(n, launch.columns, shortest)
+            pieces = with_pool(balanced_pieces(n - tail, launch.columns, shortest), n - tail,
+                               tail, size)
     else:
         if num_splits is None:
             num_splits = choose_num_splits(len(kv) * launch.row_groups, int(n.max(initial=0)),

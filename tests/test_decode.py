@@ -718,12 +718,13 @@ def test_default_kernel_path(rng, cp):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_path,hq,hk", [("pages", 16, 4), ("pages", 16, 16), ("staged", 8, 2)])
 @pytest.mark.parametrize("merge", ["fused", "kernel"])
-def test_pool_pieces(rng, cp, kv_path, hq, hk, merge):
+def test_pool_pieces(rng, cp, monkeypatch, kv_path, hq, hk, merge):
     """Long batches leave each sequence's last tiles to the run-time pool: taken by the CTAs
     in any order, merged with the fixed pieces, the counts re-armed for the next launch
     (run eagerly, then replayed from a CUDA graph after a new plan)."""
     if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("cp.async.bulk needs sm_90")
+    monkeypatch.setattr(dp, "POOL_MIN_SHARE", 32)  # a pool for a test-sized batch
     low = 5000 if kv_path == "pages" else 12000  # a column's fixed share >= POOL_MIN_SHARE
     lens = rng.integers(low, low + 4000, 24).astype(np.int32)
     case = make_case(rng, lens=lens, hq=hq, hk=hk, d=128, bs=16, dtype=bfloat16)

@@ -248,7 +248,7 @@ def test_pool_takes_each_sequence_tail(rng):
     """The pool holds floor(n / 16) tiles of each sequence, after its fixed pieces, in
     pieces of one size (the last of a sequence shorter), about POOL_PIECES a column; none
     when the columns' fixed shares would be short."""
-    for columns in (1, 33, 132):
+    for columns in (1, 33, 66):
         n = dp.tile_spans(random_lengths(rng, 70, 20000), -1, 16)[1]
         tail, size = dp.pool_tiles(n, columns, 2)
         np.testing.assert_array_equal(tail, n // 16)
@@ -266,10 +266,43 @@ def test_pool_takes_each_sequence_tail(rng):
             np.testing.assert_array_equal(pieces.index[mine][order], np.arange(mine.sum()))
             assert off[0] == 0 and off[-1] + cnt[-1] == n[b]
             np.testing.assert_array_equal(off[1:], off[:-1] + cnt[:-1])
-    assert dp.pool_tiles(np.array([400] * 8), 132, 2)[1] == 0      # 3200 tiles < 32 a column
+    assert dp.pool_tiles(np.array([400] * 8), 132, 2)[1] == 0      # 3200 tiles < 128 a column
     assert dp.pool_tiles(np.array([15] * 1000), 4, 2)[1] == 0       # tails of 0 tiles
+    assert dp.pool_tiles(np.array([128] * 64), 132, 2)[1] == 0      # B64 x L2K: 62 a column
     tail, size = dp.pool_tiles(np.array([512] * 64), 132, 2)       # B64 x L8K, page 16
     assert (tail == 32).all() and size == 4
+
+
+def test_whole_pieces_deal_sequences_back_and_forth(rng):
+    """Each sequence one piece, the longest first, columns 0..C-1 then C-1..0; the makespan
+    is the fullest column's tiles."""
+    p, makespan = dp.whole_pieces(np.array([32] * 256), 132)     # B256 x L512, page 16
+    assert makespan == 64 and (p.per_seq == 1).all() and (p.count == 32).all()
+    assert_pieces_partition(p, np.array([32] * 256), 132)
+    assert np.bincount(p.column, minlength=132).max() == 2
+    n = dp.tile_spans(random_lengths(rng, 300), -1, 16)[1]
+    p, makespan = dp.whole_pieces(n, 132)
+    assert_pieces_partition(p, n, 132)
+    assert makespan == np.bincount(p.column, p.count, 132).max()
+    assert makespan <= -(-n.sum() // 132) + n.max()
+    p, makespan = dp.whole_pieces(np.array([7, 0, 9]), 4)
+    assert list(p.seq) == [2, 0, 1] and list(p.column) == [0, 1, 2] and makespan == 9
+
+
+def test_balanced_plans_keep_short_sequences_whole():
+    """Whole sequences where they end within WHOLE_SLACK of the equal share (no partials, no
+    merge); the cut plan, with the pool for long shares, otherwise."""
+    lp = launch(pages=True)  # 132 columns, 16-token tiles
+    def plan(batch, length):
+        return dp.plan_work(lp, np.full(batch, length, np.int32), False, -1, merge="kernel")
+    for batch, length in ((256, 512), (128, 1024), (132, 100), (300, 64)):
+        work = plan(batch, length)
+        assert work.max_pieces == 1 and work.num_slots == 0 and work.pool_pieces == 0, batch
+    work = plan(64, 2048)       # whole: 128 tiles a column against a share of 62
+    assert work.max_pieces > 1 and work.pool_pieces == 0
+    work = plan(200, 512)       # whole: 64 tiles a column against a share of 48.5
+    assert work.max_pieces > 1
+    assert plan(64, 8192).pool_pieces > 0
 
 
 @pytest.mark.parametrize("splits", [1, 2, 7, 64, 256])
