@@ -520,9 +520,12 @@ def decoder_run(cp, case, dec, feats_dev, out_dtype):
 @pytest.mark.parametrize("dtype,d,feats", [(bfloat16, 128, ()),
                                            (np.float16, 256, ("sinks", "window", "alibi"))],
                          ids=["bf16-d128", "f16-d256-features"])
-def test_decoder_schedules_and_merges(rng, cp, schedule, merge, dtype, d, feats):
+def test_decoder_schedules_and_merges(rng, cp, monkeypatch, schedule, merge, dtype, d, feats):
     """Every schedule and merge mode on a mixed batch of 150 sequences matches the
-    reference, twice in a row (the fused merge re-arms its counters), bit for bit."""
+    reference, twice in a row (the fused merge re-arms its counters), bit for bit. (The
+    window keeps every sequence short, which "balanced" would leave whole: made to cut.)"""
+    monkeypatch.setattr(dp, "WHOLE_SLACK", -1)
+    monkeypatch.setattr(dp, "WHOLE_SLACK_TILES", -1)
     hq, hk = 8, 2
     case = make_case(rng, lens=mixed_lengths(rng, 150), hq=hq, hk=hk, d=d, bs=16, dtype=dtype)
     opts = features(rng, hq, feats)
@@ -538,6 +541,25 @@ def test_decoder_schedules_and_merges(rng, cp, schedule, merge, dtype, d, feats)
     again = decoder_run(cp, case, dec, feats_dev, dtype)
     np.testing.assert_array_equal(again[0], first[0])
     np.testing.assert_array_equal(again[1], first[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_path", ["pages", "staged"])
+def test_short_batches_stay_whole(rng, cp, kv_path):
+    """More short sequences than CTA columns: the "balanced" plan keeps each whole (no
+    partial rows, no merge) and matches the reference, an empty sequence included."""
+    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("cp.async.bulk needs sm_90")
+    lens = rng.integers(1, 256, 500).astype(np.int32)
+    lens[[5, 77]] = [0, 255]
+    case = make_case(rng, lens=lens, hq=16, hk=4, d=128, bs=16, dtype=bfloat16)
+    opts = features(rng, 16, ("sinks", "alibi"))
+    (want, want_lse), _ = oracle(case, "NHD", **opts)
+    dec = cupaged.PagedDecoder(16, 4, 128, 16, dtype=bfloat16, max_batch=500, kv_path=kv_path)
+    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]))
+    assert dec.num_splits == 1 and dec._step.work.num_slots == 0
+    got = decoder_run(cp, case, dec, {n: cp.asarray(a) for n, a in opts.items()}, bfloat16)
+    assert_matches(*got, want, want_lse, bfloat16)
 
 
 @pytest.mark.gpu
@@ -703,7 +725,7 @@ def test_default_kernel_path(rng, cp):
     for hq, hk, d, layout, dtype, want in (
             (32, 8, 128, "NHD", bfloat16, "pages"), (16, 4, 64, "NHD", np.float16, "pages"),
             (8, 2, 64, "NHD", np.float16, "pages"), (16, 1, 128, "NHD", bfloat16, "staged"),
-            (8, 2, 80, "NHD", bfloat16, "staged"), (8, 2, 128, "HND", bfloat16, "staged"),
+            (8, 2, 80, "NHD", bfloat16, "staged"), (8, 2, 128, "HND", bfloat16, "pages"),
             (32, 8, 128, "NHD", np.float32, "staged"), (32, 32, 128, "NHD", bfloat16, "pages"),
             (32, 32, 128, "HND", bfloat16, "pages"), (22, 11, 64, "NHD", bfloat16, "staged")):
         dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, layout=layout, max_batch=16)

@@ -23,6 +23,8 @@ head (``ok``: relative error under 2e-2). Run: ``python -m cupaged.bench.decode 
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .. import decode
@@ -38,6 +40,7 @@ MAX_KV_BYTES = 40e9
 DEFAULT_VARIANT = (None, None)  # the plan's defaults (decode_plan.resolve_merge)
 VARIANTS = (("balanced", "fused"), ("balanced", "kernel"), ("split", "fused"), ("split", "kernel"))
 TOLERANCE = 2e-2
+LARGE_FREE_BYTES, FREE_SETTLE_SECONDS = 4e9, 0.5
 
 
 def kv_bytes(batch, length, num_kv_heads):
@@ -181,11 +184,21 @@ def _torch_graph_time(torch, run_set, sets, reps=20):
 
 
 def _free():
+    """Give the K/V sets back (CuPy's pool, torch's cache); after more than LARGE_FREE_BYTES,
+    wait FREE_SETTLE_SECONDS: for a while after tens of GB are freed the GPU runs the next
+    work slower, longer than ``timing.settle`` covers (H200: B256 x L512 150 us instead of
+    136 right after a 34 GB set, 136 after half a second)."""
     import cupy
-    cupy.get_default_memory_pool().free_all_blocks()
+    pool = cupy.get_default_memory_pool()
+    held = pool.total_bytes()
+    pool.free_all_blocks()
     torch = torch_or_none()
     if torch is not None:
+        held += torch.cuda.memory_reserved()
         torch.cuda.empty_cache()
+    if held > LARGE_FREE_BYTES:
+        cupy.cuda.Device().synchronize()
+        time.sleep(FREE_SETTLE_SECONDS)
 
 
 def run(quick=False):
