@@ -7,11 +7,12 @@
 //                        query head of the kv head from them (K/V read once per group);
 //                        split sequences leave fp32 partials, merged by the CTA finishing
 //                        the last piece (fused) or by merge_pieces_kernel
-//   paged_decode_pages_kernel  sm_90, 16-bit NHD caches of up to 8 kv heads: one CTA per SM
-//                        copies whole blocks (all kv heads of their tokens; 16 tokens or
-//                        more a stage) with cp.async.bulk into a 3-stage ring on
-//                        mbarriers; warp w serves kv head w straight from the unpadded
-//                        rows (PageMath)
+//   paged_decode_pages_kernel  sm_90, 16-bit NHD/HND caches, up to 8 query heads a kv head:
+//                        one CTA per SM and group of up to 8 kv heads copies whole blocks
+//                        (the group's heads of their tokens; about 32 KB an operand a
+//                        stage) with cp.async.bulk into a 3-stage ring on mbarriers; its
+//                        8 warps split the heads and their tokens and compute straight
+//                        from the unpadded rows (PageMath)
 //   merge_pieces_kernel  merges split pieces (adding sinks once) when not fused
 //   merge_states_kernel  combines two states (merge_states)
 //
