@@ -24,7 +24,7 @@ SCHEDULES = ("balanced", "split")  # equal tile shares per column / equal cuts p
 MERGES = ("fused", "kernel")       # split pieces merged by their last CTA / by a second kernel
 DESC_INTS = 8                      # ints per piece descriptor (decode.cu's Piece)
 KV_PATHS = ("pages", "staged")     # whole blocks by cp.async.bulk (sm_90) / cp.async tiles
-PAGE_WARPS = 8                     # paged_decode_pages_kernel: a warp per kv head of a CTA
+PAGE_WARPS = 8                     # paged_decode_pages_kernel: its kv heads x token warps
 PAGE_THREADS = 32 * PAGE_WARPS
 PAGE_STAGES = 3
 PAGE_TILE_BYTES = 32 * 1024        # a pages-kernel tile of one operand, unless a block is larger
@@ -48,7 +48,8 @@ POOL_PIECES = 4
 POOL_MIN_SHARE = 128
 # "balanced" plans keep every sequence whole (no cut, no merge) where whole sequences dealt
 # to the columns (whole_pieces) end no later than WHOLE_SLACK of a column's equal share, or
-# WHOLE_SLACK_TILES tiles, after it: B256 x L512 132 us whole vs 138 us cut (32/8 heads).
+# WHOLE_SLACK_TILES tiles, after it: B256 x L512 135 us whole vs 144 cut (138 without the
+# pool), B128 x L1K 133 vs 139 (pages kernel, 32/8 heads).
 WHOLE_SLACK = 1 / 64
 WHOLE_SLACK_TILES = 2
 
@@ -95,8 +96,9 @@ def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, nu
     """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit NHD cache (a block's
     tokens x kv heads contiguous) with blocks of a multiple or a divisor of 16 tokens, or an
     HND one (kv heads x tokens) with blocks of a multiple of 16 (an m-tile of 16 tokens
-    then lies in one block, its rows evenly spaced); head_dim 64/96/128, up to 8 query heads a kv
-    head, and a ring of a CTA's kv heads (``page_kv_heads``) that fits in shared memory."""
+    then lies in one block, its rows evenly spaced); head_dim 64/96/128, up to 8 query
+    heads a kv head, and a ring of a CTA's kv heads (``page_kv_heads``) that fits in shared
+    memory."""
     blocks_ok = (block_size % 16 == 0 or (layout == "NHD" and 16 % block_size == 0))
     return (int(compute_capability) >= 90 and itemsize == 2 and layout in ("NHD", "HND")
             and blocks_ok and head_dim in PAGE_HEAD_DIMS and num_q_heads // num_kv_heads <= 8
@@ -327,7 +329,7 @@ class DecodeLaunch(NamedTuple):
     block_size: int
     block_magic: int
     block_shift: int
-    pages: bool = False  # paged_decode_pages_kernel: tiles are blocks, a warp per kv head
+    pages: bool = False  # paged_decode_pages_kernel: tiles are blocks, groups of <= 8 kv heads
 
     @property
     def row_groups(self):

@@ -902,7 +902,7 @@ paged_decode_kernel(CUPAGED_DECODE_PARAMS(T)) {
 }
 
 // ---------------------------------------------------------------------------- page-copy kernel
-constexpr int PAGE_WARPS = 8;  // one per kv head (up to 8)
+constexpr int PAGE_WARPS = 8;  // a CTA's kv heads (up to 8) times their token warps
 constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
 constexpr int PAGE_STAGES = 3;
 constexpr int PAGE_TILE_BYTES = 32 * 1024;  // a tile of one operand, unless a block is larger
@@ -935,9 +935,9 @@ __device__ __forceinline__ void zero_head_rows(T* k_rows, T* v_rows, int stride,
 // tile (TW = PAGE_WARPS / HG token warps a head), for its G query heads (PageMath) with its
 // own online softmax; a tile is whole blocks, at least 16 * TW tokens unless that passes
 // PAGE_TILE_BYTES an operand (page_tile), so that a stage holds about as many bytes however
-// few the heads. CTA (c, y) walks column c's
-// pieces, then pool pieces of row group y (PiecePool); its stream of tiles goes through a
-// PAGE_STAGES ring, a stage holding its tile's HG heads as the cache lays them out:
+// few the heads. CTA (c, y) walks column c's pieces, then pool pieces of row group y
+// (PiecePool); its stream of tiles goes through a PAGE_STAGES ring, a stage holding its
+// tile's HG heads as the cache lays them out:
 //   NHD  (HEAD_MAJOR false; kv head h's token t at (t * HG + h) * D in the stage): with
 //        HG = Hk a block's visible tokens are one contiguous run [tokens][Hk][D] in the
 //        cache, else each token's HG heads are one; lane j / 8 of warp j % 8 copies run j
@@ -949,7 +949,8 @@ __device__ __forceinline__ void zero_head_rows(T* k_rows, T* v_rows, int stride,
 //        block j as one run (all its tokens) if any of them is visible, and the warp of a
 //        partly visible m-tile zeroes its invisible rows once it landed (zero_head_rows).
 // After a piece's last tile the token warps of each head combine in the stage that tile
-// used, and its first writes. Pieces end as in paged_decode_kernel.
+// used (the PAGE_WARPS - HG stored states fit in its K and V at every head dim), and its
+// first writes. Pieces end as in paged_decode_kernel.
 template <typename T, int D, bool HEAD_MAJOR>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
 paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
@@ -1102,12 +1103,14 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
     pi = cur.pool.after(p.next);
     state.reduce_sum();
     if (tw > 1) {  // token warps combine in the stage of the piece's last tile (see above)
-      float* red = reinterpret_cast<float*>(k_stage((it + PAGE_STAGES - 1) % PAGE_STAGES)) + lane;
+      const int last = (it + PAGE_STAGES - 1) % PAGE_STAGES;
+      float* red = reinterpret_cast<float*>(k_stage(last)) + lane;
       __syncthreads();  // every warp is done with that tile
       if (warp_heads && tg > 0) state.store(red + (warp - hg) * State::FLOATS * 32);
       __syncthreads();
       if (warp_heads && tg == 0)
-        for (int t2 = 1; t2 < tw; ++t2) state.absorb(red + ((t2 - 1) * hg + wh) * State::FLOATS * 32);
+        for (int t2 = 1; t2 < tw; ++t2)
+          state.absorb(red + ((t2 - 1) * hg + wh) * State::FLOATS * 32);
       fence_proxy_async();  // the stage's next copy comes after these accesses
     }
     const bool whole = p.npieces == 1;
