@@ -907,19 +907,20 @@ constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
 constexpr int PAGE_STAGES = 3;
 constexpr int PAGE_TILE_BYTES = 32 * 1024;  // a tile of one operand, unless a block is larger
 
-// HND stage of one kv head (rows `stride` elements apart, tokens t0 .. t0 + rows - 1 of the
-// sequence): zeroes the K and V rows outside the visible keys [lo, kv_len), which the whole-
-// block copy brought in as the cache held them, so that their masked scores and values stay
-// finite. Called by a whole warp (the condition is warp-uniform).
-template <typename T, int D>
-__device__ __forceinline__ void zero_head_rows(T* k_rows, T* v_rows, int stride, int t0, int rows,
-                                               int lo, int kv_len, int lane) {
+// Rows t0 .. t0 + rows - 1 of the sequence in a stage (`stride` elements apart, `chunks`
+// 16-byte chunks each, in K and in V): zeroes those outside the visible keys [lo, kv_len),
+// so that their masked scores and values stay finite (the copies leave them as they were,
+// or bring in the cache's). `threads` threads from `thread` share the work (a warp or the
+// CTA; every thread of it calls).
+template <typename T>
+__device__ __forceinline__ void zero_invisible_rows(T* k_rows, T* v_rows, int stride, int chunks,
+                                                    int t0, int rows, int lo, int kv_len,
+                                                    int thread, int threads) {
   const int a = max(lo - t0, 0), b = min(kv_len - t0, rows);  // visible rows [a, b)
   const int zero_rows = a + rows - b;
   if (zero_rows == 0) return;
-  constexpr int CHUNKS = D / Vec16<T>::N;  // 16-byte chunks a row
-  for (int i = lane; i < zero_rows * CHUNKS; i += 32) {
-    const int zr = i / CHUNKS, tok = zr < a ? zr : b + zr - a, c = i - zr * CHUNKS;
+  for (int i = thread; i < zero_rows * chunks; i += threads) {
+    const int zr = i / chunks, tok = zr < a ? zr : b + zr - a, c = i - zr * chunks;
     reinterpret_cast<uint4*>(k_rows + tok * stride)[c] = make_uint4(0, 0, 0, 0);
     reinterpret_cast<uint4*>(v_rows + tok * stride)[c] = make_uint4(0, 0, 0, 0);
   }
@@ -947,7 +948,7 @@ __device__ __forceinline__ void zero_head_rows(T* k_rows, T* v_rows, int stride,
 //   HND  (HEAD_MAJOR; block j of the tile at j * block_size * HG * D in the stage, there
 //        [HG][block_size][D]): lane j / 8 of warp j % 8 copies the row group's heads of
 //        block j as one run (all its tokens) if any of them is visible, and the warp of a
-//        partly visible m-tile zeroes its invisible rows once it landed (zero_head_rows).
+//        partly visible m-tile zeroes its invisible rows once it landed.
 // After a piece's last tile the token warps of each head combine in the stage that tile
 // used (the PAGE_WARPS - HG stored states fit in its K and V at every head dim), and its
 // first writes. Pieces end as in paged_decode_kernel.
@@ -1007,16 +1008,10 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
     }
     T* ks = k_stage(st);
     T* vs = v_stage(st);
-    if (!HEAD_MAJOR) {
-      const int chunks = row / Vec16<T>::N;  // 16-byte chunks a token row
-      const int below = a % 16, above = min((b + 15) / 16 * 16, tile_rows) - b;
-      for (int i = tid; i < (below + above) * chunks; i += PAGE_THREADS) {
-        const int zr = i / chunks, c = i - zr * chunks;
-        const int tok = zr < below ? a - below + zr : b + zr - below;
-        reinterpret_cast<uint4*>(ks + tok * row)[c] = make_uint4(0, 0, 0, 0);
-        reinterpret_cast<uint4*>(vs + tok * row)[c] = make_uint4(0, 0, 0, 0);
-      }
-      if (below + above) fence_proxy_async();  // a later copy into this stage overwrites them
+    if (!HEAD_MAJOR) {  // the m-tiles [m0, m1) hold the visible rows
+      const int m0 = a / 16 * 16, m1 = min((b + 15) / 16 * 16, tile_rows);
+      zero_invisible_rows(ks + m0 * row, vs + m0 * row, row, row / Vec16<T>::N, t0 + m0,
+                          m1 - m0, r.lo, r.kv_len, tid, PAGE_THREADS);
     }
     const u32 bar = bars + 8 * st;
     // The one arrival, with every copy's bytes: the phase completes when it has happened and
@@ -1090,7 +1085,8 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
                                          (mt * 16 % block_size) * D
                                    : mt * 16 * row;
         if (HEAD_MAJOR && (tok0 < lo || tok0 + 16 > kv_len))
-          zero_head_rows<T, D>(ks + off, vs + off, D, tok0, 16, lo, kv_len, lane);
+          zero_invisible_rows(ks + off, vs + off, D, D / Vec16<T>::N, tok0, 16, lo, kv_len,
+                              lane, 32);
         float s[1][4];
         math.scores(ks + off, head_rows, s, lane);
         mods.apply(s, slope, tok0, lane >> 2);
