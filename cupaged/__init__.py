@@ -23,10 +23,12 @@ _EXPORTS = {
     "PagedPrefiller": "prefill",
     "sink_softmax": "sink", "sink_attention": "sink",
     "apply_rope": "rope",
+    # steps and device errors
+    "BatchStep": "step", "check_errors": "errors", "DeviceIndexError": "errors",
     # arrays
     "gpu_available": "_arrays", "bfloat16": "_arrays",
 }
-_SUBMODULES = ("sparse", "layers", "reference", "layouts", "interop")
+_SUBMODULES = ("sparse", "layers", "reference", "layouts", "interop", "errors", "step")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

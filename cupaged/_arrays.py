@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -90,29 +92,95 @@ def array_module(*arrays):
     return np
 
 
-# ----------------------------------------------------------------------------- DLPack
+# ----------------------------------------------------------------------------- foreign arrays
+# torch tensors are viewed directly (their address, shape and strides: a few microseconds,
+# where DLPack takes several times that), views of tensors seen before are reused, and
+# results of a torch call are allocated by torch (outputs come back as the very tensors
+# the op wrote). Other frameworks (JAX) go through DLPack. Kernels run on the caller's
+# current stream and device.
+_KINDS = {}   # type -> "torch", "dlpack" (another framework) or None (NumPy, CuPy, scalars)
+_VIEWS = {}   # id(tensor) -> (weakref, data_ptr, shape, strides, cupy view)
+_STREAMS = {}  # (device, raw stream) -> cupy Stream
+_CALL = threading.local()  # .made: {id(cupy array): (array, tensor)} during a torch call
+
+
+def _kind(x):
+    t = type(x)
+    k = _KINDS.get(t, False)
+    if k is False:
+        if t is np.ndarray or is_cupy(x) or not hasattr(t, "__dlpack__"):
+            k = None
+        else:
+            k = "torch" if t.__module__.split(".")[0] == "torch" else "dlpack"
+        _KINDS[t] = k
+    return k
+
+
 def _foreign_root(x):
     """Top-level module name of a foreign array-like exporting ``__dlpack__``, else None."""
-    if isinstance(x, np.ndarray) or is_cupy(x) or not hasattr(x, "__dlpack__"):
+    k = _kind(x)
+    if k is None:
         return None
-    return type(x).__module__.split(".")[0]
+    return "torch" if k == "torch" else type(x).__module__.split(".")[0]
 
 
-def _caller_stream(root, x):
-    """A CuPy stream wrapping the caller's current stream for ``x``'s framework, or None."""
-    cp = cupy_module()
-    if root == "torch":
-        torch = sys.modules["torch"]
-        ptr = torch.cuda.current_stream(x.device).cuda_stream
-        return cp.cuda.ExternalStream(ptr, x.device.index or 0)
-    return None
+@functools.lru_cache(maxsize=None)
+def _torch_dtypes():
+    torch = sys.modules["torch"]
+    pairs = {torch.float16: float16, torch.bfloat16: bfloat16, torch.float32: float32,
+             torch.float64: np.dtype(np.float64), torch.int8: np.dtype(np.int8),
+             torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16),
+             torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
+             torch.bool: np.dtype(np.bool_)}
+    return pairs, {v: k for k, v in pairs.items()}
 
 
-def _import_foreign(x, root):
+def _need_gpu(x):
     cp = cupy_module()
     if cp is None or not gpu_available():
         raise TypeError(f"got a {type(x).__name__} exporting __dlpack__, but CuPy with a CUDA "
                         "device is needed to take it")
+    return cp
+
+
+def _drop_view(key):
+    return lambda _ref: _VIEWS.pop(key, None)
+
+
+def _torch_view(t):
+    """A CuPy array over a CUDA tensor's memory (cached while the tensor lives)."""
+    key = id(t)
+    entry = _VIEWS.get(key)
+    if entry is not None and entry[0]() is t:
+        if t.data_ptr() == entry[1] and t.shape == entry[2] and t.stride() == entry[3]:
+            return entry[4]
+    cp = _need_gpu(t)
+    if not t.is_cuda:
+        raise TypeError(f"expected a CUDA array, got a torch.Tensor on {t.device}")
+    dt = _torch_dtypes()[0].get(t.dtype)
+    if dt is None:
+        return cp.from_dlpack(t)
+    shape, strides = tuple(t.shape), t.stride()
+    item = dt.itemsize
+    if t.numel() == 0:
+        view = cp.empty(shape, dt)
+    else:
+        span = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * item
+        mem = cp.cuda.UnownedMemory(t.data_ptr(), span, None, t.get_device())
+        view = cp.ndarray(shape, dt, cp.cuda.MemoryPointer(mem, 0),
+                          tuple(s * item for s in strides))
+    _VIEWS[key] = (weakref.ref(t, _drop_view(key)), t.data_ptr(), t.shape, strides, view)
+    return view
+
+
+def _import_foreign(x, root):
+    if root == "torch":
+        view = _torch_view(x)
+        made = getattr(_CALL, "made", None)
+        if made is not None:
+            made[id(view)] = (view, x)
+        return view
+    cp = _need_gpu(x)
     device = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else None
     if device is not None and int(device[0]) not in (2, 3, 13):  # CUDA, CUDA host, CUDA managed
         raise TypeError(f"expected a CUDA array, got a {type(x).__name__} on DLPack "
@@ -120,8 +188,47 @@ def _import_foreign(x, root):
     return cp.from_dlpack(x)
 
 
+class _StreamHandle:
+    """A raw stream pointer in the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_stream(device, raw):
+    s = _STREAMS.get((device, raw))
+    if s is None:
+        cp = cupy_module()
+        with cp.cuda.Device(device):
+            if hasattr(cp.cuda.Stream, "from_external"):
+                s = cp.cuda.Stream.from_external(_StreamHandle(raw))
+            else:  # CuPy 13
+                s = cp.cuda.ExternalStream(raw, device)
+        _STREAMS[(device, raw)] = s
+    return s
+
+
+def _caller_stream(root, x):
+    """A CuPy stream wrapping the caller's current stream for ``x``'s framework, or None."""
+    if root == "torch":
+        torch = sys.modules["torch"]
+        device = x.get_device()
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        raw = (raw_stream(device) if raw_stream is not None
+               else torch.cuda.current_stream(device).cuda_stream)
+        return _cupy_stream(device, raw)
+    return None
+
+
 def _export_foreign(y, root):
     if root == "torch":
+        made = getattr(_CALL, "made", None)
+        entry = made.get(id(y)) if made is not None else None
+        if entry is not None and entry[0] is y:
+            return entry[1]
         return sys.modules["torch"].from_dlpack(y)
     if root in ("jax", "jaxlib"):
         import jax.dlpack
@@ -138,32 +245,123 @@ def _convert_out(result, root):
     return result
 
 
+def empty(xp, shape, dtype):
+    """An uninitialised array of ``xp``; during a call made with torch tensors, memory of
+    torch's allocator (the result goes back as that tensor, without a conversion)."""
+    made = getattr(_CALL, "made", None)
+    if made is None or xp is np:
+        return xp.empty(shape, dtype)
+    torch = sys.modules["torch"]
+    t = torch.empty(shape, dtype=_torch_dtypes()[1][np.dtype(dtype)], device=_CALL.device)
+    view = _torch_view(t)
+    made[id(view)] = (view, t)
+    return view
+
+
+def zeros(xp, shape, dtype):
+    """As :func:`empty`, zero-filled (on the current stream)."""
+    a = empty(xp, shape, dtype)
+    a.fill(0)
+    return a
+
+
+class _ForeignCall:
+    """The context of one public call made with foreign arrays: the caller's stream (and
+    device) current, and torch outputs tracked."""
+
+    def __init__(self, root, first):
+        self.root, self.first = root, first
+
+    def __enter__(self):
+        self.outer = getattr(_CALL, "made", None)
+        self.outer_device = getattr(_CALL, "device", None)
+        if self.root == "torch":
+            _CALL.made = {} if self.outer is None else self.outer
+            _CALL.device = self.first.device
+        self.stream = _caller_stream(self.root, self.first)
+        self.device = None
+        if self.stream is not None:
+            cp = cupy_module()
+            dev = self.first.get_device()
+            if cp.cuda.runtime.getDevice() != dev:
+                self.device = cp.cuda.Device(dev)
+                self.device.__enter__()
+            self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.stream.__exit__(*exc)
+            if self.device is not None:
+                self.device.__exit__(*exc)
+        _CALL.made, _CALL.device = self.outer, self.outer_device
+        return False
+
+
 def accepts_dlpack(fn):
     """Decorate a public op so foreign CUDA arrays go in zero-copy and come back in kind.
 
-    Any argument exporting ``__dlpack__`` (torch, JAX) is wrapped as a CuPy array; the op
-    runs on the caller's current stream (torch's, where the caller passed torch tensors);
-    CuPy results are handed back through the caller's framework. Nothing foreign is
-    imported unless the caller passed it in.
+    Any argument exporting ``__dlpack__`` (torch, JAX) is taken as a CuPy array over the
+    same memory; the op runs on the caller's current stream and device (torch's, where the
+    caller passed torch tensors); results come back through the caller's framework (torch:
+    tensors allocated by torch). Nothing foreign is imported unless the caller passed it.
     """
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         root = first = None
-        for a in list(args) + list(kwargs.values()):
-            r = _foreign_root(a)
-            if r is not None:
-                root, first = r, a
+        for a in args:
+            if _kind(a) is not None:
+                root, first = _foreign_root(a), a
                 break
         if root is None:
+            for a in kwargs.values():
+                if _kind(a) is not None:
+                    root, first = _foreign_root(a), a
+                    break
+        if root is None:
             return fn(*args, **kwargs)
-        args = tuple(_import_foreign(a, root) if _foreign_root(a) else a for a in args)
-        kwargs = {k: (_import_foreign(v, root) if _foreign_root(v) else v) for k, v in kwargs.items()}
-        stream = _caller_stream(root, first)
-        if stream is None:
-            return _convert_out(fn(*args, **kwargs), root)
-        with stream:
+        with _ForeignCall(root, first):
+            args = tuple(_import_foreign(a, root) if _kind(a) else a for a in args)
+            kwargs = {k: (_import_foreign(v, root) if _kind(v) else v) for k, v in kwargs.items()}
             return _convert_out(fn(*args, **kwargs), root)
     return wrapper
+
+
+# ----------------------------------------------------------------------------- call caches
+def signature(*arrays):
+    """What the checks and the launch setup of a call depend on, for each array: its type,
+    shape, strides, dtype and (device arrays) address modulo 16. Ops key caches of checked,
+    planned launches by it (with their options and the current stream), so that a call like
+    an earlier one only packs addresses and launches."""
+    out = []
+    for a in arrays:
+        if a is None:
+            out.append(None)
+        elif is_cupy(a):
+            out.append((a.shape, a.strides, a.dtype, a.data.ptr & 15))
+        else:
+            out.append((type(a), a.shape, a.strides, a.dtype))
+    return tuple(out)
+
+
+class CallCache(dict):
+    """Launch setups of calls by signature (bounded: cleared when it grows past ``limit``)."""
+
+    def __init__(self, limit=512):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, value):
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+        return value
+
+
+def stream_key():
+    """The current device and CuPy stream (a call cache's entries hold per-stream scratch)."""
+    cp = cupy_module()
+    return cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr
 
 
 # ----------------------------------------------------------------------------- checks

@@ -1,8 +1,10 @@
 """Argument checks shared by the attention ops (decode, prefill, sink, sparse).
 
 Each check raises ValueError/TypeError naming the argument, the expected and the actual
-value. Checks on index values work on host copies (``_arrays.host``), which syncs for
-CuPy inputs; plan/run wrappers do them once in ``plan()``.
+value. Shapes, dtypes, devices and options are checked always. The contents of index
+arrays are checked here when they are host (NumPy) arrays, or device arrays in strict mode
+(``cupaged.errors.strict``: one host copy, a sync); otherwise the kernels check them
+(``contents=False``: nothing read).
 """
 from __future__ import annotations
 
@@ -42,10 +44,35 @@ def check_options(xp, num_q_heads, head_dim, *, sm_scale=None, window_left=-1,
                             float(logits_soft_cap))
 
 
+def token_stride(name, x):
+    """Elements from one token's rows to the next of ``x`` ``[tokens, heads, head_dim]``,
+    whose heads must be dense (views of a fused qkv tensor qualify: ``qkv.split``,
+    ``qkv.unbind(1)``); device rows must also start 16 bytes apart."""
+    item = x.itemsize
+    if x.ndim != 3:
+        raise ValueError(f"{name}: expected 3 dimensions, got shape {tuple(x.shape)}")
+    _, h, d = x.shape
+    if x.size == 0:
+        return h * d
+    if (d > 1 and x.strides[2] != item) or (h > 1 and x.strides[1] != d * item):
+        raise ValueError(f"{name}: expected dense heads [.., heads, head_dim] (strides "
+                         f"({d * item}, {item}) bytes), got strides {x.strides}")
+    stride = x.strides[0] if x.shape[0] > 1 else h * d * item
+    if stride % item or stride < 0:
+        raise ValueError(f"{name}: expected a token stride of whole elements, got {stride} bytes")
+    if not isinstance(x, np.ndarray) and stride % 16:
+        raise ValueError(f"{name}: expected token rows 16 bytes apart or a multiple of it, got "
+                         f"{stride} bytes")
+    return stride // item
+
+
 def check_query(name, q, xp, ndim=3):
-    """Validate a query ``[tokens, num_q_heads, head_dim]``; return its shape."""
-    check_array(name, q, ndim=ndim, dtypes=FLOAT_DTYPES, xp=xp)
+    """Validate a query ``[tokens, num_q_heads, head_dim]`` (token rows may be strided:
+    :func:`token_stride`); return its shape."""
+    check_array(name, q, ndim=ndim, dtypes=FLOAT_DTYPES, xp=xp, contiguous=False)
     check_head_dim(f"{name}.shape[-1]", q.shape[-1])
+    if ndim == 3:
+        token_stride(name, q)
     return tuple(int(s) for s in q.shape)
 
 
@@ -55,14 +82,18 @@ def check_gqa(num_q_heads, num_kv_heads, kv_name="k"):
                          f"query heads ({num_q_heads})")
 
 
-def check_cu_seqlens(name, cu, xp, total=None):
-    """Validate int32 ``[batch + 1]`` cumulative lengths; return the host copy.
+def check_cu_seqlens(name, cu, xp, total=None, contents=True, padding=True):
+    """Validate int32 ``[batch + 1]`` cumulative lengths; return the host copy (None with
+    ``contents=False``: only the shape and dtype checked).
 
-    Starts at 0, never decreases, and (when ``total`` is given) ends at ``total``.
+    Starts at 0, never decreases, and (when ``total`` is given) ends at ``total``, or with
+    ``padding`` at most at ``total`` (rows past the last entry are padding).
     """
     check_array(name, cu, ndim=1, dtypes=np.int32, xp=xp)
     if cu.shape[0] < 1:
         raise ValueError(f"{name}: expected shape [batch_size + 1] with at least one entry, got {tuple(cu.shape)}")
+    if not contents:
+        return None
     h = host(cu)
     if h[0] != 0:
         raise ValueError(f"{name}: expected {name}[0] == 0, got {int(h[0])}")
@@ -70,13 +101,22 @@ def check_cu_seqlens(name, cu, xp, total=None):
     if (d < 0).any():
         i = int(np.argmax(d < 0))
         raise ValueError(f"{name}: expected non-decreasing entries, got {int(h[i])} then {int(h[i + 1])} at index {i}")
-    if total is not None and int(h[-1]) != total:
-        raise ValueError(f"{name}: expected last entry {total} (the number of tokens), got {int(h[-1])}")
+    if total is not None and (int(h[-1]) > total or (not padding and int(h[-1]) != total)):
+        raise ValueError(f"{name}: expected last entry {'at most ' if padding else ''}{total} "
+                         f"(the number of tokens), got {int(h[-1])}")
     return h
 
 
-def check_block_tables(block_tables, seq_lens, geometry, xp, *, batch=None, extra_tokens=0):
-    """Validate a paged batch's block tables and kv lengths; return host copies.
+def check_index_layout(name, a):
+    """An index array's rows may be strided, its last dimension must be contiguous."""
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        raise ValueError(f"{name}: expected a contiguous last dimension, got strides {a.strides}")
+
+
+def check_block_tables(block_tables, seq_lens, geometry, xp, *, batch=None, extra_tokens=0,
+                       contents=True):
+    """Validate a paged batch's block tables and kv lengths; return host copies (``(None,
+    None)`` with ``contents=False``: shapes and dtypes only).
 
     Parameters
     ----------
@@ -89,10 +129,13 @@ def check_block_tables(block_tables, seq_lens, geometry, xp, *, batch=None, extr
     The first ``ceil((seq_len + extra_tokens) / block_size)`` entries of each row must be
     block ids in ``[0, num_blocks)``; later entries are not read (conventionally -1).
     """
-    check_array("block_tables", block_tables, ndim=2, dtypes=np.int32, xp=xp)
+    check_array("block_tables", block_tables, ndim=2, dtypes=np.int32, xp=xp, contiguous=False)
+    check_index_layout("block_tables", block_tables)
     b = block_tables.shape[0] if batch is None else batch
-    check_array("block_tables", block_tables, shape=(b, None))
+    check_array("block_tables", block_tables, shape=(b, None), contiguous=False)
     check_array("seq_lens", seq_lens, shape=(b,), dtypes=np.int32, xp=xp)
+    if not contents:
+        return None, None
     bt, sl = host(block_tables), host(seq_lens)
     check_range("seq_lens", sl, 0, np.iinfo(np.int32).max)
     bs, max_blocks = geometry.block_size, bt.shape[1]

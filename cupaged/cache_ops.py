@@ -3,8 +3,12 @@
 NumPy inputs run ``cupaged.reference.cache``; CuPy inputs (and torch/JAX CUDA tensors,
 taken zero-copy) run the kernels of ``kernels_cu/cache_ops.cu`` on the current stream
 (the caller's torch stream for torch tensors). All three ops move bits: the kernels match
-the reference exactly. Every argument, index included, is checked before anything runs;
-index checks read a host copy of the indices (a sync for CuPy indices).
+the reference exactly. Shapes, dtypes and strides are checked before anything runs, and so
+are host index arrays; device index arrays (a CuPy slot mapping or block mapping) are
+checked by the kernels (an entry out of range is skipped and reported to the error word,
+``cupaged.errors``), or on the host first in strict mode (``validate=True``,
+``CUPAGED_STRICT=1``), which also refuses duplicate slots; outside strict mode two tokens
+with one slot write one of their rows, as vLLM's ``reshape_and_cache`` does.
 
 Swaps between a device cache and a pinned host cache are asynchronous on the current
 stream. Two mechanisms, chosen per call by ``method=``:
@@ -20,10 +24,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import (accepts_dlpack, array_module, check_array, check_choice, check_range,
-                      host, is_cupy)
-from ._compile import Spec, allow_dynamic_smem, get_kernel
-from .layouts import LAYOUTS, cache_geometry
+from . import abi, errors
+from ._arrays import (CallCache, accepts_dlpack, array_module, check_array, check_choice,
+                      check_range, host, is_cupy, signature, stream_key)
+from ._checks import token_stride
+from ._compile import Spec, launcher
+from ._launch import ptr
+from .layouts import LAYOUTS, block_stride, cache_geometry
 from .reference import cache as ref
 
 THREADS = 256
@@ -58,36 +65,52 @@ def _check_aligned(named_arrays):
                              f"got {_address(a):#x}")
 
 
-def _check_write(key, value, k_cache, v_cache, slot_mapping, layout):
-    """Validate write_kv_cache's arguments; return (array module, geometry)."""
+def _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate=None):
+    """Validate write_kv_cache's arguments (the slots' contents on the host for a host
+    mapping or in strict mode); return (array module, geometry)."""
     check_choice("layout", layout, LAYOUTS)
     xp = array_module(key, value, k_cache, v_cache, slot_mapping)
     geo = cache_geometry(k_cache, v_cache, layout)
     _check_row_bytes("k_cache", geo.head_dim, k_cache.dtype)
     hk, d = geo.num_kv_heads, geo.head_dim
-    check_array("key", key, shape=(None, hk, d), dtypes=k_cache.dtype)
+    check_array("key", key, shape=(None, hk, d), dtypes=k_cache.dtype, contiguous=False)
     tokens = key.shape[0]
-    check_array("value", value, shape=(tokens, hk, d), dtypes=k_cache.dtype)
+    check_array("value", value, shape=(tokens, hk, d), dtypes=k_cache.dtype, contiguous=False)
+    token_stride("key", key)
+    token_stride("value", value)
     check_array("slot_mapping", slot_mapping, shape=(tokens,), dtypes=np.int64)
-    slots = host(slot_mapping)
-    check_range("slot_mapping", slots, 0, geo.num_blocks * geo.block_size, allow=(-1,))
-    used = np.sort(slots[slots >= 0])
-    dup = used[1:] == used[:-1]
-    if dup.any():
-        raise ValueError(f"slot_mapping: expected distinct slots (or -1), slot "
-                         f"{used[1:][dup][0]} appears more than once")
     if xp is not np:
         _check_aligned([("key", key), ("value", value), ("k_cache", k_cache),
                         ("v_cache", v_cache)])
+    if xp is not np and not errors.strict(validate):
+        return xp, geo
+    slots = host(slot_mapping)
+    check_range("slot_mapping", slots, 0, geo.num_blocks * geo.block_size, allow=(-1,))
+    if errors.strict(validate):
+        used = np.sort(slots[slots >= 0])
+        dup = used[1:] == used[:-1]
+        if dup.any():
+            raise ValueError(f"slot_mapping: expected distinct slots (or -1), slot "
+                             f"{used[1:][dup][0]} appears more than once")
     return xp, geo
 
 
-def _check_pairs(block_mapping, num_src, num_dst, disjoint):
-    """Validate ``(src, dst)`` pairs; return a host int64 ``[n, 2]`` copy.
+def _check_pairs(block_mapping, num_src, num_dst, disjoint, validate=None):
+    """Validate ``(src, dst)`` pairs; return a host int64 ``[n, 2]`` copy, or for a device
+    mapping outside strict mode the mapping itself (int64 ``[n, 2]``; the copy kernel
+    checks its entries).
 
     Destinations must be distinct; with ``disjoint`` (both ends in one cache) no source may
     also be a destination, so that the copies are independent of their order.
     """
+    if is_cupy(block_mapping) and not errors.strict(validate):
+        if block_mapping.dtype.kind not in "iu":
+            raise TypeError(f"block_mapping: expected an integer array, got dtype "
+                            f"{block_mapping.dtype}")
+        if block_mapping.ndim != 2 or block_mapping.shape[1] != 2:
+            raise ValueError(f"block_mapping: expected shape [num_pairs, 2] of (src, dst), "
+                             f"got {tuple(block_mapping.shape)}")
+        return block_mapping.astype(np.int64, copy=False)  # on the device: no sync
     pairs = host(block_mapping) if is_cupy(block_mapping) else np.asarray(block_mapping)
     if pairs.size == 0:
         return np.zeros((0, 2), np.int64)
@@ -164,18 +187,21 @@ def _pinned_pointer(name, a):
 
 # ----------------------------------------------------------------------------- planning
 def write_launch_config(num_tokens, geo, itemsize, layout):
-    """(kernel expression, grid, dynamic shared bytes, extra int args) of a cache write."""
+    """(kernel expression, grid, dynamic shared bytes, CACHE_WRITE fields) of a cache write."""
     head_vecs = geo.head_dim * itemsize // 16
     if layout == "vllm":
         smem = 2 * VLLM_TILE * (head_vecs | 1) * 16
         grid = (-(-num_tokens // VLLM_TILE), geo.num_kv_heads)
         return (f"cupaged::write_vllm<{_ELEMENT_TYPES[itemsize]}>", grid, smem,
-                (num_tokens, geo.num_kv_heads, head_vecs, geo.block_size))
+                dict(num_tokens=num_tokens, num_kv_heads=geo.num_kv_heads, head_vecs=head_vecs,
+                     block_size=geo.block_size, tpt_log2=0,
+                     row_vecs=geo.num_kv_heads * head_vecs))
     row_vecs = geo.num_kv_heads * head_vecs
     tpt_log2 = min(8, (row_vecs - 1).bit_length())
     grid = (-(-num_tokens // (ROWS_UNROLL * (THREADS >> tpt_log2))),)
     return (f"cupaged::write_rows<{'true' if layout == 'HND' else 'false'}>", grid, 0,
-            (num_tokens, tpt_log2, row_vecs, head_vecs, geo.num_kv_heads, geo.block_size))
+            dict(num_tokens=num_tokens, tpt_log2=tpt_log2, row_vecs=row_vecs,
+                 head_vecs=head_vecs, num_kv_heads=geo.num_kv_heads, block_size=geo.block_size))
 
 
 def copy_grid(num_pairs, block_bytes, num_caches):
@@ -207,22 +233,42 @@ def swap_method(pairs, block_bytes):
 
 
 # ----------------------------------------------------------------------------- launches
-def _launch_write(key, value, k_cache, v_cache, slot_mapping, geo, layout):
-    expr, grid, smem, ints = write_launch_config(key.shape[0], geo, k_cache.dtype.itemsize,
-                                                 layout)
-    kernel = get_kernel("cache_ops", expr)
-    allow_dynamic_smem(kernel, smem)
-    kernel(grid, (THREADS,), (key, value, k_cache, v_cache, slot_mapping,
-                              *(np.int32(i) for i in ints)), shared_mem=smem)
+def _write_setup(key, value, k_cache, v_cache, geo, layout):
+    """(kernel, grid, smem, Bound) of a cache write of this shape: everything but the
+    arrays' addresses."""
+    expr, grid, smem, fields = write_launch_config(key.shape[0], geo, k_cache.dtype.itemsize,
+                                                   layout)
+    vec = 16 // k_cache.itemsize  # elements of a 16-byte vector
+    head_vecs = fields["head_vecs"]
+    args = abi.CACHE_WRITE.bind(
+        err=ptr(errors.error_word()), num_slots=geo.num_blocks * geo.block_size,
+        k_block=block_stride(k_cache) // vec, v_block=block_stride(v_cache) // vec,
+        key_tok=token_stride("key", key) // vec, key_head=head_vecs,
+        value_tok=token_stride("value", value) // vec, value_head=head_vecs, **fields)
+    return launcher("cache_ops", expr, abi.CACHE_WRITE, smem=smem), grid, smem, args
 
 
-def _launch_copy(ptrs, pairs, block_bytes, num_caches):
-    """Block-copy kernel; ``ptrs`` = (src0, dst0, src1, dst1) arrays or device addresses."""
+def _launch_write(setup, key, value, k_cache, v_cache, slot_mapping):
+    kernel, grid, smem, args = setup
+    kernel.launch(grid, THREADS, args.pack(key=ptr(key), value=ptr(value), k_cache=ptr(k_cache),
+                                           v_cache=ptr(v_cache),
+                                           slot_mapping=ptr(slot_mapping)), smem)
+
+
+_WRITES = CallCache()  # cache-write setups by signature
+
+
+def _launch_copy(ptrs, pairs, block_bytes, num_caches, num_src, num_dst):
+    """Block-copy kernel; ``ptrs`` = (src0, dst0, src1, dst1) arrays or device addresses;
+    ``pairs`` host or device int64 ``[n, 2]``."""
     import cupy
-    kernel = get_kernel("cache_ops", "cupaged::copy_blocks_kernel")
-    args = tuple(p if is_cupy(p) else np.uint64(p) for p in ptrs)
-    kernel(copy_grid(len(pairs), block_bytes, num_caches), (THREADS,),
-           (*args, cupy.asarray(pairs), np.int64(block_bytes // 16)))
+    kernel = launcher("cache_ops", "cupaged::copy_blocks_kernel", abi.COPY_BLOCKS)
+    src0, dst0, src1, dst1 = (p if isinstance(p, (int, np.integer)) else ptr(p) for p in ptrs)
+    dev_pairs = pairs if is_cupy(pairs) else cupy.asarray(pairs)
+    kernel(copy_grid(len(pairs), block_bytes, num_caches), THREADS, src0=int(src0),
+           dst0=int(dst0), src1=int(src1), dst1=int(dst1), pairs=ptr(dev_pairs),
+           err=ptr(errors.error_word()), block_vecs=block_bytes // 16, num_src=num_src,
+           num_dst=num_dst)
 
 
 def _swap_memcpy(src_cache, dst_cache, pairs, block_bytes):
@@ -241,36 +287,51 @@ def _address(a):
 
 # ----------------------------------------------------------------------------- public ops
 @accepts_dlpack
-def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD"):
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, validate=None):
     """Write one key and one value row per token into its cache slot, in place.
 
     Parameters
     ----------
     key, value : array
         ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype (float16, bfloat16,
-        float32), C-contiguous; ``head_dim * itemsize`` a multiple of 16 bytes.
+        float32), heads dense, token rows 16-byte multiples apart (views of a fused qkv
+        tensor go in without a copy); ``head_dim * itemsize`` a multiple of 16 bytes.
     k_cache, v_cache : array
         Paged caches in ``layout`` (shapes from ``cupaged.layouts.cache_shapes``).
     slot_mapping : array
-        int64 ``[num_tokens]``: slot ``block * block_size + offset`` of each token, distinct,
-        in ``[0, num_blocks * block_size)``, or ``-1`` to skip the token.
+        int64 ``[num_tokens]``: slot ``block * block_size + offset`` of each token, in
+        ``[0, num_blocks * block_size)``, or ``-1`` to skip the token. Tokens sharing a slot
+        write one of their rows (vLLM's rule; refused in strict mode).
     layout : {"NHD", "HND", "vllm"}
+    validate : bool, optional
+        Check a device slot mapping on the host first (range and duplicates; strict mode,
+        default ``CUPAGED_STRICT``); otherwise the kernel skips and reports bad slots.
 
     Returns
     -------
     (k_cache, v_cache)
         The caches, modified in place (same memory; torch tensors for torch inputs).
     """
-    xp, geo = _check_write(key, value, k_cache, v_cache, slot_mapping, layout)
+    sig = None
+    if is_cupy(key) and not errors.strict(validate):
+        sig = (signature(key, value, k_cache, v_cache, slot_mapping), layout, stream_key())
+        setup = _WRITES.get(sig)
+        if setup is not None:  # checked and set up by an earlier call of this signature
+            _launch_write(setup, key, value, k_cache, v_cache, slot_mapping)
+            return k_cache, v_cache
+    xp, geo = _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate)
     if xp is np:
         ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout)
     elif key.shape[0]:
-        _launch_write(key, value, k_cache, v_cache, slot_mapping, geo, layout)
+        setup = _write_setup(key, value, k_cache, v_cache, geo, layout)
+        if sig is not None:
+            _WRITES.put(sig, setup)
+        _launch_write(setup, key, value, k_cache, v_cache, slot_mapping)
     return k_cache, v_cache
 
 
 @accepts_dlpack
-def copy_blocks(k_cache, v_cache, block_mapping):
+def copy_blocks(k_cache, v_cache, block_mapping, *, validate=None):
     """Copy whole blocks ``src -> dst`` in a key and a value cache (copy-on-write).
 
     Parameters
@@ -280,7 +341,10 @@ def copy_blocks(k_cache, v_cache, block_mapping):
     block_mapping : array-like
         Integer ``[num_pairs, 2]`` of ``(src, dst)`` block ids (NumPy, CuPy or a list, e.g.
         ``BlockTable.take_copies()``); destinations distinct, no block both a source and a
-        destination.
+        destination (a CuPy mapping, int64, is range-checked by the kernel, the rest only
+        in strict mode).
+    validate : bool, optional
+        Check a device mapping on the host first (strict mode).
 
     Returns
     -------
@@ -292,11 +356,13 @@ def copy_blocks(k_cache, v_cache, block_mapping):
     if k_cache.shape[0] != v_cache.shape[0]:
         raise ValueError(f"v_cache: expected {k_cache.shape[0]} blocks like k_cache, "
                          f"got {v_cache.shape[0]}")
-    pairs = _check_pairs(block_mapping, k_cache.shape[0], k_cache.shape[0], disjoint=True)
+    pairs = _check_pairs(block_mapping, k_cache.shape[0], k_cache.shape[0], disjoint=True,
+                         validate=validate)
     if xp is np:
-        ref.copy_blocks(k_cache, v_cache, pairs)
+        ref.copy_blocks(k_cache, v_cache, host(pairs))
     elif len(pairs):
-        _launch_copy((k_cache, k_cache, v_cache, v_cache), pairs, block_bytes, 2)
+        nb = k_cache.shape[0]
+        _launch_copy((k_cache, k_cache, v_cache, v_cache), pairs, block_bytes, 2, nb, nb)
     return k_cache, v_cache
 
 
@@ -327,6 +393,8 @@ def swap_blocks(src_cache, dst_cache, block_mapping, *, method="auto"):
                                 same_shape=True)
     pairs = _check_pairs(block_mapping, src_cache.shape[0], dst_cache.shape[0],
                          disjoint=_same_memory(src_cache, dst_cache))
+    if is_cupy(pairs) and method == "memcpy":
+        pairs = host(pairs)
     on_device = is_cupy(src_cache) or is_cupy(dst_cache)
     pinned = {name: _pinned_pointer(name, c) for name, c in
               (("src_cache", src_cache), ("dst_cache", dst_cache))
@@ -337,11 +405,12 @@ def swap_blocks(src_cache, dst_cache, block_mapping, *, method="auto"):
     if not len(pairs):
         return dst_cache
     if method == "auto":
-        method = swap_method(pairs, block_bytes)
+        method = "kernel" if is_cupy(pairs) else swap_method(pairs, block_bytes)
     if method == "memcpy":
         _swap_memcpy(src_cache, dst_cache, pairs, block_bytes)
     else:
         src = pinned.get("src_cache", src_cache)
         dst = pinned.get("dst_cache", dst_cache)
-        _launch_copy((src, dst, src, dst), pairs, block_bytes, 1)
+        _launch_copy((src, dst, src, dst), pairs, block_bytes, 1, src_cache.shape[0],
+                     dst_cache.shape[0])
     return dst_cache

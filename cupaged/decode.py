@@ -17,33 +17,22 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import decode_checks as dc, decode_plan as dp
-from ._arrays import (FLOAT_DTYPES, HEAD_DIMS, accepts_dlpack, array_module, as_dtype,
-                      check_array, check_choice, check_head_dim)
-from ._checks import check_gqa, check_options
-from ._compile import Spec, allow_dynamic_smem, ctype, get_kernel
-from .layouts import LAYOUTS
+from . import abi, decode_checks as dc, decode_plan as dp, errors
+from ._arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, accepts_dlpack, array_module,
+                      as_dtype, check_array, check_choice, check_head_dim, empty, host, is_cupy,
+                      signature, stream_key)
+from ._checks import check_gqa, check_options, token_stride
+from ._compile import Spec, ctype, launcher
+from ._device import Uploader, current, scratch
+from ._launch import ptr
+from .layouts import LAYOUTS, block_stride
 from .reference import attention as ref
 
 LOG2E = 1.4426950408889634
-_NULL = np.uint64(0)
+PLAN_CTAS = 64  # CTAs of decode_plan_kernel: sequences are checked a CTA at a time
 
 
-# ----------------------------------------------------------------------------- launches
-@functools.lru_cache(maxsize=None)
-def _kernel_on(device_id, expr, smem_bytes, hopper=False):
-    kernel = get_kernel("decode", expr, hopper=hopper)
-    allow_dynamic_smem(kernel, smem_bytes)  # the pages kernel's ring varies with the geometry
-    if smem_bytes:
-        kernel.preferred_shared_memory_carveout = 100  # every resident CTA's tiles
-    return kernel
-
-
-def _kernel(expr, smem_bytes=0, hopper=False):
-    import cupy
-    return _kernel_on(cupy.cuda.Device().id, expr, smem_bytes, hopper)
-
-
+# ----------------------------------------------------------------------------- kernels
 def _decode_expr(dtype, head_dim, vllm_v, head_tiles):
     return (f"cupaged::decode::paged_decode_kernel<{ctype(dtype)}, {head_dim}, "
             f"{'true' if vllm_v else 'false'}, {head_tiles}>")
@@ -73,6 +62,14 @@ def _append_expr(dtype):
     return f"cupaged::decode::append_kv_kernel<{ctype(dtype)}>"
 
 
+PLAN_EXPR = "cupaged::plan::decode_plan_kernel"
+
+
+def _decode_kernel(lp, dtype):
+    return launcher("decode", _launch_expr(lp, dtype), abi.DECODE, hopper=lp.pages,
+                    smem=lp.tiles.smem_bytes, carveout=True)
+
+
 @functools.lru_cache(maxsize=None)
 def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, pages):
     """The launch geometry on a device: one CTA per slot its decode kernel can hold."""
@@ -81,9 +78,10 @@ def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_k
     lp = dp.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
                         block_size=block_size, num_q_heads=num_q_heads,
                         num_kv_heads=num_kv_heads, pages=pages)
+    with cupy.cuda.Device(device_id):
+        kernel = _decode_kernel(lp, dtype)
     smem = lp.tiles.smem_bytes
-    kernel = _kernel_on(device_id, _launch_expr(lp, dtype), smem, lp.pages)
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, lp.threads, smem)
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, lp.threads, smem)
     sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
     return lp._replace(columns=max(1, sms * max(1, per_sm) // lp.row_groups))
 
@@ -92,65 +90,41 @@ def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_h
                       batch):
     """The launch geometry of a ``batch``-sequence step on the current device, its kernel
     path resolved from ``kv_path`` (``dp.resolve_kv_path``)."""
-    import cupy
-    device = cupy.cuda.Device()
+    dev = current()
     dtype = np.dtype(dtype)
-    pages = dp.resolve_kv_path(kv_path, device.compute_capability, dtype.itemsize, int(head_dim),
+    pages = dp.resolve_kv_path(kv_path, dev.compute_capability, dtype.itemsize, int(head_dim),
                                layout, int(block_size), int(num_q_heads), int(num_kv_heads),
                                int(batch))
-    return _geometry(device.id, dtype, int(head_dim), layout, int(block_size), int(num_q_heads),
+    return _geometry(dev.id, dtype, int(head_dim), layout, int(block_size), int(num_q_heads),
                      int(num_kv_heads), pages)
 
 
+# ----------------------------------------------------------------------------- device steps
 class _DeviceStep(NamedTuple):
-    """Device side of one step: geometry, kernels, index views, scratch and the decode
-    kernel's scalar arguments."""
-    launch: object    # decode_plan.DecodeLaunch on this device
-    kernels: tuple    # RawKernels: append (or None), decode, merge_pieces (or None)
-    work: object      # int32 [rows * DESC_INTS] piece descriptors (16-byte aligned)
-    seq_info: object  # int32 [batch * 2]
-    tables: object    # int32 [batch, width] block tables
-    lens: object      # int32 [batch] cached lengths
-    part_out: object  # float32 partial rows, or None (nothing split)
-    part_lse: object
-    counters: object  # int32 [batch * row groups] zeros (fused merge), or None
-    pool: object      # int32 [2 * row groups] zeros (pool pieces taken, CTAs done), or None
-    scalars: tuple    # the decode kernel's arguments after the arrays
+    """Device side of one step: geometry, kernels, and each launch's fixed arguments packed
+    once (``_launch.Bound``), leaving the run's arrays (q, caches, outputs, per-head
+    arrays, tables and lengths) to :func:`_launch_decode`."""
+    launch: object       # decode_plan.DecodeLaunch on this device
+    kernels: tuple       # Kernels: append (or None), decode, merge_pieces (or None), plan
+    plan_args: object    # Bound of DECODE_PLAN (None: planned on the host)
+    append_args: object  # Bound of APPEND (None: no append)
+    decode_args: object  # Bound of DECODE
+    merge_args: object   # Bound of MERGE_PIECES (None: the fused merge)
     merge_launch: tuple  # (grid, threads, warps a head) of merge_pieces_kernel, or None
+    tables: object       # int32 [batch, >= width] block tables of a plan's own (None: the call's)
+    lens: object         # int32 [batch] lengths of a plan's own (None: the call's)
 
 
-def _ptr(a):
-    return _NULL if a is None else a
-
-
-def _i32(values):
-    return tuple(np.int32(v) for v in values)
-
-
-def _decode_scalars(lp, num_q_heads, bt_stride, opts, fused):
-    return (*_i32(lp.k_strides[:4]), *_i32(lp.v_strides), np.int32(lp.block_size),
-            np.uint32(lp.block_magic),
-            *_i32((lp.block_shift, bt_stride, num_q_heads, lp.num_kv_heads, lp.heads.head_warps,
-                   lp.heads.head_chunks, opts.window_left, fused)),
-            np.float32(opts.sm_scale * LOG2E), np.float32(opts.sm_scale),
-            np.float32(opts.logits_soft_cap))
-
-
-def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_parts, rows,
-                  heads, dim, sinks, out, lse):
-    """Merge ``num_parts`` states per row into ``out`` ``[rows, dim]`` (and ``lse``)."""
-    kernel = _kernel(_merge_expr(o_first.dtype, out.dtype))
-    kernel((-(-rows // 4),), (128,),
-           (o_first, o_rest, np.int64(o_strides[0]), np.int64(o_strides[1]), l_first, l_rest,
-            np.int64(l_strides[0]), np.int64(l_strides[1]), *_i32((num_parts, rows, heads, dim)),
-            _ptr(sinks), out, _ptr(lse)))
-
-
-def _step_kernels(lp, dtype, append, merge_kernel):
-    """``(append or None, decode, merge_pieces or None)`` for one step's launches."""
-    return (_kernel(_append_expr(dtype)) if append else None,
-            _kernel(_launch_expr(lp, dtype), lp.tiles.smem_bytes, lp.pages),
-            _kernel(_pieces_expr(dtype, lp.head_dim)) if merge_kernel else None)
+def _decode_fields(lp, num_q_heads, bt_stride, opts, fused):
+    """DECODE's fixed fields of a launch (the block strides come with the caches)."""
+    ks, vs = lp.k_strides, lp.v_strides
+    return dict(khs=ks[1], kts=ks[2], kcs=ks[3], vhs=vs[1], vts=vs[2], vcs=vs[3], ves=vs[4],
+                block_size=lp.block_size, block_magic=lp.block_magic,
+                block_shift=lp.block_shift, bt_stride=bt_stride, num_q_heads=num_q_heads,
+                num_kv_heads=lp.num_kv_heads, head_warps=lp.heads.head_warps,
+                head_chunks=lp.heads.head_chunks, window_left=opts.window_left,
+                fused_merge=int(fused), scale_log2=opts.sm_scale * LOG2E,
+                sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap)
 
 
 def _merge_launch(lp, batch, fused):
@@ -158,54 +132,147 @@ def _merge_launch(lp, batch, fused):
     return None if fused else dp.merge_launch(lp, batch)
 
 
-def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, opts, out, lse):
-    """Append (with ``k_new``), decode and, with a merge kernel in ``dev.kernels``, merge
-    split pieces by a second kernel; all on the current stream."""
-    batch, hq, d = q.shape
-    lp = dev.launch
-    append, decode, merge = dev.kernels
-    if k_new is not None:
-        append((batch,), (128,), (k_new, v_new, k_cache, v_cache, dev.tables, dev.lens,
-                                  *_i32((dev.tables.shape[1], lp.block_size, lp.num_kv_heads, d)),
-                                  *_i32(lp.k_strides[:4]), *_i32(lp.v_strides)))
-    decode(lp.grid, (lp.threads,),
-           (q, out, _ptr(lse), _ptr(dev.part_out), _ptr(dev.part_lse), _ptr(dev.counters),
-            _ptr(dev.pool), dev.work, k_cache, v_cache, dev.tables, _ptr(opts.alibi_slopes),
-            _ptr(opts.sinks)) + dev.scalars, shared_mem=lp.tiles.smem_bytes)
-    if merge is not None:
-        grid, threads, wph = dev.merge_launch
-        merge(grid, (threads,),
-              (_ptr(dev.part_out), _ptr(dev.part_lse), dev.seq_info,
-               *_i32((hq, lp.merge_kv_heads, lp.heads.head_chunks, lp.heads_per_group, d)),
-               _ptr(opts.sinks), out, _ptr(lse), np.int32(wph)))
-
-
-def _partials(xp, lp, num_slots):
-    """Partial rows and LSEs for ``num_slots`` slots (None, None without any)."""
+def _partials(xp, lp, num_slots, name=None):
+    """Partial rows and LSEs for ``num_slots`` slots (None, None without any); per-stream
+    scratch when ``name`` is given."""
     if not num_slots:
         return None, None
     rows = num_slots * lp.row_groups * lp.heads_per_group
-    return xp.empty(rows * lp.head_dim, np.float32), xp.empty(rows, np.float32)
+    if name is None:
+        return xp.empty(rows * lp.head_dim, np.float32), xp.empty(rows, np.float32)
+    buf = scratch(name, rows * (lp.head_dim + 1), np.float32)
+    return buf[:rows * lp.head_dim], buf[rows * lp.head_dim:rows * (lp.head_dim + 1)]
+
+
+def _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, bt_stride,
+                 work, seq_info, lens, counters, pool, part_out, part_lse, plan_args=None,
+                 tables=None, own_lens=None):
+    """Kernels and fixed arguments of a step whose descriptors are at ``work``, piece info
+    at ``seq_info`` and the lengths the append reads at ``lens``."""
+    fused = merge == "fused"
+    append_args = None
+    if append:
+        ks, vs = lp.k_strides, lp.v_strides
+        append_args = abi.APPEND.bind(
+            seq_lens=ptr(lens), bt_stride=bt_stride, block_size=lp.block_size,
+            num_kv_heads=lp.num_kv_heads, head_dim=head_dim, khs=ks[1], kts=ks[2], kcs=ks[3],
+            vhs=vs[1], vts=vs[2], vcs=vs[3], ves=vs[4])
+    decode_args = abi.DECODE.bind(
+        work=ptr(work), part_out=ptr(part_out), part_lse=ptr(part_lse),
+        counters=ptr(counters) if fused else 0, pool_ctr=ptr(pool),
+        **_decode_fields(lp, num_q_heads, bt_stride, opts, fused))
+    merge_args = None
+    if not fused:
+        merge_args = abi.MERGE_PIECES.bind(
+            part_out=ptr(part_out), part_lse=ptr(part_lse), seq_info=ptr(seq_info),
+            num_q_heads=num_q_heads, num_kv_heads=lp.merge_kv_heads,
+            head_chunks=lp.heads.head_chunks, hpc=lp.heads_per_group, dim=head_dim)
+    kernels = (launcher("decode", _append_expr(dtype), abi.APPEND) if append else None,
+               _decode_kernel(lp, dtype),
+               None if fused else launcher("decode", _pieces_expr(dtype, lp.head_dim),
+                                           abi.MERGE_PIECES),
+               launcher("plan", PLAN_EXPR, abi.DECODE_PLAN) if plan_args is not None else None)
+    return _DeviceStep(lp, kernels, plan_args, append_args, decode_args, merge_args,
+                       _merge_launch(lp, batch, fused), tables, own_lens)
+
+
+def _planned_on_device(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, width,
+                       bt_stride, layout, index, counters, part_out, part_lse, tables=None,
+                       own_lens=None):
+    """The device step of a batch whose pieces decode_plan_kernel cuts on the device: its
+    descriptors, piece info and checked lengths go into ``index`` (laid out as ``layout``,
+    a ``decode_plan.DeviceIndex`` of at least the batch), its counters into ``counters``
+    (zeros, re-armed by the kernels: the plan's own first, then the fused merge's, one a
+    sequence and row group)."""
+    stages, num, den = dp.min_piece_terms(lp, merge)
+    work = index[:layout.info]
+    lens = index[layout.lens:layout.lens + batch]
+    plan_args = abi.DECODE_PLAN.bind(
+        work=ptr(work), seq_info=ptr(index[layout.info:]), lens_out=ptr(lens),
+        scratch=ptr(index[layout.scratch:]), done=ptr(counters), err=ptr(errors.error_word()),
+        batch=batch, width=width, bt_stride=bt_stride, block_size=lp.block_size,
+        append=int(append), window_left=opts.window_left, tile=lp.tiles.tile,
+        columns=lp.columns, min_piece=stages, piece_num=num, piece_den=den)
+    return _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch,
+                        bt_stride, work, index[layout.info:layout.info + 2 * batch], lens,
+                        counters[1:], None, part_out, part_lse, plan_args, tables, own_lens)
+
+
+def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, lse, num_blocks,
+                   tables, lens):
+    """Plan (when planned on the device), append (with ``k_new``), decode and, with a merge
+    kernel, merge split pieces by a second kernel; all on the current stream, without a
+    host sync. ``tables``/``lens``: the block tables and lengths the step reads."""
+    batch, hq, d = q.shape
+    lp = dev.launch
+    append, decode, merge, plan = dev.kernels
+    t = ptr(tables)
+    if plan is not None:
+        plan.launch(min(batch, PLAN_CTAS), 512,
+                    dev.plan_args.pack(block_tables=t, seq_lens=ptr(lens), num_blocks=num_blocks))
+    kbs, vbs = block_stride(k_cache), block_stride(v_cache)
+    kp, vp = ptr(k_cache), ptr(v_cache)
+    if k_new is not None:
+        append.launch(batch, 128, dev.append_args.pack(
+            k_new=ptr(k_new), v_new=ptr(v_new), k_cache=kp, v_cache=vp, block_tables=t,
+            kbs=kbs, vbs=vbs, k_new_stride=token_stride("k_new", k_new),
+            v_new_stride=token_stride("v_new", v_new)))
+    decode.launch(lp.grid, lp.threads, dev.decode_args.pack(
+        q=ptr(q), out=ptr(out), lse=ptr(lse), k_cache=kp, v_cache=vp, block_tables=t,
+        alibi_slopes=ptr(alibi), sinks=ptr(sinks), kbs=kbs, vbs=vbs,
+        q_stride=q.strides[0] // q.itemsize if batch > 1 else hq * d), lp.tiles.smem_bytes)
+    if merge is not None:
+        grid, threads, wph = dev.merge_launch
+        merge.launch(grid, threads, dev.merge_args.pack(out=ptr(out), lse=ptr(lse),
+                                                        sinks=ptr(sinks), wph=wph))
+
+
+def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_parts, rows,
+                  heads, dim, sinks, out, lse):
+    """Merge ``num_parts`` states per row into ``out`` ``[rows, dim]`` (and ``lse``)."""
+    kernel = launcher("decode", _merge_expr(o_first.dtype, out.dtype), abi.MERGE_STATES)
+    kernel(-(-rows // 4), 128, o_first=ptr(o_first), o_rest=ptr(o_rest),
+           o_part_stride=o_strides[0], o_row_stride=o_strides[1], l_first=ptr(l_first),
+           l_rest=ptr(l_rest), l_part_stride=l_strides[0], l_row_stride=l_strides[1],
+           num_parts=num_parts, num_rows=rows, num_heads=heads, dim=dim, sinks=ptr(sinks),
+           out=ptr(out), lse_out=ptr(lse))
 
 
 def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
-    """Work plan and device step of one ``paged_decode`` call (default merge)."""
-    schedule, _ = dc.check_variants(None, None, num_splits)
+    """The device step of one ``paged_decode`` call (default merge), in per-stream scratch:
+    planned on the device, or on the host when the lengths were checked there (strict mode)
+    or a count of splits is asked for (then uploaded: a copy the call waits for)."""
     merge = dp.resolve_merge(None, lp)
-    work = dp.plan_work(lp, c.seq_lens_host, c.append, c.options.window_left, schedule,
-                        num_splits, merge)
-    layout = dp.IndexLayout(c.batch, len(work.desc), 0)
-    index = xp.asarray(dp.pack_index(layout, c.seq_lens_host, work))
-    part_out, part_lse = _partials(xp, lp, work.num_slots)
     fused = merge == "fused"
+    d = lp.head_dim
+    if c.seq_lens_host is None and num_splits is None:
+        layout = dp.DeviceIndex(c.batch, lp.columns)
+        index = scratch("decode.index", layout.size)
+        counters = scratch("decode.counters", 1 + c.batch * lp.row_groups, zero=True)
+        part_out, part_lse = _partials(xp, lp, layout.pieces, "decode.partials")
+        return _planned_on_device(lp, dtype, c.num_q_heads, d, c.options, merge, c.append,
+                                  c.batch, block_tables.shape[1], _table_stride(block_tables),
+                                  layout, index, counters, part_out, part_lse)
+    sl = c.seq_lens_host if c.seq_lens_host is not None else host(seq_lens)
+    schedule, _ = dc.check_variants(None, None, num_splits)
+    work = dp.plan_work(lp, sl, c.append, c.options.window_left, schedule, num_splits, merge)
+    lay = dp.IndexLayout(c.batch, len(work.desc), 0)
+    index = xp.asarray(dp.pack_index(lay, sl, work))
+    part_out, part_lse = _partials(xp, lp, work.num_slots)
     counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots and fused else None
     pool = xp.zeros(2 * lp.row_groups, np.int32) if work.pool_pieces else None
-    scalars = _decode_scalars(lp, c.num_q_heads, block_tables.shape[1], c.options, int(fused))
-    return _DeviceStep(lp, _step_kernels(lp, dtype, c.append, not fused),
-                       index[layout.desc:layout.tables],
-                       index[layout.info:layout.info + 2 * c.batch], block_tables, seq_lens,
-                       part_out, part_lse, counters, pool, scalars,
-                       _merge_launch(lp, c.batch, fused))
+    return _device_step(lp, dtype, c.num_q_heads, d, c.options, merge, c.append, c.batch,
+                        _table_stride(block_tables), index[lay.desc:lay.tables],
+                        index[lay.info:lay.info + 2 * c.batch], index[:c.batch], counters,
+                        pool, part_out, part_lse)
+
+
+def _table_stride(tables):
+    """Elements from one block-table row to the next."""
+    return tables.strides[0] // 4 if tables.shape[0] > 1 else tables.shape[1]
+
+
+_CALLS = CallCache()  # paged_decode's device-planned calls by signature
 
 
 def _result(out, lse, return_lse):
@@ -225,20 +292,22 @@ def _reference_into(o, lse, out, return_lse):
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                  logits_soft_cap=0.0, layout="NHD", num_splits=None, out=None,
-                 return_lse=False, kv_path=None):
+                 return_lse=False, kv_path=None, validate=None):
     """Attention of one query token per sequence over its paged keys and values.
 
     Parameters
     ----------
     q : array
         ``[batch, num_q_heads, head_dim]``, float16, bfloat16 or float32; head_dim one of
-        64, 80, 96, 112, 128, 256.
+        64, 80, 96, 112, 128, 256. Rows may be strided (heads dense), e.g. a view of a
+        fused qkv tensor.
     k_cache, v_cache : array
-        Paged caches in ``layout`` (``cupaged.layouts``), q's dtype; updated in place when
+        Paged caches in ``layout`` (``cupaged.layouts``), q's dtype, blocks dense (their
+        stride may be larger: K and V as views of one allocation); updated in place when
         ``k_new`` is given.
     block_tables : array
-        int32 ``[batch, max_blocks_per_seq]``; token ``t`` of sequence ``i`` lives in block
-        ``block_tables[i, t // block_size]``; unused entries -1.
+        int32 ``[batch, max_blocks_per_seq]`` (rows may be strided); token ``t`` of sequence
+        ``i`` lives in block ``block_tables[i, t // block_size]``; unused entries -1.
     seq_lens : array
         int32 ``[batch]`` cached tokens per sequence (0 allowed).
     k_new, v_new : array, optional
@@ -256,7 +325,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     layout : {"NHD", "HND", "vllm"}
     num_splits : int, optional
         Cut each sequence into this many equal pieces (CuPy path; the "split" schedule of
-        :meth:`PagedDecoder.plan`); default: the "balanced" schedule.
+        :meth:`PagedDecoder.plan`, planned on the host: reads the lengths back); default:
+        the "balanced" schedule, planned on the device.
     out : array, optional
         ``[batch, num_q_heads, head_dim]`` in q's dtype, written and returned.
     return_lse : bool
@@ -271,6 +341,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         "pages" where it applies to batches of 2 sequences or more and its CTAs serve every
         kv head or 4 of them or more, where it is the faster; else "staged". CuPy path
         only.
+    validate : bool, optional
+        Check the contents of device ``block_tables`` and ``seq_lens`` on the host before
+        launching (strict mode; default ``CUPAGED_STRICT``). Otherwise the plan kernel
+        checks them: a bad sequence's rows come out as zeros and ``cupaged.check_errors()``
+        raises the first bad entry.
 
     Returns
     -------
@@ -280,10 +355,20 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         float32 ``[batch, num_q_heads]``; ``-inf`` (or the sink) for no key. Only with
         ``return_lse``.
     """
+    key = None
+    if is_cupy(q) and num_splits is None and not errors.strict(validate):
+        key = (signature(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, out,
+                         alibi_slopes, sinks), sm_scale, window_left, logits_soft_cap, layout,
+               bool(return_lse), kv_path, stream_key())
+        hit = _CALLS.get(key)
+        if hit is not None:  # checked and set up by an earlier call of this signature
+            dev, num_blocks = hit
+            return _run_step(dev, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
+                             return_lse, num_blocks, block_tables, seq_lens)
     options = dict(sm_scale=sm_scale, window_left=window_left, alibi_slopes=alibi_slopes,
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
     c = dc.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
-                      num_splits, out, options)
+                        num_splits, out, options, validate)
     if kv_path is not None:
         check_choice("kv_path", kv_path, dp.KV_PATHS)
     if c.xp is np:
@@ -293,15 +378,27 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
                                   sinks=sinks, logits_soft_cap=c.options.logits_soft_cap,
                                   layout=layout, return_lse=True)
         return _reference_into(o, lse, out, return_lse)
-    xp = c.xp
-    out = xp.empty(q.shape, q.dtype) if out is None else out
-    lse = xp.empty((c.batch, c.num_q_heads), np.float32) if return_lse else None
     if c.batch == 0:
+        out = empty(c.xp, q.shape, q.dtype) if out is None else out
+        lse = empty(c.xp, (0, c.num_q_heads), np.float32) if return_lse else None
         return _result(out, lse, return_lse)
     lp = _current_geometry(q.dtype, q.shape[2], layout, c.geometry.block_size, c.num_q_heads,
                            c.geometry.num_kv_heads, kv_path, c.batch)
-    dev = _call_step(xp, lp, c, q.dtype, block_tables, seq_lens, num_splits)
-    _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, c.options, out, lse)
+    dev = _call_step(c.xp, lp, c, q.dtype, block_tables, seq_lens, num_splits)
+    if key is not None and c.seq_lens_host is None:
+        _CALLS.put(key, (dev, c.geometry.num_blocks))
+    return _run_step(dev, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
+                     return_lse, c.geometry.num_blocks, block_tables, seq_lens)
+
+
+def _run_step(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, return_lse,
+              num_blocks, tables, lens):
+    """Outputs allocated (by the caller's framework), then the step's launches."""
+    import cupy
+    out = empty(cupy, q.shape, q.dtype) if out is None else out
+    lse = empty(cupy, q.shape[:2], np.float32) if return_lse else None
+    _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, lse, num_blocks,
+                   tables, lens)
     return _result(out, lse, return_lse)
 
 
@@ -332,7 +429,7 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     check_array("lse_b", lse_b, shape=(t, h), dtypes=np.float32, xp=xp)
     if xp is np:
         return ref.merge_states(out_a, lse_a, out_b, lse_b)
-    out, lse = xp.empty_like(out_a), xp.empty((t, h), np.float32)
+    out, lse = empty(xp, out_a.shape, out_a.dtype), empty(xp, (t, h), np.float32)
     if t * h:
         _launch_merge(out_a, out_b, (0, d), lse_a, lse_b, (0, 1), 2, t * h, h, d, None, out, lse)
     return out, lse
@@ -342,17 +439,23 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 class PagedDecoder:
     """Paged decode planned once per batch step and run once per layer.
 
-    ``plan`` does a step's host work once: checks on host copies, the work plan (which CTA
-    streams which keys), and ONE upload of lengths, work and block tables into an index
-    buffer the decoder owns and reuses. ``run`` checks shapes and launches: no host sync, no
-    allocation when ``out`` (and ``lse``) are given, no recompilation when lengths change.
-    The grid is fixed (one CTA per resident slot) and the kernels read lengths, tables and
-    work from buffers at fixed addresses, so a ``run`` captured in a CUDA graph stays valid
-    after later ``plan`` calls of the same batch size and merge mode, whatever the lengths
-    or schedule, until a plan outgrows a buffer (a wider table, or a "split" plan with more
+    ``plan`` takes a step's block tables and lengths into buffers the decoder owns: host
+    (NumPy) arrays are checked on the host and uploaded asynchronously through pinned
+    memory, device (CuPy) arrays copied on the device without being read (strict mode,
+    ``validate=True`` or ``CUPAGED_STRICT=1``, checks them on the host first). The pieces
+    each CTA streams are then cut on the device by the plan kernel at the first ``run``
+    (which knows the cache it checks block ids against; a run captured in a CUDA graph
+    cuts them at every replay), in equal shares of the sequences' key tiles; ``planner="host"`` cuts them on the host instead (the shares refined: whole
+    sequences where they end about as soon, a pool of pieces taken at run time; about a
+    millisecond of host time). ``run`` launches: no host sync, no allocation when ``out``
+    (and ``lse``) are given, no recompilation when lengths change. The grid is fixed (one
+    CTA per resident slot) and the kernels read lengths, tables and work from buffers at
+    fixed addresses, so a ``run`` captured in a CUDA graph stays valid after later
+    ``plan`` calls of the same batch size, planner and merge mode (device and host plans
+    lay the buffers out differently), whatever the lengths or schedule, until a plan outgrows a buffer (a wider table, or a "split" plan with more
     pieces than any "balanced" one). (The default kernel path depends on the batch size
-    alone, so it holds too.) ``plan`` uploads on the current stream; keep plans and runs on
-    one stream.
+    alone, so it holds too.) ``plan`` works on the current stream and returns the
+    decoder; keep plans and runs on one stream.
 
     Parameters
     ----------
@@ -369,7 +472,8 @@ class PagedDecoder:
         Width of the device block-table buffer; default the first plan's width. A wider plan
         reallocates it (invalidating captured graphs).
     xp : module, optional
-        ``cupy`` (kernels) or ``numpy`` (reference); default: the first plan's module.
+        ``cupy`` (kernels) or ``numpy`` (reference); default: the first plan's module. Give
+        ``cupy`` to plan from NumPy metadata and run the kernels.
     kv_path : {"pages", "staged"}, optional
         As in :func:`paged_decode`.
     """
@@ -397,12 +501,15 @@ class PagedDecoder:
         self._xp = xp
         self._index = self._layout = self._part_out = self._part_lse = self._counters = None
         self._pool = None
+        self._uploader = Uploader()
         self._step = None
+        self._planned_blocks = None  # num_blocks the device plan last checked against
+        self._runs = CallCache()     # run signatures already checked against the plan
 
     @accepts_dlpack
     def plan(self, block_tables, seq_lens, *, append=False, num_splits=None, schedule=None,
-             merge=None):
-        """Check and upload one step's block tables and lengths; plan the CTAs' work.
+             merge=None, validate=None, planner="device"):
+        """Check and take one step's block tables and lengths; plan the CTAs' work.
 
         Parameters
         ----------
@@ -413,12 +520,14 @@ class PagedDecoder:
         append : bool
             This step's runs pass ``k_new``/``v_new``: one more token must fit.
         num_splits : int, optional
-            Cut every sequence into this many equal pieces (implies ``schedule="split"``).
+            Cut every sequence into this many equal pieces (implies ``schedule="split"``,
+            planned on the host).
         schedule : {"balanced", "split"}, optional
             "balanced" (default): the sequences' key tiles, laid end to end, are dealt to
             the CTA columns in equal shares (a sequence crossing a share boundary is cut
             there). "split": each sequence is cut into ``num_splits`` equal pieces (default
-            chosen so that the CTAs are busy), dealt to the columns in equal counts.
+            chosen so that the CTAs are busy), dealt to the columns in equal counts
+            (planned on the host).
         merge : {"fused", "kernel"}, optional
             Who merges the pieces of a cut sequence: the CTA finishing the last one
             ("fused") or a second kernel launched after the decode kernel, one warp or more
@@ -426,19 +535,45 @@ class PagedDecoder:
             pages kernel (whose fused merge holds up a CTA's whole stream) and where a CTA
             serves more than 8 query heads (MQA: one CTA would merge many heads one after
             another), else "fused".
+        validate : bool, optional
+            Strict mode for device arrays (see the class notes).
+        planner : {"device", "host"}
+            Who cuts the pieces (see the class notes); device arrays are read back for the
+            host planner.
+
+        Returns
+        -------
+        PagedDecoder
+            This decoder.
         """
+        check_choice("planner", planner, ("device", "host"))
         xp = self._xp or array_module(block_tables, seq_lens)
-        bt, sl, max_block = dc.check_plan(self, block_tables, seq_lens, append, num_splits)
+        bt, sl, max_block = dc.check_plan(self, block_tables, seq_lens, append, num_splits,
+                                          validate)
         schedule, merge = dc.check_variants(schedule, merge, num_splits)
+        host_planned = planner == "host" or schedule == "split"
+        if sl is None and host_planned:
+            bt, sl = host(block_tables), host(seq_lens)
+            max_block = dc.planned_max_block(bt, sl, self.block_size, append)
+        if sl is not None and isinstance(block_tables, np.ndarray):
+            bt, sl = np.array(bt, np.int32), np.array(sl, np.int32)  # plans own their arrays
         self._xp = xp
+        batch = block_tables.shape[0]
         work = device = None
         if xp is not np:
-            lp = self._geometry(len(sl))
+            lp = self._geometry(batch)
             merge = dp.resolve_merge(merge, lp)
-            work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
-                                num_splits, merge)
-            device = self._upload(lp, bt, sl, work, merge, append)
-        self._step = dp.Step(len(sl), bt, sl, bool(append), max_block, work, merge, device)
+            if host_planned:
+                work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
+                                    num_splits, merge)
+                device = self._upload(lp, bt, sl, work, merge, append)
+            else:
+                device = self._take(lp, block_tables if sl is None else bt,
+                                    seq_lens if sl is None else sl, merge, append)
+        self._step = dp.Step(batch, bt, sl, bool(append), max_block, work, merge, device)
+        self._planned_blocks = None
+        self._runs.clear()
+        return self
 
     @property
     def kv_path(self):
@@ -456,8 +591,8 @@ class PagedDecoder:
 
     @property
     def num_splits(self):
-        """Most pieces one sequence is cut into by the current plan (1 on the NumPy path or
-        before a plan)."""
+        """Most pieces one sequence is cut into by the current host plan (1 on the NumPy
+        path, before a plan, or for a device plan, whose cuts the host does not see)."""
         step = self._step
         return 1 if step is None or step.work is None else step.work.max_pieces
 
@@ -465,35 +600,76 @@ class PagedDecoder:
         return _current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
                                  self.num_q_heads, self.num_kv_heads, self._kv_path, batch)
 
-    def _upload(self, lp, bt, sl, work, merge, append):
-        """One host-to-device copy of ``[lens | piece info | work | tables]``; buffers grow
-        only when a plan needs more than any "balanced" plan of ``max_batch`` sequences."""
+    def _buffers(self, lp, rows, width, part_rows):
+        """The decoder's index, partial and counter buffers, grown to hold a plan of
+        ``rows`` descriptors, tables ``width`` wide and ``part_rows`` partial rows. The
+        index buffer holds a host plan (``decode_plan.IndexLayout``) or a device plan
+        (``decode_plan.DeviceIndex`` of ``max_batch`` sequences, then the tables' and the
+        lengths' copies)."""
         import cupy
-        batch, width = bt.shape
-        rows, slots = dp.work_capacity(lp, self.max_batch)
         lay = self._layout
-        if lay is None or width > lay.width or len(work.desc) > lay.rows:
-            lay = dp.IndexLayout(self.max_batch, max(rows, len(work.desc), lay.rows if lay else 0),
+        if lay is None or width > lay.width or rows > lay.rows:
+            lay = dp.IndexLayout(self.max_batch, max(rows, lay.rows if lay else 0),
                                  max(width, self._width))
-            self._index, self._layout, self._width = cupy.empty(lay.size, np.int32), lay, lay.width
-        part_rows = max(slots, work.num_slots) * lp.row_groups * lp.heads_per_group
+            size = max(lay.size, dp.DeviceIndex(self.max_batch, lp.columns).size
+                       + self.max_batch * (lay.width + 1))
+            self._index, self._layout, self._width = cupy.empty(size, np.int32), lay, lay.width
         if self._part_lse is None or self._part_lse.size < part_rows:
             self._part_out = cupy.empty(part_rows * self.head_dim, np.float32)
             self._part_lse = cupy.empty(part_rows, np.float32)
-        if self._counters is None or self._pool.size < 2 * lp.row_groups:
+        need = 1 + self.max_batch * lp.row_groups
+        if self._counters is None or self._counters.size < need:
             # re-armed to zero by the kernels that count on them
-            self._counters = cupy.zeros(self.max_batch * lp.row_groups, np.int32)
+            self._counters = cupy.zeros(need, np.int32)
             self._pool = cupy.zeros(2 * lp.row_groups, np.int32)
-        host = dp.pack_index(lay, sl, work, bt)
-        self._index[:host.size].set(host)
-        idx, fused = self._index, merge == "fused"
+        return lay
+
+    def _upload(self, lp, bt, sl, work, merge, append):
+        """A host plan: one asynchronous host-to-device copy of ``[lens | piece info | work
+        | tables]``; buffers grow only when a plan needs more than any "balanced" plan of
+        ``max_batch`` sequences."""
+        batch, width = bt.shape
+        rows, slots = dp.work_capacity(lp, self.max_batch)
+        part_rows = max(slots, work.num_slots) * lp.row_groups * lp.heads_per_group
+        lay = self._buffers(lp, max(rows, len(work.desc)), width, part_rows)
+        self._uploader.upload(self._index, dp.pack_index(lay, sl, work, bt))
+        idx = self._index
         tables = idx[lay.tables:lay.tables + batch * lay.width].reshape(batch, lay.width)
-        return _DeviceStep(lp, _step_kernels(lp, self.dtype, bool(append), not fused),
-                           idx[lay.desc:lay.tables], idx[lay.info:lay.info + 2 * batch], tables,
-                           idx[:batch], self._part_out, self._part_lse,
-                           self._counters if fused else None, self._pool,
-                           _decode_scalars(lp, self.num_q_heads, lay.width, self._opts, int(fused)),
-                           _merge_launch(lp, batch, fused))
+        return _device_step(lp, self.dtype, self.num_q_heads, self.head_dim, self._opts, merge,
+                            bool(append), batch, lay.width, idx[lay.desc:lay.tables],
+                            idx[lay.info:lay.info + 2 * batch], idx[:batch], self._counters,
+                            self._pool if work.pool_pieces else None, self._part_out,
+                            self._part_lse, tables=tables, own_lens=idx[:batch])
+
+    def _take(self, lp, block_tables, seq_lens, merge, append):
+        """A device plan: the tables and lengths copied into the decoder's buffers (after
+        the device plan's index; device arrays copied on the device, host ones uploaded),
+        to be cut by the plan kernel at the first run."""
+        import cupy
+        batch, width = block_tables.shape
+        dev_lay = dp.DeviceIndex(self.max_batch, lp.columns)
+        lay = self._buffers(lp, 0, width, dev_lay.pieces * lp.row_groups * lp.heads_per_group)
+        idx = self._index
+        at = dev_lay.size
+        tables = idx[at:at + batch * lay.width].reshape(batch, lay.width)
+        lens = idx[at + self.max_batch * lay.width:][:batch]
+        if isinstance(block_tables, np.ndarray):
+            image = np.full((self.max_batch * lay.width + batch), -1, np.int32)
+            image[:batch * lay.width].reshape(batch, lay.width)[:, :width] = block_tables
+            image[self.max_batch * lay.width:] = seq_lens
+            self._uploader.upload(idx[at:], image)
+        else:
+            stream = cupy.cuda.get_current_stream().ptr
+            rt = cupy.cuda.runtime
+            rt.memcpy2DAsync(tables.data.ptr, lay.width * 4, block_tables.data.ptr,
+                             _table_stride(block_tables) * 4, width * 4, batch,
+                             rt.memcpyDeviceToDevice, stream)
+            rt.memcpyAsync(lens.data.ptr, seq_lens.data.ptr, batch * 4,
+                           rt.memcpyDeviceToDevice, stream)
+        return _planned_on_device(lp, self.dtype, self.num_q_heads, self.head_dim, self._opts,
+                                  merge, bool(append), batch, width, lay.width, dev_lay, idx,
+                                  self._counters, self._part_out, self._part_lse,
+                                  tables=tables, own_lens=lens)
 
     @accepts_dlpack
     def run(self, q, k_cache, v_cache, sinks=None, alibi_slopes=None, k_new=None, v_new=None,
@@ -503,7 +679,7 @@ class PagedDecoder:
         Parameters
         ----------
         q : array
-            ``[batch, num_q_heads, head_dim]`` in the decoder's dtype.
+            ``[batch, num_q_heads, head_dim]`` in the decoder's dtype (rows may be strided).
         k_cache, v_cache : array
             The layer's caches in the decoder's layout, block size and kv heads.
         sinks, alibi_slopes : array, optional
@@ -521,31 +697,53 @@ class PagedDecoder:
         out, or ``(out, lse)`` with ``return_lse``; as :func:`paged_decode`.
         """
         st = self._step
-        xp, opts = dc.check_run(self, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new,
-                                v_new, out, lse)
+        key = None
+        if st is not None and st.device is not None and is_cupy(q):
+            key = signature(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse)
+        if key is None or key not in self._runs:
+            xp, opts = dc.check_run(self, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new,
+                                    v_new, out, lse)
+            if xp is np:
+                return self._run_reference(q, k_cache, v_cache, sinks, alibi_slopes, k_new,
+                                           v_new, out, return_lse, lse, opts)
+            self._runs.put(key, True)
         shape = (st.batch, self.num_q_heads, self.head_dim)
-        if xp is np:
-            o, l = ref.paged_decode(q, k_cache, v_cache, st.block_tables, st.seq_lens,
-                                    k_new=k_new, v_new=v_new, sm_scale=opts.sm_scale,
-                                    window_left=opts.window_left, alibi_slopes=alibi_slopes,
-                                    sinks=sinks, logits_soft_cap=opts.logits_soft_cap,
-                                    layout=self.layout, return_lse=True)
-            if lse is not None:
-                lse[...] = l
-            return _reference_into(o, l if lse is None else lse, out, return_lse)
-        out = xp.empty(shape, self.dtype) if out is None else out
+        import cupy
+        out = empty(cupy, shape, self.dtype) if out is None else out
         if lse is None and return_lse:
-            lse = xp.empty(shape[:2], np.float32)
+            lse = empty(cupy, shape[:2], np.float32)
         if st.batch:
-            _launch_decode(st.device, q, k_cache, v_cache, k_new, v_new, opts, out, lse)
+            dev = st.device
+            num_blocks = k_cache.shape[0]
+            if (dev.plan_args is not None and self._planned_blocks == num_blocks
+                    and not cupy.cuda.runtime.streamIsCapturing(
+                        cupy.cuda.get_current_stream().ptr)):
+                # planned at an earlier run; a captured run plans again at each replay, so
+                # that it follows later plans
+                dev = dev._replace(kernels=dev.kernels[:3] + (None,))
+            _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out, lse,
+                           num_blocks, dev.tables, dev.lens)
+            self._planned_blocks = num_blocks
         return _result(out, lse, return_lse)
+
+    def _run_reference(self, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out,
+                       return_lse, lse, opts):
+        st = self._step
+        o, l = ref.paged_decode(q, k_cache, v_cache, st.block_tables, st.seq_lens, k_new=k_new,
+                                v_new=v_new, sm_scale=opts.sm_scale, window_left=opts.window_left,
+                                alibi_slopes=alibi_slopes, sinks=sinks,
+                                logits_soft_cap=opts.logits_soft_cap, layout=self.layout,
+                                return_lse=True)
+        if lse is not None:
+            lse[...] = l
+        return _reference_into(o, l if lse is None else lse, out, return_lse)
 
 
 def kernel_specializations():
     """Every kernel this module can launch: append, the two merges, decode per dtype, head
-    dim, value layout (rows or vllm's transposed) and heads per warp, and the pages kernel
-    (sm_90) per 16-bit dtype, head dim and block layout (NHD or HND)."""
-    specs = []
+    dim, value layout (rows or vllm's transposed) and heads per warp, the pages kernel
+    (sm_90) per 16-bit dtype, head dim and block layout (NHD or HND), and the device plan."""
+    specs = [Spec("plan", PLAN_EXPR)]
     for dt in FLOAT_DTYPES:
         specs.append(Spec("decode", _append_expr(dt)))
         specs.append(Spec("decode", _merge_expr(dt, dt)))

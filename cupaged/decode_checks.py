@@ -1,6 +1,8 @@
 """Argument checks of paged decode (``paged_decode``, ``PagedDecoder.plan`` and ``run``):
-shapes, dtypes, modules, layouts, block tables and plan options, all on host copies and
-before any launch, so that bad input raises without changing any state.
+shapes, dtypes, modules, layouts and plan options before any launch, so that bad input
+raises without changing any state; the contents of block tables and lengths on the host
+when they are NumPy arrays or in strict mode (``cupaged.errors``), else on the device by
+the plan kernel.
 """
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ._arrays import array_module, check_array, check_choice
-from ._checks import check_block_tables, check_gqa, check_options, check_out, check_query
+from ._checks import (check_block_tables, check_gqa, check_options, check_out, check_query,
+                      token_stride)
+from .errors import strict
 from .decode_plan import MAX_SPLITS, MERGES, SCHEDULES
 from .layouts import LAYOUTS, CacheGeometry, cache_geometry
 
@@ -24,12 +28,13 @@ class Checked(NamedTuple):
     geometry: CacheGeometry
     options: object       # _checks.AttentionOptions
     append: bool
-    seq_lens_host: object  # int32 [batch]
+    seq_lens_host: object  # int32 [batch] when checked on the host, else None
 
 
 def check_caches(q, k_cache, v_cache, layout, xp):
     """Validate a cache pair against q; return its geometry. Device caches must also be
-    16-byte aligned (cp.async) with blocks under 2**31 elements (32-bit in-block offsets)."""
+    16-byte aligned (cp.async) with blocks under 2**31 elements (32-bit in-block offsets,
+    block strides included)."""
     check_choice("layout", layout, LAYOUTS)
     geo = cache_geometry(k_cache, v_cache, layout)
     if k_cache.dtype != q.dtype:
@@ -40,6 +45,10 @@ def check_caches(q, k_cache, v_cache, layout, xp):
         if geo.block_size * geo.num_kv_heads * geo.head_dim > INT32_MAX:
             raise ValueError(f"k_cache: expected fewer than 2**31 elements per block, got "
                              f"{geo.block_size} x {geo.num_kv_heads} x {geo.head_dim}")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.strides[0] // c.itemsize > INT32_MAX:
+                raise ValueError(f"{name}: expected blocks fewer than 2**31 elements apart, "
+                                 f"got a block stride of {c.strides[0] // c.itemsize}")
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if c.data.ptr % 16:
                 raise ValueError(f"{name}: expected a 16-byte aligned base address, got one "
@@ -55,7 +64,9 @@ def check_new_kv(k_new, v_new, batch, geo, dtype, xp):
         given = "k_new" if v_new is None else "v_new"
         raise ValueError(f"k_new, v_new: expected both or neither, got only {given}")
     for name, a in (("k_new", k_new), ("v_new", v_new)):
-        check_array(name, a, shape=(batch, geo.num_kv_heads, geo.head_dim), dtypes=dtype, xp=xp)
+        check_array(name, a, shape=(batch, geo.num_kv_heads, geo.head_dim), dtypes=dtype, xp=xp,
+                    contiguous=False)
+        token_stride(name, a)
     return True
 
 
@@ -92,8 +103,9 @@ def check_lse(lse, batch, num_q_heads, xp):
 
 
 def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
-                 num_splits, out, options) -> Checked:
-    """Every check of ``paged_decode`` (index checks on host copies), before any launch."""
+                 num_splits, out, options, validate=None) -> Checked:
+    """Every check of ``paged_decode`` before any launch (index contents on host copies for
+    NumPy arrays or in strict mode)."""
     xp = array_module(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, out,
                       options["alibi_slopes"], options["sinks"])
     batch, hq, d = check_query("q", q, xp)
@@ -102,7 +114,8 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layo
     append = check_new_kv(k_new, v_new, batch, geo, q.dtype, xp)
     opts = check_options(xp, hq, d, **options)
     _, sl = check_block_tables(block_tables, seq_lens, geo, xp, batch=batch,
-                               extra_tokens=int(append))
+                               extra_tokens=int(append),
+                               contents=xp is np or strict(validate))
     check_num_splits(num_splits)
     if out is not None:
         check_out(out, (batch, hq, d), q.dtype, xp)
@@ -114,18 +127,23 @@ def check_positive(name, value):
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
-def check_plan(dec, block_tables, seq_lens, append, num_splits):
-    """Checks of ``PagedDecoder.plan`` on host copies; ``(tables, lengths, max block id)``.
+def check_plan(dec, block_tables, seq_lens, append, num_splits, validate=None):
+    """Checks of ``PagedDecoder.plan``; ``(tables, lengths, max block id)`` on the host, or
+    ``(None, None, -1)`` for device arrays outside strict mode (the plan kernel checks them).
 
     Block ids are range-checked against the cache at ``run`` (the plan has no cache).
     """
     geo = CacheGeometry(INT32_MAX, dec.block_size, dec.num_kv_heads, dec.head_dim)
-    bt, sl = check_block_tables(block_tables, seq_lens, geo, array_module(block_tables),
-                                extra_tokens=int(bool(append)))
-    if bt.shape[0] > dec.max_batch:
+    xp = array_module(block_tables, seq_lens)
+    bt, sl = check_block_tables(block_tables, seq_lens, geo, xp,
+                                extra_tokens=int(bool(append)),
+                                contents=xp is np or strict(validate))
+    if block_tables.shape[0] > dec.max_batch:
         raise ValueError(f"block_tables: expected at most max_batch={dec.max_batch} "
-                         f"sequences, got {bt.shape[0]}")
+                         f"sequences, got {block_tables.shape[0]}")
     check_num_splits(num_splits)
+    if sl is None:
+        return None, None, -1
     return bt, sl, planned_max_block(bt, sl, dec.block_size, append)
 
 
@@ -139,7 +157,8 @@ def check_run(dec, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, o
         raise TypeError(f"q: expected {dec._xp.__name__} arrays like the plan, got "
                         f"{xp.__name__} arrays")
     shape = (st.batch, dec.num_q_heads, dec.head_dim)
-    check_array("q", q, shape=shape, dtypes=dec.dtype, xp=xp)
+    check_array("q", q, shape=shape, dtypes=dec.dtype, xp=xp, contiguous=False)
+    token_stride("q", q)
     geo = check_caches(q, k_cache, v_cache, dec.layout, xp)
     if (geo.block_size, geo.num_kv_heads) != (dec.block_size, dec.num_kv_heads):
         raise ValueError(f"k_cache: expected block_size {dec.block_size} and "

@@ -412,24 +412,31 @@ def _enumerate(per_seq):
     return seq, np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
 
 
-def min_piece_tiles(launch, max_tiles, merge="fused") -> int:
-    """Fewest key tiles per piece of the "balanced" schedule.
+def min_piece_terms(launch, merge="fused"):
+    """``(stages, num, den)``: a "balanced" piece has at least ``max(stages,
+    ceil(sqrt(max_tiles * num / den)))`` key tiles (:func:`min_piece_tiles`; the device plan
+    takes the same integers).
 
     At least ``STAGES - 1`` (a column's first loads all go out at once). And, as one warp
     merges a head's P pieces (the fused merge's warps walk ``ceil(hpc / NWARPS)`` heads
     each, the kernel merge's one), a sequence of ``n`` tiles costs about ``n / P + c P``
-    tile times, ``c`` the merge of one piece in tile-streaming times: a partial row is
-    ``4 D`` bytes (fp32) a head against ``4 TILE D`` of 16-bit K/V a tile, and a warp
-    merges at about half a CTA's streaming rate, so ``c = 2 * heads a warp / TILE``. The
-    best P is ``sqrt(n / c)``, that is ``sqrt(n c)`` tiles a piece: 4 at 512 tiles for one
-    head a warp (c = 1/32), 12 for the fused merge of MQA's 32 heads (c = 1/4; 43 pieces
-    instead of 256, whose merge took several times the streaming). A pages-kernel tile
-    holds a row group's kv heads of its tokens, so its ``c`` is divided by their number.
+    tile times, ``c = num / den`` the merge of one piece in tile-streaming times: a partial
+    row is ``4 D`` bytes (fp32) a head against ``4 TILE D`` of 16-bit K/V a tile, and a
+    warp merges at about half a CTA's streaming rate, so ``c = 2 * heads a warp / TILE``.
+    The best P is ``sqrt(n / c)``, that is ``sqrt(n c)`` tiles a piece: 4 at 512 tiles for
+    one head a warp (c = 1/32), 12 for the fused merge of MQA's 32 heads (c = 1/4). A
+    pages-kernel tile holds a row group's kv heads of its tokens, so its ``c`` is divided
+    by their number.
     """
     per_warp = 1 if merge == "kernel" else -(-launch.heads_per_group // NWARPS)
     tile_heads = launch.heads.head_warps if launch.pages else 1  # kv heads a tile holds
-    c = 2 * per_warp / (launch.tiles.tile * tile_heads)
-    return max(STAGES - 1, int(np.ceil(np.sqrt(max_tiles * c))))
+    return STAGES - 1, 2 * per_warp, launch.tiles.tile * tile_heads
+
+
+def min_piece_tiles(launch, max_tiles, merge="fused") -> int:
+    """Fewest key tiles per piece of the "balanced" schedule (:func:`min_piece_terms`)."""
+    stages, num, den = min_piece_terms(launch, merge)
+    return max(stages, int(np.ceil(np.sqrt(max_tiles * (num / den)))))
 
 
 def balanced_pieces(n_tiles, columns, min_share=1) -> Pieces:
@@ -574,6 +581,52 @@ def plan_work(launch, seq_lens, append, window_left, schedule="balanced",
     desc, info, slots = pack_work(pieces, kv, first, launch.columns)
     return WorkPlan(schedule, desc, info, slots, int(pieces.per_seq.max(initial=1)),
                     int((pieces.column < 0).sum()))
+
+
+class DeviceIndex(NamedTuple):
+    """Offsets (int32 elements) of a device-planned step in one index buffer: descriptors
+    (``rows`` of DESC_INTS, 16-byte aligned), per-sequence piece info ``[batch, 2]``,
+    checked lengths ``[batch]`` (-1: a bad sequence) and the plan kernel's scratch
+    (kernels_cu/plan.cu: 5 ints a sequence and one a piece). Sized for ``batch`` sequences
+    on ``columns`` columns: at most ``batch + columns - 1`` pieces (each of the fewer than
+    ``columns`` share boundaries cuts one sequence once more), as many partial slots."""
+    batch: int
+    columns: int
+
+    @property
+    def pieces(self):
+        return self.batch + self.columns
+
+    @property
+    def rows(self):
+        return 2 * self.columns + self.batch + 1
+
+    @property
+    def info(self):
+        return DESC_INTS * self.rows
+
+    @property
+    def lens(self):
+        return self.info + 2 * self.batch
+
+    @property
+    def scratch(self):
+        return self.lens + self.batch
+
+    @property
+    def size(self):
+        return self.scratch + 5 * self.batch + self.pieces
+
+
+def equal_share_plan(launch, seq_lens, append, window_left, merge):
+    """``(descriptors, seq_info, slots)`` of the "balanced" schedule without its host
+    refinements (no whole-sequence deal, no run-time pool): equal shares of at least
+    ``min_piece_tiles`` tiles, as ``kernels_cu/plan.cu``'s decode_plan_kernel cuts them on
+    the device (its specification)."""
+    kv = np.asarray(seq_lens, np.int64) + int(append)
+    first, n = tile_spans(kv, window_left, launch.tiles.tile)
+    shortest = min_piece_tiles(launch, int(n.max(initial=0)), merge)
+    return pack_work(balanced_pieces(n, launch.columns, shortest), kv, first, launch.columns)
 
 
 def work_capacity(launch, max_batch):

@@ -50,18 +50,20 @@ def cache_shapes(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype):
 def cache_geometry(k_cache, v_cache, layout="NHD") -> CacheGeometry:
     """Validate a cache pair in ``layout`` and return its geometry.
 
+    Caches may have strided blocks (K and V as views of one ``[num_blocks, 2, ...]``
+    allocation: :func:`block_stride`); within a block they are dense.
+
     Raises
     ------
     ValueError, TypeError
         On an unknown layout, wrong ranks, shapes that disagree, mixed or unsupported
-        dtypes, or non-contiguous caches.
+        dtypes, or caches whose blocks are not dense.
     """
     check_choice("layout", layout, LAYOUTS)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {c.dtype}")
-        if not c.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous array, got strides {c.strides}")
+        check_dense_blocks(name, c)
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"v_cache: expected dtype {k_cache.dtype} like k_cache, got {v_cache.dtype}")
     want_k = 5 if layout == "vllm" else 4
@@ -87,6 +89,27 @@ def cache_geometry(k_cache, v_cache, layout="NHD") -> CacheGeometry:
         raise ValueError(f"v_cache: expected shape {list(want_v)} to match k_cache, "
                          f"got {tuple(v_cache.shape)}")
     return geo
+
+
+def check_dense_blocks(name, cache):
+    """A cache's blocks must be dense (C-contiguous past the block axis), a block stride of
+    at least one block and a multiple of 16 bytes apart."""
+    dense = cache.itemsize
+    for n, st in zip(reversed(cache.shape[1:]), reversed(cache.strides[1:])):
+        if n > 1 and st != dense:
+            raise ValueError(f"{name}: expected dense blocks (C-contiguous past the block "
+                             f"axis), got strides {cache.strides}")
+        dense *= n
+    if cache.shape[0] > 1 and (cache.strides[0] < dense or cache.strides[0] % 16):
+        raise ValueError(f"{name}: expected blocks at least {dense} bytes and a multiple of 16 "
+                         f"bytes apart, got a block stride of {cache.strides[0]} bytes")
+
+
+def block_stride(cache):
+    """Elements from one block of a cache to the next (a block's size when dense)."""
+    if cache.shape[0] > 1:
+        return cache.strides[0] // cache.itemsize
+    return int(np.prod(cache.shape[1:]))
 
 
 def k_as_nhd(k_cache, layout):

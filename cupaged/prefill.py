@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import prefill_plan as plan_
-from ._arrays import (HEAD_DIMS, accepts_dlpack, array_module, as_dtype, bfloat16, check_array,
-                      check_head_dim, float16, float32, gpu_available)
-from ._checks import check_block_tables, check_cu_seqlens, check_gqa, check_options, check_out
-from ._compile import Spec, allow_dynamic_smem, ctype, get_kernel
-from .layouts import CacheGeometry, cache_geometry
+from . import abi, errors, prefill_plan as plan_
+from ._arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, as_dtype, bfloat16,
+                      check_array, check_head_dim, empty, float16, float32, gpu_available,
+                      is_cupy, signature, stream_key)
+from ._checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options, check_out,
+                      token_stride)
+from ._compile import Spec, ctype, launcher
+from ._device import Uploader, scratch
+from ._launch import ptr
+from .layouts import CacheGeometry, block_stride, cache_geometry
 from .reference import attention as ref
 
 __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller",
            "kernel_specializations"]
 
-_NULL = np.uint64(0)  # null device pointer for absent optional arrays
+PLAN_EXPR = "cupaged::plan::prefill_plan_kernel"
+PLAN_CTAS = 64  # CTAs of prefill_plan_kernel: sequences are checked a CTA at a time
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -56,7 +61,8 @@ def kernel_specializations():
              for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
     specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d)), hopper=True)
               for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS]
-    return specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
+    return (specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
+            + [Spec("plan", PLAN_EXPR)])
 
 
 def _device_arch():
@@ -75,12 +81,19 @@ def _window(opts):
     return -1 if opts.window_left >= plan_.INT32_MAX else opts.window_left
 
 
+def _tile(dtype, head_dim, v_transposed, backend, tile=None):
+    """The tile of a launch (``tile`` overrides the default, benchmarks only)."""
+    if tile is not None:
+        return tile
+    if backend == "wgmma":
+        return plan_.wgmma_tile(head_dim)
+    return plan_.launch_tile(dtype, head_dim, v_transposed)
+
+
 def _work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_transposed, causal, opts,
           tile=None, backend="mma"):
-    """Host work list for one launch (``tile`` overrides the default, benchmarks only)."""
-    if tile is None:
-        tile = (plan_.wgmma_tile(head_dim) if backend == "wgmma"
-                else plan_.launch_tile(dtype, head_dim, v_transposed))
+    """Host work list for one launch."""
+    tile = _tile(dtype, head_dim, v_transposed, backend, tile)
     return plan_.work_list(q_lens, kv_lens, group=num_q_heads // num_kv_heads,
                            num_kv_heads=num_kv_heads, tile=tile, causal=causal,
                            window_left=_window(opts))
@@ -88,43 +101,118 @@ def _work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_transpo
 
 def _kernel(dtype, head_dim, v_transposed, tile, backend):
     """(kernel, dynamic smem bytes, threads) of a launch."""
+    tile = _tile(dtype, head_dim, v_transposed, backend, tile)
     if backend == "wgmma":
-        tile = plan_.wgmma_tile(head_dim) if tile is None else tile
-        return (get_kernel("prefill_sm90", _expr_wgmma(dtype, head_dim, tile), hopper=True),
-                plan_.wgmma_smem_bytes(head_dim, tile), tile.threads)
-    tile = plan_.launch_tile(dtype, head_dim, v_transposed) if tile is None else tile
-    return (get_kernel("prefill", _expr(dtype, head_dim, v_transposed, tile)),
-            plan_.smem_bytes(dtype, head_dim, v_transposed, tile), tile.threads)
+        smem = plan_.wgmma_smem_bytes(head_dim, tile)
+        return (launcher("prefill_sm90", _expr_wgmma(dtype, head_dim, tile), abi.PREFILL,
+                         hopper=True, smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
+    smem = plan_.smem_bytes(dtype, head_dim, v_transposed, tile)
+    return (launcher("prefill", _expr(dtype, head_dim, v_transposed, tile), abi.PREFILL, smem=smem,
+                     carveout=smem > 48 * 1024), smem, tile.threads)
+
+
+def _table_stride(tables):
+    """Elements from one block-table row to the next (0 without tables)."""
+    if tables is None:
+        return 0
+    return tables.strides[0] // 4 if tables.shape[0] > 1 else tables.shape[1]
+
+
+def work_capacity(total_q, batch, group, num_kv_heads, block_m):
+    """Work items a launch over ``total_q`` query rows of ``batch`` sequences can need:
+    ``sum(ceil(q_len * group / block_m)) <= ceil(total_q * group / block_m) + batch`` per
+    kv head (the grid of a device-planned launch, which the host sizes without reading the
+    lengths)."""
+    return (-(-total_q * group // block_m) + batch) * num_kv_heads
+
+
+class _Launches:
+    """The launches of one prefill call shape, their fixed arguments packed once: the plan
+    kernel (device work lists: checks, padding rows zeroed, items written into per-stream
+    scratch, the list sized by :func:`work_capacity`) and the prefill kernel.
+    ``__call__`` gives the arrays. With ``work`` (a host list) the plan kernel is left out.
+
+    Parameters
+    ----------
+    q : array
+        The call's query (shape, dtype, strides).
+    tables : array or None
+        Block tables (paged) or None (ragged K/V).
+    strides : prefill_plan.KVStrides
+    """
+
+    def __init__(self, q, batch, tables, block_size, num_blocks, total_k, num_kv_heads,
+                 strides, opts, causal, v_transposed, backend, tile=None, work=None,
+                 name="prefill"):
+        total_q, hq, d = q.shape
+        group = hq // num_kv_heads
+        self.tile = _tile(q.dtype, d, v_transposed, backend, tile)
+        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend)
+        paged = tables is not None
+        self.plan = None
+        if work is None:
+            capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
+            work = scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4)
+            plan_scratch = scratch(f"{name}.plan", 1 + 2 * batch, zero=True)
+            self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN),
+                         min(max(batch, 1), PLAN_CTAS), abi.PREFILL_PLAN.bind(
+                work=ptr(work), scratch=ptr(plan_scratch),
+                done=ptr(scratch(f"{name}.done", 1, zero=True)), err=ptr(errors.error_word()),
+                row_bytes=hq * d * q.itemsize, batch=batch, total_q=total_q, total_k=total_k,
+                paged=int(paged), width=tables.shape[1] if paged else 0,
+                bt_stride=_table_stride(tables), block_size=block_size, num_blocks=num_blocks,
+                group=group, num_kv_heads=num_kv_heads, num_q_heads=hq,
+                block_m=self.tile.block_m, block_n=self.tile.block_n, causal=int(causal),
+                window_left=_window(opts), capacity=capacity))
+        self.work = work
+        self.args = abi.PREFILL.bind(
+            work=ptr(work), max_blocks=_table_stride(tables), block_size=block_size,
+            paged=int(paged), k_block=strides.k_block, k_head=strides.k_head,
+            k_chunk=strides.k_chunk, k_tok=strides.k_tok, v_block=strides.v_block,
+            v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok, num_q_heads=hq,
+            num_kv_heads=num_kv_heads, sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
+            window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q))
+
+    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks):
+        """Launch on the current stream, without a host sync."""
+        if self.plan is not None:
+            kernel, grid, args = self.plan
+            kernel.launch(grid, 512, args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info),
+                                               block_tables=ptr(tables), out=ptr(out),
+                                               lse=ptr(lse)))
+        n = self.work.shape[0]
+        if n:
+            self.kernel.launch(n, self.threads, self.args.pack(
+                q=ptr(q), k=ptr(k), v=ptr(v), out=ptr(out), lse=ptr(lse), cu_q=ptr(cu_q),
+                kv_info=ptr(kv_info), block_tables=ptr(tables), alibi=ptr(alibi),
+                sinks=ptr(sinks)), self.smem)
+
+
+def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, total_k,
+                 num_kv_heads, tile, causal, opts, name="prefill"):
+    """The device work list of a call (the plan kernel alone; tests of its output)."""
+    run = _Launches(q, cu_q.shape[0] - 1, tables, block_size, num_blocks, total_k,
+                    num_kv_heads, plan_.kv_strides("ragged", 1, num_kv_heads, q.shape[2],
+                                                   q.dtype), opts, causal, False, "mma",
+                    tile=tile, name=name)
+    kernel, grid, args = run.plan
+    kernel.launch(grid, 512, args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info),
+                                       block_tables=ptr(tables), out=ptr(out), lse=ptr(lse)))
+    return run.work
 
 
 def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides, opts,
             causal, v_transposed, num_kv_heads, tile=None, backend="mma"):
-    """Launch one prefill kernel over ``work`` (device int32 ``[n, 4]``); no host sync.
-
-    ``tile`` overrides the default tile shape (benchmarks; ``work`` must be built for it);
-    ``backend`` ("mma" or "wgmma", resolved) picks the kernel family.
-    """
-    n, head_dim = int(work.shape[0]), int(q.shape[2])
-    if n == 0:
-        return
-    kernel, smem, threads = _kernel(q.dtype, head_dim, v_transposed, tile, backend)
-    if allow_dynamic_smem(kernel, smem) and smem > 48 * 1024:
-        kernel.preferred_shared_memory_carveout = 100  # room for two CTAs per SM
-    i32, i64, f32 = np.int32, np.int64, np.float32
-    paged = tables is not None
-    args = (q, k, v, out, _NULL if lse is None else lse, work, cu_q, kv_info,
-            tables if paged else _NULL, i32(tables.shape[1] if paged else 0), i32(block_size),
-            i32(paged), *(i64(s) for s in strides),
-            _NULL if opts.alibi_slopes is None else opts.alibi_slopes,
-            _NULL if opts.sinks is None else opts.sinks,
-            i32(q.shape[1]), i32(num_kv_heads), f32(opts.sm_scale), f32(opts.logits_soft_cap),
-            i32(_window(opts)), i32(causal))
-    kernel((n,), (threads,), args, shared_mem=smem)
+    """Launch one prefill kernel over a host-planned ``work`` (device int32 ``[n, 4]``);
+    no host sync (benchmarks and strict-mode calls)."""
+    _Launches(q, cu_q.shape[0] - 1, tables, block_size, 0, 0, num_kv_heads, strides, opts,
+              causal, v_transposed, backend, tile=tile, work=work)(
+        q, k, v, out, lse, cu_q, kv_info, tables, opts.alibi_slopes, opts.sinks)
 
 
 def _outputs(q, out, return_lse, xp):
-    out = xp.empty(q.shape, dtype=q.dtype) if out is None else out
-    lse = xp.empty(q.shape[:2], dtype=np.float32) if return_lse else None
+    out = empty(xp, q.shape, q.dtype) if out is None else out
+    lse = empty(xp, q.shape[:2], np.float32) if return_lse else None
     return out, lse
 
 
@@ -156,21 +244,25 @@ def _check_common(xp, q, causal, return_lse, out, options):
 @accepts_dlpack
 def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                    causal=True, sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                   logits_soft_cap=0.0, out=None, return_lse=False, backend="auto"):
+                   logits_soft_cap=0.0, out=None, return_lse=False, backend="auto",
+                   validate=None):
     """Attention over a ragged batch packed along the token axis.
 
     Parameters
     ----------
     q : array
         ``[total_q, num_q_heads, head_dim]`` float16, bfloat16 or float32; head_dim in
-        (64, 80, 96, 112, 128, 256).
+        (64, 80, 96, 112, 128, 256). Token rows may be strided (heads dense): views of a
+        fused qkv tensor go in without a copy; so may k's and v's.
     k, v : array
         ``[total_k, num_kv_heads, head_dim]``, q's dtype; ``num_q_heads % num_kv_heads == 0``.
     cu_seqlens_q, cu_seqlens_k : array
-        int32 ``[batch_size + 1]`` prefix sums of query / key lengths (0 allowed), ending at
-        ``total_q`` / ``total_k``.
+        int32 ``[batch_size + 1]`` prefix sums of query / key lengths (0 allowed), from 0,
+        ending at most at ``total_q`` / ``total_k``; query rows past the last entry are
+        padding and come out as zeros.
     max_seqlen_q, max_seqlen_k : int, optional
-        Hints; when given they must be >= the longest sequence.
+        Hints; when given (and the prefix sums are checked on the host) they must be >= the
+        longest sequence.
     causal : bool
         Query ``i`` of a sequence sits at ``p = kv_len - q_len + i`` and sees keys ``j <= p``.
     sm_scale : float, optional
@@ -191,6 +283,10 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         logits_soft_cap or alibi_slopes, positive sm_scale; ValueError otherwise); "auto"
         the wgmma kernel where it applies on sm_90 for the layouts in
         ``prefill_plan.WGMMA_AUTO`` (measured faster: ragged K/V), else "mma".
+    validate : bool, optional
+        Check device prefix sums on the host first (strict mode; default
+        ``CUPAGED_STRICT``); otherwise the plan kernel checks them on the device (see
+        ``cupaged.errors``: bad rows come out as zeros, ``check_errors()`` raises).
 
     Returns
     -------
@@ -199,11 +295,21 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     lse : array
         float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
     """
+    key = None
+    if is_cupy(q) and not errors.strict(validate):
+        key = ("ragged", signature(q, k, v, cu_seqlens_q, cu_seqlens_k, out, alibi_slopes, sinks),
+               causal, sm_scale, window_left, logits_soft_cap, bool(return_lse), backend,
+               stream_key())
+        run = _CALLS.get(key)
+        if run is not None:  # checked and set up by an earlier call of this signature
+            return _run(run, q, k, v, out, return_lse, cu_seqlens_q, cu_seqlens_k, None,
+                        alibi_slopes, sinks)
     xp = array_module(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, out)
-    cu_q, cu_k = plan_.check_ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, xp)
-    q_lens, kv_lens = np.diff(cu_q), np.diff(cu_k)
-    plan_.check_max_seqlen("max_seqlen_q", max_seqlen_q, q_lens)
-    plan_.check_max_seqlen("max_seqlen_k", max_seqlen_k, kv_lens)
+    contents = xp is np or errors.strict(validate)
+    cu_q, cu_k = plan_.check_ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, xp, contents)
+    if contents:
+        plan_.check_max_seqlen("max_seqlen_q", max_seqlen_q, np.diff(cu_q))
+        plan_.check_max_seqlen("max_seqlen_k", max_seqlen_k, np.diff(cu_k))
     causal, return_lse, opts = _check_common(
         xp, q, causal, return_lse, out, dict(sm_scale=sm_scale, window_left=window_left,
                                              alibi_slopes=alibi_slopes, sinks=sinks,
@@ -214,13 +320,29 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         return _finish(ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=return_lse,
                                           **_ref_options(opts, causal)), out, return_lse)
     hk, head_dim = int(k.shape[1]), int(q.shape[2])
-    work = _work(q_lens, kv_lens, q.dtype, q.shape[1], hk, head_dim, False, causal, opts,
-                 backend=backend)
-    out, lse = _outputs(q, out, return_lse, xp)
-    _launch(q, k, v, out, lse, xp.asarray(work), cu_seqlens_q, cu_seqlens_k, None, 1,
-            plan_.kv_strides("ragged", 1, hk, head_dim, q.dtype), opts, causal, False, hk,
-            backend=backend)
+    strides = plan_.kv_strides("ragged", 1, hk, head_dim, q.dtype)._replace(
+        k_tok=token_stride("k", k), v_tok=token_stride("v", v))
+    work = None
+    if cu_q is not None:  # strict mode: a host work list
+        work = xp.asarray(_work(np.diff(cu_q), np.diff(cu_k), q.dtype, q.shape[1], hk, head_dim,
+                                False, causal, opts, backend=backend))
+    run = _Launches(q, cu_seqlens_q.shape[0] - 1, None, 1, 0, k.shape[0], hk, strides, opts,
+                    causal, False, backend, work=work)
+    if work is None and key is not None:
+        _CALLS.put(key, run)
+    return _run(run, q, k, v, out, return_lse, cu_seqlens_q, cu_seqlens_k, None, alibi_slopes,
+                sinks)
+
+
+def _run(run, q, k, v, out, return_lse, cu_q, kv_info, tables, alibi, sinks):
+    """Outputs allocated (by the caller's framework), then the call's launches."""
+    import cupy
+    out, lse = _outputs(q, out, return_lse, cupy)
+    run(q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks)
     return (out, lse) if return_lse else out
+
+
+_CALLS = CallCache()  # device-planned prefill calls by signature
 
 
 # ----------------------------------------------------------------------------- paged
@@ -234,7 +356,8 @@ def _check_caches(k_cache, v_cache, layout, xp):
 @accepts_dlpack
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                   sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                  logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False, backend="auto"):
+                  logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False, backend="auto",
+                  validate=None):
     """Attention of new query tokens against paged caches (chunked prefill, prefix reuse).
 
     Sequence ``b``'s ``q_len`` queries are the last ``q_len`` of its ``seq_lens[b]`` cached
@@ -257,6 +380,9 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
         int32 ``[batch_size]`` key counts including the new tokens.
     causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, out, return_lse, backend
         As in :func:`varlen_prefill` ("wgmma": NHD and HND layouts).
+    validate : bool, optional
+        As in :func:`varlen_prefill`, for the prefix sums, lengths and block tables (a bad
+        length or block id gives its sequence's rows as zeros).
     layout : {"NHD", "HND", "vllm"}
 
     Returns
@@ -266,12 +392,23 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     lse : array
         float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
     """
+    key = None
+    if is_cupy(q) and not errors.strict(validate):
+        key = ("paged", signature(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, out,
+                                  alibi_slopes, sinks), causal, sm_scale, window_left,
+               logits_soft_cap, layout, bool(return_lse), backend, stream_key())
+        run = _CALLS.get(key)
+        if run is not None:
+            return _run(run, q, k_cache, v_cache, out, return_lse, cu_seqlens_q, seq_lens,
+                        block_tables, alibi_slopes, sinks)
     xp = array_module(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, alibi_slopes,
                       sinks, out)
     geo = _check_caches(k_cache, v_cache, layout, xp)
     plan_.check_paged_query(q, geo, k_cache.dtype, xp)
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0])
-    _, kv_lens = check_block_tables(block_tables, seq_lens, geo, xp, batch=len(cu_q) - 1)
+    contents = xp is np or errors.strict(validate)
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0], contents=contents)
+    _, kv_lens = check_block_tables(block_tables, seq_lens, geo, xp,
+                                    batch=cu_seqlens_q.shape[0] - 1, contents=contents)
     causal, return_lse, opts = _check_common(
         xp, q, causal, return_lse, out, dict(sm_scale=sm_scale, window_left=window_left,
                                              alibi_slopes=alibi_slopes, sinks=sinks,
@@ -283,20 +420,30 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
                                          layout=layout, return_lse=return_lse,
                                          **_ref_options(opts, causal)), out, return_lse)
     v_t = layout == "vllm" and q.dtype != float32
-    work = _work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads, geo.head_dim, v_t,
-                 causal, opts, backend=backend)
-    out, lse = _outputs(q, out, return_lse, xp)
-    _launch(q, k_cache, v_cache, out, lse, xp.asarray(work), cu_seqlens_q, seq_lens, block_tables,
-            geo.block_size, plan_.kv_strides(layout, *geo[1:], q.dtype), opts, causal, v_t,
-            geo.num_kv_heads, backend=backend)
-    return (out, lse) if return_lse else out
+    work = None
+    if cu_q is not None:  # strict mode: a host work list
+        work = xp.asarray(_work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
+                                geo.head_dim, v_t, causal, opts, backend=backend))
+    run = _Launches(q, cu_seqlens_q.shape[0] - 1, block_tables, geo.block_size, geo.num_blocks,
+                    0, geo.num_kv_heads, _cache_strides(layout, geo, k_cache, v_cache), opts,
+                    causal, v_t, backend, work=work)
+    if work is None and key is not None:
+        _CALLS.put(key, run)
+    return _run(run, q, k_cache, v_cache, out, return_lse, cu_seqlens_q, seq_lens, block_tables,
+                alibi_slopes, sinks)
+
+
+def _cache_strides(layout, geo, k_cache, v_cache):
+    """KVStrides of a paged cache pair, its block strides as the arrays have them."""
+    return plan_.kv_strides(layout, *geo[1:], k_cache.dtype)._replace(
+        k_block=block_stride(k_cache), v_block=block_stride(v_cache))
 
 
 @accepts_dlpack
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                     sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                     logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False,
-                    backend="auto"):
+                    backend="auto", validate=None):
     """Attention for a batch mixing decode rows (``q_len = 1``) and prefill rows.
 
     Same arguments, semantics and results as :func:`paged_prefill`; one launch of the
@@ -306,7 +453,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
     return paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens,
                          causal=causal, sm_scale=sm_scale, window_left=window_left,
                          alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap,
-                         layout=layout, out=out, return_lse=return_lse, backend=backend)
+                         layout=layout, out=out, return_lse=return_lse, backend=backend,
+                         validate=validate)
 
 
 # ----------------------------------------------------------------------------- plan / run
@@ -319,9 +467,17 @@ def _positive_int(name, value):
 class PagedPrefiller:
     """Paged prefill planned once per batch step and run once per layer.
 
-    ``plan`` does the host work (checks, tile work list, one upload into buffers owned by
-    this object); ``run`` only checks shapes and launches: no host sync, no allocation
-    beyond its outputs, and no recompilation when lengths change between plans.
+    ``plan`` takes a step's prefix sums, lengths and block tables. Host (NumPy) arrays are
+    checked and turned into the tile work list on the host, then uploaded asynchronously
+    (pinned memory) into buffers this object owns. Device (CuPy) arrays are copied into
+    those buffers without being read; at each ``run`` (which knows the cache and the output)
+    the plan kernel checks them, zeroes the padding rows and writes the work list on the
+    device, or the host does it all at ``plan`` in strict mode (``validate=True``,
+    ``CUPAGED_STRICT=1``). ``run`` only checks shapes
+    and launches: no host sync, no allocation beyond its outputs, no recompilation when
+    lengths change. The launch covers the buffers' whole work capacity (unused items
+    return at once), so a captured ``run`` stays valid for later plans that fit.
+    ``plan`` returns the prefiller.
 
     Parameters
     ----------
@@ -356,9 +512,17 @@ class PagedPrefiller:
                                                                self.layout, self._opts))
         self.backend = backend
         self._host = self._device = None
+        self._buf = None
+        self._caps = (0, 0, 0)  # work items, sequences, table width the buffer holds
+        self._uploader = Uploader()
+        self._runs = CallCache()  # launch setups of this plan by run signature
+
+    @property
+    def _tile(self):
+        return plan_.launch_tile(self.dtype, self.head_dim, self._v_transposed)
 
     @accepts_dlpack
-    def plan(self, cu_seqlens_q, block_tables, seq_lens):
+    def plan(self, cu_seqlens_q, block_tables, seq_lens, *, validate=None):
         """Check a batch step and prepare its work list.
 
         Parameters
@@ -369,29 +533,81 @@ class PagedPrefiller:
             int32 ``[batch_size, max_blocks_per_seq]``, -1 padded.
         seq_lens : array
             int32 ``[batch_size]`` key counts including the new tokens.
+        validate : bool, optional
+            Strict mode for device arrays (see the class notes).
+
+        Returns
+        -------
+        PagedPrefiller
+            This prefiller.
         """
         xp = array_module(cu_seqlens_q, block_tables, seq_lens)
-        cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp)
+        self._runs.clear()
+        contents = xp is np or errors.strict(validate)
+        cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, contents=contents)
         geo = CacheGeometry(plan_.INT32_MAX, self.block_size, self.num_kv_heads, self.head_dim)
-        bt, sl = check_block_tables(block_tables, seq_lens, geo, xp, batch=len(cu) - 1)
+        batch = cu_seqlens_q.shape[0] - 1
+        bt, sl = check_block_tables(block_tables, seq_lens, geo, xp, batch=batch,
+                                    contents=contents)
+        if not contents:
+            self._host = dict(cu=None, bt=None, sl=None, total_q=None, max_block=-1)
+            self._device = self._take(cu_seqlens_q, block_tables, seq_lens)
+            return self
+        cu, bt, sl = (np.array(a, np.int32) for a in (cu, bt, sl))  # the plan's own copies
         used = np.arange(bt.shape[1])[None, :] < -(-sl.astype(np.int64) // self.block_size)[:, None]
         work = _work(np.diff(cu), sl, self.dtype, self.num_q_heads, self.num_kv_heads,
                      self.head_dim, self._v_transposed, self.causal, self._opts)
-        self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]), work=len(work),
+        self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]),
                           max_block=int(bt[used].max()) if used.any() else -1)
         self._device = self._upload(work, cu, sl, bt) if gpu_available() else None
         return self
 
-    @staticmethod
-    def _upload(work, cu, sl, bt):
-        """One host-to-device copy of every planned array; views into the owned buffer."""
+    def _views(self, items, batch, width):
+        """The owned buffer ``[work | cu | lens | tables]``, grown to hold ``items`` work
+        items, ``batch`` sequences and tables ``width`` wide; views of this step's parts."""
         import cupy
-        parts = [work.ravel(), cu, sl, bt.ravel()]
-        buf = cupy.asarray(np.concatenate([np.asarray(p, dtype=np.int32) for p in parts]))
-        bounds = np.cumsum([0] + [p.size for p in parts])
-        views = [buf[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        return dict(buf=buf, work=views[0].reshape(-1, 4), cu=views[1], sl=views[2],
-                    bt=views[3].reshape(bt.shape))
+        caps = tuple(max(a, b) for a, b in zip(self._caps, (items, batch, width)))
+        if self._buf is None or caps != self._caps:
+            n_items, n_seq, n_width = caps
+            self._buf = cupy.empty(4 * n_items + 2 * n_seq + 1 + n_seq * n_width, np.int32)
+            self._caps = caps
+        n_items, n_seq, n_width = self._caps
+        buf, o = self._buf, 4 * n_items
+        return dict(work=buf[:o].reshape(n_items, 4), cu=buf[o:o + batch + 1],
+                    sl=buf[o + n_seq + 1:o + n_seq + 1 + batch],
+                    bt=buf[o + 2 * n_seq + 1:o + 2 * n_seq + 1 + batch * n_width]
+                    .reshape(batch, n_width)[:, :width], width=n_width)
+
+    def _upload(self, work, cu, sl, bt):
+        """One asynchronous host-to-device copy of the planned arrays; the work list padded
+        with sequence -1 to the buffer's capacity."""
+        batch, width = bt.shape
+        d = self._views(len(work), batch, width)
+        n_items, n_seq, n_width = self._caps
+        host = np.full(self._buf.size, -1, np.int32)
+        host[:4 * len(work)] = work.ravel()
+        o = 4 * n_items
+        host[o:o + batch + 1] = cu
+        host[o + n_seq + 1:o + n_seq + 1 + batch] = sl
+        host[o + 2 * n_seq + 1:o + 2 * n_seq + 1 + batch * n_width].reshape(batch, n_width)[
+            :, :width] = bt
+        self._uploader.upload(self._buf, host)
+        return d
+
+    def _take(self, cu_seqlens_q, block_tables, seq_lens):
+        """Copies of device arrays in the owned buffer (no host read); the work list is
+        written on the device at run."""
+        import cupy
+        batch, width = block_tables.shape
+        d = self._views(0, batch, width)
+        rt, stream = cupy.cuda.runtime, cupy.cuda.get_current_stream().ptr
+        for dst, src in ((d["cu"], cu_seqlens_q), (d["sl"], seq_lens)):
+            rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, stream)
+        if batch and width:
+            rt.memcpy2DAsync(d["bt"].data.ptr, d["width"] * 4, block_tables.data.ptr,
+                             block_tables.strides[0] if batch > 1 else width * 4, width * 4,
+                             batch, rt.memcpyDeviceToDevice, stream)
+        return d
 
     def _check_run(self, q, k_cache, v_cache, xp):
         if self._host is None:
@@ -404,8 +620,9 @@ class PagedPrefiller:
         if self._host["max_block"] >= geo.num_blocks:
             raise ValueError(f"block_tables: planned block id {self._host['max_block']} is out of "
                              f"range for a cache of {geo.num_blocks} blocks")
-        check_array("q", q, shape=(self._host["total_q"], self.num_q_heads, self.head_dim),
-                    dtypes=self.dtype, xp=xp)
+        total_q = self._host["total_q"]
+        check_array("q", q, shape=(total_q, self.num_q_heads, self.head_dim), dtypes=self.dtype,
+                    xp=xp, contiguous=False)
         plan_.check_paged_query(q, geo, k_cache.dtype, xp)
         return geo
 
@@ -417,7 +634,9 @@ class PagedPrefiller:
         Parameters
         ----------
         q : array
-            ``[total_q, num_q_heads, head_dim]`` in the planned dtype.
+            ``[total_q, num_q_heads, head_dim]`` in the planned dtype (token rows may be
+            strided); for a device plan, any number of rows (those past the last prefix are
+            padding: zeros).
         k_cache, v_cache : array
             Paged caches in the planned layout and geometry.
         sinks, alibi_slopes : array, optional
@@ -447,7 +666,14 @@ class PagedPrefiller:
                                              **_ref_options(opts, causal)), out, return_lse)
         d = self._device
         out, lse = _outputs(q, out, return_lse, xp)
-        _launch(q, k_cache, v_cache, out, lse, d["work"], d["cu"], d["sl"], d["bt"],
-                self.block_size, plan_.kv_strides(self.layout, *geo[1:], q.dtype), opts, causal,
-                self._v_transposed, self.num_kv_heads, backend=backend)
+        key = (signature(q, k_cache, v_cache, out, alibi_slopes, sinks), bool(return_lse),
+               backend, stream_key())
+        run = self._runs.get(key)
+        if run is None:
+            run = self._runs.put(key, _Launches(
+                q, d["sl"].shape[0], d["bt"], self.block_size, geo.num_blocks, 0,
+                self.num_kv_heads, _cache_strides(self.layout, geo, k_cache, v_cache), opts,
+                causal, self._v_transposed, backend,
+                work=None if h["cu"] is None else d["work"], name="prefiller"))
+        run(q, k_cache, v_cache, out, lse, d["cu"], d["sl"], d["bt"], alibi_slopes, sinks)
         return (out, lse) if return_lse else out

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._arrays import check_array, check_choice, float32, is_cupy
-from ._checks import check_cu_seqlens, check_gqa, check_query
+from ._checks import check_cu_seqlens, check_gqa, check_query, token_stride
 from .layouts import LAYOUTS
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -169,6 +169,22 @@ def resolve_backend(backend, unsupported, arch=None, layout="ragged"):
 
 
 # ----------------------------------------------------------------------------- work list
+def item_tiles(seq, row0, q_lens, kv_lens, *, group, tile, causal, window_left):
+    """Key tiles (``tile.block_n`` keys) that the rows of items ``(seq, row0)`` see: the
+    cost by which work lists are ordered, longest first (``kernels_cu/plan.cu`` buckets it
+    the same way)."""
+    q_lens = np.asarray(q_lens, dtype=np.int64)
+    kv_lens = np.asarray(kv_lens, dtype=np.int64)
+    rows = q_lens[seq] * group
+    row_last = np.minimum(row0 + tile.block_m, rows) - 1
+    shift = kv_lens[seq] - q_lens[seq]
+    p_first, p_last = shift + row0 // group, shift + row_last // group
+    j_begin = np.maximum(0, p_first - window_left) if window_left >= 0 else np.zeros_like(p_first)
+    j_end = np.minimum(kv_lens[seq], p_last + 1) if causal else kv_lens[seq]
+    bn = tile.block_n
+    return np.where(j_end > j_begin, (j_end - 1) // bn - j_begin // bn + 1, 0)
+
+
 def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left):
     """Tile work items of a batch, longest first.
 
@@ -191,19 +207,13 @@ def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left
         int32 ``[num_items, 4]``: (sequence, kv head, first packed row, 0).
     """
     q_lens = np.asarray(q_lens, dtype=np.int64)
-    kv_lens = np.asarray(kv_lens, dtype=np.int64)
-    rows = q_lens * group
-    block_m, bn = tile.block_m, tile.block_n
-    tiles = -(-rows // block_m)
+    block_m = tile.block_m
+    tiles = -(-q_lens * group // block_m)
     seq = np.repeat(np.arange(len(q_lens)), tiles)
     first_tile = np.cumsum(tiles) - tiles
     row0 = (np.arange(len(seq)) - first_tile[seq]) * block_m
-    row_last = np.minimum(row0 + block_m, rows[seq]) - 1
-    shift = kv_lens[seq] - q_lens[seq]
-    p_first, p_last = shift + row0 // group, shift + row_last // group
-    j_begin = np.maximum(0, p_first - window_left) if window_left >= 0 else np.zeros_like(p_first)
-    j_end = np.minimum(kv_lens[seq], p_last + 1) if causal else kv_lens[seq]
-    n_tiles = np.where(j_end > j_begin, (j_end - 1) // bn - j_begin // bn + 1, 0)
+    n_tiles = item_tiles(seq, row0, q_lens, kv_lens, group=group, tile=tile, causal=causal,
+                         window_left=window_left)
     order = np.argsort(-(n_tiles + 1), kind="stable")
     items = np.zeros((len(order) * num_kv_heads, 4), dtype=np.int32)
     items[:, 0] = np.repeat(seq[order], num_kv_heads)
@@ -261,24 +271,29 @@ def check_max_seqlen(name, value, lengths):
 
 
 def check_aligned(**arrays):
-    """Device arrays are read with 16-byte vector loads: their base must be 16-byte aligned."""
+    """Device arrays are read with 16-byte vector loads: their base must be 16-byte aligned
+    (and their token rows 16 bytes apart: ``_checks.token_stride``)."""
     for name, a in arrays.items():
         if a is not None and is_cupy(a) and a.size and a.data.ptr % 16:
             raise ValueError(f"{name}: expected a 16-byte aligned device pointer, "
                              f"got address {a.data.ptr:#x}")
 
 
-def check_ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, xp):
-    """Validate varlen_prefill's arrays; return host (cu_q, cu_k) copies."""
+def check_ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, xp, contents=True):
+    """Validate varlen_prefill's arrays; return host (cu_q, cu_k) copies (``(None, None)``
+    with ``contents=False``: the prefix sums' contents are the plan kernel's to check)."""
     _, num_q_heads, head_dim = check_query("q", q, xp)
-    check_array("k", k, shape=(None, None, head_dim), dtypes=q.dtype, xp=xp)
-    check_array("v", v, shape=tuple(k.shape), dtypes=q.dtype, xp=xp)
+    check_array("k", k, shape=(None, None, head_dim), dtypes=q.dtype, xp=xp, contiguous=False)
+    check_array("v", v, shape=tuple(k.shape), dtypes=q.dtype, xp=xp, contiguous=False)
+    token_stride("k", k)
+    token_stride("v", v)
     check_gqa(num_q_heads, k.shape[1], "k")
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0])
-    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, xp, total=k.shape[0])
-    if cu_k.shape != cu_q.shape:
-        raise ValueError(f"cu_seqlens_k: expected shape {tuple(cu_q.shape)} like cu_seqlens_q "
-                         f"(one entry per sequence + 1), got {tuple(cu_k.shape)}")
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0], contents=contents)
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, xp, total=k.shape[0], contents=contents)
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k: expected shape {tuple(cu_seqlens_q.shape)} like "
+                         f"cu_seqlens_q (one entry per sequence + 1), got "
+                         f"{tuple(cu_seqlens_k.shape)}")
     return cu_q, cu_k
 
 

@@ -2,9 +2,12 @@
 
 The math (pair styles, linear and dynamic-NTK scaling) is in :mod:`cupaged.reference.rope`,
 which also runs NumPy inputs. On CuPy one kernel launch rotates ``q`` and ``k`` together,
-reading each token's angles from a float32 cos/sin table that is built once (on the device,
-in float64) per (rotary_dim, base, scaling, max_position, device) and then reused by every
-call and every layer.
+forming each token's angles from its position and the float64 frequencies (scaling folded
+in; kept on the device per rotary_dim, base, scaling, max_position and device), so that
+no table bounds the positions and the host never reads them: a position out of range
+(negative, or past ``int(max_position * factor)``) is reported to the device error word
+(``cupaged.errors``) and its rows come out as zeros, or refused on the host first in
+strict mode and for host positions.
 """
 from __future__ import annotations
 
@@ -13,14 +16,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import (FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_range,
-                      host)
-from ._compile import Spec, ctype, get_kernel
+from . import abi, errors
+from ._arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module, check_array,
+                      check_range, cupy_module, empty, host, is_cupy, signature, stream_key)
+from ._checks import token_stride
+from ._compile import Spec, ctype, launcher
+from ._launch import ptr
 from .reference import rope as ref
 
 SCALING_TYPES = ("linear", "dynamic")
 _THREADS = 256
-_MIN_TABLE = 4096
 
 
 class RopePlan(NamedTuple):
@@ -32,7 +37,7 @@ class RopePlan(NamedTuple):
     is_neox: bool
     scaling: dict | None
     max_position: int | None
-    max_pos_seen: int       # largest position in ``positions`` (-1 when empty)
+    limit: int              # positions must lie below this (-1: no bound)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -57,21 +62,31 @@ def check_scaling(scaling, max_position, rotary_dim):
 
 
 def _as_heads(name, x, head_dim, tokens):
-    """View ``x`` ``[T, H, D]`` or ``[T, H * D]`` as ``[T, H, D]``."""
+    """View ``x`` ``[T, H, D]`` or ``[T, H * D]`` as ``[T, H, D]`` (token rows may be
+    strided, heads dense)."""
     if x.ndim == 3:
-        check_array(name, x, shape=(tokens, None, head_dim))
-        return x
-    if x.shape[1] % head_dim:
-        raise ValueError(f"{name}: expected [num_tokens, num_heads * {head_dim}], got {tuple(x.shape)}")
-    return x.reshape(tokens, x.shape[1] // head_dim, head_dim)
+        check_array(name, x, shape=(tokens, None, head_dim), contiguous=False)
+    else:
+        if x.shape[1] % head_dim:
+            raise ValueError(f"{name}: expected [num_tokens, num_heads * {head_dim}], got {tuple(x.shape)}")
+        if x.shape[1] > 1 and x.strides[1] != x.itemsize:
+            raise ValueError(f"{name}: expected a contiguous last dimension, got strides {x.strides}")
+        xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+        x = xp.lib.stride_tricks.as_strided(
+            x, (tokens, x.shape[1] // head_dim, head_dim),
+            (x.strides[0], head_dim * x.itemsize, x.itemsize))
+    token_stride(name, x)
+    return x
 
 
-def plan_rope(positions, q, k, rotary_dim, base, is_neox, scaling, max_position, head_dim, xp):
-    """Check every argument of :func:`apply_rope`; return the plan and 3-D views of q, k."""
+def plan_rope(positions, q, k, rotary_dim, base, is_neox, scaling, max_position, head_dim, xp,
+              validate=None):
+    """Check every argument of :func:`apply_rope` (device positions' values only in strict
+    mode); return the plan and 3-D views of q, k."""
     check_array("positions", positions, ndim=1, dtypes=(np.int32, np.int64), xp=xp)
     tokens = int(positions.shape[0])
     for name, x in (("q", q), ("k", k)):
-        check_array(name, x, dtypes=FLOAT_DTYPES, xp=xp)
+        check_array(name, x, dtypes=FLOAT_DTYPES, xp=xp, contiguous=False)
         if x.ndim not in (2, 3) or x.shape[0] != tokens:
             raise ValueError(f"{name}: expected [{tokens}, num_heads, head_dim] or "
                              f"[{tokens}, num_heads * head_dim], got {tuple(x.shape)}")
@@ -92,59 +107,32 @@ def plan_rope(positions, q, k, rotary_dim, base, is_neox, scaling, max_position,
     if max_position is not None and (not isinstance(max_position, (int, np.integer)) or max_position < 1):
         raise ValueError(f"max_position: expected None or an int >= 1, got {max_position!r}")
     scaling = check_scaling(scaling, max_position, int(rd))
-    pos = host(positions)
     limit = ref.table_length(scaling, max_position)
-    check_range("positions", pos, 0, np.iinfo(np.int64).max if limit is None else limit)
+    if xp is np or errors.strict(validate):
+        check_range("positions", host(positions), 0,
+                    np.iinfo(np.int64).max if limit is None else limit)
     plan = RopePlan(tokens, int(head_dim), int(rd), float(base), bool(is_neox), scaling,
                     None if max_position is None else int(max_position),
-                    int(pos.max()) if tokens else -1)
+                    -1 if limit is None else limit)
     return plan, q3, k3
 
 
-# ----------------------------------------------------------------------------- cos/sin table
-_TABLES = {}
+# ----------------------------------------------------------------------------- frequencies
+_FREQUENCIES = {}
 
 
-def _table_key(plan, device_id):
-    kind, factor = ref.scaling_kind(plan.scaling)
-    return (plan.rotary_dim, plan.base, kind, factor, plan.max_position, device_id)
-
-
-def _build_table(plan, length):
-    """float32 ``[length, rd]`` cos then sin of the angles, computed in float64 on the device."""
+def frequencies(plan):
+    """float64 ``[rotary_dim // 2]`` device frequencies of ``plan`` per unit position (linear
+    scaling folded in), cached per device."""
     import cupy
-    rd, half = plan.rotary_dim, plan.rotary_dim // 2
     kind, factor = ref.scaling_kind(plan.scaling)
-    base = plan.base
-    if kind == "dynamic":
-        growth = factor * length / plan.max_position - (factor - 1)
-        base = base * growth ** (rd / (rd - 2))
-    inv_freq = cupy.asarray(base ** (-np.arange(0, rd, 2, dtype=np.float64) / rd))
-    table = cupy.empty((length, rd), dtype=cupy.float32)
-    step = max(1, (1 << 24) // rd)  # bounds the float64 temporaries
-    for start in range(0, length, step):
-        t = cupy.arange(start, min(start + step, length), dtype=cupy.float64)
-        angles = (t / factor if kind == "linear" else t)[:, None] * inv_freq[None, :]
-        table[start:start + len(t), :half] = cupy.cos(angles)
-        table[start:start + len(t), half:] = cupy.sin(angles)
-    return table
-
-
-def rope_table(plan):
-    """The cached device table covering every position of ``plan``.
-
-    With ``max_position`` the table has the model's fixed length ``int(max_position *
-    factor)``; without it, it grows in powers of two (at least 4096 rows) as larger
-    positions arrive.
-    """
-    import cupy
-    key = _table_key(plan, cupy.cuda.Device().id)
-    fixed = ref.table_length(plan.scaling, plan.max_position)
-    cached = _TABLES.get(key)
-    if cached is None or cached.shape[0] <= plan.max_pos_seen:
-        length = fixed if fixed is not None else max(_MIN_TABLE, 1 << max(plan.max_pos_seen, 0).bit_length())
-        cached = _TABLES[key] = _build_table(plan, length)
-    return cached
+    key = (plan.rotary_dim, plan.base, kind, factor, plan.max_position,
+           cupy.cuda.runtime.getDevice())
+    f = _FREQUENCIES.get(key)
+    if f is None:
+        inv = ref.inv_frequencies(plan.rotary_dim, plan.base, plan.scaling, plan.max_position)
+        f = _FREQUENCIES[key] = cupy.asarray(inv / factor if kind == "linear" else inv)
+    return f
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -152,15 +140,17 @@ def _vector_width(plan, dtype, arrays):
     """16-byte vectors where the rotated halves/pairs and every row are aligned, else scalar."""
     vec = 16 // np.dtype(dtype).itemsize
     rotated = plan.rotary_dim // 2 if plan.is_neox else plan.rotary_dim
-    aligned = all(a.data.ptr % 16 == 0 for a in arrays)
+    aligned = all(a.data.ptr % 16 == 0 and (a.shape[0] < 2 or a.strides[0] % 16 == 0)
+                  for a in arrays)
     if aligned and rotated % vec == 0 and plan.head_dim % vec == 0:
         return vec
     return 1 if plan.is_neox else 2
 
 
-def _launch(plan, positions, q, k, q_out, k_out):
+def _setup(plan, positions, q, k, q_out, k_out):
+    """(kernel, grid, Bound) of a rotation of this shape (None: nothing to rotate)."""
     if plan.num_tokens == 0:
-        return
+        return None
     vec = _vector_width(plan, q.dtype, (q, k, q_out, k_out))
     rotated = plan.rotary_dim // 2 if plan.is_neox else plan.rotary_dim
     rot_units = rotated // vec
@@ -168,13 +158,27 @@ def _launch(plan, positions, q, k, q_out, k_out):
     q_heads, k_heads = q.shape[1], k.shape[1]
     total = plan.num_tokens * (q_heads + k_heads) * (rot_units + pass_units)
     if total == 0:
-        return
-    kern = get_kernel("rope", _expr(q.dtype, plan.is_neox, vec))
-    kern((-(-total // _THREADS),), (_THREADS,),
-         (positions, np.int32(positions.dtype == np.int64), rope_table(plan), q, k, q_out, k_out,
-          np.int64(plan.num_tokens), np.int32(q_heads), np.int32(k_heads),
-          np.int32(plan.head_dim), np.int32(plan.rotary_dim), np.int32(rot_units),
-          np.int32(pass_units)))
+        return None
+    return (launcher("rope", _expr(q.dtype, plan.is_neox, vec), abi.ROPE), -(-total // _THREADS),
+            abi.ROPE.bind(
+                positions_are_64bit=int(positions.dtype == np.int64),
+                inv_freq=ptr(frequencies(plan)), err=ptr(errors.error_word()),
+                num_tokens=plan.num_tokens, max_positions=plan.limit, q_tok=token_stride("q", q),
+                k_tok=token_stride("k", k), qo_tok=token_stride("q_out", q_out),
+                ko_tok=token_stride("k_out", k_out), q_heads=q_heads, k_heads=k_heads,
+                head_dim=plan.head_dim, rotary_dim=plan.rotary_dim, rot_units=rot_units,
+                pass_units=pass_units))
+
+
+def _launch(plan, positions, q, k, q_out, k_out, setup=None):
+    setup = _setup(plan, positions, q, k, q_out, k_out) if setup is None else setup
+    if setup is not None:
+        kernel, grid, args = setup
+        kernel.launch(grid, _THREADS, args.pack(positions=ptr(positions), q=ptr(q), k=ptr(k),
+                                                q_out=ptr(q_out), k_out=ptr(k_out)))
+
+
+_CALLS = CallCache()  # rotations by signature: (plan, setup)
 
 
 def _expr(dtype, is_neox, vec):
@@ -194,7 +198,7 @@ def kernel_specializations():
 # ----------------------------------------------------------------------------- public op
 @accepts_dlpack
 def apply_rope(positions, q, k, *, rotary_dim=None, base=10000.0, is_neox=True, scaling=None,
-               max_position=None, head_dim=None, inplace=False):
+               max_position=None, head_dim=None, inplace=False, validate=None):
     """Rotary position embedding of queries and keys.
 
     Parameters
@@ -204,7 +208,8 @@ def apply_rope(positions, q, k, *, rotary_dim=None, base=10000.0, is_neox=True, 
         ``< int(max_position * factor)`` when ``max_position`` is given).
     q : array
         ``[num_tokens, num_q_heads, head_dim]`` or ``[num_tokens, num_q_heads * head_dim]``,
-        float16, bfloat16 or float32, C-contiguous.
+        float16, bfloat16 or float32; heads dense, token rows may be strided (a view of a
+        fused qkv tensor).
     k : array
         ``[num_tokens, num_kv_heads, head_dim]`` or flattened likewise; q's dtype.
     rotary_dim : int, optional
@@ -221,12 +226,15 @@ def apply_rope(positions, q, k, *, rotary_dim=None, base=10000.0, is_neox=True, 
         ``base * (s * L / max_position - (s - 1)) ** (rotary_dim / (rotary_dim - 2))``
         with ``L = int(max_position * s)``; needs ``max_position``.
     max_position : int, optional
-        The model's original context length; bounds the positions and sizes the cached
-        cos/sin table (grown on demand when None).
+        The model's original context length; positions must lie below
+        ``int(max_position * factor)``.
     head_dim : int, optional
         Needed when ``q`` or ``k`` is flattened ``[num_tokens, heads * head_dim]``.
     inplace : bool
         False (default): return new arrays. True: overwrite ``q`` and ``k`` and return them.
+    validate : bool, optional
+        Check device positions on the host first (strict mode, default ``CUPAGED_STRICT``);
+        otherwise the kernel reports a bad one and zeroes its rows.
 
     Returns
     -------
@@ -236,12 +244,24 @@ def apply_rope(positions, q, k, *, rotary_dim=None, base=10000.0, is_neox=True, 
     Raises
     ------
     ValueError, TypeError
-        On bad shapes, dtypes, mixed array modules, non-contiguous inputs, odd or
-        oversized ``rotary_dim``, a bad ``scaling`` or out-of-range positions.
+        On bad shapes, dtypes, mixed array modules, heads that are not dense, odd or
+        oversized ``rotary_dim``, a bad ``scaling``, or out-of-range host positions.
     """
+    key = None
+    if is_cupy(q) and q.ndim == 3 and k.ndim == 3 and not errors.strict(validate):
+        key = (signature(positions, q, k), rotary_dim, base, is_neox,
+               None if scaling is None else tuple(sorted(scaling.items())), max_position,
+               head_dim, inplace, stream_key())
+        hit = _CALLS.get(key)
+        if hit is not None:  # checked and set up by an earlier call of this signature
+            plan, setup = hit
+            q_out, k_out = (q, k) if inplace else (empty(cupy_module(), q.shape, q.dtype),
+                                                   empty(cupy_module(), k.shape, k.dtype))
+            _launch(plan, positions, q, k, q_out, k_out, setup)
+            return q_out, k_out
     xp = array_module(positions, q, k)
     plan, q3, k3 = plan_rope(positions, q, k, rotary_dim, base, is_neox, scaling, max_position,
-                             head_dim, xp)
+                             head_dim, xp, validate)
     if xp is np:
         rq, rk = ref.apply_rope(positions, q3, k3, rotary_dim=plan.rotary_dim, base=plan.base,
                                 is_neox=plan.is_neox, scaling=plan.scaling,
@@ -249,6 +269,12 @@ def apply_rope(positions, q, k, *, rotary_dim=None, base=10000.0, is_neox=True, 
         q_out, k_out = (q3, k3) if inplace else (np.empty_like(q3), np.empty_like(k3))
         q_out[...], k_out[...] = rq, rk
     else:
-        q_out, k_out = (q3, k3) if inplace else (xp.empty_like(q3), xp.empty_like(k3))
-        _launch(plan, positions, q3, k3, q_out, k_out)
+        q_out, k_out = ((q3, k3) if inplace else
+                        (empty(xp, q3.shape, q3.dtype), empty(xp, k3.shape, k3.dtype)))
+        setup = _setup(plan, positions, q3, k3, q_out, k_out)
+        if key is not None:
+            _CALLS.put(key, (plan, setup))
+        _launch(plan, positions, q3, k3, q_out, k_out, setup)
+    if inplace:
+        return q, k
     return q_out.reshape(q.shape), k_out.reshape(k.shape)

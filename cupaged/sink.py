@@ -190,8 +190,8 @@ def plan_sink_attention(q, k, v, sink, mode, batch_size, window_left, qo_indptr,
     if mode == "varlen":
         if qo_indptr is None or kv_indptr is None:
             raise ValueError("qo_indptr and kv_indptr are required for varlen mode")
-        cu_q = check_cu_seqlens("qo_indptr", qo_indptr, xp, total=q.shape[0])
-        cu_k = check_cu_seqlens("kv_indptr", kv_indptr, xp, total=k.shape[0])
+        cu_q = check_cu_seqlens("qo_indptr", qo_indptr, xp, total=q.shape[0], padding=False)
+        cu_k = check_cu_seqlens("kv_indptr", kv_indptr, xp, total=k.shape[0], padding=False)
         if cu_q.shape != cu_k.shape:
             raise ValueError(f"kv_indptr: expected shape {tuple(cu_q.shape)} like qo_indptr, "
                              f"got {tuple(cu_k.shape)}")

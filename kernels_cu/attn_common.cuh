@@ -9,6 +9,7 @@
 // [visible_lo(p), visible_hi(p)) (window_left, causal).
 #pragma once
 #include "common.cuh"
+#include "abi.cuh"
 
 namespace cupaged {
 
@@ -17,32 +18,13 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // Position of a row past a tile's rows (sees no key).
 constexpr int NO_ROW = -2147483647 - 1;
 
-// Arguments of both prefill kernels (one struct layout, one host packer). Element (key j,
-// dim d) of K sits at blk * k_block + hk * k_head + (d / X) * k_chunk + d % X + off * k_tok
-// and of V at blk * v_block + hk * v_head + d * v_dim + off * v_tok (prefill.cu). The wgmma
+// Arguments of both prefill kernels: Problem<T> (abi.cuh, packed by prefill.py). The wgmma
 // kernel never gets ALiBi or a soft-cap (alibi null, soft_cap 0).
-template <typename T>
-struct Problem {
-  const T* __restrict__ q;
-  const T* __restrict__ k;
-  const T* __restrict__ v;
-  T* __restrict__ out;
-  float* __restrict__ lse;
-  const int4* __restrict__ work;
-  const int* __restrict__ cu_q;
-  const int* __restrict__ kv_info;  // ragged: cu_seqlens_k [B + 1]; paged: seq_lens [B]
-  const int* __restrict__ block_tables;
-  int max_blocks, block_size, paged;
-  i64 k_block, k_head, k_chunk, k_tok, v_block, v_head, v_dim, v_tok;
-  const float* __restrict__ alibi;
-  const float* __restrict__ sinks;
-  int num_q_heads, num_kv_heads;
-  float sm_scale, soft_cap;
-  int window_left, causal;
-};
 
 // The sequence, kv head and packed rows of one work item, and where its keys live (ragged:
-// rows kv_start.., table null; paged: the sequence's block-table row).
+// rows kv_start.., table null; paged: the sequence's block-table row). An item flagged
+// (item.w = 1: its sequence failed a device check) sees no key, so its rows come out as
+// zeros; an item of sequence -1 pads the list and its CTA returns (item_is_padding).
 struct WorkItem {
   int b, hk, row0, rows, group, q_start, q_len, kv_len;
   i64 kv_start;
@@ -57,11 +39,11 @@ struct WorkItem {
     rows = min(block_m, q_len * group - row0);
     if (P.paged) {
       kv_start = 0;
-      kv_len = P.kv_info[b];
+      kv_len = item.w ? 0 : P.kv_info[b];
       table = P.block_tables + (i64)b * P.max_blocks;
     } else {
       kv_start = P.kv_info[b];
-      kv_len = P.kv_info[b + 1] - P.kv_info[b];
+      kv_len = item.w ? 0 : P.kv_info[b + 1] - P.kv_info[b];
       table = nullptr;
     }
   }
@@ -72,6 +54,12 @@ struct WorkItem {
   // position of tile row r; NO_ROW past the tile's rows
   __device__ __forceinline__ int row_position(int r) const { return r < rows ? position(r) : NO_ROW; }
 };
+
+// Whether this CTA's work item only pads the list (every thread of the CTA alike).
+template <typename T>
+__device__ __forceinline__ bool item_is_padding(const Problem<T>& P) {
+  return __ldg(&P.work[blockIdx.x].x) < 0;
+}
 
 // Visible keys [lo, hi) of the query at position p.
 __device__ __forceinline__ int visible_lo(int p, int window_left) {

@@ -154,16 +154,16 @@ __device__ __forceinline__ void pack_p(u32 (&pf)[KS_P][4], const float (&s)[2 * 
 }
 
 // Q tile: tile rows [0, t.rows) -> sQ [BLOCK_M][LD] (row r is query token t.token_row(r) of head
-// t.head(r) in q [tokens, num_q_heads, D]); rows past t.rows zero-filled.
+// t.head(r), at q + token * q_tok + head * D); rows past t.rows zero-filled.
 template <typename T, int D, typename C, typename Rows>
-__device__ __forceinline__ void load_q_tile(const T* q, int num_q_heads, const Rows& t, u32 sQ) {
+__device__ __forceinline__ void load_q_tile(const T* q, i64 q_tok, const Rows& t, u32 sQ) {
   const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
   if (C::CL != C::CHUNKS && c >= C::CHUNKS) return;
 #pragma unroll
   for (int i = 0; i < C::BLOCK_M / C::ROW_STEP; ++i) {
     const int r = r0 + i * C::ROW_STEP;
     const u32 dst = sQ + (r * C::LD + c * 8) * C::E;
-    if (r < t.rows) cp_async16(dst, q + (t.token_row(r) * num_q_heads + t.head(r)) * D + c * 8);
+    if (r < t.rows) cp_async16(dst, q + t.token_row(r) * q_tok + (i64)t.head(r) * D + c * 8);
     else cp_async16(dst, q, 0);
   }
 }

@@ -4,7 +4,10 @@
 // their size: rows are moved as 16-byte vectors (uint4) and the vllm value layout as
 // 2- or 4-byte elements. Every offset into a cache is 64-bit (i64), counted in vectors
 // (or elements) from the cache's base pointer, which the host checks is 16-byte aligned.
+// Slots and block ids come from device arrays and are checked here: a slot outside
+// [0, num_slots) or a block outside the cache is reported (report_error) and skipped.
 #include "common.cuh"
+#include "abi.cuh"
 
 namespace cupaged {
 
@@ -18,49 +21,60 @@ constexpr int COPY_UNROLL = 4;  // vectors in flight per thread in copy_blocks_k
 // Block: THREADS threads in groups of tpt = 1 << tpt_log2 threads; a group owns ROWS_UNROLL
 // tokens, THREADS >> tpt_log2 apart. Each thread copies the 16-byte vectors v = lane,
 // lane + tpt, ... < row_vecs of its tokens' key and value rows ([num_kv_heads, head_dim] =
-// row_vecs vectors, head_vecs per head) to the tokens' slots: all loads of a step before
-// its stores. Tokens with slot -1 are skipped.
+// row_vecs vectors, head_vecs per head; key[t, h] at t * key_tok + h * key_head vectors) to
+// the tokens' slots: all loads of a step before its stores. Tokens with slot -1 are skipped.
+__device__ __forceinline__ i64 checked_block(i64 slot, i64 num_slots, int block_size,
+                                             long long* err, int t) {
+  if (slot < 0) return -1;
+  if (slot >= num_slots) {
+    report_error(err, error_code(ARG_SLOT_MAPPING, CHECK_RANGE), t, -1, slot, num_slots);
+    return -1;
+  }
+  return slot / block_size;
+}
+
 template <bool HND>
-__global__ void __launch_bounds__(THREADS) write_rows(
-    const uint4* __restrict__ key, const uint4* __restrict__ value,
-    uint4* __restrict__ k_cache, uint4* __restrict__ v_cache,
-    const i64* __restrict__ slot_mapping, int num_tokens, int tpt_log2,
-    int row_vecs, int head_vecs, int num_kv_heads, int block_size) {
+__global__ void __launch_bounds__(THREADS) write_rows(CUPAGED_PARAMS_CacheWriteArgs) {
+  uint4* v_rows = static_cast<uint4*>(v_cache);
   const int tokens_per_pass = THREADS >> tpt_log2;
   const int t0 = blockIdx.x * tokens_per_pass * ROWS_UNROLL + (threadIdx.x >> tpt_log2);
   const int tpt = 1 << tpt_log2;
+  const bool reports = (threadIdx.x & (tpt - 1)) == 0;  // one thread a token reports
   i64 blk[ROWS_UNROLL], off[ROWS_UNROLL];
 #pragma unroll
   for (int u = 0; u < ROWS_UNROLL; ++u) {
     const int t = t0 + u * tokens_per_pass;
     const i64 slot = t < num_tokens ? __ldg(slot_mapping + t) : -1;
-    blk[u] = slot < 0 ? -1 : slot / block_size;
+    blk[u] = checked_block(slot, num_slots, block_size, reports ? err : nullptr, t);
     off[u] = slot - blk[u] * block_size;
   }
   for (int v = threadIdx.x & (tpt - 1); v < row_vecs; v += tpt) {
     // -- load every token's vectors, then place them --
+    const int h = v / head_vecs, c = v - h * head_vecs;
     uint4 kk[ROWS_UNROLL], vv[ROWS_UNROLL];
 #pragma unroll
     for (int u = 0; u < ROWS_UNROLL; ++u) {
       const i64 t = t0 + u * tokens_per_pass;
-      if (t < num_tokens) {
-        kk[u] = __ldg(key + t * row_vecs + v);
-        vv[u] = __ldg(value + t * row_vecs + v);
+      if (t < num_tokens && blk[u] >= 0) {
+        kk[u] = __ldg(key + t * key_tok + h * key_head + c);
+        vv[u] = __ldg(value + t * value_tok + h * value_head + c);
       }
     }
 #pragma unroll
     for (int u = 0; u < ROWS_UNROLL; ++u) {
       if (blk[u] < 0) continue;
-      i64 dst;
+      i64 kd, vd;
       if (HND) {
-        const int h = v / head_vecs;
-        dst = ((blk[u] * num_kv_heads + h) * block_size + off[u]) * head_vecs
-              + (v - h * head_vecs);
+        const i64 in = ((i64)h * block_size + off[u]) * head_vecs + c;
+        kd = blk[u] * k_block + in;
+        vd = blk[u] * v_block + in;
       } else {
-        dst = (blk[u] * block_size + off[u]) * row_vecs + v;
+        const i64 in = off[u] * row_vecs + v;
+        kd = blk[u] * k_block + in;
+        vd = blk[u] * v_block + in;
       }
-      k_cache[dst] = kk[u];
-      v_cache[dst] = vv[u];
+      k_cache[kd] = kk[u];
+      v_rows[vd] = vv[u];
     }
   }
 }
@@ -75,12 +89,9 @@ __global__ void __launch_bounds__(THREADS) write_rows(
 // stores key vector j of its token as one 16 bytes and value vector j as X elements, so
 // tokens in consecutive slots of a block make contiguous stores. Slot -1 tokens are skipped.
 template <typename E>  // an unsigned integer type of the element size (2 or 4 bytes)
-__global__ void __launch_bounds__(THREADS) write_vllm(
-    const uint4* __restrict__ key, const uint4* __restrict__ value,
-    uint4* __restrict__ k_cache, E* __restrict__ v_cache,
-    const i64* __restrict__ slot_mapping, int num_tokens, int num_kv_heads, int head_vecs,
-    int block_size) {
+__global__ void __launch_bounds__(THREADS) write_vllm(CUPAGED_PARAMS_CacheWriteArgs) {
   constexpr int X = 16 / sizeof(E);
+  E* v_elems = static_cast<E*>(v_cache);
   extern __shared__ uint4 smem[];  // [2][VLLM_TILE][row_stride]
   __shared__ i64 s_blk[VLLM_TILE];
   __shared__ int s_off[VLLM_TILE];
@@ -91,20 +102,20 @@ __global__ void __launch_bounds__(THREADS) write_vllm(
   const int h = blockIdx.y;
   const int tile = min(VLLM_TILE, num_tokens - t0);
 
-  // -- slots of the tile --
+  // -- slots of the tile (head 0's CTAs report) --
   if (threadIdx.x < VLLM_TILE) {
-    const i64 slot = threadIdx.x < tile ? __ldg(slot_mapping + t0 + threadIdx.x) : -1;
-    const i64 blk = slot < 0 ? -1 : slot / block_size;
+    const int t = t0 + threadIdx.x;
+    const i64 slot = threadIdx.x < tile ? __ldg(slot_mapping + t) : -1;
+    const i64 blk = checked_block(slot, num_slots, block_size, h == 0 ? err : nullptr, t);
     s_blk[threadIdx.x] = blk;
     s_off[threadIdx.x] = (int)(slot - blk * block_size);
   }
   // -- stage 1: rows of head h into shared memory --
-  const i64 row_vecs = (i64)num_kv_heads * head_vecs;
   for (int i = threadIdx.x; i < tile * head_vecs; i += THREADS) {
     const int tok = i / head_vecs, j = i - tok * head_vecs;
-    const i64 src = (t0 + tok) * row_vecs + (i64)h * head_vecs + j;
-    s_key[tok * row_stride + j] = __ldg(key + src);
-    s_val[tok * row_stride + j] = __ldg(value + src);
+    const i64 t = t0 + tok;
+    s_key[tok * row_stride + j] = __ldg(key + t * key_tok + (i64)h * key_head + j);
+    s_val[tok * row_stride + j] = __ldg(value + t * value_tok + (i64)h * value_head + j);
   }
   __syncthreads();
 
@@ -114,12 +125,12 @@ __global__ void __launch_bounds__(THREADS) write_vllm(
     const int tok = i % VLLM_TILE, j = i / VLLM_TILE;
     const i64 blk = s_blk[tok];
     if (blk < 0) continue;
-    const i64 head_base = blk * num_kv_heads + h;
     const int off = s_off[tok];
-    k_cache[(head_base * head_vecs + j) * block_size + off] = s_key[tok * row_stride + j];
+    k_cache[blk * k_block + ((i64)h * head_vecs + j) * block_size + off] =
+        s_key[tok * row_stride + j];
     const uint4 vv = s_val[tok * row_stride + j];
     const E* e = reinterpret_cast<const E*>(&vv);
-    E* v_dst = v_cache + (head_base * head_dim + (i64)j * X) * block_size + off;
+    E* v_dst = v_elems + blk * v_block * X + ((i64)h * head_dim + (i64)j * X) * block_size + off;
 #pragma unroll
     for (int x = 0; x < X; ++x) v_dst[(i64)x * block_size] = e[x];
   }
@@ -129,16 +140,24 @@ __global__ void __launch_bounds__(THREADS) write_vllm(
 // Grid:  x = pair p, y = chunks of a block (grid-strided), z = cache (0: src0 -> dst0,
 // 1: src1 -> dst1; key and value caches in one launch).
 // Block: THREADS threads; each moves up to COPY_UNROLL 16-byte vectors per chunk, all loads
-// before all stores. Sources are never destinations (checked on the host), so the copies
-// of one launch are independent. Pointers may be device memory or mapped pinned host memory.
-__global__ void __launch_bounds__(THREADS) copy_blocks_kernel(
-    const uint4* __restrict__ src0, uint4* __restrict__ dst0,
-    const uint4* __restrict__ src1, uint4* __restrict__ dst1,
-    const i64* __restrict__ pairs, i64 block_vecs) {
+// before all stores. Sources are never destinations (checked on the host, or in strict
+// mode for device pairs), so the copies of one launch are independent. A pair outside
+// [0, num_src) x [0, num_dst) is reported and skipped. Pointers may be device memory or
+// mapped pinned host memory.
+__global__ void __launch_bounds__(THREADS) copy_blocks_kernel(CUPAGED_PARAMS_CopyBlocksArgs) {
   const uint4* src = blockIdx.z ? src1 : src0;
   uint4* dst = blockIdx.z ? dst1 : dst0;
-  src += __ldg(pairs + 2 * (i64)blockIdx.x) * block_vecs;
-  dst += __ldg(pairs + 2 * (i64)blockIdx.x + 1) * block_vecs;
+  const i64 s = __ldg(pairs + 2 * (i64)blockIdx.x), d = __ldg(pairs + 2 * (i64)blockIdx.x + 1);
+  if (s < 0 || s >= num_src || d < 0 || d >= num_dst) {
+    if (threadIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+      const bool bad_src = s < 0 || s >= num_src;
+      report_error(err, error_code(ARG_BLOCK_MAPPING, CHECK_RANGE), blockIdx.x, bad_src ? 0 : 1,
+                   bad_src ? s : d, bad_src ? num_src : num_dst);
+    }
+    return;
+  }
+  src += s * block_vecs;
+  dst += d * block_vecs;
   const i64 chunk = (i64)THREADS * COPY_UNROLL;
   for (i64 v0 = blockIdx.y * chunk + threadIdx.x; v0 < block_vecs; v0 += gridDim.y * chunk) {
     uint4 r[COPY_UNROLL];

@@ -113,4 +113,19 @@ __device__ __forceinline__ float fast_exp2(float x) {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
+// Record a bad index entry in the device error word (cupaged.errors): the first report
+// since the word was cleared wins, later ones are dropped. err may be null (not checked).
+// code: error_code(argument, check) of abi.cuh; row / col locate the entry (-1: none).
+__device__ __forceinline__ void report_error(long long* err, int code, i64 row, i64 col,
+                                             i64 value, i64 bound) {
+  if (err == nullptr) return;
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(err), 0ull,
+                static_cast<unsigned long long>(code)) == 0ull) {
+    err[1] = row;
+    err[2] = col;
+    err[3] = value;
+    err[4] = bound;
+  }
+}
+
 }  // namespace cupaged

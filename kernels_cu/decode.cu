@@ -30,6 +30,7 @@
 //   s[nt][k]       score of token qr + 8 * (k >> 1) of a 16-token m-tile, head nt*8 + 2r + (k&1)
 //   acc[dt][nt][k] output dim dt*16 + qr + 8 * (k >> 1), head nt*8 + 2r + (k & 1)
 #include "common.cuh"
+#include "abi.cuh"
 #include "mma.cuh"
 #include "merge.cuh"
 #include "bulk_copy.cuh"
@@ -739,20 +740,10 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
 }
 
 // ---------------------------------------------------------------------------- decode kernel
-// The arguments of one decode launch, the same for either kernel (decode.py's
-// _launch_decode): outputs, scratch and counts, work, caches and tables, optional per-head
-// arrays, cache strides in elements (Loader), block-size division, heads, options.
-#define CUPAGED_DECODE_PARAMS(T)                                                                  \
-  const T* __restrict__ q, T* __restrict__ out, float* __restrict__ lse,                          \
-      float* __restrict__ part_out, float* __restrict__ part_lse, int* __restrict__ counters,    \
-      int* __restrict__ pool_ctr, const int4* __restrict__ work, const T* __restrict__ k_cache,  \
-      const T* __restrict__ v_cache, const int* __restrict__ block_tables,                       \
-      const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, int kbs, int khs, \
-      int kts, int kcs, int vbs, int vhs, int vts, int vcs, int ves, int block_size,              \
-      unsigned block_magic, int block_shift, int bt_stride, int num_q_heads, int num_kv_heads,   \
-      int head_warps, int head_chunks, int window_left, int fused_merge, float scale_log2,       \
-      float sm_scale, float soft_cap
-
+// Both decode kernels take the fields of DecodeArgs (abi.cuh; packed by decode.py): outputs, scratch
+// and counts, work, caches and tables, optional per-head arrays, cache strides in elements
+// (Loader), block-size division, heads, options. Query head h of sequence b is read at
+// q + b * q_stride + h * D.
 // grid (columns, num_kv_heads * head_chunks); block NTHREADS (4 warps). Row group y =
 // (kv head hk, head chunk hc) owns query heads hk*G + hc*HPC + [0, HPC) (HPC = head_warps *
 // HW). CTA (c, y) walks column c's pieces (see Piece), then pieces it takes from row group
@@ -767,7 +758,7 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
 // otherwise merge_pieces_kernel does.
 template <typename T, int D, bool VT, int NT>
 __global__ void __launch_bounds__(NTHREADS, 1)
-paged_decode_kernel(CUPAGED_DECODE_PARAMS(T)) {
+paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
   using C = Cfg<T, D, NT>;
   using Math = typename MathFor<T, D, VT, NT>::type;
   using State = SoftmaxState<NT, C::DT>;
@@ -849,7 +840,7 @@ paged_decode_kernel(CUPAGED_DECODE_PARAMS(T)) {
     const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len, t_end = p.t_end;
     const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
                          soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, kv_len - 1};
-    if (computes) math.load_q(q + ((i64)p.b * num_q_heads + hq_warp) * D, warp_heads, q_smem, lane);
+    if (computes) math.load_q(q + (i64)p.b * q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
     state.init();
     for (int tile = p.t_begin; tile < t_end; ++tile, ++it) {
       cp_async_wait<STAGES - 2>();
@@ -954,7 +945,7 @@ __device__ __forceinline__ void zero_invisible_rows(T* k_rows, T* v_rows, int st
 // first writes. Pieces end as in paged_decode_kernel.
 template <typename T, int D, bool HEAD_MAJOR>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
-paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
+paged_decode_pages_kernel(CUPAGED_PARAMS_DecodeArgs) {
   using State = SoftmaxState<1, D / 16>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) u64 full[PAGE_STAGES];  // stage st's block landed
@@ -1064,7 +1055,7 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
     const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len;
     const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
                          soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, kv_len - 1};
-    if (warp_heads) math.load_q(q + ((i64)p.b * num_q_heads + hq_warp) * D, warp_heads, lane);
+    if (warp_heads) math.load_q(q + (i64)p.b * q_stride + (i64)hq_warp * D, warp_heads, lane);
     state.init();
     for (int tile = p.t_begin; tile < p.t_end; ++tile, ++it) {
       mbar_wait(bars + 8 * (it % PAGE_STAGES), (it / PAGE_STAGES) & 1);
@@ -1121,29 +1112,26 @@ paged_decode_pages_kernel(CUPAGED_DECODE_PARAMS(T)) {
   }
 }
 
-#undef CUPAGED_DECODE_PARAMS
-
 // ---------------------------------------------------------------------------- append
-// grid (batch); block 128. CTA b writes k_new[b], v_new[b] ([Hk, D] each) into the cache slot
-// of position seq_lens[b]; thread i copies elements i, i + 128, ... of the Hk*D.
+// grid (batch); block 128. CTA b writes k_new[b], v_new[b] ([Hk, D] each, k_new_stride and
+// v_new_stride elements from one sequence to the next) into the cache slot of position
+// seq_lens[b]; thread i copies elements i, i + 128, ... of the Hk*D. A sequence whose length
+// is negative (a bad one, found by decode_plan_kernel) is skipped.
 template <typename T>
-__global__ void __launch_bounds__(128)
-append_kv_kernel(const T* __restrict__ k_new, const T* __restrict__ v_new, T* __restrict__ k_cache,
-                 T* __restrict__ v_cache, const int* __restrict__ block_tables,
-                 const int* __restrict__ seq_lens, int bt_stride, int block_size, int num_kv_heads,
-                 int head_dim, int kbs, int khs, int kts, int kcs, int vbs, int vhs, int vts, int vcs,
-                 int ves) {
+__global__ void __launch_bounds__(128) append_kv_kernel(CUPAGED_PARAMS_AppendArgs) {
   constexpr int VEC = Vec16<T>::N;
   const int b = blockIdx.x;
   const int p = seq_lens[b];
+  if (p < 0) return;
   const int slot = p / block_size, in = p - slot * block_size;
   const i64 blk = block_tables[(i64)b * bt_stride + slot];
-  const i64 src = (i64)b * num_kv_heads * head_dim;
+  const T* k_src = k_new + (i64)b * k_new_stride;
+  const T* v_src = v_new + (i64)b * v_new_stride;
   for (int e = threadIdx.x; e < num_kv_heads * head_dim; e += blockDim.x) {
     const int h = e / head_dim, d = e - h * head_dim;
     const int dc = d / VEC, de = d % VEC;
-    k_cache[blk * kbs + (h * khs + in * kts + dc * kcs + de)] = k_new[src + e];
-    v_cache[blk * vbs + (h * vhs + in * vts + dc * vcs + de * ves)] = v_new[src + e];
+    k_cache[blk * kbs + (h * khs + in * kts + dc * kcs + de)] = k_src[e];
+    v_cache[blk * vbs + (h * vhs + in * vts + dc * vcs + de * ves)] = v_src[e];
   }
 }
 
@@ -1152,12 +1140,7 @@ append_kv_kernel(const T* __restrict__ k_new, const T* __restrict__ v_new, T* __
 // + head) over num_parts states; output rows are contiguous [num_rows][dim].
 // Part s of row i: o_first/o_rest as in PartRow, offset by i * o_row_stride; lse alike.
 template <typename TI, typename TO>
-__global__ void __launch_bounds__(128)
-merge_states_kernel(const TI* __restrict__ o_first, const TI* __restrict__ o_rest, i64 o_part_stride,
-                    i64 o_row_stride, const float* __restrict__ l_first, const float* __restrict__ l_rest,
-                    i64 l_part_stride, i64 l_row_stride, int num_parts, int num_rows, int num_heads,
-                    int dim, const float* __restrict__ sinks, TO* __restrict__ out,
-                    float* __restrict__ lse_out) {
+__global__ void __launch_bounds__(128) merge_states_kernel(CUPAGED_PARAMS_MergeStatesArgs) {
   const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
   if (row >= num_rows) return;
   const PartRow<TI> o{o_first + row * o_row_stride, o_rest + row * o_row_stride, o_part_stride};
@@ -1183,10 +1166,7 @@ constexpr int MERGE_MAX_WARPS = 16;
 
 template <typename TO, int CH>
 __global__ void __launch_bounds__(32 * MERGE_MAX_WARPS, 1)
-merge_pieces_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                    const int* __restrict__ seq_info, int num_q_heads, int num_kv_heads,
-                    int head_chunks, int hpc, int dim, const float* __restrict__ sinks,
-                    TO* __restrict__ out, float* __restrict__ lse, int wph) {
+merge_pieces_kernel(CUPAGED_PARAMS_MergePiecesArgs) {
   __shared__ float4 s_acc[MERGE_MAX_WARPS][CH][32];  // the runs' shares (WPH > 1)
   __shared__ float s_m[MERGE_MAX_WARPS], s_den[MERGE_MAX_WARPS];
   const int b = blockIdx.x, y = blockIdx.y;

@@ -329,7 +329,7 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
   const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
 
   // -- prologue: Q, and K (all of the tile with two stages) of the last tile --
-  load_q_tile<T, D, C>(P.q, P.num_q_heads, t, sQ);
+  load_q_tile<T, D, C>(P.q, P.q_tok, t, sQ);
   if (n_last >= n_first) {
     KVSource<T> src;
     src.init(P, t);
@@ -424,7 +424,7 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
     const int p = t.position(r), h = t.head(r);
     const int lo = visible_lo(p, P.window_left), hi = visible_hi(p, t.kv_len, P.causal);
     const float slope = P.alibi != nullptr ? P.alibi[h] * LOG2E : 0.f;
-    const float* qrow = P.q + (t.token_row(r) * P.num_q_heads + h) * D;
+    const float* qrow = P.q + t.token_row(r) * P.q_tok + (i64)h * D;
     __syncwarp();
     for (int d = lane; d < D; d += 32) sq[warp][d] = qrow[d];
     __syncwarp();
@@ -473,22 +473,9 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
 }
 
 // ----------------------------------------------------------------------------- entries
-// Both kernels take the same arguments: the fields of Problem, in order. Layout, paging and
-// every score option are run-time arguments; the work list holds int4 {sequence, kv head,
-// first packed row, 0} items.
-#define CUPAGED_PREFILL_PARAMS(T)                                                                  \
-  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out, \
-      float* __restrict__ lse, const int4* __restrict__ work, const int* __restrict__ cu_q,      \
-      const int* __restrict__ kv_info, const int* __restrict__ block_tables, int max_blocks,      \
-      int block_size, int paged, i64 k_block, i64 k_head, i64 k_chunk, i64 k_tok, i64 v_block,    \
-      i64 v_head, i64 v_dim, i64 v_tok, const float* __restrict__ alibi,                          \
-      const float* __restrict__ sinks, int num_q_heads, int num_kv_heads, float sm_scale,         \
-      float soft_cap, int window_left, int causal
-#define CUPAGED_PREFILL_ARGS                                                                       \
-  q, k, v, out, lse, work, cu_q, kv_info, block_tables, max_blocks, block_size, paged, k_block,   \
-      k_head, k_chunk, k_tok, v_block, v_head, v_dim, v_tok, alibi, sinks, num_q_heads,            \
-      num_kv_heads, sm_scale, soft_cap, window_left, causal
-
+// Both kernels take one Problem (abi.cuh): layout, paging and every score option are
+// run-time fields; the work list holds int4 {sequence, kv head, first packed row, no-keys
+// flag} items, padded with sequence -1 past its end.
 // Grid: one CTA per work item; block: 32 * S::WARPS threads; dynamic smem: Q [BLOCK_M][D + 8]
 // then S::STAGES K tiles [BLOCK_N][D + 8] and V tiles ([BLOCK_N][D + 8], or [D][BLOCK_N + 8]
 // for V_T, the vllm value layout); static smem: LoopState. Each warp owns S::MT contiguous
@@ -500,21 +487,20 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
 // the warp's own Q rows in smem.
 template <typename T, int D, bool V_T, typename S>
 __global__ void __launch_bounds__(32 * S::WARPS, S::CTAS)
-prefill_mma_kernel(CUPAGED_PREFILL_PARAMS(T)) {
-  const Problem<T> P{CUPAGED_PREFILL_ARGS};
+prefill_mma_kernel(CUPAGED_PARAMS_Problem) {
+  const Problem<T> P{CUPAGED_FIELDS_Problem};
+  if (item_is_padding(P)) return;
   prefill_mma<T, D, V_T, S>(P);
 }
 
 // Grid: one CTA per work item of 128 packed rows; block: SIMT_WARPS warps; fp32,
 // every layout (see prefill_simt).
-template <int D>
+template <int D, typename T = float>
 __global__ void __launch_bounds__(32 * SIMT_WARPS)
-prefill_simt_kernel(CUPAGED_PREFILL_PARAMS(float)) {
-  const Problem<float> P{CUPAGED_PREFILL_ARGS};
+prefill_simt_kernel(CUPAGED_PARAMS_Problem) {
+  const Problem<float> P{CUPAGED_FIELDS_Problem};
+  if (item_is_padding(P)) return;
   prefill_simt<D>(P);
 }
-
-#undef CUPAGED_PREFILL_PARAMS
-#undef CUPAGED_PREFILL_ARGS
 
 }  // namespace cupaged

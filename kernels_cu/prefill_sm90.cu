@@ -104,7 +104,7 @@ __device__ __forceinline__ void load_q(const Problem<T>& P, const WorkItem& it, 
   for (int i = 0; i < C::BLOCK_M / C::ROW_STEP; ++i) {
     const int r = r0 + i * C::ROW_STEP;
     const u32 dst = sQ + swizzled<C::BLOCK_M>(r, c);
-    if (r < it.rows) cp_async16(dst, P.q + (it.token_row(r) * P.num_q_heads + it.head(r)) * D + c * 8);
+    if (r < it.rows) cp_async16(dst, P.q + it.token_row(r) * P.q_tok + (i64)it.head(r) * D + c * 8);
     else cp_async16(dst, P.q, 0);
   }
 }
@@ -392,21 +392,11 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
 // thread owns rows 16 w + lane / 4 (+ 8) of its warp w's 16. Every thread copies K/V chunks
 // with cp.async one tile ahead and finally normalises and stores its rows' fragments
 // through its warp's rows of the Q tile (16-byte global stores).
-// Arguments: those of kernels_cu/prefill.cu's kernels, in the same order.
+// Arguments: one Problem (abi.cuh), as kernels_cu/prefill.cu's kernels.
 template <typename T, int D, int BN, int STAGES>
-__global__ void __launch_bounds__(256, 1)
-prefill_wgmma_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     T* __restrict__ out, float* __restrict__ lse, const int4* __restrict__ work,
-                     const int* __restrict__ cu_q, const int* __restrict__ kv_info,
-                     const int* __restrict__ block_tables, int max_blocks, int block_size, int paged,
-                     i64 k_block, i64 k_head, i64 k_chunk, i64 k_tok, i64 v_block, i64 v_head,
-                     i64 v_dim, i64 v_tok, const float* __restrict__ alibi,
-                     const float* __restrict__ sinks, int num_q_heads, int num_kv_heads,
-                     float sm_scale, float soft_cap, int window_left, int causal) {
-  const Problem<T> P{q, k, v, out, lse, work, cu_q, kv_info, block_tables, max_blocks,
-                           block_size, paged, k_block, k_head, k_chunk, k_tok, v_block, v_head,
-                           v_dim, v_tok, alibi, sinks, num_q_heads, num_kv_heads, sm_scale,
-                           soft_cap, window_left, causal};
+__global__ void __launch_bounds__(256, 1) prefill_wgmma_kernel(CUPAGED_PARAMS_Problem) {
+  const Problem<T> P{CUPAGED_FIELDS_Problem};
+  if (item_is_padding(P)) return;
   sm90::prefill_wgmma<T, D, BN, STAGES>(P);
 }
 

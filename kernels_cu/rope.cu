@@ -1,10 +1,13 @@
 // Rotary position embedding of queries and keys in one launch.
 //
-// A token at position p turns rotated pair f of every head by theta[p, f]: (x1, x2) ->
-// (x1 cos - x2 sin, x2 cos + x1 sin). The angles come precomputed as a float32 table
-// [table_len, rotary_dim]: cos(theta[p, 0 .. rd/2)) then sin(theta[p, 0 .. rd/2)) per row.
-// neox style pairs (x[f], x[f + rd/2]); GPT-J style pairs (x[2f], x[2f + 1]).
+// A token at position p turns rotated pair f of every head by theta = p * inv_freq[f]:
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). inv_freq (float64, [rotary_dim / 2]) holds
+// the base's frequencies with the scaling folded in (rope.py); the angle is formed and
+// reduced modulo 2 pi in float64, so that large positions keep their precision, and its
+// cosine and sine taken in float32. neox style pairs (x[f], x[f + rd/2]); GPT-J style
+// pairs (x[2f], x[2f + 1]).
 #include "common.cuh"
+#include "abi.cuh"
 
 namespace cupaged {
 
@@ -29,22 +32,16 @@ __device__ __forceinline__ void store_vec(T* p, const float* in) {
   }
 }
 
-// Load K consecutive floats of the angle table; float4/float2 accesses when K allows (the
-// host picks vector specialisations only where those are aligned).
+// cos and sin of the angles of pairs f0 .. f0 + K - 1 at position pos.
 template <int K>
-__device__ __forceinline__ void load_floats(const float* __restrict__ p, float* out) {
-  if constexpr (K % 4 == 0) {
+__device__ __forceinline__ void angles(const double* __restrict__ inv_freq, i64 pos, int f0,
+                                       float* c, float* s) {
+  constexpr double TWO_PI = 6.283185307179586;
 #pragma unroll
-    for (int i = 0; i < K; i += 4) {
-      float4 v = __ldg(reinterpret_cast<const float4*>(p + i));
-      out[i] = v.x; out[i + 1] = v.y; out[i + 2] = v.z; out[i + 3] = v.w;
-    }
-  } else if constexpr (K == 2) {
-    float2 v = __ldg(reinterpret_cast<const float2*>(p));
-    out[0] = v.x; out[1] = v.y;
-  } else {
-#pragma unroll
-    for (int i = 0; i < K; ++i) out[i] = __ldg(p + i);
+  for (int i = 0; i < K; ++i) {
+    const double theta = (double)pos * __ldg(inv_freq + f0 + i);
+    const float r = (float)(theta - rint(theta * (1.0 / TWO_PI)) * TWO_PI);
+    sincosf(r, &s[i], &c[i]);
   }
 }
 
@@ -52,17 +49,15 @@ __device__ __forceinline__ void load_floats(const float* __restrict__ p, float* 
 // block: 256 threads.
 // Each thread owns one unit of one head of one token, VEC elements wide:
 //  - a rotated unit: neox - VEC elements of the first half and the VEC matching elements of
-//    the second half; GPT-J - VEC consecutive elements holding VEC/2 pairs. It reads the
-//    token's cos/sin for those pairs from the table and writes the rotated values;
+//    the second half; GPT-J - VEC consecutive elements holding VEC/2 pairs. It forms the
+//    token's angles for those pairs and writes the rotated values;
 //  - a pass unit: VEC elements of [rotary_dim, head_dim), copied (none when in place).
-// Heads [0, q_heads) are query heads, the rest key heads. In and out may alias (in place):
-// every element is read and written by the same thread.
+// Heads [0, q_heads) are query heads, the rest key heads; token t's rows start at t * q_tok
+// (k_tok; q_out, k_out: qo_tok, ko_tok), heads head_dim apart. In and out may alias (in
+// place): every element is read and written by the same thread. A position outside
+// [0, max_positions) (max_positions < 0: no bound) is reported and its rows written as zeros.
 template <typename T, bool NEOX, int VEC>
-__global__ void __launch_bounds__(256)
-rope_kernel(const void* __restrict__ positions, int positions_are_64bit,
-            const float* __restrict__ table, const T* q, const T* k, T* q_out, T* k_out,
-            i64 num_tokens, int q_heads, int k_heads, int head_dim, int rotary_dim,
-            int rot_units, int pass_units) {
+__global__ void __launch_bounds__(256) rope_kernel(CUPAGED_PARAMS_RopeArgs) {
   constexpr int PAIRS = NEOX ? VEC : VEC / 2;  // rotated pairs per rotated unit
   const int units = rot_units + pass_units;
   const i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -75,27 +70,34 @@ rope_kernel(const void* __restrict__ positions, int positions_are_64bit,
 
   // -- locate this head's row --
   const bool is_q = head < q_heads;
-  const i64 row = is_q ? (token * q_heads + head) * head_dim
-                       : (token * k_heads + (head - q_heads)) * head_dim;
-  const T* src = (is_q ? q : k) + row;
-  T* dst = (is_q ? q_out : k_out) + row;
+  const int h = is_q ? head : head - q_heads;
+  const T* src = (is_q ? q + token * q_tok : k + token * k_tok) + (i64)h * head_dim;
+  T* dst = (is_q ? q_out + token * qo_tok : k_out + token * ko_tok) + (i64)h * head_dim;
+  const i64 pos = positions_are_64bit ? static_cast<const i64*>(positions)[token]
+                                      : static_cast<i64>(static_cast<const int*>(positions)[token]);
+  const bool bad = pos < 0 || (max_positions >= 0 && pos >= max_positions);
+  if (bad && rem == 0)
+    report_error(err, error_code(ARG_POSITIONS, CHECK_RANGE), token, -1, pos, max_positions);
 
   if (unit >= rot_units) {  // -- pass-through copy --
     const int off = rotary_dim + (unit - rot_units) * VEC;
     float v[VEC];
     load_vec<T, VEC>(src + off, v);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = bad ? 0.f : v[i];
     store_vec<T, VEC>(dst + off, v);
     return;
   }
 
-  // -- this unit's cos / sin --
-  const i64 pos = positions_are_64bit ? static_cast<const i64*>(positions)[token]
-                                      : static_cast<i64>(static_cast<const int*>(positions)[token]);
+  // -- this unit's cos / sin (zeros for a bad position: its rotated elements become 0) --
   const int f0 = unit * PAIRS;
-  const float* cs = table + pos * rotary_dim;
   float c[PAIRS], s[PAIRS];
-  load_floats<PAIRS>(cs + f0, c);
-  load_floats<PAIRS>(cs + rotary_dim / 2 + f0, s);
+  angles<PAIRS>(inv_freq, bad ? 0 : pos, f0, c, s);
+#pragma unroll
+  for (int i = 0; i < PAIRS; ++i) {
+    c[i] = bad ? 0.f : c[i];
+    s[i] = bad ? 0.f : s[i];
+  }
 
   // -- rotate --
   if constexpr (NEOX) {

@@ -192,7 +192,7 @@ __device__ __forceinline__ void sparse_mma(const SparseProblem<T>& P) {
   if (threadIdx.x == 0) st.init(P, b, h, t0);
 
   // -- prologue: Q and the descriptors of the last two tiles; then all of the last tile --
-  load_q_tile<T, D, C>(P.q, P.num_q_heads, rows, sQ);
+  load_q_tile<T, D, C>(P.q, (i64)P.num_q_heads * D, rows, sQ);
   if ((int)threadIdx.x < min(2, n_tiles)) {
     const int i = n_tiles - 1 - threadIdx.x;
     cp_async8(&st.desc[i % 3], P.tiles + t0 + i);

@@ -471,13 +471,45 @@ def test_decoder_graph_capture_and_replay(rng, cp):
     q2_dev = cp.asarray(q2)
     cp.cuda.Device().synchronize()
     with stream:
-        dec.plan(case["block_tables"], lens2)
+        dec.plan(case["block_tables"], lens2, planner="host")  # a plan of the same kind
         q_buf[...] = q2_dev
         out.fill(np.nan)
         lse.fill(np.nan)
         graph.launch()
         stream.synchronize()
     (want, want_lse), _ = oracle({**case, "q": q2, "seq_lens": lens2}, "NHD", sinks=sinks)
+    assert_matches(out.get(), lse.get(), want, want_lse, bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tables_on", ["host", "device"])
+def test_device_planned_graph_follows_new_plans(rng, cp, tables_on):
+    """A captured run of a device plan cuts the pieces at each replay: replayed after a
+    plan of new lengths (and new tables) it matches the reference for those."""
+    hq, hk, d, bs = 32, 8, 128, 16
+    lens1, lens2 = np.array([300, 17, 4000, 64], np.int32), np.array([4100, 0, 513, 2], np.int32)
+    case = make_case(rng, lens=np.maximum(lens1, lens2), hq=hq, hk=hk, d=d, bs=bs, dtype=bfloat16)
+    dev = to_device(cp, case)
+    put = (lambda a: a) if tables_on == "host" else cp.asarray
+    dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, max_batch=4, xp=cp)
+    q_buf = cp.asarray(case["q"])
+    out = cp.empty(case["q"].shape, bfloat16)
+    lse = cp.empty(case["q"].shape[:2], np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with stream:
+        dec.plan(put(case["block_tables"]), put(lens1))
+        dec.run(q_buf, dev["k_cache"], dev["v_cache"], out=out, lse=lse)
+        stream.synchronize()
+        stream.begin_capture()
+        dec.run(q_buf, dev["k_cache"], dev["v_cache"], out=out, lse=lse)
+        graph = stream.end_capture()
+        dec.plan(put(case["block_tables"]), put(lens2))
+        out.fill(np.nan)
+        lse.fill(np.nan)
+        graph.launch()
+        stream.synchronize()
+    (want, want_lse), _ = oracle({**case, "seq_lens": lens2}, "NHD")
     assert_matches(out.get(), lse.get(), want, want_lse, bfloat16)
 
 
@@ -531,8 +563,8 @@ def test_decoder_schedules_and_merges(rng, cp, monkeypatch, schedule, merge, dty
     opts = features(rng, hq, feats)
     (want, want_lse), _ = oracle(case, "NHD", **opts)
     dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, max_batch=150,
-                               window_left=opts.pop("window_left", -1))
-    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]), schedule=schedule,
+                               window_left=opts.pop("window_left", -1), xp=cp)
+    dec.plan(case["block_tables"], case["seq_lens"], schedule=schedule, planner="host",
              merge=merge, num_splits=3 if schedule == "split" else None)
     assert dec.num_splits > 1
     feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
@@ -555,8 +587,8 @@ def test_short_batches_stay_whole(rng, cp, kv_path):
     case = make_case(rng, lens=lens, hq=16, hk=4, d=128, bs=16, dtype=bfloat16)
     opts = features(rng, 16, ("sinks", "alibi"))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
-    dec = cupaged.PagedDecoder(16, 4, 128, 16, dtype=bfloat16, max_batch=500, kv_path=kv_path)
-    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]))
+    dec = cupaged.PagedDecoder(16, 4, 128, 16, dtype=bfloat16, max_batch=500, kv_path=kv_path, xp=cp)
+    dec.plan(case["block_tables"], case["seq_lens"], planner="host")
     assert dec.num_splits == 1 and dec._step.work.num_slots == 0
     got = decoder_run(cp, case, dec, {n: cp.asarray(a) for n, a in opts.items()}, bfloat16)
     assert_matches(*got, want, want_lse, bfloat16)
@@ -592,8 +624,8 @@ def test_kernel_merge_splits_heads_over_warps(rng, cp, kv_path, lens):
     opts = features(rng, 32, ("sinks",))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
     dec = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=len(lens),
-                               kv_path=kv_path)
-    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]), merge="kernel")
+                               kv_path=kv_path, xp=cp)
+    dec.plan(case["block_tables"], case["seq_lens"], merge="kernel", planner="host")
     wph = dp.merge_launch(dec._step.device.launch, len(lens))[2]
     assert (wph > 1 and dec.num_splits > 16) or len(lens) == 9  # B9: 1 or 2 a head
     got = decoder_run(cp, case, dec, {"sinks": cp.asarray(opts["sinks"])}, bfloat16)
@@ -607,8 +639,8 @@ def test_many_heads_default_to_the_kernel_merge(rng, cp):
     case = make_case(rng, lens=[20000, 5, 0], hq=32, hk=1, d=128, bs=16, dtype=bfloat16)
     opts = features(rng, 32, ("sinks",))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
-    dec = cupaged.PagedDecoder(32, 1, 128, 16, dtype=bfloat16, max_batch=3)
-    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]))
+    dec = cupaged.PagedDecoder(32, 1, 128, 16, dtype=bfloat16, max_batch=3, xp=cp)
+    dec.plan(case["block_tables"], case["seq_lens"], planner="host")
     assert dec.merge == "kernel" and dec.num_splits > 8
     got = decoder_run(cp, case, dec, {"sinks": cp.asarray(opts["sinks"])}, bfloat16)
     assert_matches(*got, want, want_lse, bfloat16)
@@ -704,8 +736,8 @@ def test_pages_kernel_splits_and_merges(rng, cp, merge, hq, hk):
                      dtype=bfloat16)
     opts = features(rng, hq, ("sinks",))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
-    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=60, kv_path="pages")
-    dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]), merge=merge)
+    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=60, kv_path="pages", xp=cp)
+    dec.plan(case["block_tables"], case["seq_lens"], merge=merge, planner="host")
     assert dec.kv_path == "pages" and dec.num_splits > 1
     feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
     first = decoder_run(cp, case, dec, feats_dev, bfloat16)
@@ -753,14 +785,15 @@ def test_pool_pieces(rng, cp, monkeypatch, kv_path, hq, hk, merge):
     opts = features(rng, hq, ("sinks",))
     feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
     dev = to_device(cp, case)
-    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=24, kv_path=kv_path)
+    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=24, kv_path=kv_path,
+                               xp=cp)
     q = cp.asarray(case["q"])
     out = cp.empty(case["q"].shape, bfloat16)
     lse = cp.empty(case["q"].shape[:2], np.float32)
     stream = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
     with stream:
-        dec.plan(dev["block_tables"], dev["seq_lens"], merge=merge)
+        dec.plan(case["block_tables"], case["seq_lens"], merge=merge, planner="host")
         assert dec._step.work.pool_pieces > 0  # the case is long enough for a pool
         for _ in range(2):
             out.fill(np.nan)
@@ -773,7 +806,7 @@ def test_pool_pieces(rng, cp, monkeypatch, kv_path, hq, hk, merge):
         dec.run(q, dev["k_cache"], dev["v_cache"], out=out, lse=lse, **feats_dev)
         graph = stream.end_capture()
         lens2 = (lens - rng.integers(0, 1000, 24)).astype(np.int32)
-        dec.plan(dev["block_tables"], cp.asarray(lens2), merge=merge)
+        dec.plan(case["block_tables"], lens2, merge=merge, planner="host")
         assert dec._step.work.pool_pieces > 0
         out.fill(np.nan)
         lse.fill(np.nan)

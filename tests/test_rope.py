@@ -223,17 +223,18 @@ def test_gpu_inplace_flattened_misaligned(rng, cp):
 
 
 @pytest.mark.gpu
-def test_gpu_table_is_cached_and_grows(cp, rng):
+def test_gpu_frequencies_are_cached_and_large_positions_exact(cp, rng):
+    """The kernel forms angles from float64 frequencies (kept per device and setting), so
+    positions far past any table (a million) rotate as precisely as small ones."""
     from cupaged import rope as mod
-    q, k = cp.asarray(rand(rng, (2, 1, 64), np.float32)), cp.asarray(rand(rng, (2, 1, 64), np.float32))
+    q, k = cp.asarray(rand(rng, (3, 1, 64), np.float32)), cp.asarray(rand(rng, (3, 1, 64), np.float32))
     kw = dict(base=12345.0)
-    cupaged.apply_rope(cp.asarray([1, 5], dtype=cp.int32), q, k, **kw)
-    key = [key for key in mod._TABLES if key[1] == 12345.0]
-    assert len(key) == 1 and mod._TABLES[key[0]].shape == (4096, 64)
-    first = mod._TABLES[key[0]]
-    cupaged.apply_rope(cp.asarray([7, 4095], dtype=cp.int32), q, k, **kw)
-    assert mod._TABLES[key[0]] is first
-    got_q, _ = cupaged.apply_rope(cp.asarray([5000, 9], dtype=cp.int32), q, k, **kw)
-    assert mod._TABLES[key[0]].shape == (8192, 64)
-    want_q, _ = ref.apply_rope(np.array([5000, 9]), q.get(), k.get(), base=12345.0)
+    cupaged.apply_rope(cp.asarray([1, 5, 9], dtype=cp.int32), q, k, **kw)
+    keys = [key for key in mod._FREQUENCIES if key[1] == 12345.0]
+    assert len(keys) == 1 and mod._FREQUENCIES[keys[0]].dtype == np.float64
+    first = mod._FREQUENCIES[keys[0]]
+    pos = np.array([5000, 9, 1_000_003], np.int64)
+    got_q, _ = cupaged.apply_rope(cp.asarray(pos), q, k, **kw)
+    assert mod._FREQUENCIES[keys[0]] is first
+    want_q, _ = ref.apply_rope(pos, q.get(), k.get(), base=12345.0)
     assert_close(got_q.get(), want_q, np.float32)

@@ -121,7 +121,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     out = cupy.empty_like(q)
     dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, layout=layout,
                               max_batch=batch, xp=cupy, kv_path=kv_path)
-    dec.plan(tables, lens, schedule=variant[0], merge=variant[1])
+    dec.plan(tables, lens, schedule=variant[0], merge=variant[1], planner="host")
     variant = (variant[0] or "balanced", dec.merge)
     cupy.cuda.Device().synchronize()
     seconds = _graph_time(lambda kv: dec.run(q, *kv, out=out), sets)

@@ -163,8 +163,8 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
         raise ValueError("cu_seqlens_q, cu_seqlens_k: expected both or neither, got one")
     batched = cu_seqlens_q is not None
     if batched:
-        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0])
-        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, xp, total=k.shape[0])
+        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0], padding=False)
+        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, xp, total=k.shape[0], padding=False)
         if len(cu_k) != len(cu_q):
             raise ValueError(f"cu_seqlens_k: expected {len(cu_q)} entries like cu_seqlens_q, "
                              f"got {len(cu_k)}")
@@ -236,7 +236,7 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
         raise TypeError(f"k_cache: expected dtype {q.dtype} and head size {d} like q, "
                         f"got {k_cache.dtype} and {geo.head_dim}")
     check_gqa(hq, geo.num_kv_heads, "k_cache")
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0])
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0], padding=False)
     _, kv_host = check_block_tables(block_tables, seq_lens, geo, xp, batch=len(cu_q) - 1)
     q_lens, kv_lens = np.diff(cu_q.astype(np.int64)), kv_host.astype(np.int64)
     _check_not_longer(q_lens, kv_lens)

@@ -1,0 +1,102 @@
+"""Device facts and device memory the ops keep between calls.
+
+- :func:`current` - the current device's id, compute capability and multiprocessor count
+  (read once per device).
+- :func:`scratch` - per-stream buffers an op reuses from call to call (a device plan's
+  work list, split-KV partial rows, counters its kernels re-arm). Calls on one stream run
+  in order, so they can share; calls on another stream get their own. A buffer that has
+  to grow is replaced, and the old one is kept alive (a CUDA graph captured earlier may
+  still point at it).
+- :class:`Uploader` - host-to-device copies of host plans through pinned staging memory,
+  so that an upload never waits for the device.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+
+class DeviceFacts(NamedTuple):
+    id: int
+    compute_capability: str  # "90"
+    sms: int
+
+
+@functools.lru_cache(maxsize=None)
+def _facts(device_id):
+    import cupy
+    dev = cupy.cuda.Device(device_id)
+    return DeviceFacts(device_id, dev.compute_capability, dev.attributes["MultiProcessorCount"])
+
+
+def current():
+    """Facts of CuPy's current device."""
+    import cupy
+    return _facts(cupy.cuda.runtime.getDevice())
+
+
+_SCRATCH = {}
+_RETIRED = []  # replaced buffers, kept for graphs that captured them
+
+
+def scratch(name, size, dtype=np.int32, zero=False):
+    """A device array of at least ``size`` elements of ``dtype`` for op ``name`` on the
+    current stream, kept for later calls.
+
+    Parameters
+    ----------
+    name : str
+        The use (one buffer per name, device and stream).
+    size : int
+        Elements needed now.
+    zero : bool
+        Zero-filled when (re)allocated: counters the kernels re-arm to zero after use.
+    """
+    import cupy
+    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, name)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.size < size:
+        if buf is not None:
+            _RETIRED.append(buf)
+        n = max(int(size), 2 * buf.size if buf is not None else 0, 1)
+        buf = cupy.zeros(n, dtype) if zero else cupy.empty(n, dtype)
+        _SCRATCH[key] = buf
+    return buf
+
+
+class Uploader:
+    """Copies host arrays into device buffers on the current stream without waiting.
+
+    Each upload goes through a slot of a ring of pinned host buffers: the host image is
+    written there and copied asynchronously; a slot is reused only after the copy that last
+    read it has run (an event), which waits only when ``slots`` uploads are still queued.
+    """
+
+    def __init__(self, slots=4):
+        self._slots = [None] * slots
+        self._events = [None] * slots
+        self._next = 0
+
+    def upload(self, dst, host):
+        """Copy the host array ``host`` into the start of device array ``dst``."""
+        import cupy
+        import cupyx
+        n = host.nbytes
+        if n == 0:
+            return
+        i = self._next
+        self._next = (i + 1) % len(self._slots)
+        if self._events[i] is not None:
+            self._events[i].synchronize()  # its last copy has been read (normally long ago)
+        buf = self._slots[i]
+        if buf is None or buf.nbytes < n:
+            buf = self._slots[i] = cupyx.empty_pinned(max(n, 4096), np.uint8)
+        buf[:n] = host.view(np.uint8).ravel()
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, buf.ctypes.data, n,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        event = self._events[i] or cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        self._events[i] = event

@@ -1,0 +1,171 @@
+"""The kernels' application binary interface, in one place: the argument struct of every
+kernel family (:class:`cupaged._launch.Record`), the device error word's codes, and the
+constants both sides use. ``kernels_cu`` sources ``#include "abi.cuh"``, which
+``cupaged._compile`` generates from this module (:func:`header`), so a field or a constant
+changes here and nowhere else.
+"""
+from __future__ import annotations
+
+from ._launch import Record
+
+NULL = 0
+
+# ----------------------------------------------------------------------------- device errors
+# Index arrays that live on the device are checked by the kernels that read them. The first
+# bad entry found is recorded in the device's error word (cupaged.errors), as
+# (code, row, column, value, bound): code = argument << 4 | check.
+ERROR_ARGUMENTS = ("block_tables", "seq_lens", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping",
+                   "positions", "block_mapping")
+ERROR_CHECKS = ("range", "order", "start", "end", "table")
+ERROR_WORDS = 8  # int64 words of the error record (5 used)
+
+
+def error_code(argument, check):
+    """The code of a bad entry of ``argument`` failing ``check`` (names above)."""
+    return (ERROR_ARGUMENTS.index(argument) + 1) << 4 | (ERROR_CHECKS.index(check) + 1)
+
+
+def decode_error(code):
+    """``(argument, check)`` of an error code."""
+    return ERROR_ARGUMENTS[(code >> 4) - 1], ERROR_CHECKS[(code & 15) - 1]
+
+
+# ----------------------------------------------------------------------------- decode
+DECODE = Record("DecodeArgs", [
+    ("const T* __restrict__", "q"), ("T* __restrict__", "out"),
+    ("float* __restrict__", "lse", NULL), ("float* __restrict__", "part_out", NULL),
+    ("float* __restrict__", "part_lse", NULL), ("int* __restrict__", "counters", NULL),
+    ("int* __restrict__", "pool_ctr", NULL), ("const int4* __restrict__", "work"),
+    ("const T* __restrict__", "k_cache"), ("const T* __restrict__", "v_cache"),
+    ("const int* __restrict__", "block_tables"),
+    ("const float* __restrict__", "alibi_slopes", NULL),
+    ("const float* __restrict__", "sinks", NULL),
+    ("int", "kbs"), ("int", "khs"), ("int", "kts"), ("int", "kcs"), ("int", "vbs"),
+    ("int", "vhs"), ("int", "vts"), ("int", "vcs"), ("int", "ves"), ("int", "block_size"),
+    ("unsigned", "block_magic"), ("int", "block_shift"), ("int", "bt_stride"),
+    ("int", "q_stride"), ("int", "num_q_heads"), ("int", "num_kv_heads"),
+    ("int", "head_warps"), ("int", "head_chunks"), ("int", "window_left"),
+    ("int", "fused_merge"), ("float", "scale_log2"), ("float", "sm_scale"),
+    ("float", "soft_cap"),
+], template="typename T")
+
+APPEND = Record("AppendArgs", [
+    ("const T* __restrict__", "k_new"), ("const T* __restrict__", "v_new"),
+    ("T* __restrict__", "k_cache"), ("T* __restrict__", "v_cache"),
+    ("const int* __restrict__", "block_tables"), ("const int* __restrict__", "seq_lens"),
+    ("int", "bt_stride"), ("int", "block_size"), ("int", "num_kv_heads"), ("int", "head_dim"),
+    ("int", "k_new_stride"), ("int", "v_new_stride"),
+    ("int", "kbs"), ("int", "khs"), ("int", "kts"), ("int", "kcs"), ("int", "vbs"),
+    ("int", "vhs"), ("int", "vts"), ("int", "vcs"), ("int", "ves"),
+], template="typename T")
+
+MERGE_PIECES = Record("MergePiecesArgs", [
+    ("const float* __restrict__", "part_out"), ("const float* __restrict__", "part_lse"),
+    ("const int* __restrict__", "seq_info"), ("const float* __restrict__", "sinks", NULL),
+    ("TO* __restrict__", "out"), ("float* __restrict__", "lse", NULL),
+    ("int", "num_q_heads"), ("int", "num_kv_heads"), ("int", "head_chunks"), ("int", "hpc"),
+    ("int", "dim"), ("int", "wph"),
+], template="typename TO")
+
+MERGE_STATES = Record("MergeStatesArgs", [
+    ("const TI* __restrict__", "o_first"), ("const TI* __restrict__", "o_rest"),
+    ("const float* __restrict__", "l_first"), ("const float* __restrict__", "l_rest"),
+    ("const float* __restrict__", "sinks", NULL), ("TO* __restrict__", "out"),
+    ("float* __restrict__", "lse_out", NULL),
+    ("i64", "o_part_stride"), ("i64", "o_row_stride"), ("i64", "l_part_stride"),
+    ("i64", "l_row_stride"),
+    ("int", "num_parts"), ("int", "num_rows"), ("int", "num_heads"), ("int", "dim"),
+], template="typename TI, typename TO")
+
+# The device plan of a decode step (kernels_cu/plan.cu): block tables and lengths checked,
+# the "balanced" pieces of decode_plan.balanced_pieces written as decode_plan.pack_work does.
+DECODE_PLAN = Record("DecodePlanArgs", [
+    ("const int* __restrict__", "block_tables"), ("const int* __restrict__", "seq_lens"),
+    ("int* __restrict__", "work"), ("int* __restrict__", "seq_info"),
+    ("int* __restrict__", "lens_out"), ("int* __restrict__", "scratch"),
+    ("int* __restrict__", "done"), ("long long* __restrict__", "err", NULL),
+    ("int", "batch"), ("int", "width"), ("int", "bt_stride"), ("int", "block_size"),
+    ("int", "num_blocks"), ("int", "append"), ("int", "window_left"), ("int", "tile"),
+    ("int", "columns"), ("int", "min_piece"), ("int", "piece_num"), ("int", "piece_den"),
+])
+
+# ----------------------------------------------------------------------------- prefill
+# Element (key j, dim d) of K sits at blk * k_block + hk * k_head + (d / X) * k_chunk + d % X
+# + off * k_tok, of V at blk * v_block + hk * v_head + d * v_dim + off * v_tok; query row t
+# of head h at t * q_tok + h * D.
+PREFILL = Record("Problem", [
+    ("const T* __restrict__", "q"), ("const T* __restrict__", "k"),
+    ("const T* __restrict__", "v"), ("T* __restrict__", "out"),
+    ("float* __restrict__", "lse", NULL), ("const int4* __restrict__", "work"),
+    ("const int* __restrict__", "cu_q"), ("const int* __restrict__", "kv_info"),
+    ("const int* __restrict__", "block_tables", NULL),
+    ("int", "max_blocks"), ("int", "block_size"), ("int", "paged"),
+    ("i64", "k_block"), ("i64", "k_head"), ("i64", "k_chunk"), ("i64", "k_tok"),
+    ("i64", "v_block"), ("i64", "v_head"), ("i64", "v_dim"), ("i64", "v_tok"),
+    ("const float* __restrict__", "alibi", NULL), ("const float* __restrict__", "sinks", NULL),
+    ("int", "num_q_heads"), ("int", "num_kv_heads"), ("float", "sm_scale"),
+    ("float", "soft_cap"), ("int", "window_left"), ("int", "causal"), ("i64", "q_tok"),
+], template="typename T")
+
+# The device work list of a prefill launch (kernels_cu/plan.cu), as prefill_plan.work_list.
+PREFILL_PLAN = Record("PrefillPlanArgs", [
+    ("const int* __restrict__", "cu_q"), ("const int* __restrict__", "kv_info"),
+    ("const int* __restrict__", "block_tables", NULL), ("int4* __restrict__", "work"),
+    ("int* __restrict__", "scratch"), ("int* __restrict__", "done"),
+    ("long long* __restrict__", "err", NULL), ("unsigned char* __restrict__", "out"),
+    ("float* __restrict__", "lse", NULL), ("i64", "row_bytes"),
+    ("int", "batch"), ("int", "total_q"), ("int", "total_k"), ("int", "paged"),
+    ("int", "width"), ("int", "bt_stride"), ("int", "block_size"), ("int", "num_blocks"),
+    ("int", "group"), ("int", "num_kv_heads"), ("int", "num_q_heads"), ("int", "block_m"),
+    ("int", "block_n"), ("int", "causal"), ("int", "window_left"), ("int", "capacity"),
+])
+
+# ----------------------------------------------------------------------------- cache ops
+# Strides in 16-byte vectors: key[t, h] at t * key_tok + h * key_head, a cache block every
+# k_block (v_block) vectors.
+CACHE_WRITE = Record("CacheWriteArgs", [
+    ("const uint4* __restrict__", "key"), ("const uint4* __restrict__", "value"),
+    ("uint4* __restrict__", "k_cache"), ("void* __restrict__", "v_cache"),
+    ("const i64* __restrict__", "slot_mapping"), ("long long* __restrict__", "err", NULL),
+    ("i64", "num_slots"), ("i64", "k_block"), ("i64", "v_block"),
+    ("int", "num_tokens"), ("int", "tpt_log2"), ("int", "row_vecs"), ("int", "head_vecs"),
+    ("int", "num_kv_heads"), ("int", "block_size"), ("int", "key_tok"), ("int", "key_head"),
+    ("int", "value_tok"), ("int", "value_head"),
+])
+
+COPY_BLOCKS = Record("CopyBlocksArgs", [
+    ("const uint4* __restrict__", "src0"), ("uint4* __restrict__", "dst0"),
+    ("const uint4* __restrict__", "src1", NULL), ("uint4* __restrict__", "dst1", NULL),
+    ("const i64* __restrict__", "pairs"), ("long long* __restrict__", "err", NULL),
+    ("i64", "block_vecs"), ("i64", "num_src"), ("i64", "num_dst"),
+])
+
+# ----------------------------------------------------------------------------- rope
+ROPE = Record("RopeArgs", [
+    ("const void* __restrict__", "positions"), ("const double* __restrict__", "inv_freq"),
+    ("const T*", "q"), ("const T*", "k"), ("T*", "q_out"), ("T*", "k_out"),
+    ("long long* __restrict__", "err", NULL),
+    ("i64", "num_tokens"), ("i64", "max_positions"), ("i64", "q_tok"), ("i64", "k_tok"),
+    ("i64", "qo_tok"), ("i64", "ko_tok"),
+    ("int", "positions_are_64bit"), ("int", "q_heads"), ("int", "k_heads"), ("int", "head_dim"),
+    ("int", "rotary_dim"), ("int", "rot_units"), ("int", "pass_units"),
+], template="typename T")
+
+RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_PLAN,
+           CACHE_WRITE, COPY_BLOCKS, ROPE)
+
+
+def header():
+    """Text of ``abi.cuh``: the error codes and every record's struct."""
+    lines = ["// Generated by cupaged/abi.py: kernel argument structs and error codes.",
+             "#pragma once", "namespace cupaged {", "typedef long long i64;"]
+    for i, name in enumerate(ERROR_ARGUMENTS):
+        lines.append(f"constexpr int ARG_{name.upper()} = {i + 1};")
+    for i, name in enumerate(ERROR_CHECKS):
+        lines.append(f"constexpr int CHECK_{name.upper()} = {i + 1};")
+    lines.append("__host__ __device__ constexpr int error_code(int argument, int check) "
+                 "{ return argument << 4 | check; }")
+    lines.append(f"constexpr int ERROR_WORDS = {ERROR_WORDS};")
+    lines += [r.cpp() for r in RECORDS]
+    lines.append("}  // namespace cupaged")
+    return "\n".join(lines) + "\n"

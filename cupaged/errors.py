@@ -1,0 +1,94 @@
+"""Bad device index entries, found by the kernels, and strict mode.
+
+Index arrays that live on the device (block tables, lengths, ``cu_seqlens``, slot
+mappings, positions, block mappings) are not read by the host in a default call: that
+would wait for the device on every layer. The kernels check every entry they use; a bad
+one is never followed (nothing outside an array is read or written, whatever it holds),
+the rows it concerns come out as zeros, and the first bad entry is recorded in the
+device's error word. :func:`check_errors` raises it as a :class:`DeviceIndexError` (a
+``ValueError``) naming the argument, the entry and its value.
+
+Strict mode (``CUPAGED_STRICT=1`` in the environment, or ``validate=True`` on a call or a
+plan) checks device index contents on the host before anything runs, as for host arrays:
+one device-to-host copy per call, and a ``ValueError`` with nothing changed.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .abi import ERROR_WORDS, decode_error
+
+__all__ = ["DeviceIndexError", "check_errors", "error_word", "strict"]
+
+_WORDS = {}  # device id -> int64 [ERROR_WORDS] on that device
+
+
+class DeviceIndexError(ValueError):
+    """A bad entry of a device index array, found by a kernel."""
+
+
+def strict(validate=None):
+    """Whether a call checks device index contents on the host: ``validate`` when given,
+    else the ``CUPAGED_STRICT`` environment variable (``1``: on)."""
+    if validate is not None:
+        return bool(validate)
+    return os.environ.get("CUPAGED_STRICT", "0") not in ("", "0")
+
+
+def error_word():
+    """The current device's error word (int64 ``[ERROR_WORDS]``), zeroed when first made;
+    kernels that check device indices take its address."""
+    import cupy
+    dev = cupy.cuda.runtime.getDevice()
+    word = _WORDS.get(dev)
+    if word is None:
+        word = cupy.zeros(ERROR_WORDS, np.int64)
+        cupy.cuda.runtime.deviceSynchronize()  # zeroed before any stream's kernel reads it
+        _WORDS[dev] = word
+    return word
+
+
+def message(words):
+    """The ``ValueError`` text of an error record ``(code, row, col, value, bound, ...)``."""
+    code, row, col, value, bound = (int(w) for w in words[:5])
+    argument, check = decode_error(code)
+    where = f"({row}, {col})" if col >= 0 else f"{row}"
+    found = " (found on the device; CUPAGED_STRICT=1 checks on the host before launch)"
+    if check == "range":
+        return f"{argument}: expected entries in [0, {bound}), got {value} at index {where}{found}"
+    if check == "order":
+        return (f"{argument}: expected non-decreasing entries, got {bound} then {value} at "
+                f"index {row}{found}")
+    if check == "start":
+        return f"{argument}: expected {argument}[0] == 0, got {value}{found}"
+    if check == "end":
+        return (f"{argument}: expected entries at most {bound} (the rows of the packed "
+                f"tensor), got {value} at index {row}{found}")
+    return (f"seq_lens: sequence {row} needs {value} tokens, but block_tables holds "
+            f"{bound} per sequence{found}")
+
+
+def check_errors():
+    """Raise the first bad device index entry recorded since the last check, if any.
+
+    Waits for every device that has an error word (this is the one call that does), then
+    clears the word.
+
+    Raises
+    ------
+    DeviceIndexError
+        Naming the argument, the entry's index and value, and the range expected.
+    """
+    if not _WORDS:
+        return
+    import cupy
+    for dev, word in _WORDS.items():
+        with cupy.cuda.Device(dev):
+            cupy.cuda.runtime.deviceSynchronize()
+            words = word.get()
+            if words[0]:
+                word.fill(0)
+                cupy.cuda.runtime.deviceSynchronize()
+                raise DeviceIndexError(message(words))

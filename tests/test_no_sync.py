@@ -1,0 +1,112 @@
+"""No public call waits for the device: with a long spin kernel queued first on the
+caller's stream, every op (and a whole layer step) returns while the spin still runs, for
+CuPy arrays and for torch tensors alike."""
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged._arrays import bfloat16
+
+SPIN_MS = 50
+
+
+def _spin_cycles(cp):
+    return int(SPIN_MS * 1e-3 * cp.cuda.Device().attributes["ClockRate"] * 1e3)
+
+
+_SPIN = r'''
+extern "C" __global__ void spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+}
+'''
+
+
+def assert_no_sync_cupy(cp, call):
+    """``call()`` returns before a spin queued ahead of it on CuPy's current stream ends."""
+    call()  # warm: kernels compiled and loaded, buffers allocated
+    stream = cp.cuda.get_current_stream()
+    stream.synchronize()
+    spin = cp.RawKernel(_SPIN, "spin")
+    spin((1,), (1,), (np.int64(_spin_cycles(cp)),))
+    call()
+    assert not stream.done, "the call waited for the device"
+    stream.synchronize()
+
+
+def assert_no_sync_torch(torch, call):
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_spin_cycles(__import__("cupy")))
+    call()
+    assert not torch.cuda.current_stream().query(), "the call waited for the device"
+    torch.cuda.synchronize()
+
+
+def _paged(rng, xp, lens=(300, 17, 2048, 0, 513), hq=32, hk=8, d=128, bs=16, dtype=bfloat16):
+    lens = np.asarray(lens, np.int32)
+    need = -(-(lens + 1) // bs)
+    nb = int(need.sum()) + 2
+    tables = np.full((len(lens), int(need.max()) + 1), -1, np.int32)
+    ids = rng.permutation(nb).astype(np.int32)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[start:start + n]
+        start += n
+    rnd = lambda *s: xp.asarray(rng.standard_normal(s, np.float32).astype(dtype))
+    q_lens = np.minimum(lens, 3)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return dict(q=rnd(len(lens), hq, d), kc=rnd(nb, bs, hk, d), vc=rnd(nb, bs, hk, d),
+                tables=xp.asarray(tables), lens=xp.asarray(lens), cu=xp.asarray(cu),
+                qp=rnd(int(cu[-1]), hq, d), kn=rnd(len(lens), hk, d),
+                slots=xp.asarray(np.arange(int(cu[-1]), dtype=np.int64)),
+                kv=rnd(int(cu[-1]), hk, d), tables_host=tables, lens_host=lens, cu_host=cu)
+
+
+def _calls(c):
+    """Every public op on the arrays of ``_paged`` (one module's arrays)."""
+    dec_dev = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=8)
+    dec_host = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=8,
+                                    xp=__import__("cupy"))
+    pre = cupaged.PagedPrefiller(32, 8, 128, 16, dtype=bfloat16)
+    pos = c["slots"]
+    return {
+        "paged_decode": lambda: cupaged.paged_decode(c["q"], c["kc"], c["vc"], c["tables"], c["lens"]),
+        "paged_decode_append": lambda: cupaged.paged_decode(
+            c["q"], c["kc"], c["vc"], c["tables"], c["lens"], k_new=c["kn"], v_new=c["kn"]),
+        "paged_attention": lambda: cupaged.paged_attention(c["qp"], c["kc"], c["vc"], c["cu"],
+                                                           c["tables"], c["lens"]),
+        "varlen_prefill": lambda: cupaged.varlen_prefill(c["qp"], c["kv"], c["kv"], c["cu"], c["cu"]),
+        "write_kv_cache": lambda: cupaged.write_kv_cache(c["kv"], c["kv"], c["kc"], c["vc"], c["slots"]),
+        "apply_rope": lambda: cupaged.apply_rope(pos, c["qp"], c["kv"], max_position=8192),
+        "decoder_device_plan_run": lambda: dec_dev.plan(c["tables"], c["lens"]).run(c["q"], c["kc"], c["vc"]),
+        "decoder_host_plan_run": lambda: dec_host.plan(c["tables_host"], c["lens_host"]).run(
+            c["q"], c["kc"], c["vc"]),
+        "prefiller_host_plan_run": lambda: pre.plan(c["cu_host"], c["tables_host"],
+                                                    c["lens_host"]).run(c["qp"], c["kc"], c["vc"]),
+        "prefiller_device_plan_run": lambda: pre.plan(c["cu"], c["tables"], c["lens"]).run(
+            c["qp"], c["kc"], c["vc"]),
+    }
+
+
+NAMES = ["paged_decode", "paged_decode_append", "paged_attention", "varlen_prefill",
+         "write_kv_cache", "apply_rope", "decoder_device_plan_run", "decoder_host_plan_run",
+         "prefiller_host_plan_run", "prefiller_device_plan_run"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_cupy_calls_do_not_sync(rng, cp, name):
+    c = _paged(rng, cp)
+    assert_no_sync_cupy(cp, _calls(c)[name])
+    cupaged.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_calls_do_not_sync(rng, cp, name):
+    torch = pytest.importorskip("torch")
+    c = _paged(rng, cp)
+    t = {n: (torch.from_dlpack(a) if isinstance(a, cp.ndarray) else a) for n, a in c.items()}
+    assert_no_sync_torch(torch, _calls(t)[name])
+    cupaged.check_errors()
