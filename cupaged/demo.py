@@ -397,8 +397,8 @@ class ModelSteps:
         from .layers import AttentionMetadata
         xp = self.xp
         ids, emit = self._inputs(plan, stats.tokens)
-        md = AttentionMetadata(xp.asarray(plan.cu_seqlens_q), xp.asarray(plan.seq_lens),
-                               xp.asarray(plan.block_tables), xp.asarray(plan.slot_mapping))
+        md = AttentionMetadata(plan.cu_seqlens_q, plan.seq_lens, plan.block_tables,
+                               plan.slot_mapping, xp=xp)
         rows = plan.cu_seqlens_q[1:][emit] - 1
         logits = host(self.model.forward(ids, md, self.k, self.v, logits_rows=rows))
         for i, row_logits in zip(emit, logits):

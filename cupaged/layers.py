@@ -18,74 +18,34 @@ import math
 
 import numpy as np
 
-from ._arrays import array_module, check_array, check_head_dim, check_range, host
-from ._checks import check_block_tables, check_cu_seqlens, check_gqa
+from ._arrays import array_module, check_array, check_head_dim, check_range
+from ._checks import check_block_tables, check_gqa
 from .layouts import LAYOUTS, cache_geometry
 from .rope import check_scaling
+from .step import BatchStep
 
 
-
-class AttentionMetadata:
-    """Per-step description of a batch, shared by every layer of the step.
+class AttentionMetadata(BatchStep):
+    """Per-step description of a batch, shared by every layer of the step: a
+    :class:`cupaged.step.BatchStep` (checked and uploaded once; no host sync).
 
     Parameters
     ----------
     cu_seqlens_q : array
         int32 ``[num_seqs + 1]``: sequence ``i`` owns query rows
-        ``[cu_seqlens_q[i], cu_seqlens_q[i + 1])``; ``cu_seqlens_q[-1]`` is the number of
-        valid tokens (the rest of the inputs is padding).
+        ``[cu_seqlens_q[i], cu_seqlens_q[i + 1])``; rows past ``cu_seqlens_q[-1]`` are
+        padding.
     seq_lens : array
         int32 ``[num_seqs]``: keys of each sequence including its new tokens
         (``seq_lens[i] >= q_len_i``).
     block_tables : array
         int32 ``[num_seqs, max_blocks_per_seq]``, -1 padded.
     slot_mapping : array
-        int64 ``[num_valid_tokens]`` (or longer; extra entries are ignored): cache slot of
-        each new token, -1 to skip.
-
-    All four live in the array module of the layer inputs (NumPy or CuPy). Host copies of
-    the lengths are taken once here (one sync on CuPy), not per layer.
+        int64 ``[num_tokens]``: cache slot of each row of the layer inputs, -1 to skip
+        (padding rows).
+    positions, max_query_len, xp, validate
+        As :class:`cupaged.step.BatchStep`.
     """
-
-    def __init__(self, cu_seqlens_q, seq_lens, block_tables, slot_mapping):
-        xp = array_module(cu_seqlens_q, seq_lens, block_tables, slot_mapping)
-        self.cu_host = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp)
-        num_seqs = len(self.cu_host) - 1
-        check_array("seq_lens", seq_lens, shape=(num_seqs,), dtypes=np.int32, xp=xp)
-        check_array("block_tables", block_tables, shape=(num_seqs, None), dtypes=np.int32, xp=xp)
-        check_array("slot_mapping", slot_mapping, ndim=1, dtypes=np.int64, xp=xp)
-        self.seq_lens_host = host(seq_lens).astype(np.int64)
-        short = self.seq_lens_host < np.diff(self.cu_host)
-        if short.any():
-            i = int(np.argmax(short))
-            raise ValueError(f"seq_lens: sequence {i} has {int(self.seq_lens_host[i])} keys, "
-                             f"fewer than its {int(np.diff(self.cu_host)[i])} new tokens")
-        if slot_mapping.shape[0] < self.num_valid_tokens:
-            raise ValueError(f"slot_mapping: expected at least {self.num_valid_tokens} entries, "
-                             f"got {slot_mapping.shape[0]}")
-        self.xp = xp
-        self.cu_seqlens_q, self.seq_lens = cu_seqlens_q, seq_lens
-        self.block_tables, self.slot_mapping = block_tables, slot_mapping
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.cu_host) - 1
-
-    @property
-    def num_valid_tokens(self) -> int:
-        return int(self.cu_host[-1])
-
-    @property
-    def query_lens(self) -> np.ndarray:
-        """Host int64 ``[num_seqs]`` new tokens per sequence."""
-        return np.diff(self.cu_host).astype(np.int64)
-
-    def positions(self):
-        """int32 ``[num_valid_tokens]`` absolute positions ``seq_len - q_len + i`` of the rows."""
-        q_lens = self.query_lens
-        starts = np.repeat(self.seq_lens_host - q_lens - self.cu_host[:-1], q_lens)
-        pos = (np.arange(self.num_valid_tokens) + starts).astype(np.int32)
-        return self.xp.asarray(pos)
 
 
 class PagedAttention:
@@ -141,11 +101,12 @@ class PagedAttention:
             ``[num_tokens, num_heads * head_size]`` (rows past the valid tokens are padding).
         key, value : array
             ``[num_tokens, num_kv_heads * head_size]``; strided slices of a fused qkv are
-            copied to contiguous rows first.
+            taken as they are (no copy).
         key_cache, value_cache : array or None
             Paged caches in ``layout``; None for both skips the cache (prompt-only steps
             whose sequences have no past: ``seq_lens == q_lens``).
         metadata : AttentionMetadata
+            The step (a :class:`cupaged.step.BatchStep`).
 
         Returns
         -------
@@ -159,59 +120,106 @@ class PagedAttention:
         return q, k
 
     def _forward(self, positions, query, key, value, key_cache, value_cache, metadata):
-        xp = array_module(query, key, value, key_cache, value_cache, metadata.cu_seqlens_q)
+        xp = array_module(query, key, value, key_cache, value_cache)
+        if xp is not metadata.xp:
+            raise TypeError(f"query: expected {metadata.xp.__name__} arrays like the metadata, "
+                            f"got {xp.__name__} arrays")
         q, k, v = self._split_heads(query, key, value, xp)
-        n = metadata.num_valid_tokens
-        if n > q.shape[0]:
-            raise ValueError(f"metadata: {n} valid tokens, but query has only {q.shape[0]} rows")
+        t = q.shape[0]
+        if metadata.slot_mapping.shape[0] < t and key_cache is not None:
+            raise ValueError(f"metadata: slot_mapping has {metadata.slot_mapping.shape[0]} "
+                             f"entries, fewer than the {t} rows of query")
+        if metadata.num_valid_tokens is not None and metadata.num_valid_tokens > t:
+            raise ValueError(f"metadata: {metadata.num_valid_tokens} valid tokens, but query has "
+                             f"only {t} rows")
         if positions is not None:
-            check_array("positions", positions, shape=(q.shape[0],), dtypes=(np.int32, np.int64), xp=xp)
+            check_array("positions", positions, shape=(t,), dtypes=(np.int32, np.int64), xp=xp)
         if (key_cache is None) != (value_cache is None):
             raise ValueError("key_cache, value_cache: expected both or neither, got only one")
         if key_cache is not None:
-            self._check_cache(key_cache, value_cache, q.dtype, metadata, xp)
-        elif (metadata.seq_lens_host != metadata.query_lens).any():
+            self._check_cache(key_cache, value_cache, q.dtype, metadata, t)
+        elif metadata.host is not None and (metadata.host["seq_lens"]
+                                            != np.diff(metadata.host["cu_seqlens_q"])).any():
             raise ValueError("key_cache: None is only possible when every sequence is all new "
                              "(seq_lens == query lengths)")
-        out = xp.zeros_like(q)
-        if n:
-            q, k, v = q[:n], k[:n], v[:n]
-            if positions is not None:
-                q, k = self._rotate(positions[:n], q, k)
-            self._attend(q, k, v, key_cache, value_cache, metadata, xp, out[:n])
-        return out.reshape(query.shape[0], self.num_heads * self.head_size)
+        if positions is not None:
+            q, k = self._rotate(positions, q, k)
+        return self._attend(q, k, v, key_cache, value_cache, metadata, xp).reshape(
+            t, self.num_heads * self.head_size)
 
     def _split_heads(self, query, key, value, xp):
+        """``[T, H * D]`` rows as ``[T, H, D]`` views (strided rows kept: no copy)."""
         views = []
         for name, x, heads in (("query", query, self.num_heads), ("key", key, self.num_kv_heads),
                                ("value", value, self.num_kv_heads)):
             check_array(name, x, shape=(query.shape[0], heads * self.head_size), contiguous=False)
-            views.append(xp.ascontiguousarray(x).reshape(x.shape[0], heads, self.head_size))
+            if x.shape[1] > 1 and x.strides[1] != x.itemsize:
+                raise ValueError(f"{name}: expected a contiguous last dimension, got strides "
+                                 f"{x.strides}")
+            views.append(xp.lib.stride_tricks.as_strided(
+                x, (x.shape[0], heads, self.head_size),
+                (x.strides[0], self.head_size * x.itemsize, x.itemsize)))
         return views
 
-    def _check_cache(self, key_cache, value_cache, dtype, metadata, xp):
+    def _check_cache(self, key_cache, value_cache, dtype, metadata, rows):
+        """The caches against the layer, and host metadata against the caches (block ids,
+        lengths, slots: before anything is written)."""
         geo = cache_geometry(key_cache, value_cache, self.layout)
         if (geo.num_kv_heads, geo.head_dim) != (self.num_kv_heads, self.head_size):
             raise ValueError(f"key_cache: expected {self.num_kv_heads} kv heads of size "
                              f"{self.head_size}, got {geo.num_kv_heads} of {geo.head_dim}")
         if key_cache.dtype != dtype:
             raise TypeError(f"key_cache: expected dtype {dtype} like query, got {key_cache.dtype}")
-        check_block_tables(metadata.block_tables, metadata.seq_lens, geo, xp)
-        slots = host(metadata.slot_mapping[:metadata.num_valid_tokens])
-        check_range("slot_mapping", slots, 0, geo.num_blocks * geo.block_size, allow=(-1,))
+        h = metadata.host
+        if h is not None:
+            check_block_tables(h["block_tables"], h["seq_lens"], geo, np)
+            check_range("slot_mapping", h["slot_mapping"][:rows], 0,
+                        geo.num_blocks * geo.block_size, allow=(-1,))
+        return geo
 
-    def _attend(self, q, k, v, key_cache, value_cache, metadata, xp, out):
-        from .prefill import paged_attention, varlen_prefill
-        opts = dict(causal=True, sm_scale=self.scale, window_left=self.window_left,
-                    alibi_slopes=self.alibi_slopes(xp), out=out)
+    def _attend(self, q, k, v, key_cache, value_cache, metadata, xp):
+        """Cache write then attention of every row: the step's decode plan (one query a
+        sequence) or its prefill plan, made at the first layer of the step; padding rows
+        come out as zeros."""
+        from .cache_ops import write_kv_cache
+        from .decode import PagedDecoder
+        from .prefill import PagedPrefiller, varlen_prefill
         if key_cache is None:
             cu = metadata.cu_seqlens_q
-            return varlen_prefill(q, k, v, cu, cu, **opts)
-        from .cache_ops import write_kv_cache
+            return varlen_prefill(q, k, v, cu, cu, causal=True, sm_scale=self.scale,
+                                  window_left=self.window_left,
+                                  alibi_slopes=self.alibi_slopes(xp))
         write_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping[:q.shape[0]],
                        layout=self.layout)
-        return paged_attention(q, key_cache, value_cache, metadata.cu_seqlens_q,
-                               metadata.block_tables, metadata.seq_lens, layout=self.layout, **opts)
+        geo = cache_geometry(key_cache, value_cache, self.layout)
+        key = (self.num_heads, self.num_kv_heads, self.head_size, geo.block_size, q.dtype,
+               self.layout, self.window_left, self.scale, metadata.is_decode)
+        src = metadata.host if metadata.host is not None else dict(
+            cu_seqlens_q=metadata.cu_seqlens_q, seq_lens=metadata.seq_lens,
+            block_tables=metadata.block_tables)
+        if metadata.is_decode and q.shape[0] >= metadata.num_seqs:
+            dec = metadata.plan(key, lambda: PagedDecoder(
+                self.num_heads, self.num_kv_heads, self.head_size, geo.block_size,
+                dtype=q.dtype, layout=self.layout, window_left=self.window_left,
+                sm_scale=self.scale, max_batch=max(metadata.num_seqs, 1), xp=xp).plan(
+                    src["block_tables"], src["seq_lens"]))
+            n = metadata.num_seqs
+            out = xp.zeros(q.shape, q.dtype) if q.shape[0] > n else None
+            o = dec.run(q[:n], key_cache, value_cache, alibi_slopes=self.alibi_slopes(xp),
+                        out=None if out is None else out[:n])
+            return o if out is None else out
+        pre = metadata.plan(key, lambda: PagedPrefiller(
+            self.num_heads, self.num_kv_heads, self.head_size, geo.block_size, dtype=q.dtype,
+            layout=self.layout, window_left=self.window_left, sm_scale=self.scale).plan(
+                src["cu_seqlens_q"], src["block_tables"], src["seq_lens"]))
+        n = metadata.num_valid_tokens
+        if n is None or n == q.shape[0]:
+            return pre.run(q, key_cache, value_cache, alibi_slopes=self.alibi_slopes(xp))
+        out = xp.zeros(q.shape, q.dtype)
+        if n:
+            pre.run(q[:n], key_cache, value_cache, alibi_slopes=self.alibi_slopes(xp),
+                    out=out[:n])
+        return out
 
 
 class PagedAttentionWithRoPE(PagedAttention):

@@ -192,16 +192,19 @@ class TinyLlama:
             float32 ``[num_rows, vocab_size]`` logits, in the model's module.
         """
         xp = self.xp
+        n = metadata.num_valid_tokens
+        if isinstance(token_ids, np.ndarray):  # host ids: checked before the upload
+            ids = np.asarray(token_ids, dtype=np.int32)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+                raise ValueError(f"token_ids: expected ids in [0, {self.config.vocab_size}), "
+                                 f"got range [{ids.min()}, {ids.max()}]")
         ids = xp.asarray(token_ids, dtype=np.int32)
-        if ids.ndim != 1 or ids.shape[0] < metadata.num_valid_tokens:
-            raise ValueError(f"token_ids: expected int32 [num_tokens >= "
-                             f"{metadata.num_valid_tokens}], got shape {tuple(ids.shape)}")
-        h = host(ids)
-        if h.size and (h.min() < 0 or h.max() >= self.config.vocab_size):
-            raise ValueError(f"token_ids: expected ids in [0, {self.config.vocab_size}), got "
-                             f"range [{h.min()}, {h.max()}]")
-        positions = metadata.positions()
-        x = self.embed[ids[:metadata.num_valid_tokens]]
+        if ids.ndim != 1 or (n is not None and ids.shape[0] < n):
+            raise ValueError(f"token_ids: expected int32 [num_tokens >= {n}], got shape "
+                             f"{tuple(ids.shape)}")
+        n = ids.shape[0] if n is None else n
+        positions = metadata.positions[:n]
+        x = self.embed[ids[:n]]
         for l, layer in enumerate(self.layers):
             x = x + self._attention(layer, l, x, metadata, positions, k_cache, v_cache)
             x = x + self._mlp(layer, x)
@@ -233,8 +236,8 @@ class _Session:
         ids = [i for i, _ in rows]
         cu = np.zeros(len(rows) + 1, np.int32)
         cu[1:] = np.cumsum([len(t) for _, t in rows])
-        md = AttentionMetadata(xp.asarray(cu), xp.asarray(self.table.seq_lens[ids]),
-                               xp.asarray(self.table.block_tables[ids]), xp.asarray(slots))
+        md = AttentionMetadata(cu, self.table.seq_lens[ids], self.table.block_tables[ids],
+                               slots, xp=xp)
         tokens = np.concatenate([np.asarray(t, np.int32) for _, t in rows])
         return self.model.forward(tokens, md, self.k, self.v, logits_rows(cu))
 

@@ -84,7 +84,7 @@ def test_metadata_positions():
     batch = mixed_batch(np.random.default_rng(0), np.float32, "NHD")
     meta = metadata(batch)
     want = np.concatenate([np.arange(sl - ql, sl) for ql, sl in zip(Q_LENS, SEQ_LENS)])
-    np.testing.assert_array_equal(meta.positions(), want)
+    np.testing.assert_array_equal(meta.positions, want)
     assert meta.num_valid_tokens == sum(Q_LENS) and meta.num_seqs == len(Q_LENS)
 
 
@@ -108,7 +108,7 @@ def test_rope_layer_matches_composition(rng, scaling, neox, window):
     batch = mixed_batch(rng, np.float32, "HND")
     layer = rope_layer("HND", window, scaling, neox)
     meta = metadata(batch)
-    positions = np.concatenate([meta.positions(), np.zeros(PADDING, np.int32)])
+    positions = np.concatenate([meta.positions, np.zeros(PADDING, np.int32)])
     kc, vc = batch["key_cache"].copy(), batch["value_cache"].copy()
     out = layer(positions, batch["query"], batch["key"], batch["value"], kc, vc, meta)
     want, want_kc, _ = composed_reference(batch, layer, "HND", positions,
@@ -235,7 +235,7 @@ def test_gpu_rope_layer_mixed_batch(rng, cp, layout, dtype):
     batch = mixed_batch(rng, dtype, layout, bs=16)
     layer = rope_layer(layout, window=6, scaling={"type": "dynamic", "factor": 2.0})
     meta = metadata(batch)
-    positions = np.concatenate([meta.positions(), np.zeros(PADDING, np.int32)])
+    positions = np.concatenate([meta.positions, np.zeros(PADDING, np.int32)])
     want, want_kc, want_vc = composed_reference(
         batch, layer, layout, positions, dict(ROPE_KW, is_neox=True, scaling={"type": "dynamic", "factor": 2.0}))
     dev = {name: cp.asarray(a) for name, a in batch.items()}
