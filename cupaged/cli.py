@@ -19,7 +19,7 @@ from . import __version__
 from ._arrays import cupy_module, gpu_available
 from .bench.timing import format_table
 
-BENCHES = ("decode", "prefill", "cache", "sparse", "rope")
+BENCHES = ("decode", "prefill", "cache", "sparse", "rope", "overhead")
 # benchmark columns worth a line in summaries: ratios to a ceiling or a peer, then rates
 RATIO_COLUMN = re.compile(r"frac|vs_|ratio|speedup", re.IGNORECASE)
 RATE_COLUMN = re.compile(r"TB/s|TBps|GB/s|TFLOP", re.IGNORECASE)

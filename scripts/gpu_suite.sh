@@ -30,7 +30,7 @@ OUT=${OUT:-${TMPDIR:-/tmp}/cupaged-gpu-suite}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # absolute: the suite runs from the repo root
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
-BENCHES=${BENCHES-decode prefill cache sparse rope}
+BENCHES=${BENCHES-decode prefill cache sparse rope overhead}
 quick_flag=""
 [ "${QUICK:-0}" = 1 ] && quick_flag=--quick
 # word lists as arrays, shell quoting honoured: PYTEST_ARGS="-k 'decode and not slow'"

@@ -1,0 +1,291 @@
+"""What a caller sees: public calls issued back to back, beside the kernels they launch.
+
+For each op (``paged_decode`` at B64 x L8K and B1 x L2K, ``paged_attention`` on a mixed
+batch, ``varlen_prefill`` B2 x S8K causal, ``write_kv_cache`` of 64K tokens, ``apply_rope``
+of 16K tokens, and ``PagedDecoder.plan`` from host and from device metadata) and each kind
+of caller array (``cupy``; ``torch`` tensors when torch is importable), one row gives:
+
+- ``host_us``: host time of one call (``perf_counter`` over a few calls, no sync between);
+- ``gpu_us``: the time per call of calls issued back to back (CUDA events around many
+  calls): what a caller's loop sustains, the larger of host and device time;
+- ``graph_us``: the same call captured once in a CUDA graph and replayed (the kernels
+  alone; every public op is capturable);
+- ``peer_us``: the torch peer on the same data (SDPA cuDNN dense attention, a pair of
+  ``index_copy_``), back to back, where there is one;
+- ``vs_graph``: graph_us / gpu_us (1.0: the call costs nothing beyond its kernels).
+
+All Hq32/Hk8 d128 bf16, page 16, NHD. Run: ``cupaged bench overhead [--quick]``.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import decode, prefill, cache_ops, rope
+from .._arrays import bfloat16
+from .timing import bench_main, copy_bandwidth, torch_or_none
+
+HQ, HK, D, PAGE = 32, 8, 128, 16
+
+
+def _host_us(call, n=20):
+    """Host microseconds of one call, ``n`` calls without a sync between them."""
+    import cupy
+    call()  # warm: kernels loaded, the call's setup cached
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    t = (time.perf_counter() - t0) / n
+    cupy.cuda.Device().synchronize()
+    return t * 1e6
+
+
+def _events_us(call, kind, n=50):
+    """Device microseconds per call of ``n`` calls back to back (events on the caller's
+    stream: torch's for torch calls, CuPy's current one else)."""
+    import cupy
+    for _ in range(3):
+        call()
+    cupy.cuda.Device().synchronize()
+    if kind == "torch":
+        torch = torch_or_none()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            call()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) * 1e3 / n
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(n):
+        call()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / n
+
+
+def _graph_us(call, n=50):
+    """Replayed-graph microseconds of ``call`` (captured on a CuPy stream)."""
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        call()
+        stream.synchronize()
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(n):
+            graph.launch()
+        stop.record()
+        stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / n
+
+
+def _rand(shape, seed, dtype=bfloat16):
+    import cupy
+    rs = cupy.random.RandomState(seed)
+    return rs.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+
+
+def _paged(batch, length, seed=0):
+    import cupy
+    per = -(-length // PAGE)
+    ids = np.random.default_rng(seed).permutation(batch * per).astype(np.int32)
+    tables = ids.reshape(batch, per)
+    lens = np.full(batch, length, np.int32)
+    nb = batch * per
+    return dict(kc=_rand((nb, PAGE, HK, D), 1), vc=_rand((nb, PAGE, HK, D), 2),
+                tables=cupy.asarray(tables), lens=cupy.asarray(lens), tables_host=tables,
+                lens_host=lens)
+
+
+def _as(kind, arrays):
+    if kind == "cupy":
+        return arrays
+    torch = torch_or_none()
+    return {n: torch.from_dlpack(a) if hasattr(a, "__cuda_array_interface__") else a
+            for n, a in arrays.items()}
+
+
+def _row(op, shape, kind, call, graph_call, peer=None, extra=None):
+    row = {"op": op, "shape": shape, "arrays": kind, "host_us": _host_us(call),
+           "gpu_us": _events_us(call, kind), "graph_us": _graph_us(graph_call)}
+    row["vs_graph"] = row["graph_us"] / row["gpu_us"]
+    if peer is not None:
+        row["peer_us"] = _events_us(peer, "torch")
+    row.update(extra or {})
+    return row
+
+
+def _decode_rows(batch, length, kinds):
+    import cupy
+    c = _paged(batch, length)
+    c["q"] = _rand((batch, HQ, D), 3)
+    rows = []
+    dec = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy)
+    out = cupy.empty(c["q"].shape, bfloat16)
+    planned = lambda: dec.run(c["q"], c["kc"], c["vc"], out=out)
+    dec.plan(c["tables_host"], c["lens_host"], planner="host")
+    host_planned = _graph_us(planned)
+    dec.plan(c["tables_host"], c["lens_host"])
+    torch = torch_or_none()
+    peer = None
+    if torch is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        tq = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        tk = torch.randn(batch, HK, length, D, device="cuda", dtype=torch.bfloat16)
+        tv = torch.randn_like(tk)
+
+        def peer():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
+                                                                        enable_gqa=True)
+    for kind in kinds:
+        a = _as(kind, c)
+        call = lambda: decode.paged_decode(a["q"], a["kc"], a["vc"], a["tables"], a["lens"])
+        rows.append(_row("paged_decode", f"B{batch} x L{length}", kind, call,
+                         lambda: decode.paged_decode(c["q"], c["kc"], c["vc"], c["tables"],
+                                                     c["lens"]),
+                         peer, {"planned_graph_us": _graph_us(planned),
+                                "host_planned_graph_us": host_planned}))
+    return rows
+
+
+def _plan_rows(batch, length, kinds):
+    import cupy
+    c = _paged(batch, length)
+    dec = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy)
+    rows = [{"op": "PagedDecoder.plan", "shape": f"B{batch} host metadata", "arrays": "numpy",
+             "host_us": _host_us(lambda: dec.plan(c["tables_host"], c["lens_host"]))},
+            {"op": "PagedDecoder.plan planner=host", "shape": f"B{batch} host metadata",
+             "arrays": "numpy", "host_us": _host_us(lambda: dec.plan(
+                 c["tables_host"], c["lens_host"], planner="host"))}]
+    for kind in kinds:
+        a = _as(kind, c)
+        rows.append({"op": "PagedDecoder.plan", "shape": f"B{batch} device metadata",
+                     "arrays": kind,
+                     "host_us": _host_us(lambda: dec.plan(a["tables"], a["lens"]))})
+    return rows
+
+
+def _mixed_rows(kinds):
+    """paged_attention: 63 decode rows over L8K and one 2K-token prefill chunk."""
+    import cupy
+    c = _paged(64, 8192)
+    q_lens = np.ones(64, np.int32)
+    q_lens[-1] = 2048
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+    c.update(cu=cu, q=_rand((int(q_lens.sum()), HQ, D), 4))
+    rows = []
+    for kind in kinds:
+        a = _as(kind, c)
+        call = lambda: prefill.paged_attention(a["q"], a["kc"], a["vc"], a["cu"], a["tables"],
+                                               a["lens"])
+        rows.append(_row("paged_attention", "63 x L8K decode + 2K chunk", kind, call,
+                         lambda: prefill.paged_attention(c["q"], c["kc"], c["vc"], c["cu"],
+                                                         c["tables"], c["lens"])))
+    return rows
+
+
+def _prefill_rows(kinds):
+    import cupy
+    b, s = 2, 8192
+    c = dict(q=_rand((b * s, HQ, D), 5), k=_rand((b * s, HK, D), 6), v=_rand((b * s, HK, D), 7),
+             cu=cupy.asarray(np.arange(b + 1, dtype=np.int32) * s))
+    flops = 4 * b * s * s * D * HQ / 2
+    torch = torch_or_none()
+    peer = None
+    if torch is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        tq = torch.randn(b, HQ, s, D, device="cuda", dtype=torch.bfloat16)
+        tk = torch.randn(b, HK, s, D, device="cuda", dtype=torch.bfloat16)
+
+        def peer():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    tq, tk, tk, is_causal=True, enable_gqa=True)
+    rows = []
+    for kind in kinds:
+        a = _as(kind, c)
+        call = lambda: prefill.varlen_prefill(a["q"], a["k"], a["v"], a["cu"], a["cu"])
+        row = _row("varlen_prefill", "B2 x S8K causal", kind, call,
+                   lambda: prefill.varlen_prefill(c["q"], c["k"], c["v"], c["cu"], c["cu"]), peer)
+        row["TFLOP/s"] = flops / row["gpu_us"] / 1e6
+        rows.append(row)
+    return rows
+
+
+def _write_rows(kinds):
+    import cupy
+    tokens = 65536
+    nb = tokens // PAGE + 8
+    c = dict(key=_rand((tokens, HK, D), 8), value=_rand((tokens, HK, D), 9),
+             kc=_rand((nb, PAGE, HK, D), 10), vc=_rand((nb, PAGE, HK, D), 11),
+             slots=cupy.asarray(np.random.default_rng(0).permutation(nb * PAGE)[:tokens]
+                                .astype(np.int64)))
+    nbytes = 4 * c["key"].nbytes  # key and value read, then written
+    copy = copy_bandwidth()
+    torch = torch_or_none()
+    peer = None
+    if torch is not None:
+        tk = torch.from_dlpack(c["kc"]).view(-1, HK, D)
+        tv = torch.from_dlpack(c["vc"]).view(-1, HK, D)
+        kk, vv = torch.from_dlpack(c["key"]), torch.from_dlpack(c["value"])
+        idx = torch.from_dlpack(c["slots"])
+
+        def peer():
+            tk.index_copy_(0, idx, kk)
+            tv.index_copy_(0, idx, vv)
+    rows = []
+    for kind in kinds:
+        a = _as(kind, c)
+        call = lambda: cache_ops.write_kv_cache(a["key"], a["value"], a["kc"], a["vc"], a["slots"])
+        row = _row("write_kv_cache", "64K tokens NHD", kind, call,
+                   lambda: cache_ops.write_kv_cache(c["key"], c["value"], c["kc"], c["vc"],
+                                                    c["slots"]), peer)
+        row["frac_copy"] = nbytes / (row["gpu_us"] * 1e-6) / copy
+        rows.append(row)
+    return rows
+
+
+def _rope_rows(kinds):
+    import cupy
+    tokens = 16384
+    c = dict(q=_rand((tokens, HQ, D), 12), k=_rand((tokens, HK, D), 13),
+             pos=cupy.asarray(np.random.default_rng(1).integers(0, 8192, tokens).astype(np.int64)))
+    rows = []
+    for kind in kinds:
+        a = _as(kind, c)
+        call = lambda: rope.apply_rope(a["pos"], a["q"], a["k"], max_position=8192)
+        rows.append(_row("apply_rope", "16K tokens", kind, call,
+                         lambda: rope.apply_rope(c["pos"], c["q"], c["k"], max_position=8192)))
+    return rows
+
+
+def run(quick=False):
+    kinds = ["cupy"] + (["torch"] if torch_or_none() is not None else [])
+    rows = _decode_rows(64, 8192, kinds) + _decode_rows(1, 2048, kinds)
+    rows += _plan_rows(64, 8192, kinds) + _plan_rows(256, 2048, kinds)
+    if not quick:
+        rows += _mixed_rows(kinds) + _prefill_rows(kinds)
+    rows += _write_rows(kinds) + _rope_rows(kinds)
+    return rows
+
+
+COLUMNS = ["op", "shape", "arrays", "host_us", "gpu_us", "graph_us", "planned_graph_us",
+           "host_planned_graph_us", "vs_graph", "peer_us", "TFLOP/s", "frac_copy"]
+
+
+def main(argv=None):
+    bench_main(run, argv, columns=COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
