@@ -113,6 +113,7 @@ class _DeviceStep(NamedTuple):
     merge_launch: tuple  # (grid, threads, warps a head) of merge_pieces_kernel, or None
     tables: object       # int32 [batch, >= width] block tables of a plan's own (None: the call's)
     lens: object         # int32 [batch] lengths of a plan's own (None: the call's)
+    keep: tuple          # the device arrays the packed arguments point into (kept alive)
 
 
 def _decode_fields(lp, num_q_heads, bt_stride, opts, fused):
@@ -173,7 +174,9 @@ def _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, b
                                            abi.MERGE_PIECES),
                launcher("plan", PLAN_EXPR, abi.DECODE_PLAN) if plan_args is not None else None)
     return _DeviceStep(lp, kernels, plan_args, append_args, decode_args, merge_args,
-                       _merge_launch(lp, batch, fused), tables, own_lens)
+                       _merge_launch(lp, batch, fused), tables, own_lens,
+                       (work, seq_info, lens, counters, pool, part_out, part_lse, tables,
+                        own_lens))
 
 
 def _planned_on_device(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, width,

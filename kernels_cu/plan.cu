@@ -66,6 +66,7 @@ __device__ int scan(int n, Get get, Put put, int* s_warp) {
     if (i < n) put(i, carry + ex, x);
     carry += total;
   }
+  __syncthreads();  // every put done before anyone reads what it wrote
   return carry;
 }
 
