@@ -1,4 +1,5 @@
 """The ``cupaged`` command line, the continuous-batching demo and the GPU suite scripts."""
+import io
 import json
 import os
 import subprocess
@@ -46,22 +47,67 @@ def fake_check(monkeypatch):
     """Replace the NVRTC run by canned reports; record (arch, jobs) per call."""
     calls, spills = [], {}
 
-    def check_kernels(arch, specs=None, jobs=None):
+    def check_kernels(arch, specs=None, jobs=None, progress=None):
         calls.append((arch, jobs))
+        progress(2)
         return [_report("decode<__half, 128>", arch, spills.get(arch, 0)),
                 _report("prefill<float, 64>", arch)]
     monkeypatch.setattr(_compile, "check_kernels", check_kernels)
+    monkeypatch.setattr(_compile, "kernel_count", lambda arch, specs=None: 2)
     return calls, spills
 
 
-def test_check_kernels_reports_each_kernel(fake_check):
+def test_check_kernels_prints_a_summary(fake_check, tmp_path):
     calls, _ = fake_check
-    res = invoke("check-kernels", "--arch", "sm_90", "--jobs", 3)
+    res = invoke("check-kernels", "--arch", "sm_90", "--jobs", 3, "--json", tmp_path / "k.json")
     assert res.exit_code == 0, res.output
     assert calls == [("sm_90", 3)]
+    assert res.output.splitlines() == [
+        "sm_90: 2 kernels, registers 96-96, 0 spilling, stack up to 0 bytes, "
+        "static smem up to 4096 bytes",
+        "2 kernels compiled, 0 spilling"]
+    rows = json.loads((tmp_path / "k.json").read_text())
+    assert [r["kernel"] for r in rows] == ["decode<__half, 128>", "prefill<float, 64>"]
+    assert rows[0] == {"kernel": "decode<__half, 128>", "arch": "sm_90", "registers": 96,
+                       "spill bytes": 0, "stack bytes": 0, "static smem bytes": 4096}
+
+
+def test_check_kernels_table_shows_every_kernel(fake_check):
+    res = invoke("check-kernels", "--arch", "sm_90", "--table")
+    assert res.exit_code == 0, res.output
     assert "decode<__half, 128>" in res.output and "prefill<float, 64>" in res.output
     assert "registers" in res.output and "spill bytes" in res.output
-    assert "2 kernels compiled, 0 spilling" in res.output
+    assert res.output.splitlines()[-1] == "2 kernels compiled, 0 spilling"
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    for stream, drawn in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with cli.progress_bar(4, "kernels") as update:
+            update(3)
+            update(1)
+        assert bool(stream.getvalue()) is drawn
+        assert not drawn or ("kernels" in stream.getvalue() and "4/4" in stream.getvalue())
+
+
+def test_check_kernels_output_has_no_progress_bar(fake_check):
+    res = invoke("check-kernels", "--arch", "sm_80", "--arch", "sm_90")
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("sm_80: 2 kernels")
+
+
+@pytest.mark.parametrize("arch, message", [
+    ("sm_75", "sm_80 or newer is needed: the kernels use cp.async"),
+    ("sm75", "expected sm_<major><minor> such as sm_80 or sm_90a, got 'sm75'"),
+])
+def test_check_kernels_refuses_bad_archs_up_front(fake_check, arch, message):
+    calls, _ = fake_check
+    res = invoke("check-kernels", "--arch", "sm_90", "--arch", arch)
+    assert res.exit_code == 2 and message in res.output and "Invalid value for '--arch'" in res.output
+    assert calls == []
 
 
 def test_check_kernels_default_archs(fake_check, monkeypatch):
@@ -76,16 +122,27 @@ def test_check_kernels_fails_on_a_spill(fake_check):
     spills["sm_80"] = 64
     res = invoke("check-kernels", "--arch", "sm_80", "--arch", "sm_90")
     assert res.exit_code == 1
+    header, row, *rest = res.output.splitlines()
+    assert "spill bytes" in header and row.split()[:4] == ["decode<__half,", "128>", "sm_80", "96"]
+    assert "2 kernels compiled, 0 spilling" not in res.output
+    assert "4 kernels compiled, 1 spilling" in res.output and "sm_80: 2 kernels" in res.output
     assert "register spills in: decode<__half, 128> (sm_80, 64 bytes)" in res.output
 
 
 def test_check_kernels_fails_on_a_compile_error(monkeypatch):
-    def broken(arch, specs=None, jobs=None):
+    def broken(arch, specs=None, jobs=None, progress=None):
         raise RuntimeError("NVRTC failed on decode.cu for sm_80: error: expected a ';'")
     monkeypatch.setattr(_compile, "check_kernels", broken)
     res = invoke("check-kernels", "--arch", "sm_80")
-    assert res.exit_code == 1 and "NVRTC failed on decode.cu" in res.output
-    assert "Traceback" not in res.output
+    assert res.exit_code == 1
+    assert res.output == "Error: NVRTC failed on decode.cu for sm_80: error: expected a ';'\n"
+
+
+@pytest.mark.parametrize("command", ["info", "check-kernels", "demo", "bench"])
+def test_help_is_plain_text(command):
+    res = invoke(command, "--help")
+    assert res.exit_code == 0 and "Usage" in res.output
+    assert "``" not in res.output and ":func:" not in res.output
 
 
 # ----------------------------------------------------------------------------- bench
