@@ -205,11 +205,13 @@ def _demo_options(fn):
 def demo(device, **options):
     """Continuous batching over the paged cache: a tiny random-weight Llama-style model
     (or random q/k/v with --model none) serving random requests; greedy tokens."""
-    from .demo import CHECK_TOLERANCE, DemoConfig, array_module_for, resolve_model, run_demo
+    from .demo import (CHECK_TOLERANCE, DemoConfig, array_module_for, check_run, resolve_model,
+                       run_demo)
     cfg = DemoConfig(**options)
     xp = array_module_for(device)
-    with click.progressbar(length=cfg.requests, label="requests", show_pos=True) as bar:
-        stats = run_demo(cfg, xp, progress=bar.update)
+    check_run(cfg, xp)  # bad options fail before the progress bar is drawn
+    with progress_bar(cfg.requests, "requests") as update:
+        stats = run_demo(cfg, xp, progress=update)
     rows = stats.summary(cfg)
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
