@@ -396,10 +396,16 @@ def test_scripts_run_from_a_checkout(script):
 
 
 def test_gpu_suite_degrades_gracefully(tmp_path):
-    """Tests of one file, a missing benchmark, no kernel check: summary last, status 0."""
+    """Tests of one file, a missing benchmark, no kernel check: summary last, status 0. The
+    suite runs this interpreter (PYTHON), whatever python3 is first on PATH."""
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\necho 'not the interpreter of the tests' >&2\nexit 1\n")
+    stub.chmod(0o755)
     res = _script("bash", "scripts/gpu_suite.sh", env={
         "OUT": str(tmp_path), "TESTS": "tests/test_interop.py", "CHECK": "0",
-        "BENCHES": "no_such_bench", "QUICK": "1"})
+        "BENCHES": "no_such_bench", "QUICK": "1", "PYTHON": sys.executable,
+        "PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}"})
     assert res.returncode == 0, res.stdout + res.stderr
     summary = res.stdout.split("summary")[-1]
     assert "tests/test_interop.py" in summary and "no_such_bench  missing" in summary
