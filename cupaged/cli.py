@@ -267,7 +267,7 @@ def headline(rows, max_columns=4):
     False somewhere), then the range of ratio columns, then of rate columns."""
     if not rows:
         return "no rows"
-    parts = [f"{len(rows)} rows"]
+    parts = [f"{len(rows)} row{'s' * (len(rows) != 1)}"]
     for c in columns_of(rows):
         bad = sum(r.get(c) is False for r in rows)
         if bad:

@@ -209,7 +209,7 @@ def test_bench_plot(fake_bench, tmp_path):
 
 def test_headline_summarises_ratios_then_rates():
     assert cli.headline(ROWS) == "2 rows; frac copy 0.73..0.82; TB/s 3.1..3.5"
-    assert cli.headline([{"name": "a", "us": 5.0}]) == "1 rows; us 5"
+    assert cli.headline([{"name": "a", "us": 5.0}]) == "1 row; us 5"
     mixed = [{"op": "varlen", "TFLOPs": 300.0, "vs_flash": None, "checked": True},
              {"op": "varlen", "TFLOPs": 350.0, "vs_flash": 1.1, "checked": False},
              {"op": "paged", "TFLOPs": 310.0, "vs_ragged": 0.93, "checked": True}]
@@ -432,7 +432,7 @@ def test_suite_summary_counts_outcomes(tmp_path):
     assert ["total", "1", "1", "1", "1"] in lines
     assert "sanitize-memcheck: 3 errors reported" in res.stdout
     assert "check-kernels: 12 kernels compiled, 0 spilling" in res.stdout
-    assert ["cache", "ok", "1", "rows;", "TB/s", "3.9"] in lines and ["rope", "missing"] in lines
+    assert ["cache", "ok", "1", "row;", "TB/s", "3.9"] in lines and ["rope", "missing"] in lines
 
 
 def test_readme_commands_and_ci_agree():
