@@ -435,6 +435,44 @@ def test_suite_summary_counts_outcomes(tmp_path):
     assert ["cache", "ok", "1", "row;", "TB/s", "3.9"] in lines and ["rope", "missing"] in lines
 
 
+PLATFORMS = {"linux-x86_64": ("Linux", "x86_64"), "linux-aarch64": ("Linux", "aarch64"),
+             "windows": ("Windows", "AMD64"), "macos-arm64": ("Darwin", "arm64"),
+             "macos-x86_64": ("Darwin", "x86_64"), "linux-ppc64le": ("Linux", "ppc64le")}
+
+
+def requirements(section, key):
+    """``packaging`` Requirements of one setup.cfg list (install_requires, an extra)."""
+    import configparser
+    from packaging.requirements import Requirement
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return [Requirement(line) for line in cfg[section][key].strip().splitlines()]
+
+
+def installed_on(reqs, platform):
+    system, machine = PLATFORMS[platform]
+    env = {"platform_system": system, "platform_machine": machine}
+    return {r.name for r in reqs if r.marker is None or r.marker.evaluate(env)}
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_cupy_is_installed_only_where_it_has_wheels(platform):
+    base = installed_on(requirements("options", "install_requires"), platform)
+    assert {"numpy", "ml_dtypes", "click"} <= base
+    assert ("cupy-cuda12x" in base) is (platform in ("linux-x86_64", "linux-aarch64", "windows"))
+
+
+def test_demo_without_cupy(tmp_path):
+    """A CPU-only install (no CuPy, as on macOS) runs the demo on the NumPy reference."""
+    for name in ("cupy", "cupy_backends"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise ImportError('no CuPy here')\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    res = _script(sys.executable, "-m", "cupaged.cli", "demo", "--requests", "3", env=env)
+    assert res.returncode == 0, res.stderr
+    assert "numpy (reference)" in res.stdout and res.stderr == ""
+
+
 def test_readme_commands_and_ci_agree():
     """README's first block runs the demo, its second the tests; .ci/run runs the latter."""
     blocks = (ROOT / "README.md").read_text().split("```bash\n")[1:3]
