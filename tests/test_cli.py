@@ -458,8 +458,12 @@ def installed_on(reqs, platform):
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_cupy_is_installed_only_where_it_has_wheels(platform):
     base = installed_on(requirements("options", "install_requires"), platform)
+    gate = installed_on(requirements("options.extras_require", "gate"), platform)
     assert {"numpy", "ml_dtypes", "click"} <= base
     assert ("cupy-cuda12x" in base) is (platform in ("linux-x86_64", "linux-aarch64", "windows"))
+    assert bool(gate) is (platform in ("linux-x86_64", "linux-aarch64"))
+    test = installed_on(requirements("options.extras_require", "test"), platform)
+    assert not any(name.startswith(("nvidia", "cupy")) for name in test)
 
 
 def test_demo_without_cupy(tmp_path):
@@ -474,10 +478,14 @@ def test_demo_without_cupy(tmp_path):
 
 
 def test_readme_commands_and_ci_agree():
-    """README's first block runs the demo, its second the tests; .ci/run runs the latter."""
-    blocks = (ROOT / "README.md").read_text().split("```bash\n")[1:3]
-    first, second = (b.split("```")[0] for b in blocks)
+    """README's first block runs the demo, its second the tests, its third the compile gate;
+    .ci/run runs the tests, then the gate."""
+    readme = (ROOT / "README.md").read_text()
+    first, second, third = (b.split("```")[0] for b in readme.split("```bash\n")[1:4])
     assert "pip install -e . && cupaged demo" in first
     assert "pip install -e '.[test]' && python3 -m pytest -q" in second
+    gate = "check-kernels --arch sm_80 --arch sm_90"
+    assert "pip install -e '.[gate]'" in third and gate in third
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "pip install -q -e '.[test]'" in ci and "python3 -m pytest -q" in ci
+    tests = ci.index("python3 -m pip install -q -e '.[test]'\npython3 -m pytest -q\n")
+    assert ci.index(f"python3 -m cupaged.cli {gate}") > tests
