@@ -435,10 +435,10 @@ def cache_bytes(cfg, model) -> int:
             * as_dtype(cfg.dtype).itemsize * layers)
 
 
-def free_memory(xp) -> tuple[int, str]:
+def free_memory(xp) -> tuple[int | None, str]:
     """Bytes a new array may take and where: the device's free memory and CuPy's pooled
     free blocks (CuPy), else the host's available memory (Linux ``MemAvailable``; the
-    physical memory where ``/proc/meminfo`` is absent)."""
+    physical memory where ``/proc/meminfo`` is absent; None where neither is known)."""
     if xp is not np:
         free, _ = xp.cuda.runtime.memGetInfo()
         return free + xp.get_default_memory_pool().free_bytes(), "free device memory"
@@ -447,7 +447,11 @@ def free_memory(xp) -> tuple[int, str]:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
         return kib * 1024, "available host memory"
     except (OSError, StopIteration):
+        pass
+    try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return None, "host memory"
 
 
 def check_run(cfg, xp):
@@ -456,7 +460,7 @@ def check_run(cfg, xp):
     cfg.validate()
     need = cache_bytes(cfg, resolve_model(cfg, xp))
     free, where = free_memory(xp)
-    if need > free:
+    if free is not None and need > free:
         fit = free // (need // cfg.num_blocks)
         raise ValueError(f"num_blocks: {cfg.num_blocks} blocks need {need / 2**30:,.1f} GiB of "
                          f"K/V cache, but {where} is {free / 2**30:,.1f} GiB: at most {fit:,} "

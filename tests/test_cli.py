@@ -326,10 +326,12 @@ def test_demo_pool_larger_than_memory_is_refused_before_allocating(model, layers
                           f"{2**30 // per_block:,} blocks of 16 tokens fit\n")
 
 
-def test_free_host_memory_is_known():
-    from cupaged.demo import free_memory
-    free, where = free_memory(np)
+def test_free_host_memory_is_known(monkeypatch):
+    from cupaged import demo
+    free, where = demo.free_memory(np)
     assert free > 2**20 and "host memory" in where
+    monkeypatch.setattr(demo, "free_memory", lambda xp: (None, "host memory"))
+    demo.check_run(DemoConfig(num_blocks=10**12), np)     # unknown: nothing to compare
 
 
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
