@@ -25,6 +25,7 @@ KERNEL_DIR = Path(importlib.import_module("kernels_cu").__file__).parent
 _CTYPES = {float16: "__half", bfloat16: "__nv_bfloat16", float32: "float"}
 BASE_OPTIONS = ("--std=c++17", "-DNDEBUG")
 GENERATED_HEADER = "abi.cuh"  # kernel argument structs and error codes, from cupaged.abi
+MIN_ARCH = 80  # oldest architecture the kernels compile for (cp.async, bf16 mma.sync)
 # modules whose kernel_specializations() list every kernel the library can launch
 SPEC_MODULES = ("cupaged.cache_ops", "cupaged.decode", "cupaged.prefill", "cupaged.rope",
                 "cupaged.sink", "cupaged.sparse.kernels")
@@ -110,6 +111,32 @@ def _nvrtc():
     return nvrtc
 
 
+def nvrtc_unavailable() -> str | None:
+    """Why kernels cannot be compiled here (no NVRTC library, no CUDA headers), or None."""
+    try:
+        _nvrtc().getVersion()
+    except Exception as e:  # no CuPy, or libnvrtc not found
+        return (f"NVRTC unavailable ({type(e).__name__}: {e}); install a CUDA toolkit or the "
+                "gate extra (pip install -e '.[gate]')")
+    if cuda_include_dir() is None:
+        return ("CUDA headers (cuda_bf16.h) not found; set CUDA_PATH to a CUDA toolkit or "
+                "install the gate extra (pip install -e '.[gate]')")
+    return None
+
+
+def check_arch(arch) -> int:
+    """Raise ValueError unless ``arch`` names sm_80 or newer (``sm_86``, ``sm_90a``, ...);
+    return its number (86, 90)."""
+    m = re.fullmatch(r"sm_(\d{2,3})[af]?", str(arch))
+    if not m:
+        raise ValueError(f"arch: expected sm_<major><minor> such as sm_80 or sm_90a, got {arch!r}")
+    number = int(m.group(1))
+    if number < MIN_ARCH:
+        raise ValueError(f"arch: sm_{MIN_ARCH} or newer is needed: the kernels use cp.async and "
+                         f"bf16 tensor-core MMA (Ampere and later), got {arch}")
+    return number
+
+
 def compile_cubin(stem, exprs, arch, options=(), verbose=False):
     """Compile ``exprs`` of ``stem`` for ``arch`` (``"sm_80"``, ``"sm_90a"``) with NVRTC.
 
@@ -136,12 +163,17 @@ def compile_cubin(stem, exprs, arch, options=(), verbose=False):
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as err:
             raise RuntimeError(f"NVRTC failed on {stem}.cu for {arch}: {err}\n"
-                               f"{nvrtc.getProgramLog(prog)}") from None
-        log = nvrtc.getProgramLog(prog)
+                               f"{_program_log(prog)}") from None
+        log = _program_log(prog)
         lowered = {e: nvrtc.getLoweredName(prog, e) for e in exprs}
         return nvrtc.getCUBIN(prog), lowered, log
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _program_log(prog) -> str:
+    """NVRTC's log of ``prog`` without the C string's terminating NUL."""
+    return _nvrtc().getProgramLog(prog).rstrip("\0")
 
 
 def parse_ptxas(log, lowered, arch):
@@ -269,13 +301,10 @@ def all_specializations():
     return specs
 
 
-def check_kernels(arch, specs=None, jobs=None):
-    """Compile every spec for ``arch`` (``sm_80``, ``sm_90``) with NVRTC; return reports.
-
-    Hopper-only specs are compiled for ``sm_90a`` under ``sm_90`` and skipped for other
-    archs. Specs of one stem compile in one NVRTC program; stems compile in parallel.
-    """
-    from concurrent.futures import ProcessPoolExecutor
+def _check_work(arch, specs):
+    """``(stem, arch, exprs)`` NVRTC programs of :func:`check_kernels`: the specs of one stem
+    in chunks of up to 8 (several chunks a stem keep every worker busy); Hopper-only specs
+    as ``sm_90a`` under ``sm_90``, left out for other archs."""
     specs = all_specializations() if specs is None else specs
     groups = {}
     for s in specs:
@@ -285,13 +314,70 @@ def check_kernels(arch, specs=None, jobs=None):
                 continue
             a = "sm_90a"
         groups.setdefault((s.stem, a), []).append(s.expr)
-    jobs = jobs or os.cpu_count() or 1
-    with ProcessPoolExecutor(max_workers=jobs) as ex:
-        futs = []
-        for (stem, a), exprs in groups.items():
-            exprs = list(dict.fromkeys(exprs))
-            for i in range(0, len(exprs), 8):  # chunks keep both cores busy
-                futs.append(ex.submit(_check_group, stem, a, tuple(exprs[i:i + 8])))
+    work = []
+    for (stem, a), exprs in groups.items():
+        exprs = list(dict.fromkeys(exprs))
+        work += [(stem, a, tuple(exprs[i:i + 8])) for i in range(0, len(exprs), 8)]
+    return work
+
+
+def kernel_count(arch, specs=None) -> int:
+    """Kernels :func:`check_kernels` compiles for ``arch`` (its reports' length)."""
+    return sum(len(exprs) for _, _, exprs in _check_work(arch, specs))
+
+
+def check_kernels(arch, specs=None, jobs=None, progress=None):
+    """Compile every spec for ``arch`` (``sm_80``, ``sm_90``) with NVRTC; return reports.
+
+    Hopper-only specs are compiled for ``sm_90a`` under ``sm_90`` and skipped for other
+    archs. Up to 8 specs of one stem compile in one NVRTC program; programs compile in
+    parallel.
+
+    Parameters
+    ----------
+    arch : str
+        sm_80 or newer (:func:`check_arch`) that this NVRTC supports.
+    specs : list of Spec, optional
+        Default: :func:`all_specializations`.
+    jobs : int, optional
+        Worker processes (default: CPUs).
+    progress : callable, optional
+        Called with the number of kernels of each program as it finishes.
+
+    Returns
+    -------
+    list of KernelReport
+        One per kernel, the kernels of a stem together.
+
+    Raises
+    ------
+    ValueError
+        ``arch`` is malformed, older than sm_80 or unknown to NVRTC.
+    RuntimeError
+        NVRTC or the CUDA headers are missing, or a program fails to compile (the first
+        failure ends the check; programs not started yet are cancelled).
+    """
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    number = check_arch(arch)
+    problem = nvrtc_unavailable()
+    if problem:
+        raise RuntimeError(problem)
+    supported = _nvrtc().getSupportedArchs()
+    if number not in supported:
+        names = ", ".join(f"sm_{a}" for a in supported if a >= MIN_ARCH)
+        version = ".".join(map(str, _nvrtc().getVersion()))
+        raise ValueError(f"arch: {arch} is not supported by NVRTC {version} (it supports "
+                         f"{names})")
+    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as ex:
+        futs = {ex.submit(_check_group, *w): len(w[2]) for w in _check_work(arch, specs)}
+        try:
+            for f in as_completed(futs):
+                f.result()
+                if progress is not None:
+                    progress(futs[f])
+        except BaseException:
+            ex.shutdown(cancel_futures=True)
+            raise
         return [r for f in futs for r in f.result()]
 
 

@@ -94,8 +94,8 @@ class BlockPool:
         """
         n = _int("n", n)
         if n > self._num_free:
-            raise PoolExhausted(f"allocate: need {n} blocks, only {self._num_free} of "
-                                f"{self.num_blocks} are free")
+            raise PoolExhausted(f"allocate: need {n} block{'s' * (n != 1)}, only "
+                                f"{self._num_free} of {self.num_blocks} are free")
         top = self._num_free
         blocks = self._free[top - n:top][::-1].copy()
         self._num_free -= n

@@ -6,12 +6,14 @@ Run it installed (``cupaged ...``) or from a checkout (``python3 -m cupaged.cli 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import json
 import platform
 import re
+import sys
 
 import click
 
@@ -27,14 +29,42 @@ RATE_COLUMN = re.compile(r"TB/s|TBps|GB/s|TFLOP", re.IGNORECASE)
 
 # ----------------------------------------------------------------------------- shared
 def library_errors(fn):
-    """Turn library errors into ``click.ClickException`` (exit status 1, one line)."""
+    """Turn library errors into ``click.ClickException`` (exit status 1, one line).
+
+    Argument and run-time errors print their message alone (it names the argument);
+    import and OS errors keep their class name, which says what is missing.
+    """
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ValueError, TypeError, RuntimeError, ImportError, OSError) as e:
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise click.ClickException(str(e)) from e
+        except (ImportError, OSError) as e:
             raise click.ClickException(f"{type(e).__name__}: {e}") from e
     return wrapper
+
+
+@contextlib.contextmanager
+def progress_bar(length, label):
+    """Yield ``update(n)`` of a click progress bar drawn on stderr while stderr is a
+    terminal; elsewhere (pipes, logs, tests) ``update`` does nothing and nothing is printed."""
+    if not sys.stderr.isatty():
+        yield lambda n=1: None
+        return
+    with click.progressbar(length=length, label=label, file=sys.stderr, show_pos=True) as bar:
+        yield bar.update
+
+
+def _archs(ctx, param, archs):
+    """Validate ``--arch`` values up front (format, sm_80 or newer)."""
+    from ._compile import check_arch
+    for arch in archs:
+        try:
+            check_arch(arch)
+        except ValueError as e:
+            raise click.BadParameter(str(e).removeprefix("arch: "), ctx, param) from None
+    return archs
 
 
 quick_option = click.option("--quick", is_flag=True, help="Small sizes and few repetitions.")
@@ -44,9 +74,9 @@ device_option = click.option("--device", type=click.Choice(["auto", "cpu", "gpu"
                              default="auto", show_default=True,
                              help="gpu: CUDA kernels (CuPy); cpu: NumPy reference; "
                                   "auto: gpu when CuPy sees a device.")
-arch_option = click.option("--arch", "archs", multiple=True, metavar="SM",
-                           help="Target architecture (repeatable), e.g. sm_80, sm_90. "
-                                "Default: the local GPU's, else sm_80 and sm_90.")
+arch_option = click.option("--arch", "archs", multiple=True, metavar="SM", callback=_archs,
+                           help="Target architecture (repeatable), sm_80 or newer, e.g. "
+                                "sm_80, sm_90. Default: the local GPU's, else sm_80 and sm_90.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -102,26 +132,50 @@ def default_archs():
     return ("sm_80", "sm_90")
 
 
+def arch_line(arch, reports):
+    """One line for the kernels of ``arch``: count, register range, spills, largest stack and
+    static shared memory."""
+    regs = [r.registers for r in reports]
+    spilling = sum(r.spill_bytes > 0 for r in reports)
+    return (f"{arch}: {len(reports)} kernels, registers {min(regs, default=0)}-"
+            f"{max(regs, default=0)}, {spilling} spilling, stack up to "
+            f"{max((r.stack_bytes for r in reports), default=0)} bytes, static smem up to "
+            f"{max((r.smem_bytes for r in reports), default=0)} bytes")
+
+
 @main.command("check-kernels")
 @arch_option
 @click.option("--jobs", type=int, default=None, help="Parallel NVRTC processes (default: CPUs).")
+@click.option("--table", "full_table", is_flag=True,
+              help="Print every kernel's row (default: only the kernels that spill).")
+@json_option
 @library_errors
-def check_kernels(archs, jobs):
+def check_kernels(archs, jobs, full_table, json_path):
     """Compile every kernel specialisation with NVRTC; report registers, spills, stack, smem.
 
-    Shared memory is the static part only (dynamic shared memory is sized at launch).
+    Prints the kernels that spill (every kernel with --table), a line per architecture and
+    the totals; --json saves every kernel's row. Shared memory is the static part only
+    (dynamic shared memory is sized at launch). A progress bar goes to stderr on a terminal.
 
     Exits with status 1 on a compile error or when any kernel spills registers.
     """
     from . import _compile
+    archs = archs or default_archs()
     reports = []
-    for arch in archs or default_archs():
-        reports += sorted(_compile.check_kernels(arch, jobs=jobs))
+    with progress_bar(sum(_compile.kernel_count(a) for a in archs), "kernels") as update:
+        for arch in archs:
+            reports += sorted(_compile.check_kernels(arch, jobs=jobs, progress=update))
     rows = [{"kernel": r.expr, "arch": r.arch, "registers": r.registers,
              "spill bytes": r.spill_bytes, "stack bytes": r.stack_bytes,
              "static smem bytes": r.smem_bytes} for r in reports]
-    click.echo(format_table(rows))
+    if json_path:
+        save_rows(rows, json_path)
     spilling = [r for r in reports if r.spill_bytes]
+    shown = rows if full_table else [row for row in rows if row["spill bytes"]]
+    if shown:
+        click.echo(format_table(shown))
+    for arch in dict.fromkeys(r.arch for r in reports):
+        click.echo(arch_line(arch, [r for r in reports if r.arch == arch]))
     click.echo(f"{len(reports)} kernels compiled, {len(spilling)} spilling")
     if spilling:
         raise click.ClickException("register spills in: " + ", ".join(
@@ -151,11 +205,13 @@ def _demo_options(fn):
 def demo(device, **options):
     """Continuous batching over the paged cache: a tiny random-weight Llama-style model
     (or random q/k/v with --model none) serving random requests; greedy tokens."""
-    from .demo import CHECK_TOLERANCE, DemoConfig, array_module_for, resolve_model, run_demo
+    from .demo import (CHECK_TOLERANCE, DemoConfig, array_module_for, check_run, resolve_model,
+                       run_demo)
     cfg = DemoConfig(**options)
     xp = array_module_for(device)
-    with click.progressbar(length=cfg.requests, label="requests", show_pos=True) as bar:
-        stats = run_demo(cfg, xp, progress=bar.update)
+    check_run(cfg, xp)  # bad options fail before the progress bar is drawn
+    with progress_bar(cfg.requests, "requests") as update:
+        stats = run_demo(cfg, xp, progress=update)
     rows = stats.summary(cfg)
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
@@ -211,7 +267,7 @@ def headline(rows, max_columns=4):
     False somewhere), then the range of ratio columns, then of rate columns."""
     if not rows:
         return "no rows"
-    parts = [f"{len(rows)} rows"]
+    parts = [f"{len(rows)} row{'s' * (len(rows) != 1)}"]
     for c in columns_of(rows):
         bad = sum(r.get(c) is False for r in rows)
         if bad:
@@ -272,7 +328,7 @@ def plot_rows(rows, path, title, column=None):
 @click.option("--plot-column", default=None, help="Column to plot (default: last numeric).")
 @library_errors
 def bench(name, quick, json_path, plot_path, plot_column):
-    """Time one op family on the GPU and print its table (``cupaged.bench.NAME``)."""
+    """Time one op family on the GPU and print its table (module cupaged.bench.NAME)."""
     rows = run_bench(name, quick)
     click.echo(format_table(rows, columns_of(rows)))
     if json_path:

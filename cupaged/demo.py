@@ -17,6 +17,7 @@ NumPy model scoring the same tokens (``tiny``).
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from .layouts import LAYOUTS
 # step's attention output (--model none), of the chosen tokens' logits (--model tiny)
 CHECK_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
 MODELS = ("auto", "tiny", "none")
+NUMPY_BACKEND = "numpy (reference)"
 
 
 def _opt(default, help, choices=None):
@@ -231,7 +233,7 @@ class Scheduler:
 class DemoStats:
     """What a run did and how fast.
 
-    Throughput leaves out the first step, which compiles (or loads) the kernels.
+    Throughput leaves out the first step, which on the GPU compiles (or loads) the kernels.
     """
     backend: str
     model: str = "none"
@@ -262,7 +264,8 @@ class DemoStats:
                 ("requests finished", self.finished),
                 ("steps", self.steps), ("prefill tokens", self.prefill_tokens),
                 ("decode tokens", self.decode_tokens),
-                ("first step (kernel build/load)", f"{self.first_step_seconds:.2f} s"),
+                ("first step" if self.backend == NUMPY_BACKEND else
+                 "first step (kernel build/load)", f"{self.first_step_seconds:.2f} s"),
                 ("later steps", f"{self.seconds:.2f} s"),
                 ("tokens/s", f"{self.tokens_per_s:,.0f}"),
                 ("batch occupancy", f"mean {fill[:, 0].mean():.0%}{limits}, "
@@ -425,6 +428,45 @@ def resolve_model(cfg, xp):
     return cfg.model
 
 
+def cache_bytes(cfg, model) -> int:
+    """Bytes of a run's K and V caches: one cache (``model="none"``), one a layer (``"tiny"``)."""
+    layers = cfg.layers if model == "tiny" else 1
+    return (2 * cfg.num_blocks * cfg.block_size * cfg.num_kv_heads * cfg.head_dim
+            * as_dtype(cfg.dtype).itemsize * layers)
+
+
+def free_memory(xp) -> tuple[int | None, str]:
+    """Bytes a new array may take and where: the device's free memory and CuPy's pooled
+    free blocks (CuPy), else the host's available memory (Linux ``MemAvailable``; the
+    physical memory where ``/proc/meminfo`` is absent; None where neither is known)."""
+    if xp is not np:
+        free, _ = xp.cuda.runtime.memGetInfo()
+        return free + xp.get_default_memory_pool().free_bytes(), "free device memory"
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024, "available host memory"
+    except (OSError, StopIteration):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return None, "host memory"
+
+
+def check_run(cfg, xp):
+    """Raise ValueError before anything is allocated: a bad field of ``cfg``
+    (``DemoConfig.validate``), or caches larger than the memory ``xp`` has free."""
+    cfg.validate()
+    need = cache_bytes(cfg, resolve_model(cfg, xp))
+    free, where = free_memory(xp)
+    if free is not None and need > free:
+        fit = free // (need // cfg.num_blocks)
+        raise ValueError(f"num_blocks: {cfg.num_blocks} blocks need {need / 2**30:,.1f} GiB of "
+                         f"K/V cache, but {where} is {free / 2**30:,.1f} GiB: at most {fit:,} "
+                         f"blocks of {cfg.block_size} tokens fit")
+
+
 def run_demo(cfg=DemoConfig(), xp=None, progress=None) -> DemoStats:
     """Run the simulation to the last request.
 
@@ -439,15 +481,20 @@ def run_demo(cfg=DemoConfig(), xp=None, progress=None) -> DemoStats:
     Returns
     -------
     DemoStats
+
+    Raises
+    ------
+    ValueError
+        From :func:`check_run`, before anything is allocated.
     """
     from .blocks import BlockTable
-    cfg.validate()
     xp = array_module_for("auto") if xp is None else xp
+    check_run(cfg, xp)
     engine = (ModelSteps if resolve_model(cfg, xp) == "tiny" else AttentionOnly)(cfg, xp)
     table = BlockTable(engine.pool, cfg.max_seqs, blocks_for(cfg.max_seq_len, cfg.block_size))
     requests = make_requests(cfg, np.random.default_rng(cfg.seed))
     sched = Scheduler(cfg, requests, table)
-    stats = DemoStats(backend="numpy (reference)" if xp is np else "cupy (CUDA kernels)",
+    stats = DemoStats(backend=NUMPY_BACKEND if xp is np else "cupy (CUDA kernels)",
                       model=engine.label)
     start, step = time.perf_counter(), 0
     while not sched.finished:

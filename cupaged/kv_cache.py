@@ -5,9 +5,9 @@ import operator
 
 import numpy as np
 
-from ._arrays import as_dtype, check_choice, cupy_module, gpu_available
+from ._arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available
 from .blocks import BlockPool
-from .cache_ops import _check_row_bytes, copy_blocks, write_kv_cache
+from .cache_ops import copy_blocks, write_kv_cache
 from .layouts import LAYOUTS, cache_shapes
 
 
@@ -26,8 +26,11 @@ class PagedKVCache:
 
     Parameters
     ----------
-    num_blocks, block_size, num_kv_heads, head_dim : int
-        Cache geometry; ``head_dim * itemsize`` must be a multiple of 16 bytes.
+    num_blocks, block_size, num_kv_heads : int
+        Cache geometry.
+    head_dim : int
+        Head size, one of ``cupaged._arrays.HEAD_DIMS`` (64, 80, 96, 112, 128, 256): the
+        sizes the attention kernels are built for (refused here, not at attention time).
     dtype : str or dtype
         float16 (default), bfloat16 or float32.
     layout : {"NHD", "HND", "vllm"}
@@ -51,8 +54,8 @@ class PagedKVCache:
         self.block_size = _positive("block_size", block_size)
         self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
         self.head_dim = _positive("head_dim", head_dim)
+        check_head_dim("head_dim", self.head_dim)
         self.dtype = as_dtype(dtype)
-        _check_row_bytes("head_dim", self.head_dim, self.dtype)
         if xp is None:
             xp = cupy_module() if gpu_available() else np
         if xp is not np and xp is not cupy_module():

@@ -2,7 +2,7 @@
 # GPU suite for a CUDA machine: the GPU tests (optionally under compute-sanitizer), the
 # kernel compile report for the local GPU, and the benchmarks. Logs go to $OUT; a short
 # summary (pass/fail/skip per test file, sanitizer errors, spills, bench headlines) is
-# printed last and saved as $OUT/summary.txt. Needs no install: runs `python3 -m cupaged.cli`
+# printed last and saved as $OUT/summary.txt. Needs no install: runs `$PYTHON -m cupaged.cli`
 # from this checkout.
 #
 #   OUT=/tmp/out scripts/gpu_suite.sh
@@ -10,6 +10,8 @@
 #   RUN_TESTS=0 CHECK=0 BENCHES= SANITIZE=1 scripts/gpu_suite.sh    # sanitizers only
 #
 # Environment (all optional):
+#   PYTHON           the interpreter (default: python3 on PATH), e.g. .venv/bin/python for a
+#                    virtual environment that is not activated
 #   OUT              output directory (default: $TMPDIR/cupaged-gpu-suite)
 #   TESTS            pytest paths or node ids (default: tests)
 #   PYTEST_ARGS      extra pytest arguments, e.g. "-x -k decode"
@@ -26,6 +28,7 @@
 #   TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT   seconds per step (default 900, 1800, 600)
 # Exit status: 1 if a test, a sanitizer run, the kernel check or a present benchmark failed.
 set -u
+PYTHON=${PYTHON:-python3}
 OUT=${OUT:-${TMPDIR:-/tmp}/cupaged-gpu-suite}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # absolute: the suite runs from the repo root
 cd "$(dirname "$0")/.."
@@ -48,11 +51,11 @@ run() {
   return "${PIPESTATUS[0]}"
 }
 
-python3 -m cupaged.cli info > "$OUT/info.txt" 2>&1
+"$PYTHON" -m cupaged.cli info > "$OUT/info.txt" 2>&1
 cat "$OUT/info.txt"
 
 if [ "${RUN_TESTS:-1}" != 0 ]; then
-  run "$OUT/pytest.log" "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -rfE \
+  run "$OUT/pytest.log" "${TEST_TIMEOUT:-900}" "$PYTHON" -m pytest -m gpu -q -rfE \
     --junitxml="$OUT/junit-gpu.xml" "${pytest_args[@]}" "${tests[@]}" || status=1
 fi
 
@@ -66,7 +69,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
       [ ${#files[@]} -gt 0 ] || continue
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "$OUT/sanitize-$tool.log" "${SANITIZE_TIMEOUT:-1800}" \
         "$sanitizer" --tool $tool --error-exitcode 99 \
-        python3 -m pytest -m gpu -q -p sanitize_plugin --junitxml="$OUT/junit-$tool.xml" \
+        "$PYTHON" -m pytest -m gpu -q -p sanitize_plugin --junitxml="$OUT/junit-$tool.xml" \
         "${pytest_args[@]}" "${sanitize_args[@]}" "${files[@]}" || status=1
     done
   else
@@ -77,17 +80,17 @@ if [ "${SANITIZE:-0}" = 1 ]; then
 fi
 
 if [ "${CHECK:-1}" != 0 ]; then
-  run "$OUT/check-kernels.log" 900 python3 -m cupaged.cli check-kernels || status=1
+  run "$OUT/check-kernels.log" 900 "$PYTHON" -m cupaged.cli check-kernels --table || status=1
 fi
 
 for name in $BENCHES; do
-  if ! python3 -c "import importlib.util, sys; \
+  if ! "$PYTHON" -c "import importlib.util, sys; \
 sys.exit(importlib.util.find_spec('cupaged.bench.$name') is None)" 2>/dev/null; then
     echo "missing" > "$OUT/bench-$name.status"
     continue
   fi
   # shellcheck disable=SC2086
-  if run "$OUT/bench-$name.log" "${BENCH_TIMEOUT:-600}" python3 -m cupaged.cli bench "$name" \
+  if run "$OUT/bench-$name.log" "${BENCH_TIMEOUT:-600}" "$PYTHON" -m cupaged.cli bench "$name" \
        $quick_flag --json "$OUT/bench-$name.json"; then
     echo "ok" > "$OUT/bench-$name.status"
   else
@@ -98,5 +101,5 @@ done
 
 echo
 echo "================================ summary ================================"
-python3 scripts/suite_summary.py "$OUT" | tee "$OUT/summary.txt"
+"$PYTHON" scripts/suite_summary.py "$OUT" | tee "$OUT/summary.txt"
 exit $status

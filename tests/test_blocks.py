@@ -45,6 +45,9 @@ def test_pool_exhausted_changes_nothing():
     assert isinstance(PoolExhausted("x"), RuntimeError)
     np.testing.assert_array_equal(pool.refcounts, before[0])
     np.testing.assert_array_equal(pool.free_blocks(), before[1])
+    pool.allocate(1)
+    with pytest.raises(PoolExhausted, match="need 1 block, only 0 of 3 are free"):
+        pool.allocate(1)
 
 
 def test_pool_double_free_and_bad_ids():

@@ -1,4 +1,5 @@
 """The ``cupaged`` command line, the continuous-batching demo and the GPU suite scripts."""
+import io
 import json
 import os
 import subprocess
@@ -46,22 +47,68 @@ def fake_check(monkeypatch):
     """Replace the NVRTC run by canned reports; record (arch, jobs) per call."""
     calls, spills = [], {}
 
-    def check_kernels(arch, specs=None, jobs=None):
+    def check_kernels(arch, specs=None, jobs=None, progress=None):
         calls.append((arch, jobs))
+        progress(2)
         return [_report("decode<__half, 128>", arch, spills.get(arch, 0)),
                 _report("prefill<float, 64>", arch)]
     monkeypatch.setattr(_compile, "check_kernels", check_kernels)
+    monkeypatch.setattr(_compile, "kernel_count", lambda arch, specs=None: 2)
     return calls, spills
 
 
-def test_check_kernels_reports_each_kernel(fake_check):
+def test_check_kernels_prints_a_summary(fake_check, tmp_path):
     calls, _ = fake_check
-    res = invoke("check-kernels", "--arch", "sm_90", "--jobs", 3)
+    res = invoke("check-kernels", "--arch", "sm_90", "--jobs", 3, "--json", tmp_path / "k.json")
     assert res.exit_code == 0, res.output
     assert calls == [("sm_90", 3)]
+    assert res.output.splitlines() == [
+        "sm_90: 2 kernels, registers 96-96, 0 spilling, stack up to 0 bytes, "
+        "static smem up to 4096 bytes",
+        "2 kernels compiled, 0 spilling"]
+    rows = json.loads((tmp_path / "k.json").read_text())
+    assert [r["kernel"] for r in rows] == ["decode<__half, 128>", "prefill<float, 64>"]
+    assert rows[0] == {"kernel": "decode<__half, 128>", "arch": "sm_90", "registers": 96,
+                       "spill bytes": 0, "stack bytes": 0, "static smem bytes": 4096}
+
+
+def test_check_kernels_table_shows_every_kernel(fake_check):
+    res = invoke("check-kernels", "--arch", "sm_90", "--table")
+    assert res.exit_code == 0, res.output
     assert "decode<__half, 128>" in res.output and "prefill<float, 64>" in res.output
     assert "registers" in res.output and "spill bytes" in res.output
-    assert "2 kernels compiled, 0 spilling" in res.output
+    assert res.output.splitlines()[-1] == "2 kernels compiled, 0 spilling"
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    for stream, drawn in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with cli.progress_bar(4, "kernels") as update:
+            update(3)
+            update(1)
+        assert bool(stream.getvalue()) is drawn
+        assert not drawn or ("kernels" in stream.getvalue() and "4/4" in stream.getvalue())
+
+
+def test_check_kernels_output_has_no_progress_bar(fake_check):
+    res = invoke("check-kernels", "--arch", "sm_80", "--arch", "sm_90")
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("sm_80: 2 kernels")
+
+
+@pytest.mark.parametrize("arch, message", [
+    ("sm_75", "sm_80 or newer is needed: the kernels use cp.async"),
+    ("sm75", "expected sm_<major><minor> such as sm_80 or sm_90a, got 'sm75'"),
+])
+def test_check_kernels_refuses_bad_archs_up_front(fake_check, arch, message):
+    calls, _ = fake_check
+    res = invoke("check-kernels", "--arch", "sm_90", "--arch", arch)
+    assert res.exit_code == 2 and message in res.output
+    assert "Invalid value for '--arch'" in res.output
+    assert calls == []
 
 
 def test_check_kernels_default_archs(fake_check, monkeypatch):
@@ -76,16 +123,27 @@ def test_check_kernels_fails_on_a_spill(fake_check):
     spills["sm_80"] = 64
     res = invoke("check-kernels", "--arch", "sm_80", "--arch", "sm_90")
     assert res.exit_code == 1
+    header, row, *rest = res.output.splitlines()
+    assert "spill bytes" in header and row.split()[:4] == ["decode<__half,", "128>", "sm_80", "96"]
+    assert "2 kernels compiled, 0 spilling" not in res.output
+    assert "4 kernels compiled, 1 spilling" in res.output and "sm_80: 2 kernels" in res.output
     assert "register spills in: decode<__half, 128> (sm_80, 64 bytes)" in res.output
 
 
 def test_check_kernels_fails_on_a_compile_error(monkeypatch):
-    def broken(arch, specs=None, jobs=None):
+    def broken(arch, specs=None, jobs=None, progress=None):
         raise RuntimeError("NVRTC failed on decode.cu for sm_80: error: expected a ';'")
     monkeypatch.setattr(_compile, "check_kernels", broken)
     res = invoke("check-kernels", "--arch", "sm_80")
-    assert res.exit_code == 1 and "NVRTC failed on decode.cu" in res.output
-    assert "Traceback" not in res.output
+    assert res.exit_code == 1
+    assert res.output == "Error: NVRTC failed on decode.cu for sm_80: error: expected a ';'\n"
+
+
+@pytest.mark.parametrize("command", ["info", "check-kernels", "demo", "bench"])
+def test_help_is_plain_text(command):
+    res = invoke(command, "--help")
+    assert res.exit_code == 0 and "Usage" in res.output
+    assert "``" not in res.output and ":func:" not in res.output
 
 
 # ----------------------------------------------------------------------------- bench
@@ -152,7 +210,7 @@ def test_bench_plot(fake_bench, tmp_path):
 
 def test_headline_summarises_ratios_then_rates():
     assert cli.headline(ROWS) == "2 rows; frac copy 0.73..0.82; TB/s 3.1..3.5"
-    assert cli.headline([{"name": "a", "us": 5.0}]) == "1 rows; us 5"
+    assert cli.headline([{"name": "a", "us": 5.0}]) == "1 row; us 5"
     mixed = [{"op": "varlen", "TFLOPs": 300.0, "vs_flash": None, "checked": True},
              {"op": "varlen", "TFLOPs": 350.0, "vs_flash": 1.1, "checked": False},
              {"op": "paged", "TFLOPs": 310.0, "vs_ragged": 0.93, "checked": True}]
@@ -219,24 +277,61 @@ def test_demo_config_errors_name_the_field():
 
 
 # ----------------------------------------------------------------------------- demo: CLI
+def summary_rows(output):
+    """The demo's ``label  value`` lines as a dict (no label holds a double space)."""
+    rows = {}
+    for line in output.splitlines():
+        label, sep, value = line.partition("  ")
+        if sep:
+            rows[label] = value.strip()
+    return rows
+
+
 def test_demo_on_cpu():
     res = invoke("demo", "--device", "cpu", "--requests", 10, "--seed", 5, "--layout", "vllm",
                  "--dtype", "bfloat16")
     assert res.exit_code == 0, res.output
     cfg = DemoConfig(requests=10, seed=5)
     reqs = make_requests(cfg, np.random.default_rng(5))
-    out = res.output
-    assert "numpy (reference)" in out and "tokens/s" in out and "pool occupancy" in out
-    assert f"prefill tokens                  {sum(r.prompt_len for r in reqs)}" in out
-    assert f"decode tokens                   {sum(r.output_len - 1 for r in reqs)}" in out
-    assert "requests finished               10" in out
+    assert res.output.startswith("backend  ")            # no progress bar label off a terminal
+    rows = summary_rows(res.output)
+    assert rows["backend"] == "numpy (reference)" and "tokens/s" in rows
+    assert "pool occupancy" in rows
+    assert rows["prefill tokens"] == str(sum(r.prompt_len for r in reqs))
+    assert rows["decode tokens"] == str(sum(r.output_len - 1 for r in reqs))
+    assert rows["requests finished"] == "10"
+    assert rows["first step"].endswith(" s") and "kernel" not in res.output
 
 
 def test_demo_bad_options_are_click_errors():
     res = invoke("demo", "--device", "cpu", "--num-blocks", 3)
-    assert res.exit_code == 1 and "num_blocks" in res.output and "Traceback" not in res.output
+    assert res.exit_code == 1
+    assert res.output == ("Error: num_blocks: the longest request needs 23 blocks of 16 tokens, "
+                          "got 3\n")
     res = invoke("demo", "--layout", "NDH")
     assert res.exit_code == 2
+
+
+@pytest.mark.parametrize("model, layers", [("none", 1), ("tiny", 3)])
+def test_demo_pool_larger_than_memory_is_refused_before_allocating(model, layers, monkeypatch):
+    from cupaged import demo
+    monkeypatch.setattr(demo, "free_memory", lambda xp: (2**30, "available host memory"))
+    res = invoke("demo", "--device", "cpu", "--model", model, "--layers", layers,
+                 "--num-blocks", 100_000_000)
+    per_block = 2 * 16 * 2 * 64 * 2 * layers                # K and V, fp16, 2 kv heads, d64
+    assert res.exit_code == 1, res.output
+    assert res.output == (f"Error: num_blocks: 100000000 blocks need "
+                          f"{100_000_000 * per_block / 2**30:,.1f} GiB of K/V cache, but "
+                          f"available host memory is 1.0 GiB: at most "
+                          f"{2**30 // per_block:,} blocks of 16 tokens fit\n")
+
+
+def test_free_host_memory_is_known(monkeypatch):
+    from cupaged import demo
+    free, where = demo.free_memory(np)
+    assert free > 2**20 and "host memory" in where
+    monkeypatch.setattr(demo, "free_memory", lambda xp: (None, "host memory"))
+    demo.check_run(DemoConfig(num_blocks=10**12), np)     # unknown: nothing to compare
 
 
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
@@ -253,7 +348,7 @@ def test_demo_tiny_model_on_cpu():
     out = res.output
     assert "tiny llama (1 layers, hidden 256, vocab 512, greedy)" in out
     assert "batch occupancy" in out and "requests running" in out and "tokens/s" in out
-    assert "requests finished               3" in out
+    assert summary_rows(out)["requests finished"] == "3"
     assert "nothing to compare on the CPU" in out
 
 
@@ -304,10 +399,16 @@ def test_scripts_run_from_a_checkout(script):
 
 
 def test_gpu_suite_degrades_gracefully(tmp_path):
-    """Tests of one file, a missing benchmark, no kernel check: summary last, status 0."""
+    """Tests of one file, a missing benchmark, no kernel check: summary last, status 0. The
+    suite runs this interpreter (PYTHON), whatever python3 is first on PATH."""
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\necho 'not the interpreter of the tests' >&2\nexit 1\n")
+    stub.chmod(0o755)
     res = _script("bash", "scripts/gpu_suite.sh", env={
         "OUT": str(tmp_path), "TESTS": "tests/test_interop.py", "CHECK": "0",
-        "BENCHES": "no_such_bench", "QUICK": "1"})
+        "BENCHES": "no_such_bench", "QUICK": "1", "PYTHON": sys.executable,
+        "PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}"})
     assert res.returncode == 0, res.stdout + res.stderr
     summary = res.stdout.split("summary")[-1]
     assert "tests/test_interop.py" in summary and "no_such_bench  missing" in summary
@@ -334,14 +435,60 @@ def test_suite_summary_counts_outcomes(tmp_path):
     assert ["total", "1", "1", "1", "1"] in lines
     assert "sanitize-memcheck: 3 errors reported" in res.stdout
     assert "check-kernels: 12 kernels compiled, 0 spilling" in res.stdout
-    assert ["cache", "ok", "1", "rows;", "TB/s", "3.9"] in lines and ["rope", "missing"] in lines
+    assert ["cache", "ok", "1", "row;", "TB/s", "3.9"] in lines and ["rope", "missing"] in lines
+
+
+PLATFORMS = {"linux-x86_64": ("Linux", "x86_64"), "linux-aarch64": ("Linux", "aarch64"),
+             "windows": ("Windows", "AMD64"), "macos-arm64": ("Darwin", "arm64"),
+             "macos-x86_64": ("Darwin", "x86_64"), "linux-ppc64le": ("Linux", "ppc64le")}
+
+
+def requirements(section, key):
+    """``packaging`` Requirements of one setup.cfg list (install_requires, an extra)."""
+    import configparser
+    from packaging.requirements import Requirement
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return [Requirement(line) for line in cfg[section][key].strip().splitlines()]
+
+
+def installed_on(reqs, platform):
+    system, machine = PLATFORMS[platform]
+    env = {"platform_system": system, "platform_machine": machine}
+    return {r.name for r in reqs if r.marker is None or r.marker.evaluate(env)}
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_cupy_is_installed_only_where_it_has_wheels(platform):
+    base = installed_on(requirements("options", "install_requires"), platform)
+    gate = installed_on(requirements("options.extras_require", "gate"), platform)
+    assert {"numpy", "ml_dtypes", "click"} <= base
+    assert ("cupy-cuda12x" in base) is (platform in ("linux-x86_64", "linux-aarch64", "windows"))
+    assert bool(gate) is (platform in ("linux-x86_64", "linux-aarch64"))
+    test = installed_on(requirements("options.extras_require", "test"), platform)
+    assert not any(name.startswith(("nvidia", "cupy")) for name in test)
+
+
+def test_demo_without_cupy(tmp_path):
+    """A CPU-only install (no CuPy, as on macOS) runs the demo on the NumPy reference."""
+    for name in ("cupy", "cupy_backends"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise ImportError('no CuPy here')\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    res = _script(sys.executable, "-m", "cupaged.cli", "demo", "--requests", "3", env=env)
+    assert res.returncode == 0, res.stderr
+    assert "numpy (reference)" in res.stdout and res.stderr == ""
 
 
 def test_readme_commands_and_ci_agree():
-    """README's first block runs the demo, its second the tests; .ci/run runs the latter."""
-    blocks = (ROOT / "README.md").read_text().split("```bash\n")[1:3]
-    first, second = (b.split("```")[0] for b in blocks)
+    """README's first block runs the demo, its second the tests, its third the compile gate;
+    .ci/run runs the tests, then the gate."""
+    readme = (ROOT / "README.md").read_text()
+    first, second, third = (b.split("```")[0] for b in readme.split("```bash\n")[1:4])
     assert "pip install -e . && cupaged demo" in first
     assert "pip install -e '.[test]' && python3 -m pytest -q" in second
+    gate = "check-kernels --arch sm_80 --arch sm_90"
+    assert "pip install -e '.[gate]'" in third and gate in third
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "pip install -q -e '.[test]'" in ci and "python3 -m pytest -q" in ci
+    tests = ci.index("python3 -m pip install -q -e '.[test]'\npython3 -m pytest -q\n")
+    assert ci.index(f"python3 -m cupaged.cli {gate}") > tests

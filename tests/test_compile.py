@@ -1,8 +1,10 @@
-"""The CI compile gate: every kernel specialisation compiles with NVRTC for sm_80 and sm_90
-without register spills; plus include inlining, the spill detector, the disk cache key and
-the dynamic shared-memory limit rule.
+"""The compile gate: every kernel specialisation compiles with NVRTC for sm_80 and sm_90
+without register spills (marked ``compile_gate``, minutes: deselected by default, run by
+``pytest -m compile_gate``; CI runs the same check as ``cupaged check-kernels``); one real
+kernel compiled on every run; plus include inlining, the spill detector, the disk cache key,
+arch checks and the dynamic shared-memory limit rule.
 
-Needs NVRTC and the CUDA headers (no GPU): skipped only where either is missing.
+Compiling needs NVRTC and the CUDA headers (no GPU): skipped only where either is missing.
 """
 import importlib
 import multiprocessing
@@ -13,12 +15,9 @@ from cupaged import _compile
 
 
 def _nvrtc_or_skip():
-    try:
-        _compile._nvrtc().getVersion()
-    except Exception as e:  # no CuPy, or libnvrtc not found
-        pytest.skip(f"NVRTC unavailable: {e}")
-    if _compile.cuda_include_dir() is None:
-        pytest.skip("CUDA headers (cuda_bf16.h) not found")
+    problem = _compile.nvrtc_unavailable()
+    if problem:
+        pytest.skip(problem)
 
 
 SPECS = _compile.all_specializations()
@@ -26,6 +25,7 @@ STEMS = sorted({s.stem for s in SPECS})
 
 
 # ----------------------------------------------------------------------------- the gate
+@pytest.mark.compile_gate
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("stem", STEMS)
 def test_every_specialisation_compiles_without_spills(stem, arch):
@@ -37,6 +37,47 @@ def test_every_specialisation_compiles_without_spills(stem, arch):
     assert {(r.expr, r.arch) for r in reports} == want
     spilling = [(r.expr, r.arch, r.spill_bytes) for r in reports if r.spill_bytes]
     assert not spilling, f"register spills: {spilling}"
+
+
+def test_one_real_kernel_compiles():
+    """The gate's path (sources with their includes, the worker pool, ptxas parsing,
+    progress) on the smallest real stem, so that it is exercised on every run."""
+    _nvrtc_or_skip()
+    specs = [s for s in SPECS if s.stem == "cache_ops"][:2]
+    done = []
+    reports = _compile.check_kernels("sm_80", specs, jobs=1, progress=done.append)
+    assert sorted((r.expr, r.arch) for r in reports) == sorted((s.expr, "sm_80") for s in specs)
+    assert all(r.registers > 0 and r.spill_bytes == 0 for r in reports)
+    assert sum(done) == len(specs) == _compile.kernel_count("sm_80", specs)
+
+
+def test_kernel_count_matches_the_gate():
+    hopper = sum(s.hopper for s in SPECS)
+    assert _compile.kernel_count("sm_80") == len(SPECS) - hopper
+    assert _compile.kernel_count("sm_90") == len(SPECS)
+
+
+@pytest.mark.parametrize("arch, message", [
+    ("sm_75", "arch: sm_80 or newer is needed: .*got sm_75"),
+    ("sm_8", "arch: expected sm_<major><minor>"),
+    ("ampere", "arch: expected sm_<major><minor>"),
+    ("compute_80", "arch: expected sm_<major><minor>"),
+])
+def test_bad_archs_are_refused_before_compiling(arch, message, monkeypatch):
+    monkeypatch.setattr(_compile, "_check_group", lambda *a: pytest.fail("compiled"))
+    with pytest.raises(ValueError, match=message):
+        _compile.check_kernels(arch, SPECS[:1])
+
+
+def test_arch_unknown_to_nvrtc_is_refused():
+    _nvrtc_or_skip()
+    with pytest.raises(ValueError, match=r"arch: sm_99 is not supported by NVRTC .*sm_80"):
+        _compile.check_kernels("sm_99", SPECS[:1])
+
+
+def test_archs_accepted():
+    assert [_compile.check_arch(a) for a in ("sm_80", "sm_86", "sm_90a", "sm_100", "sm_120f")] \
+        == [80, 86, 90, 100, 120]
 
 
 def test_spec_modules_list_their_kernels():
@@ -154,8 +195,23 @@ def test_cache_dir_follows_environment(monkeypatch, tmp_path):
 def test_compile_error_names_the_source(kernel_dir):
     _nvrtc_or_skip()
     (kernel_dir / "broken.cu").write_text("__global__ void k() { undeclared(); }")
-    with pytest.raises(RuntimeError, match=r"broken\.cu.*sm_80"):
+    with pytest.raises(RuntimeError, match=r"broken\.cu.*sm_80") as err:
         _compile.compile_cubin("broken", ["k"], "sm_80")
+    assert "undeclared" in str(err.value) and "\0" not in str(err.value)
+
+
+@pytest.mark.skipif(multiprocessing.get_start_method() != "fork",
+                    reason="worker processes must inherit the patched kernel directory")
+def test_check_kernels_stops_at_a_compile_error(kernel_dir):
+    _nvrtc_or_skip()
+    (kernel_dir / "tiny.cu").write_text(TINY)
+    (kernel_dir / "broken.cu").write_text("__global__ void k() { undeclared(); }")
+    specs = [_compile.Spec("broken", "k")] + [_compile.Spec("tiny", f"scale<{t}>")
+                                              for t in ("float", "double", "int")]
+    done = []
+    with pytest.raises(RuntimeError, match=r"NVRTC failed on broken\.cu for sm_80"):
+        _compile.check_kernels("sm_80", specs, jobs=1, progress=done.append)
+    assert done == []                     # the failing program ran first: nothing reported
 
 
 @pytest.mark.skipif(multiprocessing.get_start_method() != "fork",
@@ -170,7 +226,6 @@ def test_check_kernels_skips_hopper_specs_off_sm90(kernel_dir):
     assert [(r.expr, r.arch) for r in on80] == [("scale<float>", "sm_80")]
     assert sorted((r.expr, r.arch) for r in on90) == [("scale<double>", "sm_90a"),
                                                      ("scale<float>", "sm_90")]
-
 
 
 def test_dynamic_smem_limit_is_only_raised():

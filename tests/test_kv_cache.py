@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged._arrays import bfloat16
+from cupaged._arrays import HEAD_DIMS, bfloat16
 from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
 
 
@@ -29,7 +29,9 @@ def test_default_module_and_import_hygiene():
 @pytest.mark.parametrize("kwargs, err, msg", [
     (dict(num_blocks=0), ValueError, "num_blocks: expected an int >= 1, got 0"),
     (dict(block_size=2.5), TypeError, "block_size: expected an int"),
-    (dict(head_dim=4), ValueError, "head_dim: expected head_dim \\* itemsize"),
+    (dict(head_dim=4), ValueError, "head_dim: head size 4 is not supported"),
+    (dict(head_dim=72), ValueError, "head_dim: head size 72 is not supported; expected one of"),
+    (dict(head_dim=48, dtype="float32"), ValueError, "head_dim: head size 48 is not supported"),
     (dict(dtype="int8"), TypeError, "dtype: expected one of"),
     (dict(layout="NDH"), ValueError, "layout: expected one of"),
     (dict(xp=object()), TypeError, "xp: expected numpy or cupy"),
@@ -39,6 +41,11 @@ def test_bad_arguments(kwargs, err, msg):
     args.update(kwargs)
     with pytest.raises(err, match=msg):
         cupaged.PagedKVCache(**args)
+
+
+def test_every_supported_head_size():
+    for head_dim in HEAD_DIMS:
+        assert cupaged.PagedKVCache(1, 1, 1, head_dim, xp=np).k.shape[-1] == head_dim
 
 
 def _gather(cache, table, seq):
