@@ -162,7 +162,8 @@ class Bound:
                     fixed.append(f.default)
                 else:
                     raise TypeError(f"{self.record.name}: field {f.name!r} not given")
-            entry = self._cache[key] = (self.record.packer(key), tuple(fixed), ArgBuffer(self.record))
+            entry = (self.record.packer(key), tuple(fixed), ArgBuffer(self.record))
+            self._cache[key] = entry
         pack, fixed, buf = entry
         pack(buf.data, fixed, **given)
         return buf

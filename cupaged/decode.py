@@ -442,23 +442,24 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 class PagedDecoder:
     """Paged decode planned once per batch step and run once per layer.
 
-    ``plan`` takes a step's block tables and lengths into buffers the decoder owns: host
-    (NumPy) arrays are checked on the host and uploaded asynchronously through pinned
-    memory, device (CuPy) arrays copied on the device without being read (strict mode,
-    ``validate=True`` or ``CUPAGED_STRICT=1``, checks them on the host first). The pieces
-    each CTA streams are then cut on the device by the plan kernel at the first ``run``
-    (which knows the cache it checks block ids against; a run captured in a CUDA graph
-    cuts them at every replay), in equal shares of the sequences' key tiles; ``planner="host"`` cuts them on the host instead (the shares refined: whole
-    sequences where they end about as soon, a pool of pieces taken at run time; about a
-    millisecond of host time). ``run`` launches: no host sync, no allocation when ``out``
-    (and ``lse``) are given, no recompilation when lengths change. The grid is fixed (one
-    CTA per resident slot) and the kernels read lengths, tables and work from buffers at
-    fixed addresses, so a ``run`` captured in a CUDA graph stays valid after later
-    ``plan`` calls of the same batch size, planner and merge mode (device and host plans
-    lay the buffers out differently), whatever the lengths or schedule, until a plan outgrows a buffer (a wider table, or a "split" plan with more
+    ``plan`` takes a step's block tables and lengths into buffers the decoder owns: host (NumPy)
+    arrays are checked on the host and uploaded asynchronously through pinned memory, device
+    (CuPy) arrays copied on the device without being read (strict mode, ``validate=True`` or
+    ``CUPAGED_STRICT=1``, checks them on the host first). The pieces each CTA streams are
+    then cut on the device by the plan kernel at the first ``run`` (which knows the cache it
+    checks block ids against; a run captured in a CUDA graph cuts them at every replay), in
+    equal shares of the sequences' key tiles; ``planner="host"`` cuts them on the host
+    instead (the shares refined: whole sequences where they end about as soon, a pool of
+    pieces taken at run time; about a millisecond of host time). ``run`` launches: no host
+    sync, no allocation when ``out`` (and ``lse``) are given, no recompilation when lengths
+    change. The grid is fixed (one CTA per resident slot) and the kernels read lengths,
+    tables and work from buffers at fixed addresses, so a ``run`` captured in a CUDA graph
+    stays valid after later ``plan`` calls of the same batch size, planner and merge mode
+    (device and host plans lay the buffers out differently), whatever the lengths or
+    schedule, until a plan outgrows a buffer (a wider table, or a "split" plan with more
     pieces than any "balanced" one). (The default kernel path depends on the batch size
-    alone, so it holds too.) ``plan`` works on the current stream and returns the
-    decoder; keep plans and runs on one stream.
+    alone, so it holds too.) ``plan`` works on the current stream and returns the decoder;
+    keep plans and runs on one stream.
 
     Parameters
     ----------

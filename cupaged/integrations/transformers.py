@@ -297,7 +297,8 @@ def _slot_tables(read_index, cu_k, block_size, width):
     def make():
         lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
         j = torch.arange(width, device=cu_k.device, dtype=torch.int64) * block_size
-        idx = (cu_k[:-1, None].to(torch.int64) + j[None, :]).clamp(max=max(read_index.numel() - 1, 0))
+        idx = (cu_k[:-1, None].to(torch.int64) + j[None, :]).clamp(
+            max=max(read_index.numel() - 1, 0))
         blocks = torch.div(read_index[idx], block_size, rounding_mode="floor")
         tables = torch.where(j[None, :] < lens[:, None], blocks, -1).to(torch.int32)
         return tables, lens
@@ -414,7 +415,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, cache=Non
                          f"(continuous batching); got None: use {NAME!r} for a standard forward")
     _check_inference(query, key, value, dropout)
     opts, sinks = _options(module, query, scaling, sliding_window, softcap, s_aux)
-    layer_type = "full_attention" if _window(module, sliding_window) is None else "sliding_attention"
+    windowed = _window(module, sliding_window) is not None
+    layer_type = "sliding_attention" if windowed else "full_attention"
     if isinstance(cu_seq_lens_k, dict):
         cu_seq_lens_k = cu_seq_lens_k[layer_type]
     if isinstance(max_seqlen_k, dict):
