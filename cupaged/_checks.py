@@ -113,6 +113,13 @@ def check_index_layout(name, a):
         raise ValueError(f"{name}: expected a contiguous last dimension, got strides {a.strides}")
 
 
+def table_stride(tables):
+    """Elements from one block-table row to the next (0 without tables)."""
+    if tables is None:
+        return 0
+    return tables.strides[0] // tables.itemsize if tables.shape[0] > 1 else tables.shape[1]
+
+
 def check_block_tables(block_tables, seq_lens, geometry, xp, *, batch=None, extra_tokens=0,
                        contents=True):
     """Validate a paged batch's block tables and kv lengths; return host copies (``(None,

@@ -21,7 +21,7 @@ from . import abi, decode_checks as dc, decode_plan as dp, errors
 from ._arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, accepts_dlpack, array_module,
                       as_dtype, check_array, check_choice, check_head_dim, empty, host, is_cupy,
                       signature, stream_key)
-from ._checks import check_gqa, check_options, token_stride
+from ._checks import check_gqa, check_options, table_stride, token_stride
 from ._compile import Spec, ctype, launcher
 from ._device import Uploader, current, scratch
 from ._launch import ptr
@@ -254,7 +254,7 @@ def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
         counters = scratch("decode.counters", 1 + c.batch * lp.row_groups, zero=True)
         part_out, part_lse = _partials(xp, lp, layout.pieces, "decode.partials")
         return _planned_on_device(lp, dtype, c.num_q_heads, d, c.options, merge, c.append,
-                                  c.batch, block_tables.shape[1], _table_stride(block_tables),
+                                  c.batch, block_tables.shape[1], table_stride(block_tables),
                                   layout, index, counters, part_out, part_lse)
     sl = c.seq_lens_host if c.seq_lens_host is not None else host(seq_lens)
     schedule, _ = dc.check_variants(None, None, num_splits)
@@ -265,14 +265,9 @@ def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
     counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots and fused else None
     pool = xp.zeros(2 * lp.row_groups, np.int32) if work.pool_pieces else None
     return _device_step(lp, dtype, c.num_q_heads, d, c.options, merge, c.append, c.batch,
-                        _table_stride(block_tables), index[lay.desc:lay.tables],
+                        table_stride(block_tables), index[lay.desc:lay.tables],
                         index[lay.info:lay.info + 2 * c.batch], index[:c.batch], counters,
                         pool, part_out, part_lse)
-
-
-def _table_stride(tables):
-    """Elements from one block-table row to the next."""
-    return tables.strides[0] // 4 if tables.shape[0] > 1 else tables.shape[1]
 
 
 _CALLS = CallCache()  # paged_decode's device-planned calls by signature
@@ -666,7 +661,7 @@ class PagedDecoder:
             stream = cupy.cuda.get_current_stream().ptr
             rt = cupy.cuda.runtime
             rt.memcpy2DAsync(tables.data.ptr, lay.width * 4, block_tables.data.ptr,
-                             _table_stride(block_tables) * 4, width * 4, batch,
+                             table_stride(block_tables) * 4, width * 4, batch,
                              rt.memcpyDeviceToDevice, stream)
             rt.memcpyAsync(lens.data.ptr, seq_lens.data.ptr, batch * 4,
                            rt.memcpyDeviceToDevice, stream)

@@ -23,7 +23,7 @@ from ._arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, as_dty
                       check_array, check_head_dim, empty, float16, float32, gpu_available,
                       is_cupy, signature, stream_key)
 from ._checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options, check_out,
-                      token_stride)
+                      table_stride, token_stride)
 from ._compile import Spec, ctype, launcher
 from ._device import Uploader, scratch
 from ._launch import ptr
@@ -111,13 +111,6 @@ def _kernel(dtype, head_dim, v_transposed, tile, backend):
                      carveout=smem > 48 * 1024), smem, tile.threads)
 
 
-def _table_stride(tables):
-    """Elements from one block-table row to the next (0 without tables)."""
-    if tables is None:
-        return 0
-    return tables.strides[0] // 4 if tables.shape[0] > 1 else tables.shape[1]
-
-
 def work_capacity(total_q, batch, group, num_kv_heads, block_m):
     """Work items a launch over ``total_q`` query rows of ``batch`` sequences can need:
     ``sum(ceil(q_len * group / block_m)) <= ceil(total_q * group / block_m) + batch`` per
@@ -160,13 +153,13 @@ class _Launches:
                 done=ptr(scratch(f"{name}.done", 1, zero=True)), err=ptr(errors.error_word()),
                 row_bytes=hq * d * q.itemsize, batch=batch, total_q=total_q, total_k=total_k,
                 paged=int(paged), width=tables.shape[1] if paged else 0,
-                bt_stride=_table_stride(tables), block_size=block_size, num_blocks=num_blocks,
+                bt_stride=table_stride(tables), block_size=block_size, num_blocks=num_blocks,
                 group=group, num_kv_heads=num_kv_heads, num_q_heads=hq,
                 block_m=self.tile.block_m, block_n=self.tile.block_n, causal=int(causal),
                 window_left=_window(opts), capacity=capacity))
         self.work = work
         self.args = abi.PREFILL.bind(
-            work=ptr(work), max_blocks=_table_stride(tables), block_size=block_size,
+            work=ptr(work), max_blocks=table_stride(tables), block_size=block_size,
             paged=int(paged), k_block=strides.k_block, k_head=strides.k_head,
             k_chunk=strides.k_chunk, k_tok=strides.k_tok, v_block=strides.v_block,
             v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok, num_q_heads=hq,

@@ -140,6 +140,7 @@ def test_append_skips_bad_sequences(rng, cp):
     _expect_error(r"block_tables: expected entries in .* at index \(0, 2\)")
     changed = cp.any(dev["k_cache"] != k0, axis=(1, 2, 3)).get()
     assert changed.sum() == 4  # sequences 1..4 appended one token each, in one block each
+    assert (cp.any(dev["v_cache"] != v0, axis=(1, 2, 3)).get() == changed).all()
 
 
 @pytest.mark.gpu
