@@ -327,41 +327,127 @@ def accepts_dlpack(fn):
     return wrapper
 
 
-# ----------------------------------------------------------------------------- call caches
-def signature(*arrays):
-    """What the checks and the launch setup of a call depend on, for each array: its type,
-    shape, strides, dtype and (device arrays) address modulo 16. Ops key caches of checked,
-    planned launches by it (with their options and the current stream), so that a call like
-    an earlier one only packs addresses and launches."""
-    out = []
+# ----------------------------------------------------------------------------- hot calls
+# A public op checks and sets up its launches once per call signature: what the checks and
+# the setup depend on, for each array its shape, byte strides, dtype and address modulo 16,
+# with the op's options and the device and stream. A later call of the same signature (the
+# "hot" call of an engine's loop) takes only its arrays' addresses, packs them and launches,
+# on the caller's stream: torch tensors are read directly (no CuPy view is made) and torch
+# outputs are allocated by torch.
+_TORCH = {}        # "dtypes": torch dtype -> numpy dtype, "np": the reverse, "devices": {i: device}
+_BYTE_STRIDES = {}  # (element strides, itemsize) -> byte strides
+
+
+def _torch_tables():
+    if not _TORCH:
+        pairs, back = _torch_dtypes()
+        _TORCH.update(dtypes=pairs, np=back, devices={})
+    return _TORCH
+
+
+def _byte_strides(strides, itemsize):
+    key = (strides, itemsize)
+    b = _BYTE_STRIDES.get(key)
+    if b is None:
+        if len(_BYTE_STRIDES) > 4096:
+            _BYTE_STRIDES.clear()
+        b = _BYTE_STRIDES[key] = tuple(s * itemsize for s in strides)
+    return b
+
+
+class Hot:
+    """A call that may take a cached launch setup: its cache key, its arrays' device
+    addresses (0 for None) and the stream to launch on (a raw pointer), and outputs in the
+    caller's kind (:meth:`empty`).
+
+    Built by :func:`hot`; ``key`` equals the key a checked call of the same arguments
+    computes from CuPy views of them, so the setup the checked call caches is found here.
+    """
+
+    __slots__ = ("key", "ptrs", "stream", "_torch_device")
+
+    def __init__(self, key, ptrs, stream, torch_device):
+        self.key, self.ptrs, self.stream = key, ptrs, stream
+        self._torch_device = torch_device
+
+    def empty(self, shape, dtype):
+        """``(array, address)`` of a new uninitialised output (a torch tensor for torch
+        callers)."""
+        if self._torch_device is None:
+            a = sys.modules["cupy"].empty(shape, dtype)
+            return a, a.data.ptr
+        t = sys.modules["torch"].empty(shape, dtype=_TORCH["np"][dtype],
+                                       device=self._torch_device)
+        return t, t.data_ptr()
+
+
+def hot(strict, arrays, *options):
+    """The :class:`Hot` view of a call on ``arrays`` (its first a CuPy array or a CUDA torch
+    tensor; None entries allowed) with ``options`` (hashable), or None where the call must
+    take the checked path: strict mode, NumPy or other arrays, kinds mixed, or a torch
+    tensor on a device other than CuPy's current one."""
+    if strict:
+        return None
+    first = arrays[0]
+    cp = sys.modules.get("cupy")
+    if cp is not None and type(first) is cp.ndarray:
+        sig, ptrs = [], []
+        for a in arrays:
+            if a is None:
+                sig.append(None)
+                ptrs.append(0)
+            elif type(a) is cp.ndarray:
+                p = a.data.ptr
+                sig.append((a.shape, a.strides, a.dtype, p & 15))
+                ptrs.append(p)
+            else:
+                return None
+        stream = cp.cuda.get_current_stream().ptr
+        return Hot((tuple(sig), options, cp.cuda.runtime.getDevice(), stream), ptrs, stream,
+                   None)
+    if cp is None or _kind(first) != "torch":
+        return None
+    device = first.get_device()
+    if device < 0 or device != cp.cuda.runtime.getDevice():
+        return None
+    tables = _torch_tables()
+    dtypes = tables["dtypes"]
+    sig, ptrs = [], []
     for a in arrays:
         if a is None:
-            out.append(None)
-        elif is_cupy(a):
-            out.append((a.shape, a.strides, a.dtype, a.data.ptr & 15))
-        else:
-            out.append((type(a), a.shape, a.strides, a.dtype))
-    return tuple(out)
+            sig.append(None)
+            ptrs.append(0)
+            continue
+        if _KINDS.get(type(a)) != "torch":
+            return None
+        dt = dtypes.get(a.dtype)
+        if dt is None:
+            return None
+        p = a.data_ptr()
+        sig.append((tuple(a.shape), _byte_strides(a.stride(), dt.itemsize), dt, p & 15))
+        ptrs.append(p)
+    tdev = tables["devices"].get(device)
+    if tdev is None:
+        tdev = tables["devices"][device] = first.device
+    stream = sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+    return Hot((tuple(sig), options, device, stream), ptrs, stream, tdev)
 
 
 class CallCache(dict):
-    """Launch setups of calls by signature (bounded: cleared when it grows past ``limit``)."""
+    """Launch setups of calls by :attr:`Hot.key` (bounded: cleared when it grows past
+    ``limit``)."""
 
     def __init__(self, limit=512):
         super().__init__()
         self.limit = limit
 
     def put(self, key, value):
+        if key is None:
+            return value
         if len(self) >= self.limit:
             self.clear()
         self[key] = value
         return value
-
-
-def stream_key():
-    """The current device and CuPy stream (a call cache's entries hold per-stream scratch)."""
-    cp = cupy_module()
-    return cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr
 
 
 # ----------------------------------------------------------------------------- checks

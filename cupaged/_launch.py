@@ -202,6 +202,10 @@ def _dim3(d):
     return d + (1,) * (3 - len(d))
 
 
+def _no_launch(args, stream):
+    return None
+
+
 class Kernel:
     """A compiled kernel taking one record: ``launch(grid, block, args, smem)``.
 
@@ -229,6 +233,20 @@ class Kernel:
         if gx and gy and gz:
             self._launch(self.ptr, gx, gy, gz, bx, by, bz, int(smem), stream, args.params, 0)
 
+    def at(self, grid, block, smem=0):
+        """This kernel's launch with its dimensions fixed: ``go(args, stream)`` launches it
+        with ``args`` (an :class:`ArgBuffer`) on the raw ``stream`` (a no-op for an empty
+        grid). Setups that calls reuse hold these."""
+        gx, gy, gz = _dim3(grid)
+        bx, by, bz = _dim3(block)
+        fn, launch, smem = self.ptr, self._launch, int(smem)
+        if not (gx and gy and gz):
+            return _no_launch
+
+        def go(args, stream):
+            launch(fn, gx, gy, gz, bx, by, bz, smem, stream, args.params, 0)
+        return go
+
     def __call__(self, grid, block, smem=0, **fields):
         """Pack ``fields`` and launch (functional calls; plans use :meth:`launch`)."""
         self.launch(grid, block, pack(self.record, **fields), smem)
@@ -237,3 +255,9 @@ class Kernel:
 def ptr(a):
     """Device address of a CuPy array (0 for None)."""
     return 0 if a is None else a.data.ptr
+
+
+def current_stream():
+    """CuPy's current stream as a raw pointer (what :meth:`Kernel.at` launches take)."""
+    import cupy
+    return cupy.cuda.get_current_stream().ptr

@@ -26,10 +26,10 @@ import numpy as np
 
 from . import abi, errors
 from ._arrays import (CallCache, accepts_dlpack, array_module, check_array, check_choice,
-                      check_range, host, is_cupy, signature, stream_key)
+                      check_range, host, hot, is_cupy)
 from ._checks import token_stride
 from ._compile import Spec, launcher
-from ._launch import ptr
+from ._launch import current_stream, ptr
 from .layouts import LAYOUTS, block_stride, cache_geometry
 from .reference import cache as ref
 
@@ -234,8 +234,8 @@ def swap_method(pairs, block_bytes):
 
 # ----------------------------------------------------------------------------- launches
 def _write_setup(key, value, k_cache, v_cache, geo, layout):
-    """(kernel, grid, smem, Bound) of a cache write of this shape: everything but the
-    arrays' addresses."""
+    """(launch, Bound) of a cache write of this shape: everything but the arrays'
+    addresses."""
     expr, grid, smem, fields = write_launch_config(key.shape[0], geo, k_cache.dtype.itemsize,
                                                    layout)
     vec = 16 // k_cache.itemsize  # elements of a 16-byte vector
@@ -245,14 +245,16 @@ def _write_setup(key, value, k_cache, v_cache, geo, layout):
         k_block=block_stride(k_cache) // vec, v_block=block_stride(v_cache) // vec,
         key_tok=token_stride("key", key) // vec, key_head=head_vecs,
         value_tok=token_stride("value", value) // vec, value_head=head_vecs, **fields)
-    return launcher("cache_ops", expr, abi.CACHE_WRITE, smem=smem), grid, smem, args
+    return launcher("cache_ops", expr, abi.CACHE_WRITE, smem=smem).at(grid, THREADS, smem), args
 
 
-def _launch_write(setup, key, value, k_cache, v_cache, slot_mapping):
-    kernel, grid, smem, args = setup
-    kernel.launch(grid, THREADS, args.pack(key=ptr(key), value=ptr(value), k_cache=ptr(k_cache),
-                                           v_cache=ptr(v_cache),
-                                           slot_mapping=ptr(slot_mapping)), smem)
+def _launch_write(setup, ptrs, stream):
+    """The write of a setup; ``ptrs``: addresses of key, value, k_cache, v_cache and
+    slot_mapping."""
+    go, args = setup
+    key, value, k_cache, v_cache, slots = ptrs
+    go(args.pack(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots),
+       stream)
 
 
 _WRITES = CallCache()  # cache-write setups by signature
@@ -286,7 +288,6 @@ def _address(a):
 
 
 # ----------------------------------------------------------------------------- public ops
-@accepts_dlpack
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, validate=None):
     """Write one key and one value row per token into its cache slot, in place.
 
@@ -312,21 +313,26 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, 
     (k_cache, v_cache)
         The caches, modified in place (same memory; torch tensors for torch inputs).
     """
-    sig = None
-    if is_cupy(key) and not errors.strict(validate):
-        sig = (signature(key, value, k_cache, v_cache, slot_mapping), layout, stream_key())
-        setup = _WRITES.get(sig)
+    arrays = (key, value, k_cache, v_cache, slot_mapping)
+    call = hot(errors.strict(validate), arrays, layout)
+    if call is not None:
+        setup = _WRITES.get(call.key)
         if setup is not None:  # checked and set up by an earlier call of this signature
-            _launch_write(setup, key, value, k_cache, v_cache, slot_mapping)
+            _launch_write(setup, call.ptrs, call.stream)
             return k_cache, v_cache
+    return _write_checked(*arrays, layout, validate, call.key if call is not None else None)
+
+
+@accepts_dlpack
+def _write_checked(key, value, k_cache, v_cache, slot_mapping, layout, validate, cache_key):
+    """write_kv_cache's checks, its setup (cached under ``cache_key``) and its launch."""
     xp, geo = _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate)
     if xp is np:
         ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout)
     elif key.shape[0]:
-        setup = _write_setup(key, value, k_cache, v_cache, geo, layout)
-        if sig is not None:
-            _WRITES.put(sig, setup)
-        _launch_write(setup, key, value, k_cache, v_cache, slot_mapping)
+        setup = _WRITES.put(cache_key, _write_setup(key, value, k_cache, v_cache, geo, layout))
+        _launch_write(setup, [ptr(a) for a in (key, value, k_cache, v_cache, slot_mapping)],
+                      current_stream())
     return k_cache, v_cache
 
 

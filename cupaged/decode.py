@@ -13,18 +13,18 @@ layout, strides, merge) lives in ``cupaged.decode_plan``, argument checks in
 from __future__ import annotations
 
 import functools
+import sys
 from typing import NamedTuple
 
 import numpy as np
 
 from . import abi, decode_checks as dc, decode_plan as dp, errors
 from ._arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, accepts_dlpack, array_module,
-                      as_dtype, check_array, check_choice, check_head_dim, empty, host, is_cupy,
-                      signature, stream_key)
+                      as_dtype, check_array, check_choice, check_head_dim, empty, host, hot)
 from ._checks import check_gqa, check_options, table_stride, token_stride
 from ._compile import Spec, ctype, launcher
 from ._device import Uploader, current, scratch
-from ._launch import ptr
+from ._launch import current_stream, ptr
 from .layouts import LAYOUTS, block_stride
 from .reference import attention as ref
 
@@ -105,12 +105,13 @@ class _DeviceStep(NamedTuple):
     once (``_launch.Bound``), leaving the run's arrays (q, caches, outputs, per-head
     arrays, tables and lengths) to :func:`_launch_decode`."""
     launch: object       # decode_plan.DecodeLaunch on this device
-    kernels: tuple       # Kernels: append (or None), decode, merge_pieces (or None), plan
+    launches: tuple      # Kernel.at launches: append (or None), decode, merge_pieces (or
+                         # None), plan (or None)
     plan_args: object    # Bound of DECODE_PLAN (None: planned on the host)
     append_args: object  # Bound of APPEND (None: no append)
     decode_args: object  # Bound of DECODE
     merge_args: object   # Bound of MERGE_PIECES (None: the fused merge)
-    merge_launch: tuple  # (grid, threads, warps a head) of merge_pieces_kernel, or None
+    merge_wph: int       # warps a head of merge_pieces_kernel (0: the fused merge)
     tables: object       # int32 [batch, >= width] block tables of a plan's own (None: the call's)
     lens: object         # int32 [batch] lengths of a plan's own (None: the call's)
     keep: tuple          # the device arrays the packed arguments point into (kept alive)
@@ -126,11 +127,6 @@ def _decode_fields(lp, num_q_heads, bt_stride, opts, fused):
                 head_chunks=lp.heads.head_chunks, window_left=opts.window_left,
                 fused_merge=int(fused), scale_log2=opts.sm_scale * LOG2E,
                 sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap)
-
-
-def _merge_launch(lp, batch, fused):
-    """merge_pieces_kernel's launch for a step (None with the fused merge)."""
-    return None if fused else dp.merge_launch(lp, batch)
 
 
 def _partials(xp, lp, num_slots, name=None):
@@ -168,13 +164,16 @@ def _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, b
             part_out=ptr(part_out), part_lse=ptr(part_lse), seq_info=ptr(seq_info),
             num_q_heads=num_q_heads, num_kv_heads=lp.merge_kv_heads,
             head_chunks=lp.heads.head_chunks, hpc=lp.heads_per_group, dim=head_dim)
-    kernels = (launcher("decode", _append_expr(dtype), abi.APPEND) if append else None,
-               _decode_kernel(lp, dtype),
-               None if fused else launcher("decode", _pieces_expr(dtype, lp.head_dim),
-                                           abi.MERGE_PIECES),
-               launcher("plan", PLAN_EXPR, abi.DECODE_PLAN) if plan_args is not None else None)
-    return _DeviceStep(lp, kernels, plan_args, append_args, decode_args, merge_args,
-                       _merge_launch(lp, batch, fused), tables, own_lens,
+    merge_dims = None if fused else dp.merge_launch(lp, batch)  # (grid, threads, wph)
+    launches = (
+        launcher("decode", _append_expr(dtype), abi.APPEND).at(batch, 128) if append else None,
+        _decode_kernel(lp, dtype).at(lp.grid, lp.threads, lp.tiles.smem_bytes),
+        None if fused else launcher("decode", _pieces_expr(dtype, lp.head_dim),
+                                    abi.MERGE_PIECES).at(*merge_dims[:2]),
+        launcher("plan", PLAN_EXPR, abi.DECODE_PLAN).at(min(batch, PLAN_CTAS), 512)
+        if plan_args is not None else None)
+    return _DeviceStep(lp, launches, plan_args, append_args, decode_args, merge_args,
+                       0 if fused else merge_dims[2], tables, own_lens,
                        (work, seq_info, lens, counters, pool, part_out, part_lse, tables,
                         own_lens))
 
@@ -201,33 +200,47 @@ def _planned_on_device(lp, dtype, num_q_heads, head_dim, opts, merge, append, ba
                         counters[1:], None, part_out, part_lse, plan_args, tables, own_lens)
 
 
-def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, lse, num_blocks,
-                   tables, lens):
-    """Plan (when planned on the device), append (with ``k_new``), decode and, with a merge
-    kernel, merge split pieces by a second kernel; all on the current stream, without a
-    host sync. ``tables``/``lens``: the block tables and lengths the step reads."""
+class _Strides(NamedTuple):
+    """What a step's launches take of a call's arrays besides their addresses (fixed by
+    the call's signature)."""
+    kbs: int          # block strides of the caches (elements)
+    vbs: int
+    q_stride: int     # q's row stride (elements)
+    k_new_stride: int
+    v_new_stride: int
+    num_blocks: int
+
+
+def _strides(q, k_cache, v_cache, k_new, v_new):
     batch, hq, d = q.shape
-    lp = dev.launch
-    append, decode, merge, plan = dev.kernels
-    t = ptr(tables)
-    if plan is not None:
-        plan.launch(min(batch, PLAN_CTAS), 512,
-                    dev.plan_args.pack(block_tables=t, seq_lens=ptr(lens), num_blocks=num_blocks))
-    kbs, vbs = block_stride(k_cache), block_stride(v_cache)
-    kp, vp = ptr(k_cache), ptr(v_cache)
-    if k_new is not None:
-        append.launch(batch, 128, dev.append_args.pack(
-            k_new=ptr(k_new), v_new=ptr(v_new), k_cache=kp, v_cache=vp, block_tables=t,
-            kbs=kbs, vbs=vbs, k_new_stride=token_stride("k_new", k_new),
-            v_new_stride=token_stride("v_new", v_new)))
-    decode.launch(lp.grid, lp.threads, dev.decode_args.pack(
-        q=ptr(q), out=ptr(out), lse=ptr(lse), k_cache=kp, v_cache=vp, block_tables=t,
-        alibi_slopes=ptr(alibi), sinks=ptr(sinks), kbs=kbs, vbs=vbs,
-        q_stride=q.strides[0] // q.itemsize if batch > 1 else hq * d), lp.tiles.smem_bytes)
+    return _Strides(block_stride(k_cache), block_stride(v_cache),
+                    q.strides[0] // q.itemsize if batch > 1 else hq * d,
+                    token_stride("k_new", k_new) if k_new is not None else 0,
+                    token_stride("v_new", v_new) if v_new is not None else 0,
+                    k_cache.shape[0])
+
+
+def _launch_decode(dev, st, ptrs, out, lse, tables, lens, stream, plan=True):
+    """Plan (when planned on the device and ``plan``), append (with ``k_new``), decode and,
+    with a merge kernel, merge split pieces by a second kernel; on ``stream`` (a raw
+    pointer), without a host sync. ``st``: the call's :class:`_Strides`; ``ptrs``: the
+    addresses of q, k_cache, v_cache, k_new, v_new, alibi_slopes and sinks; ``out``,
+    ``lse``, ``tables``, ``lens``: addresses of the outputs and of the block tables and
+    lengths the step reads."""
+    q, kc, vc, k_new, v_new, alibi, sinks = ptrs
+    append, decode, merge, plan_go = dev.launches
+    if plan and plan_go is not None:
+        plan_go(dev.plan_args.pack(block_tables=tables, seq_lens=lens,
+                                   num_blocks=st.num_blocks), stream)
+    if k_new:
+        append(dev.append_args.pack(
+            k_new=k_new, v_new=v_new, k_cache=kc, v_cache=vc, block_tables=tables, kbs=st.kbs,
+            vbs=st.vbs, k_new_stride=st.k_new_stride, v_new_stride=st.v_new_stride), stream)
+    decode(dev.decode_args.pack(
+        q=q, out=out, lse=lse, k_cache=kc, v_cache=vc, block_tables=tables,
+        alibi_slopes=alibi, sinks=sinks, kbs=st.kbs, vbs=st.vbs, q_stride=st.q_stride), stream)
     if merge is not None:
-        grid, threads, wph = dev.merge_launch
-        merge.launch(grid, threads, dev.merge_args.pack(out=ptr(out), lse=ptr(lse),
-                                                        sinks=ptr(sinks), wph=wph))
+        merge(dev.merge_args.pack(out=out, lse=lse, sinks=sinks, wph=dev.merge_wph), stream)
 
 
 def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_parts, rows,
@@ -273,6 +286,10 @@ def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
 _CALLS = CallCache()  # paged_decode's device-planned calls by signature
 
 
+def _with_ptr(a):
+    return a, ptr(a)
+
+
 def _result(out, lse, return_lse):
     return (out, lse) if return_lse else out
 
@@ -286,7 +303,6 @@ def _reference_into(o, lse, out, return_lse):
 
 
 # ----------------------------------------------------------------------------- public ops
-@accepts_dlpack
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                  logits_soft_cap=0.0, layout="NHD", num_splits=None, out=None,
@@ -353,50 +369,62 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         float32 ``[batch, num_q_heads]``; ``-inf`` (or the sink) for no key. Only with
         ``return_lse``.
     """
-    key = None
-    if is_cupy(q) and num_splits is None and not errors.strict(validate):
-        key = (signature(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, out,
-                         alibi_slopes, sinks), sm_scale, window_left, logits_soft_cap, layout,
-               bool(return_lse), kv_path, stream_key())
-        hit = _CALLS.get(key)
+    arrays = (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, block_tables, seq_lens,
+              out)
+    call = None
+    if num_splits is None:
+        call = hot(errors.strict(validate), arrays, sm_scale, window_left, logits_soft_cap,
+                   layout, bool(return_lse), kv_path)
+        hit = _CALLS.get(call.key) if call is not None else None
         if hit is not None:  # checked and set up by an earlier call of this signature
-            dev, num_blocks = hit
-            return _run_step(dev, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
-                             return_lse, num_blocks, block_tables, seq_lens)
+            dev, st, dtype = hit
+            *ptrs, tables, lens, out_ptr = call.ptrs
+            if out is None:
+                out, out_ptr = call.empty(q.shape, dtype)
+            lse = lse_ptr = 0
+            if return_lse:
+                lse, lse_ptr = call.empty(q.shape[:2], np.float32)
+            _launch_decode(dev, st, ptrs, out_ptr, lse_ptr, tables, lens, call.stream)
+            return (out, lse) if return_lse else out
+    return _decode_checked(*arrays, num_splits, sm_scale, window_left, logits_soft_cap, layout,
+                           return_lse, kv_path, validate,
+                           call.key if call is not None else None)
+
+
+@accepts_dlpack
+def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, block_tables,
+                    seq_lens, out, num_splits, sm_scale, window_left, logits_soft_cap, layout,
+                    return_lse, kv_path, validate, cache_key):
+    """paged_decode's checks, its device step (cached under ``cache_key`` when planned on
+    the device) and its launches."""
     options = dict(sm_scale=sm_scale, window_left=window_left, alibi_slopes=alibi_slopes,
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
-    c = dc.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
-                        num_splits, out, options, validate)
+    checked = dc.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new,
+                              layout, num_splits, out, options, validate)
     if kv_path is not None:
         check_choice("kv_path", kv_path, dp.KV_PATHS)
-    if c.xp is np:
+    xp = checked.xp
+    if xp is np:
         o, lse = ref.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new=k_new,
-                                  v_new=v_new, sm_scale=c.options.sm_scale,
-                                  window_left=c.options.window_left, alibi_slopes=alibi_slopes,
-                                  sinks=sinks, logits_soft_cap=c.options.logits_soft_cap,
+                                  v_new=v_new, sm_scale=checked.options.sm_scale,
+                                  window_left=checked.options.window_left,
+                                  alibi_slopes=alibi_slopes, sinks=sinks,
+                                  logits_soft_cap=checked.options.logits_soft_cap,
                                   layout=layout, return_lse=True)
         return _reference_into(o, lse, out, return_lse)
-    if c.batch == 0:
-        out = empty(c.xp, q.shape, q.dtype) if out is None else out
-        lse = empty(c.xp, (0, c.num_q_heads), np.float32) if return_lse else None
-        return _result(out, lse, return_lse)
-    lp = _current_geometry(q.dtype, q.shape[2], layout, c.geometry.block_size, c.num_q_heads,
-                           c.geometry.num_kv_heads, kv_path, c.batch)
-    dev = _call_step(c.xp, lp, c, q.dtype, block_tables, seq_lens, num_splits)
-    if key is not None and c.seq_lens_host is None:
-        _CALLS.put(key, (dev, c.geometry.num_blocks))
-    return _run_step(dev, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
-                     return_lse, c.geometry.num_blocks, block_tables, seq_lens)
-
-
-def _run_step(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, return_lse,
-              num_blocks, tables, lens):
-    """Outputs allocated (by the caller's framework), then the step's launches."""
-    import cupy
-    out = empty(cupy, q.shape, q.dtype) if out is None else out
-    lse = empty(cupy, q.shape[:2], np.float32) if return_lse else None
-    _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, lse, num_blocks,
-                   tables, lens)
+    out = empty(xp, q.shape, q.dtype) if out is None else out
+    lse = empty(xp, q.shape[:2], np.float32) if return_lse else None
+    if checked.batch:
+        geo = checked.geometry
+        lp = _current_geometry(q.dtype, q.shape[2], layout, geo.block_size,
+                               checked.num_q_heads, geo.num_kv_heads, kv_path, checked.batch)
+        dev = _call_step(xp, lp, checked, q.dtype, block_tables, seq_lens, num_splits)
+        st = _strides(q, k_cache, v_cache, k_new, v_new)
+        if checked.seq_lens_host is None:
+            _CALLS.put(cache_key, (dev, st, q.dtype))
+        _launch_decode(dev, st, [ptr(a) for a in (q, k_cache, v_cache, k_new, v_new,
+                                                   alibi_slopes, sinks)],
+                       ptr(out), ptr(lse), ptr(block_tables), ptr(seq_lens), current_stream())
     return _result(out, lse, return_lse)
 
 
@@ -670,7 +698,6 @@ class PagedDecoder:
                                   self._counters, self._part_out, self._part_lse,
                                   tables=tables, own_lens=lens)
 
-    @accepts_dlpack
     def run(self, q, k_cache, v_cache, sinks=None, alibi_slopes=None, k_new=None, v_new=None,
             out=None, return_lse=False, lse=None):
         """Decode the planned step for one layer.
@@ -695,34 +722,54 @@ class PagedDecoder:
         -------
         out, or ``(out, lse)`` with ``return_lse``; as :func:`paged_decode`.
         """
-        st = self._step
-        key = None
-        if st is not None and st.device is not None and is_cupy(q):
-            key = signature(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse)
-        if key is None or key not in self._runs:
-            xp, opts = dc.check_run(self, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new,
-                                    v_new, out, lse)
-            if xp is np:
-                return self._run_reference(q, k_cache, v_cache, sinks, alibi_slopes, k_new,
-                                           v_new, out, return_lse, lse, opts)
-            self._runs.put(key, True)
-        shape = (st.batch, self.num_q_heads, self.head_dim)
-        import cupy
-        out = empty(cupy, shape, self.dtype) if out is None else out
+        step = self._step
+        arrays = (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out, lse)
+        call = None
+        if step is not None and step.device is not None:
+            call = hot(False, arrays)
+            strides = self._runs.get(call.key) if call is not None else None
+            if strides is not None:  # checked against the plan by an earlier run
+                return self._launch(step, strides, call.ptrs, out, lse, return_lse, call)
+        return self._run_checked(*arrays, return_lse, call.key if call is not None else None)
+
+    @accepts_dlpack
+    def _run_checked(self, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out, lse,
+                     return_lse, cache_key):
+        """run's checks against the plan (remembered under ``cache_key``) and its launches."""
+        step = self._step
+        xp, opts = dc.check_run(self, step, q, k_cache, v_cache, sinks, alibi_slopes, k_new,
+                                v_new, out, lse)
+        if xp is np:
+            return self._run_reference(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new,
+                                       out, return_lse, lse, opts)
+        strides = _strides(q, k_cache, v_cache, k_new, v_new)
+        self._runs.put(cache_key, strides)
+        ptrs = [ptr(a) for a in (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
+                                 lse)]
+        return self._launch(step, strides, ptrs, out, lse, return_lse, None)
+
+    def _launch(self, step, strides, ptrs, out, lse, return_lse, call):
+        """Outputs allocated (in the caller's kind: by ``call``, else by :func:`empty`),
+        then the step's launches on the caller's stream."""
+        *ptrs, out_ptr, lse_ptr = ptrs
+        shape = (step.batch, self.num_q_heads, self.head_dim)
+        if out is None:
+            out, out_ptr = (call.empty(shape, self.dtype) if call is not None else
+                            _with_ptr(empty(sys.modules["cupy"], shape, self.dtype)))
         if lse is None and return_lse:
-            lse = empty(cupy, shape[:2], np.float32)
-        if st.batch:
-            dev = st.device
-            num_blocks = k_cache.shape[0]
-            if (dev.plan_args is not None and self._planned_blocks == num_blocks
-                    and not cupy.cuda.runtime.streamIsCapturing(
-                        cupy.cuda.get_current_stream().ptr)):
-                # planned at an earlier run; a captured run plans again at each replay, so
-                # that it follows later plans
-                dev = dev._replace(kernels=dev.kernels[:3] + (None,))
-            _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out, lse,
-                           num_blocks, dev.tables, dev.lens)
-            self._planned_blocks = num_blocks
+            lse, lse_ptr = (call.empty(shape[:2], np.float32) if call is not None else
+                            _with_ptr(empty(sys.modules["cupy"], shape[:2], np.float32)))
+        if step.batch:
+            dev = step.device
+            stream = call.stream if call is not None else current_stream()
+            # planned at an earlier run, unless captured: a captured run plans at each
+            # replay, so that it follows later plans
+            replan = (dev.plan_args is not None
+                      and (self._planned_blocks != strides.num_blocks
+                           or sys.modules["cupy"].cuda.runtime.streamIsCapturing(stream)))
+            _launch_decode(dev, strides, ptrs, out_ptr, lse_ptr, ptr(dev.tables), ptr(dev.lens),
+                           stream, plan=replan)
+            self._planned_blocks = strides.num_blocks
         return _result(out, lse, return_lse)
 
     def _run_reference(self, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out,

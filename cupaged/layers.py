@@ -10,7 +10,8 @@ positions. Rows past ``cu_seqlens_q[-1]`` are padding; their output rows are zer
 ``forward`` = (RoPE) -> ``write_kv_cache`` -> ``paged_attention``, on NumPy (reference) or
 CuPy (kernels) alike. A sliding window of ``W`` tokens (seed 002's ``sliding_window``,
 xformers' local attention) lets a query at position ``p`` see keys ``p - W + 1 .. p``:
-``window_left = W - 1``. No torch: layers are plain objects, called like modules.
+``window_left = W - 1``. Layers are plain objects, called like modules; CUDA tensors of
+torch or JAX go in and come back as the ops take them (on the caller's stream).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import math
 
 import numpy as np
 
-from ._arrays import array_module, check_array, check_head_dim, check_range
+from ._arrays import accepts_dlpack, array_module, check_array, check_head_dim, check_range
 from ._checks import check_block_tables, check_gqa
 from .layouts import LAYOUTS, cache_geometry
 from .rope import check_scaling
@@ -119,6 +120,7 @@ class PagedAttention:
     def _rotate(self, positions, q, k):
         return q, k
 
+    @accepts_dlpack
     def _forward(self, positions, query, key, value, key_cache, value_cache, metadata):
         xp = array_module(query, key, value, key_cache, value_cache)
         if xp is not metadata.xp:

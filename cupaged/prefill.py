@@ -21,12 +21,12 @@ import numpy as np
 from . import abi, errors, prefill_plan as plan_
 from ._arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, as_dtype, bfloat16,
                       check_array, check_head_dim, empty, float16, float32, gpu_available,
-                      is_cupy, signature, stream_key)
+                      hot)
 from ._checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options, check_out,
                       table_stride, token_stride)
 from ._compile import Spec, ctype, launcher
 from ._device import Uploader, scratch
-from ._launch import ptr
+from ._launch import current_stream, ptr
 from .layouts import CacheGeometry, block_stride, cache_geometry
 from .reference import attention as ref
 
@@ -138,6 +138,7 @@ class _Launches:
                  strides, opts, causal, v_transposed, backend, tile=None, work=None,
                  name="prefill"):
         total_q, hq, d = q.shape
+        self.dtype = q.dtype
         group = hq // num_kv_heads
         self.tile = _tile(q.dtype, d, v_transposed, backend, tile)
         self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend)
@@ -147,8 +148,8 @@ class _Launches:
             capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
             work = scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4)
             plan_scratch = scratch(f"{name}.plan", 1 + 2 * batch, zero=True)
-            self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN),
-                         min(max(batch, 1), PLAN_CTAS), abi.PREFILL_PLAN.bind(
+            self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN).at(
+                min(max(batch, 1), PLAN_CTAS), 512), abi.PREFILL_PLAN.bind(
                 work=ptr(work), scratch=ptr(plan_scratch),
                 done=ptr(scratch(f"{name}.done", 1, zero=True)), err=ptr(errors.error_word()),
                 row_bytes=hq * d * q.itemsize, batch=batch, total_q=total_q, total_k=total_k,
@@ -158,6 +159,7 @@ class _Launches:
                 block_m=self.tile.block_m, block_n=self.tile.block_n, causal=int(causal),
                 window_left=_window(opts), capacity=capacity))
         self.work = work
+        self.go = self.kernel.at(work.shape[0], self.threads, self.smem)
         self.args = abi.PREFILL.bind(
             work=ptr(work), max_blocks=table_stride(tables), block_size=block_size,
             paged=int(paged), k_block=strides.k_block, k_head=strides.k_head,
@@ -166,19 +168,19 @@ class _Launches:
             num_kv_heads=num_kv_heads, sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
             window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q))
 
-    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks):
-        """Launch on the current stream, without a host sync."""
+    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream):
+        """Launch on ``stream`` (a raw pointer), without a host sync; every array by its
+        device address (0 for None)."""
         if self.plan is not None:
-            kernel, grid, args = self.plan
-            kernel.launch(grid, 512, args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info),
-                                               block_tables=ptr(tables), out=ptr(out),
-                                               lse=ptr(lse)))
-        n = self.work.shape[0]
-        if n:
-            self.kernel.launch(n, self.threads, self.args.pack(
-                q=ptr(q), k=ptr(k), v=ptr(v), out=ptr(out), lse=ptr(lse), cu_q=ptr(cu_q),
-                kv_info=ptr(kv_info), block_tables=ptr(tables), alibi=ptr(alibi),
-                sinks=ptr(sinks)), self.smem)
+            go, args = self.plan
+            go(args.pack(cu_q=cu_q, kv_info=kv_info, block_tables=tables, out=out, lse=lse),
+               stream)
+        self.go(self.args.pack(q=q, k=k, v=v, out=out, lse=lse, cu_q=cu_q, kv_info=kv_info,
+                               block_tables=tables, alibi=alibi, sinks=sinks), stream)
+
+
+def _addresses(*arrays):
+    return [ptr(a) for a in arrays]
 
 
 def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, total_k,
@@ -188,9 +190,9 @@ def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, tot
                     num_kv_heads, plan_.kv_strides("ragged", 1, num_kv_heads, q.shape[2],
                                                    q.dtype), opts, causal, False, "mma",
                     tile=tile, name=name)
-    kernel, grid, args = run.plan
-    kernel.launch(grid, 512, args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info),
-                                       block_tables=ptr(tables), out=ptr(out), lse=ptr(lse)))
+    go, args = run.plan
+    go(args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info), block_tables=ptr(tables), out=ptr(out),
+                 lse=ptr(lse)), current_stream())
     return run.work
 
 
@@ -200,7 +202,8 @@ def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides,
     no host sync (benchmarks and strict-mode calls)."""
     _Launches(q, cu_q.shape[0] - 1, tables, block_size, 0, 0, num_kv_heads, strides, opts,
               causal, v_transposed, backend, tile=tile, work=work)(
-        q, k, v, out, lse, cu_q, kv_info, tables, opts.alibi_slopes, opts.sinks)
+        *_addresses(q, k, v, out, lse, cu_q, kv_info, tables, opts.alibi_slopes, opts.sinks),
+        current_stream())
 
 
 def _outputs(q, out, return_lse, xp):
@@ -234,7 +237,6 @@ def _check_common(xp, q, causal, return_lse, out, options):
 
 
 # ----------------------------------------------------------------------------- ragged
-@accepts_dlpack
 def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                    causal=True, sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                    logits_soft_cap=0.0, out=None, return_lse=False, backend="auto",
@@ -288,15 +290,24 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     lse : array
         float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
     """
-    key = None
-    if is_cupy(q) and not errors.strict(validate):
-        key = ("ragged", signature(q, k, v, cu_seqlens_q, cu_seqlens_k, out, alibi_slopes, sinks),
-               causal, sm_scale, window_left, logits_soft_cap, bool(return_lse), backend,
-               stream_key())
-        run = _CALLS.get(key)
-        if run is not None:  # checked and set up by an earlier call of this signature
-            return _run(run, q, k, v, out, return_lse, cu_seqlens_q, cu_seqlens_k, None,
-                        alibi_slopes, sinks)
+    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, out)
+    call = hot(errors.strict(validate), arrays, "ragged", causal, sm_scale, window_left,
+               logits_soft_cap, bool(return_lse), backend)
+    if call is not None:
+        hit = _CALLS.get(call.key)
+        if hit is not None:  # checked and set up by an earlier call of this signature
+            return _run_hot(hit, call, q, out, return_lse)
+    return _varlen_checked(*arrays, max_seqlen_q, max_seqlen_k, causal, sm_scale, window_left,
+                           logits_soft_cap, return_lse, backend, validate,
+                           call.key if call is not None else None)
+
+
+@accepts_dlpack
+def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, out, max_seqlen_q,
+                    max_seqlen_k, causal, sm_scale, window_left, logits_soft_cap, return_lse,
+                    backend, validate, cache_key):
+    """varlen_prefill's checks, its launches' setup (cached under ``cache_key`` when planned
+    on the device) and its launches."""
     xp = array_module(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, out)
     contents = xp is np or errors.strict(validate)
     cu_q, cu_k = plan_.check_ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, xp, contents)
@@ -321,17 +332,36 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
                                 False, causal, opts, backend=backend))
     run = _Launches(q, cu_seqlens_q.shape[0] - 1, None, 1, 0, k.shape[0], hk, strides, opts,
                     causal, False, backend, work=work)
-    if work is None and key is not None:
-        _CALLS.put(key, run)
-    return _run(run, q, k, v, out, return_lse, cu_seqlens_q, cu_seqlens_k, None, alibi_slopes,
-                sinks)
+    if work is None:
+        _CALLS.put(cache_key, run)
+    return _run(run, q, out, return_lse, (q, k, v, cu_seqlens_q, cu_seqlens_k, None,
+                                          alibi_slopes, sinks))
 
 
-def _run(run, q, k, v, out, return_lse, cu_q, kv_info, tables, alibi, sinks):
-    """Outputs allocated (by the caller's framework), then the call's launches."""
+def _run(run, q, out, return_lse, arrays):
+    """Outputs allocated (by the caller's framework), then the call's launches; ``arrays``:
+    q, k (or k_cache), v, cu_seqlens_q, the kv info (cu_seqlens_k or seq_lens), block
+    tables, alibi_slopes and sinks."""
     import cupy
     out, lse = _outputs(q, out, return_lse, cupy)
-    run(q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks)
+    q, k, v, cu_q, kv_info, tables, alibi, sinks = _addresses(*arrays)
+    run(q, k, v, ptr(out), ptr(lse), cu_q, kv_info, tables, alibi, sinks, current_stream())
+    return (out, lse) if return_lse else out
+
+
+def _run_hot(run, call, q, out, return_lse):
+    """A cached call's launches: ``call.ptrs`` hold q, k, v, cu_seqlens_q, the kv info,
+    [block tables,] alibi_slopes, sinks and out, as the public op lists its arrays."""
+    *ptrs, out_ptr = call.ptrs
+    if len(ptrs) == 7:  # ragged: no block tables
+        ptrs.insert(5, 0)
+    if out is None:
+        out, out_ptr = call.empty(q.shape, run.dtype)
+    lse = lse_ptr = 0
+    if return_lse:
+        lse, lse_ptr = call.empty(q.shape[:2], np.float32)
+    q, k, v, cu_q, kv_info, tables, alibi, sinks = ptrs
+    run(q, k, v, out_ptr, lse_ptr, cu_q, kv_info, tables, alibi, sinks, call.stream)
     return (out, lse) if return_lse else out
 
 
@@ -346,7 +376,6 @@ def _check_caches(k_cache, v_cache, layout, xp):
     return cache_geometry(k_cache, v_cache, layout)
 
 
-@accepts_dlpack
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                   sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                   logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False, backend="auto",
@@ -385,15 +414,24 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     lse : array
         float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
     """
-    key = None
-    if is_cupy(q) and not errors.strict(validate):
-        key = ("paged", signature(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, out,
-                                  alibi_slopes, sinks), causal, sm_scale, window_left,
-               logits_soft_cap, layout, bool(return_lse), backend, stream_key())
-        run = _CALLS.get(key)
-        if run is not None:
-            return _run(run, q, k_cache, v_cache, out, return_lse, cu_seqlens_q, seq_lens,
-                        block_tables, alibi_slopes, sinks)
+    arrays = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, alibi_slopes, sinks,
+              out)
+    call = hot(errors.strict(validate), arrays, "paged", causal, sm_scale, window_left,
+               logits_soft_cap, layout, bool(return_lse), backend)
+    if call is not None:
+        hit = _CALLS.get(call.key)
+        if hit is not None:  # checked and set up by an earlier call of this signature
+            return _run_hot(hit, call, q, out, return_lse)
+    return _paged_checked(*arrays, causal, sm_scale, window_left, logits_soft_cap, layout,
+                          return_lse, backend, validate, call.key if call is not None else None)
+
+
+@accepts_dlpack
+def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, alibi_slopes,
+                   sinks, out, causal, sm_scale, window_left, logits_soft_cap, layout,
+                   return_lse, backend, validate, cache_key):
+    """paged_prefill's checks, its launches' setup (cached under ``cache_key`` when planned
+    on the device) and its launches."""
     xp = array_module(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, alibi_slopes,
                       sinks, out)
     geo = _check_caches(k_cache, v_cache, layout, xp)
@@ -420,10 +458,10 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     run = _Launches(q, cu_seqlens_q.shape[0] - 1, block_tables, geo.block_size, geo.num_blocks,
                     0, geo.num_kv_heads, _cache_strides(layout, geo, k_cache, v_cache), opts,
                     causal, v_t, backend, work=work)
-    if work is None and key is not None:
-        _CALLS.put(key, run)
-    return _run(run, q, k_cache, v_cache, out, return_lse, cu_seqlens_q, seq_lens, block_tables,
-                alibi_slopes, sinks)
+    if work is None:
+        _CALLS.put(cache_key, run)
+    return _run(run, q, out, return_lse, (q, k_cache, v_cache, cu_seqlens_q, seq_lens,
+                                          block_tables, alibi_slopes, sinks))
 
 
 def _cache_strides(layout, geo, k_cache, v_cache):
@@ -432,7 +470,6 @@ def _cache_strides(layout, geo, k_cache, v_cache):
         k_block=block_stride(k_cache), v_block=block_stride(v_cache))
 
 
-@accepts_dlpack
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                     sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                     logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False,
@@ -566,10 +603,12 @@ class PagedPrefiller:
             self._caps = caps
         n_items, n_seq, n_width = self._caps
         buf, o = self._buf, 4 * n_items
-        return dict(work=buf[:o].reshape(n_items, 4), cu=buf[o:o + batch + 1],
-                    sl=buf[o + n_seq + 1:o + n_seq + 1 + batch],
-                    bt=buf[o + 2 * n_seq + 1:o + 2 * n_seq + 1 + batch * n_width]
-                    .reshape(batch, n_width)[:, :width], width=n_width)
+        views = dict(work=buf[:o].reshape(n_items, 4), cu=buf[o:o + batch + 1],
+                     sl=buf[o + n_seq + 1:o + n_seq + 1 + batch],
+                     bt=buf[o + 2 * n_seq + 1:o + 2 * n_seq + 1 + batch * n_width]
+                     .reshape(batch, n_width)[:, :width], width=n_width)
+        views.update(cu_ptr=ptr(views["cu"]), sl_ptr=ptr(views["sl"]), bt_ptr=ptr(views["bt"]))
+        return views
 
     def _upload(self, work, cu, sl, bt):
         """One asynchronous host-to-device copy of the planned arrays; the work list padded
@@ -619,7 +658,6 @@ class PagedPrefiller:
         plan_.check_paged_query(q, geo, k_cache.dtype, xp)
         return geo
 
-    @accepts_dlpack
     def run(self, q, k_cache, v_cache, *, sinks=None, alibi_slopes=None, out=None,
             return_lse=False):
         """Attention of the planned batch for one layer.
@@ -645,6 +683,28 @@ class PagedPrefiller:
         lse : array
             float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
         """
+        arrays = (q, k_cache, v_cache, alibi_slopes, sinks, out)
+        call = hot(False, arrays, bool(return_lse)) if self._device is not None else None
+        if call is not None:
+            hit = self._runs.get(call.key)
+            if hit is not None:  # checked against the plan by an earlier run
+                d = self._device
+                qp, kp, vp, alibi, sk, out_ptr = call.ptrs
+                if out is None:
+                    out, out_ptr = call.empty(q.shape, self.dtype)
+                lse = lse_ptr = 0
+                if return_lse:
+                    lse, lse_ptr = call.empty(q.shape[:2], np.float32)
+                hit(qp, kp, vp, out_ptr, lse_ptr, d["cu_ptr"], d["sl_ptr"], d["bt_ptr"], alibi,
+                    sk, call.stream)
+                return (out, lse) if return_lse else out
+        return self._run_checked(*arrays, return_lse, call.key if call is not None else None)
+
+    @accepts_dlpack
+    def _run_checked(self, q, k_cache, v_cache, alibi_slopes, sinks, out, return_lse,
+                     cache_key):
+        """run's checks against the plan, its launches' setup (cached under ``cache_key``)
+        and its launches."""
         xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, out)
         geo = self._check_run(q, k_cache, v_cache, xp)
         causal, return_lse, opts = _check_common(
@@ -658,15 +718,12 @@ class PagedPrefiller:
                                              layout=self.layout, return_lse=return_lse,
                                              **_ref_options(opts, causal)), out, return_lse)
         d = self._device
+        run = self._runs.put(cache_key, _Launches(
+            q, d["sl"].shape[0], d["bt"], self.block_size, geo.num_blocks, 0,
+            self.num_kv_heads, _cache_strides(self.layout, geo, k_cache, v_cache), opts,
+            causal, self._v_transposed, backend,
+            work=None if h["cu"] is None else d["work"], name="prefiller"))
         out, lse = _outputs(q, out, return_lse, xp)
-        key = (signature(q, k_cache, v_cache, out, alibi_slopes, sinks), bool(return_lse),
-               backend, stream_key())
-        run = self._runs.get(key)
-        if run is None:
-            run = self._runs.put(key, _Launches(
-                q, d["sl"].shape[0], d["bt"], self.block_size, geo.num_blocks, 0,
-                self.num_kv_heads, _cache_strides(self.layout, geo, k_cache, v_cache), opts,
-                causal, self._v_transposed, backend,
-                work=None if h["cu"] is None else d["work"], name="prefiller"))
-        run(q, k_cache, v_cache, out, lse, d["cu"], d["sl"], d["bt"], alibi_slopes, sinks)
+        run(*_addresses(q, k_cache, v_cache, out, lse, d["cu"], d["sl"], d["bt"], alibi_slopes,
+                        sinks), current_stream())
         return (out, lse) if return_lse else out

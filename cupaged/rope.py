@@ -18,10 +18,10 @@ import numpy as np
 
 from . import abi, errors
 from ._arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module, check_array,
-                      check_range, cupy_module, empty, host, is_cupy, signature, stream_key)
+                      check_range, empty, host, hot)
 from ._checks import token_stride
 from ._compile import Spec, ctype, launcher
-from ._launch import ptr
+from ._launch import current_stream, ptr
 from .reference import rope as ref
 
 SCALING_TYPES = ("linear", "dynamic")
@@ -148,7 +148,7 @@ def _vector_width(plan, dtype, arrays):
 
 
 def _setup(plan, positions, q, k, q_out, k_out):
-    """(kernel, grid, Bound) of a rotation of this shape (None: nothing to rotate)."""
+    """(launch, Bound) of a rotation of this shape (None: nothing to rotate)."""
     if plan.num_tokens == 0:
         return None
     vec = _vector_width(plan, q.dtype, (q, k, q_out, k_out))
@@ -159,7 +159,8 @@ def _setup(plan, positions, q, k, q_out, k_out):
     total = plan.num_tokens * (q_heads + k_heads) * (rot_units + pass_units)
     if total == 0:
         return None
-    return (launcher("rope", _expr(q.dtype, plan.is_neox, vec), abi.ROPE), -(-total // _THREADS),
+    return (launcher("rope", _expr(q.dtype, plan.is_neox, vec), abi.ROPE).at(
+                -(-total // _THREADS), _THREADS),
             abi.ROPE.bind(
                 positions_are_64bit=int(positions.dtype == np.int64),
                 inv_freq=ptr(frequencies(plan)), err=ptr(errors.error_word()),
@@ -170,15 +171,14 @@ def _setup(plan, positions, q, k, q_out, k_out):
                 pass_units=pass_units))
 
 
-def _launch(plan, positions, q, k, q_out, k_out, setup=None):
-    setup = _setup(plan, positions, q, k, q_out, k_out) if setup is None else setup
+def _launch(setup, positions, q, k, q_out, k_out, stream):
+    """The rotation of a setup (None: nothing to rotate); the arrays by address."""
     if setup is not None:
-        kernel, grid, args = setup
-        kernel.launch(grid, _THREADS, args.pack(positions=ptr(positions), q=ptr(q), k=ptr(k),
-                                                q_out=ptr(q_out), k_out=ptr(k_out)))
+        go, args = setup
+        go(args.pack(positions=positions, q=q, k=k, q_out=q_out, k_out=k_out), stream)
 
 
-_CALLS = CallCache()  # rotations by signature: (plan, setup)
+_CALLS = CallCache()  # rotations by Hot.key: (setup, dtype)
 
 
 def _expr(dtype, is_neox, vec):
@@ -196,7 +196,6 @@ def kernel_specializations():
 
 
 # ----------------------------------------------------------------------------- public op
-@accepts_dlpack
 def apply_rope(positions, q, k, *, rotary_dim=None, base=10000.0, is_neox=True, scaling=None,
                max_position=None, head_dim=None, inplace=False, validate=None):
     """Rotary position embedding of queries and keys.
@@ -247,18 +246,30 @@ def apply_rope(positions, q, k, *, rotary_dim=None, base=10000.0, is_neox=True, 
         On bad shapes, dtypes, mixed array modules, heads that are not dense, odd or
         oversized ``rotary_dim``, a bad ``scaling``, or out-of-range host positions.
     """
-    key = None
-    if is_cupy(q) and q.ndim == 3 and k.ndim == 3 and not errors.strict(validate):
-        key = (signature(positions, q, k), rotary_dim, base, is_neox,
+    options = (rotary_dim, base, is_neox,
                None if scaling is None else tuple(sorted(scaling.items())), max_position,
-               head_dim, inplace, stream_key())
-        hit = _CALLS.get(key)
+               head_dim, inplace)
+    call = hot(errors.strict(validate), (positions, q, k), *options)
+    if call is not None:
+        hit = _CALLS.get(call.key)
         if hit is not None:  # checked and set up by an earlier call of this signature
-            plan, setup = hit
-            q_out, k_out = (q, k) if inplace else (empty(cupy_module(), q.shape, q.dtype),
-                                                   empty(cupy_module(), k.shape, k.dtype))
-            _launch(plan, positions, q, k, q_out, k_out, setup)
+            setup, dtype = hit
+            pos, qp, kp = call.ptrs
+            if inplace:
+                q_out, k_out, qo, ko = q, k, qp, kp
+            else:
+                (q_out, qo), (k_out, ko) = call.empty(q.shape, dtype), call.empty(k.shape, dtype)
+            _launch(setup, pos, qp, kp, qo, ko, call.stream)
             return q_out, k_out
+    return _rope_checked(positions, q, k, rotary_dim, base, is_neox, scaling, max_position,
+                         head_dim, inplace, validate, call.key if call is not None else None)
+
+
+@accepts_dlpack
+def _rope_checked(positions, q, k, rotary_dim, base, is_neox, scaling, max_position, head_dim,
+                  inplace, validate, cache_key):
+    """apply_rope's checks, its setup (cached under ``cache_key`` for 3-D q and k) and
+    its launch."""
     xp = array_module(positions, q, k)
     plan, q3, k3 = plan_rope(positions, q, k, rotary_dim, base, is_neox, scaling, max_position,
                              head_dim, xp, validate)
@@ -272,9 +283,9 @@ def apply_rope(positions, q, k, *, rotary_dim=None, base=10000.0, is_neox=True, 
         q_out, k_out = ((q3, k3) if inplace else
                         (empty(xp, q3.shape, q3.dtype), empty(xp, k3.shape, k3.dtype)))
         setup = _setup(plan, positions, q3, k3, q_out, k_out)
-        if key is not None:
-            _CALLS.put(key, (plan, setup))
-        _launch(plan, positions, q3, k3, q_out, k_out, setup)
+        if q.ndim == 3 and k.ndim == 3:
+            _CALLS.put(cache_key, (setup, q.dtype))
+        _launch(setup, *(ptr(a) for a in (positions, q3, k3, q_out, k_out)), current_stream())
     if inplace:
         return q, k
     return q_out.reshape(q.shape), k_out.reshape(k.shape)

@@ -16,6 +16,8 @@ import numpy as np
 from ._arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
 from ._checks import check_cu_seqlens, check_gqa
 from ._compile import Spec, ctype, get_kernel
+from ._device import Uploader, current
+from .errors import strict
 from .reference import sink as ref
 
 MODES = ref.MODES
@@ -122,9 +124,7 @@ def sink_softmax(logits, sinks):
     n = int(logits.shape[-1])
     if out.size == 0:
         return out
-    import cupy
-    num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    _softmax_launch(plan_softmax(out.size // n, n, num_sms), logits, sinks, out)
+    _softmax_launch(plan_softmax(out.size // n, n, current().sms), logits, sinks, out)
     return out
 
 
@@ -132,10 +132,10 @@ def sink_softmax(logits, sinks):
 class SinkPlan(NamedTuple):
     """Mode of one ``sink_attention`` call and its ragged form for the prefill kernel."""
     mode: str
-    cu_q: np.ndarray        # int32 [batch + 1]
-    cu_k: np.ndarray        # int32 [batch + 1]
-    max_q: int
-    max_k: int
+    cu_q: object            # int32 [batch + 1]: host, or the caller's device indptr
+    cu_k: object            # int32 [batch + 1]
+    max_q: object           # int, None with device indptrs
+    max_k: object
     row_window: bool        # prefill mode, window and qo_len != kv_len: seed's row-index window
 
 
@@ -165,7 +165,8 @@ def _check_arrays(q, k, v, sink, xp):
     check_array("sink", sink, shape=(q.shape[1],), dtypes=np.float32, xp=xp)
 
 
-def plan_sink_attention(q, k, v, sink, mode, batch_size, window_left, qo_indptr, kv_indptr, xp):
+def plan_sink_attention(q, k, v, sink, mode, batch_size, window_left, qo_indptr, kv_indptr, xp,
+                        validate=None):
     """Resolve the mode (seed 000's rules and messages first), check the arrays and build
     the ragged lengths."""
     if mode not in MODES:
@@ -190,11 +191,17 @@ def plan_sink_attention(q, k, v, sink, mode, batch_size, window_left, qo_indptr,
     if mode == "varlen":
         if qo_indptr is None or kv_indptr is None:
             raise ValueError("qo_indptr and kv_indptr are required for varlen mode")
-        cu_q = check_cu_seqlens("qo_indptr", qo_indptr, xp, total=q.shape[0], padding=False)
-        cu_k = check_cu_seqlens("kv_indptr", kv_indptr, xp, total=k.shape[0], padding=False)
-        if cu_q.shape != cu_k.shape:
-            raise ValueError(f"kv_indptr: expected shape {tuple(cu_q.shape)} like qo_indptr, "
-                             f"got {tuple(cu_k.shape)}")
+        # device indptrs are checked by the prefill plan kernel (strict mode: here)
+        contents = xp is np or strict(validate)
+        cu_q = check_cu_seqlens("qo_indptr", qo_indptr, xp, total=q.shape[0], padding=False,
+                                contents=contents)
+        cu_k = check_cu_seqlens("kv_indptr", kv_indptr, xp, total=k.shape[0], padding=False,
+                                contents=contents)
+        if qo_indptr.shape != kv_indptr.shape:
+            raise ValueError(f"kv_indptr: expected shape {tuple(qo_indptr.shape)} like "
+                             f"qo_indptr, got {tuple(kv_indptr.shape)}")
+        if not contents:
+            return SinkPlan(mode, qo_indptr, kv_indptr, None, None, False)
         return SinkPlan(mode, cu_q, cu_k, int(np.diff(cu_q).max(initial=0)),
                         int(np.diff(cu_k).max(initial=0)), False)
     if batch_size is None:
@@ -227,7 +234,7 @@ def _row_window_attention(q, k, v, sink, plan, causal, window_left, sm_scale):
 
 @accepts_dlpack
 def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None, mode="auto",
-                   qo_indptr=None, kv_indptr=None):
+                   qo_indptr=None, kv_indptr=None, *, validate=None):
     """Seed 000's unified sink attention: prefill, incremental, chunk and varlen modes.
 
     Parameters
@@ -254,7 +261,10 @@ def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None
         otherwise from ``q.shape[0] // batch_size`` vs ``k.shape[0] // batch_size``: equal ->
         prefill, 1 -> incremental, else chunk.
     qo_indptr, kv_indptr : array, optional
-        int32 ``[batch + 1]`` prefix sums of query and kv lengths (varlen mode).
+        int32 ``[batch + 1]`` prefix sums of query and kv lengths (varlen mode). Device
+        indptrs are not read by the host: the prefill plan kernel checks them.
+    validate : bool, optional
+        Check device indptrs on the host first (strict mode; default ``CUPAGED_STRICT``).
 
     Returns
     -------
@@ -270,7 +280,7 @@ def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None
     xp = array_module(q, k, v, sink, qo_indptr, kv_indptr)
     _check_scalars(window_left, causal, sm_scale, batch_size)
     plan = plan_sink_attention(q, k, v, sink, mode, batch_size, window_left, qo_indptr,
-                               kv_indptr, xp)
+                               kv_indptr, xp, validate)
     if xp is np:
         return ref.sink_attention(q, k, v, sink, window_left, causal, sm_scale,
                                   batch_size=batch_size, mode=plan.mode,
@@ -279,7 +289,23 @@ def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None
         return _row_window_attention(q, k, v, sink, plan, causal, window_left, sm_scale)
     from .prefill import varlen_prefill
     d = q.shape[-1]
-    cu_q, cu_k = (xp.asarray(c) for c in (plan.cu_q, plan.cu_k))
+    cu_q, cu_k = (c if c is not None and not isinstance(c, np.ndarray) else _upload(c)
+                  for c in (plan.cu_q, plan.cu_k))
     return varlen_prefill(q, k.reshape(-1, k.shape[-2], d), v.reshape(-1, v.shape[-2], d),
                           cu_q, cu_k, plan.max_q, plan.max_k, causal=bool(causal),
-                          sm_scale=sm_scale, window_left=int(window_left), sinks=sink)
+                          sm_scale=sm_scale, window_left=int(window_left), sinks=sink,
+                          validate=validate)
+
+
+_UPLOADER = []
+
+
+def _upload(host_array):
+    """A device copy of a small host array, made without waiting for the device (pinned
+    staging; a new device array each call, as the caller may keep the result)."""
+    import cupy
+    if not _UPLOADER:
+        _UPLOADER.append(Uploader())
+    dev = cupy.empty(host_array.shape, host_array.dtype)
+    _UPLOADER[0].upload(dev, np.ascontiguousarray(host_array))
+    return dev

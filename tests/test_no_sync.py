@@ -56,7 +56,15 @@ def _paged(rng, xp, lens=(300, 17, 2048, 0, 513), hq=32, hk=8, d=128, bs=16, dty
     rnd = lambda *s: xp.asarray(rng.standard_normal(s, np.float32).astype(dtype))
     q_lens = np.minimum(lens, 3)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    pinned = __import__("cupyx").empty_pinned((4, bs, hk, d), dtype) if xp is not np else None
+    positions = np.concatenate([np.arange(s - n, s) for s, n in zip(lens, q_lens)]).astype(np.int32)
     return dict(q=rnd(len(lens), hq, d), kc=rnd(nb, bs, hk, d), vc=rnd(nb, bs, hk, d),
+                lse=xp.asarray(rng.standard_normal((int(cu[-1]), hq), np.float32)),
+                pairs=xp.asarray(np.array([[0, 1], [2, 3]], np.int64)), pinned=pinned,
+                logits=xp.asarray(rng.standard_normal((2, hq, 5, 77), np.float32)),
+                sink=xp.asarray(rng.standard_normal(hq, np.float32)),
+                positions=xp.asarray(positions),
+                slots_host=np.arange(int(cu[-1]), dtype=np.int64),
                 tables=xp.asarray(tables), lens=xp.asarray(lens), cu=xp.asarray(cu),
                 qp=rnd(int(cu[-1]), hq, d), kn=rnd(len(lens), hk, d),
                 slots=xp.asarray(np.arange(int(cu[-1]), dtype=np.int64)),
@@ -86,12 +94,38 @@ def _calls(c):
                                                     c["lens_host"]).run(c["qp"], c["kc"], c["vc"]),
         "prefiller_device_plan_run": lambda: pre.plan(c["cu"], c["tables"], c["lens"]).run(
             c["qp"], c["kc"], c["vc"]),
+        "merge_states": lambda: cupaged.merge_states(c["qp"], c["lse"], c["qp"], c["lse"]),
+        "copy_blocks_host_pairs": lambda: cupaged.copy_blocks(c["kc"], c["vc"], [[0, 1], [2, 3]]),
+        "copy_blocks_device_pairs": lambda: cupaged.copy_blocks(c["kc"], c["vc"], c["pairs"]),
+        "swap_out_memcpy": lambda: cupaged.swap_blocks(c["kc"], c["pinned"], [[0, 1], [1, 0]],
+                                                       method="memcpy"),
+        "swap_in_kernel": lambda: cupaged.swap_blocks(c["pinned"], c["kc"], [[0, 1], [1, 0]],
+                                                      method="kernel"),
+        "sink_softmax": lambda: cupaged.sink_softmax(c["logits"], c["sink"]),
+        "sink_attention": lambda: cupaged.sink_attention(c["qp"], c["kv"], c["kv"], c["sink"], -1,
+                                                         True, None, qo_indptr=c["cu"],
+                                                         kv_indptr=c["cu"]),
+        "layer_step": lambda: _layer_step(c),
     }
+
+
+def _layer_step(c):
+    """A whole step of two RoPE layers: the step's metadata from host arrays (uploaded once)
+    and each layer's rotation, cache write and attention."""
+    meta = cupaged.layers.AttentionMetadata(c["cu_host"], c["lens_host"], c["tables_host"],
+                                            c["slots_host"], xp=__import__("cupy"))
+    layer = cupaged.layers.PagedAttentionWithRoPE(32, 128, 128 ** -0.5, 128, num_kv_heads=8)
+    n = c["qp"].shape[0]
+    q, k = c["qp"].reshape(n, -1), c["kv"].reshape(n, -1)
+    for _ in range(2):
+        layer(c["positions"], q, k, k, c["kc"], c["vc"], meta)
 
 
 NAMES = ["paged_decode", "paged_decode_append", "paged_attention", "varlen_prefill",
          "write_kv_cache", "apply_rope", "decoder_device_plan_run", "decoder_host_plan_run",
-         "prefiller_host_plan_run", "prefiller_device_plan_run"]
+         "prefiller_host_plan_run", "prefiller_device_plan_run", "merge_states",
+         "copy_blocks_host_pairs", "copy_blocks_device_pairs", "swap_out_memcpy",
+         "swap_in_kernel", "sink_softmax", "sink_attention", "layer_step"]
 
 
 @pytest.mark.gpu

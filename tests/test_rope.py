@@ -193,13 +193,15 @@ def test_gpu_matches_reference(rng, cp, dtype, case):
 @pytest.mark.parametrize("neox,rd", [(True, 64), (False, 64), (True, 20)])
 def test_gpu_writes_every_element(rng, cp, dtype, neox, rd):
     """Poisoned outputs: every element (rotated and passed through) must be written."""
-    from cupaged.rope import _launch, plan_rope
+    from cupaged._launch import current_stream, ptr
+    from cupaged.rope import _launch, _setup, plan_rope
     t, d = 19, 128
     pos = cp.asarray(rng.integers(0, 3000, size=t), dtype=cp.int32)
     q, k = cp.asarray(rand(rng, (t, 4, d), dtype)), cp.asarray(rand(rng, (t, 2, d), dtype))
     plan, q3, k3 = plan_rope(pos, q, k, rd, 10000.0, neox, None, None, None, cp)
     q_out, k_out = cp.full(q.shape, np.nan, dtype), cp.full(k.shape, np.nan, dtype)
-    _launch(plan, pos, q3, k3, q_out, k_out)
+    _launch(_setup(plan, pos, q3, k3, q_out, k_out), *(ptr(a) for a in (pos, q3, k3, q_out, k_out)),
+            current_stream())
     want_q, want_k = ref.apply_rope(pos.get(), q.get(), k.get(), rotary_dim=rd, is_neox=neox)
     assert_close(q_out.get(), want_q, dtype)
     assert_close(k_out.get(), want_k, dtype)
