@@ -93,8 +93,8 @@ def array_module(*arrays):
 
 
 # ----------------------------------------------------------------------------- foreign arrays
-# torch tensors are viewed directly (their address, shape and strides: a few microseconds,
-# where DLPack takes several times that), views of tensors seen before are reused, and
+# torch tensors are viewed directly (their address, shape and strides: several times cheaper
+# than DLPack, benchmarks/NOTES.md public calls), views of tensors seen before are reused, and
 # results of a torch call are allocated by torch (outputs come back as the very tensors
 # the op wrote). Other frameworks (JAX) go through DLPack. Kernels run on the caller's
 # current stream and device.

@@ -310,7 +310,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         int32 ``[batch]`` cached tokens per sequence (0 allowed).
     k_new, v_new : array, optional
         ``[batch, num_kv_heads, head_dim]``: written at position ``seq_lens[i]`` first;
-        the query then attends over ``seq_lens[i] + 1`` keys (seed 004's append).
+        the query then attends over ``seq_lens[i] + 1`` keys (the continuous-batching
+        contract's append, docs/design.md).
     sm_scale : float, optional
         Score scale, default ``head_dim ** -0.5``.
     window_left : int
