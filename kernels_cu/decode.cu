@@ -2,7 +2,7 @@
 //
 //   append_kv_kernel     writes k_new / v_new at position seq_lens[b] (in-place append)
 //   paged_decode_kernel  persistent CTAs (column, kv head x head chunk): each streams the key
-//                        tiles of its column's pieces (host-planned cuts of the sequences)
+//                        tiles of its column's pieces (cuts of the sequences, by plan.cu)
 //                        through one cp.async pipeline into shared memory and serves every
 //                        query head of the kv head from them (K/V read once per group);
 //                        split sequences leave fp32 partials, merged by the CTA finishing
