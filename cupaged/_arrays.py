@@ -51,7 +51,14 @@ def cupy_module():
 
 @functools.lru_cache(maxsize=None)
 def gpu_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+    """True when CuPy imports and sees at least one CUDA device.
+
+    Returns
+    -------
+    bool
+        False on a machine without CuPy, a driver or a device (never raises): the ops then
+        take NumPy arrays only, run by the reference.
+    """
     cp = cupy_module()
     if cp is None:
         return False
