@@ -51,7 +51,14 @@ def cupy_module():
 
 @functools.lru_cache(maxsize=None)
 def gpu_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+    """True when CuPy imports and sees at least one CUDA device.
+
+    Returns
+    -------
+    bool
+        False on a machine without CuPy, a driver or a device (never raises): the ops then
+        take NumPy arrays only, run by the reference.
+    """
     cp = cupy_module()
     if cp is None:
         return False
@@ -93,8 +100,8 @@ def array_module(*arrays):
 
 
 # ----------------------------------------------------------------------------- foreign arrays
-# torch tensors are viewed directly (their address, shape and strides: a few microseconds,
-# where DLPack takes several times that), views of tensors seen before are reused, and
+# torch tensors are viewed directly (their address, shape and strides: several times cheaper
+# than DLPack, benchmarks/NOTES.md public calls), views of tensors seen before are reused, and
 # results of a torch call are allocated by torch (outputs come back as the very tensors
 # the op wrote). Other frameworks (JAX) go through DLPack. Kernels run on the caller's
 # current stream and device.

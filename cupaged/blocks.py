@@ -76,11 +76,22 @@ class BlockPool:
         return self._free[:self._num_free].copy()
 
     def can_allocate(self, n) -> bool:
-        """True when ``n`` blocks are free."""
+        """True when ``n`` blocks are free.
+
+        Parameters
+        ----------
+        n : int
+            Blocks wanted, ``>= 0``.
+        """
         return _int("n", n) <= self._num_free
 
     def allocate(self, n) -> np.ndarray:
         """Take ``n`` free blocks, each with reference count 1.
+
+        Parameters
+        ----------
+        n : int
+            Blocks wanted, ``>= 0``.
 
         Returns
         -------
@@ -123,7 +134,18 @@ class BlockPool:
         return uses
 
     def incref(self, blocks):
-        """Add one reference to each allocated block in ``blocks`` (int or int array)."""
+        """Add one reference to each allocated block in ``blocks``.
+
+        Parameters
+        ----------
+        blocks : int or array-like
+            A block id or integer ``[k]`` ids of allocated blocks (repeats count once each).
+
+        Raises
+        ------
+        ValueError
+            If a block is free or out of range (nothing changes).
+        """
         ids = self._ids("blocks", blocks)
         alive = self._refcount[ids] > 0
         if not alive.all():
@@ -132,6 +154,11 @@ class BlockPool:
 
     def free(self, blocks) -> np.ndarray:
         """Drop one reference to each block in ``blocks``; return the ids that became free.
+
+        Parameters
+        ----------
+        blocks : int or array-like
+            A block id or integer ``[k]`` ids (a block may repeat up to its count).
 
         Returns
         -------
@@ -217,7 +244,13 @@ class BlockTable:
         return view
 
     def is_live(self, seq_id) -> bool:
-        """True from a sequence's first ``append`` (or ``fork`` onto it) until ``free``."""
+        """True from a sequence's first ``append`` (or ``fork`` onto it) until ``free``.
+
+        Parameters
+        ----------
+        seq_id : int
+            In ``[0, max_seqs)``.
+        """
         return bool(self._live[self._seq("seq_id", seq_id)])
 
     def device_block_tables(self):
@@ -270,11 +303,29 @@ class BlockTable:
 
     # ------------------------------------------------------------------ verbs
     def can_append(self, seq_id, num_tokens) -> bool:
-        """True when ``append(seq_id, num_tokens)`` would find enough free blocks."""
+        """True when ``append(seq_id, num_tokens)`` would find enough free blocks.
+
+        Parameters
+        ----------
+        seq_id : int
+            In ``[0, max_seqs)``, live or not.
+        num_tokens : int
+            Tokens to add, ``>= 0``.
+        """
         return self.pool.can_allocate(self._plan_append(seq_id, num_tokens)[3])
 
     def append(self, seq_id, num_tokens) -> np.ndarray:
         """Extend sequence ``seq_id`` by ``num_tokens`` tokens; start it if it is not live.
+
+        A shared last block (after ``fork``) is replaced by a fresh one and its copy queued
+        (``take_copies``).
+
+        Parameters
+        ----------
+        seq_id : int
+            In ``[0, max_seqs)``.
+        num_tokens : int
+            Tokens to add, ``>= 0``.
 
         Returns
         -------
@@ -306,7 +357,20 @@ class BlockTable:
         return self._tables[s, pos // bs].astype(np.int64) * bs + pos % bs
 
     def fork(self, src_id, dst_id):
-        """Make live sequence ``dst_id`` share every block (and the length) of ``src_id``."""
+        """Make live sequence ``dst_id`` share every block (and the length) of ``src_id``.
+
+        Parameters
+        ----------
+        src_id : int
+            A live sequence.
+        dst_id : int
+            A free sequence id in ``[0, max_seqs)``; live afterwards.
+
+        Raises
+        ------
+        ValueError
+            If ``src_id`` is not live or ``dst_id`` is.
+        """
         src = self._seq("src_id", src_id, live=True)
         dst = self._seq("dst_id", dst_id, live=False)
         nblk = -(-int(self._lens[src]) // self.pool.block_size)
@@ -317,7 +381,13 @@ class BlockTable:
         self._version += 1
 
     def free(self, seq_id):
-        """Release sequence ``seq_id``'s blocks (one reference each) and retire the id."""
+        """Release sequence ``seq_id``'s blocks (one reference each) and retire the id.
+
+        Parameters
+        ----------
+        seq_id : int
+            A live sequence.
+        """
         s = self._seq("seq_id", seq_id, live=True)
         nblk = -(-int(self._lens[s]) // self.pool.block_size)
         released = self.pool.free(self._tables[s, :nblk])

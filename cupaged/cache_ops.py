@@ -14,7 +14,7 @@ Swaps between a device cache and a pinned host cache are asynchronous on the cur
 stream. Two mechanisms, chosen per call by ``method=``:
 
 - ``"memcpy"``: one ``cudaMemcpyAsync`` per run of consecutive blocks (copy engines; best
-  when runs are long, costs a few microseconds of host time per run);
+  when runs are long, costs a host call per run);
 - ``"kernel"``: one launch of the block-copy kernel over the mapped pinned memory (SMs
   read or write host memory directly; best for many scattered blocks);
 - ``"auto"`` (default): ``memcpy`` when the runs average at least ``MEMCPY_MIN_RUN_BYTES``,

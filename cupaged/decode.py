@@ -4,8 +4,8 @@
 layer; no host sync in ``run``, capturable in a CUDA graph) and ``merge_states``. NumPy
 inputs run the float64 reference (``cupaged.reference.attention``); CuPy inputs run
 ``kernels_cu/decode.cu``: the append kernel (with ``k_new``/``v_new``) and the decode
-kernel, a persistent grid (one CTA per resident slot) whose CTAs stream host-planned pieces
-of the sequences' keys; a sequence cut into several pieces is merged (sinks added once) by
+kernel, a persistent grid (one CTA per resident slot) whose CTAs stream pieces of the
+sequences' keys (cut on the device by ``kernels_cu/plan.cu``, or on the host); a sequence cut into several pieces is merged (sinks added once) by
 the CTA finishing its last piece, or by a second kernel. Host planning (pieces, head
 layout, strides, merge) lives in ``cupaged.decode_plan``, argument checks in
 ``cupaged.decode_checks``.
@@ -326,7 +326,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         int32 ``[batch]`` cached tokens per sequence (0 allowed).
     k_new, v_new : array, optional
         ``[batch, num_kv_heads, head_dim]``: written at position ``seq_lens[i]`` first;
-        the query then attends over ``seq_lens[i] + 1`` keys (seed 004's append).
+        the query then attends over ``seq_lens[i] + 1`` keys (the continuous-batching
+        contract's append, docs/design.md).
     sm_scale : float, optional
         Score scale, default ``head_dim ** -0.5``.
     window_left : int

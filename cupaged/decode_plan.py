@@ -18,7 +18,7 @@ NWARPS = NTHREADS // 32
 STAGES = 3
 MAX_SPLITS = 256
 MAX_CTAS_PER_SM = 4   # beyond this, registers rather than shared memory limit residency
-DEFAULT_SMS = 132     # H200; used when no device is asked
+DEFAULT_SMS = 132     # an H200's SMs; used when no device is asked
 DEFAULT_SMEM_PER_SM = 228 * 1024
 SCHEDULES = ("balanced", "split")  # equal tile shares per column / equal cuts per sequence
 MERGES = ("fused", "kernel")       # split pieces merged by their last CTA / by a second kernel
@@ -35,21 +35,18 @@ MERGE_MAX_WARPS = 16               # decode.cu: warps of a merge_pieces_kernel C
 PAGE_MIN_KV_HEADS = 4
 NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
 # "balanced" plans leave the last POOL_FRACTION of each sequence's tiles to a pool of pieces
-# that CTAs take at run time once their own list is done: CTAs stream at rates a few per cent
-# apart (CTA end times of equal shares spread by 3 % at B64 x L8K on the H200), so fixed
-# equal shares end on the slowest. About POOL_PIECES pieces a column; only where a column's
-# fixed share is at least POOL_MIN_SHARE tiles: a pool piece cuts its sequence once more,
-# and its partial rows and merge cost more than the spread it saves on short shares (pages
-# kernel, 32/8 heads, shares of 62 tiles: B64 x L2K 131.5 us without the pool vs 134.9 with
-# it, B256 x L512 138.4 vs 143.1; shares of 124: within 0.5 % either way; shares of 248:
-# B64 x L8K 481.4 vs 478.5, and 32/32 heads B64 x L2K 498 vs 491).
+# that CTAs take at run time once their own list is done: CTAs stream at slightly different
+# rates, so fixed equal shares end on the slowest. About POOL_PIECES pieces a column; only
+# where a column's fixed share is at least POOL_MIN_SHARE tiles: a pool piece cuts its
+# sequence once more, and on short shares its partial rows and merge cost more than the
+# spread it saves (benchmarks/NOTES.md, decode v6 pool and v10c).
 POOL_FRACTION = 1 / 16
 POOL_PIECES = 4
 POOL_MIN_SHARE = 128
 # "balanced" plans keep every sequence whole (no cut, no merge) where whole sequences dealt
 # to the columns (whole_pieces) end no later than WHOLE_SLACK of a column's equal share, or
-# WHOLE_SLACK_TILES tiles, after it: B256 x L512 135 us whole vs 144 cut (138 without the
-# pool), B128 x L1K 133 vs 139 (pages kernel, 32/8 heads).
+# WHOLE_SLACK_TILES tiles, after it: short batches then pay no cut and no merge
+# (benchmarks/NOTES.md, decode v10c).
 WHOLE_SLACK = 1 / 64
 WHOLE_SLACK_TILES = 2
 
@@ -107,18 +104,26 @@ def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, nu
 
 
 def pages_preferred(batch, num_kv_heads):
-    """Whether the pages kernel beats the staged one (H200, bf16 d128, page 16, measured on
-    B 1..256 x L 512..128K and heads 8/1 .. 32/32): from PAGE_MIN_BATCH sequences, where
-    its copies are whole blocks (a CTA serves every kv head) or a CTA serves at least
-    PAGE_MIN_KV_HEADS kv heads (runs of one token's heads: 2 KB for 8 heads at d128, but
-    256 bytes for one). From B2 to B8 it is 2-8 % faster from L8K up at 32/8, 16/4 and 64/8
-    heads (B8 x L128K 960 vs 1030 us at 32/8), and at L512-2K within about a microsecond
-    either way (latency: 0.87-1.12x); at B64 x L8K 0.98-1.00x at 8/1 and 0.88-0.92x at 16/2
-    to 32/32 (its time / the staged one's). One sequence alone stays on the staged kernel:
-    its fused merge saves the merge kernel's launch where the time is latency (B1 x L2K
-    11.4 vs 12.7 us), though from L8K the pages kernel is faster (B1 x L128K 143 vs 154 us;
-    ask for it with kv_path). Depends on the batch, not the lengths, so that a captured
-    graph stays valid."""
+    """Whether the pages kernel is the default over the staged one: from PAGE_MIN_BATCH
+    sequences, where its copies are whole blocks (a CTA serves every kv head) or a CTA
+    serves at least PAGE_MIN_KV_HEADS kv heads (runs of one token's heads: 2 KB for 8 heads
+    at d128, but 256 bytes for one). One sequence alone stays on the staged kernel: its
+    fused merge saves the merge kernel's launch where the time is latency (ask for the pages
+    kernel with kv_path). Depends on the batch, not the lengths, so that a captured graph
+    stays valid. The measurements behind the rule: benchmarks/NOTES.md, decode v5, v9c, v9d,
+    v10a, v10b.
+
+    Parameters
+    ----------
+    batch : int
+        Sequences of the step.
+    num_kv_heads : int
+        KV heads of the cache.
+
+    Returns
+    -------
+    bool
+    """
     heads = page_kv_heads(num_kv_heads)
     return batch >= PAGE_MIN_BATCH and (heads == num_kv_heads or heads >= PAGE_MIN_KV_HEADS)
 
@@ -149,8 +154,7 @@ def resolve_merge(merge, launch):
     launch) unless a row group holds more than ``2 * NWARPS`` query heads: then "kernel",
     whose grid gives every head a warp, where the fused merge would walk 8 heads a warp
     (MQA) one after the other. The pages kernel takes "kernel" whatever its heads: its
-    fused merge holds up a CTA's whole stream, 0.5-2 % slower at B64 (H200: 64/16 heads
-    L4K 503 vs 493 us, 8/8 L8K 485 vs 482)."""
+    fused merge holds up a CTA's whole stream (benchmarks/NOTES.md, decode v10a)."""
     if merge is not None:
         return merge
     return "kernel" if launch.pages or launch.heads_per_group > 2 * NWARPS else "fused"
@@ -370,8 +374,9 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
     """Choose the kernel specialisation, head layout and grid of a decoder's launches.
 
     ``slots``: CTAs resident at once on the device (SMs x CTAs per SM, from the occupancy
-    of the specialisation; default an H200 estimate from shared memory). The grid holds one
-    CTA per slot (``columns = slots // row_groups``, at least 1), whatever the lengths.
+    of the specialisation; default an estimate for DEFAULT_SMS SMs from shared memory). The
+    grid holds one CTA per slot (``columns = slots // row_groups``, at least 1), whatever
+    the lengths.
     ``pages``: the pages kernel (the caller checks ``pages_capable``): tiles are whole
     blocks (``page_tile``), row groups of ``page_kv_heads`` kv heads with all their query
     heads, PAGE_WARPS warps splitting them and their tokens.

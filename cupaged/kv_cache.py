@@ -89,7 +89,13 @@ class PagedKVCache:
         write_kv_cache(key, value, self.k, self.v, slots, layout=self.layout)
 
     def copy_blocks(self, block_mapping):
-        """Copy blocks ``(src, dst)`` in ``k`` and ``v`` (``BlockTable.take_copies()``)."""
+        """Copy blocks ``(src, dst)`` in ``k`` and ``v`` (``BlockTable.take_copies()``).
+
+        Parameters
+        ----------
+        block_mapping : array-like
+            Integer ``[n, 2]`` ``(src, dst)`` block ids, as :func:`cupaged.copy_blocks`.
+        """
         copy_blocks(self.k, self.v, block_mapping)
 
     def __repr__(self):

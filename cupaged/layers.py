@@ -1,14 +1,15 @@
-"""vLLM-style attention layers (seed 002's layer contract) over cupaged's ops.
+"""vLLM-style attention layers (the vLLM layer contract's layer contract) over cupaged's ops.
 
 A layer takes flattened ``[num_tokens, heads * head_size]`` query, key and value rows of one
-batch step, writes the new keys and values into the paged cache through ``slot_mapping``
-and attends every valid token to its sequence's cached keys. Unlike seed 002, one batch may
-mix prompts, chunked-prefill pieces and decode tokens: sequence ``i`` owns query rows
-``[cu_seqlens_q[i], cu_seqlens_q[i + 1])``, the last ``q_len_i`` of its ``seq_lens[i]``
-positions. Rows past ``cu_seqlens_q[-1]`` are padding; their output rows are zero.
+batch step, writes the new keys and values into the paged cache through ``slot_mapping`` and
+attends every valid token to its sequence's cached keys. Unlike the vLLM layer contract
+(docs/design.md), one batch may mix prompts, chunked-prefill pieces and decode tokens: sequence
+``i`` owns query rows ``[cu_seqlens_q[i], cu_seqlens_q[i + 1])``, the last ``q_len_i`` of its
+``seq_lens[i]`` positions. Rows past ``cu_seqlens_q[-1]`` are padding; their output rows are
+zero.
 
-``forward`` = (RoPE) -> ``write_kv_cache`` -> ``paged_attention``, on NumPy (reference) or
-CuPy (kernels) alike. A sliding window of ``W`` tokens (seed 002's ``sliding_window``,
+``forward`` = (RoPE) -> ``write_kv_cache`` -> ``paged_attention``, on NumPy (reference) or CuPy
+(kernels) alike. A sliding window of ``W`` tokens (the layer contract's ``sliding_window``,
 xformers' local attention) lets a query at position ``p`` see keys ``p - W + 1 .. p``:
 ``window_left = W - 1``. Layers are plain objects, called like modules; CUDA tensors of
 torch or JAX go in and come back as the ops take them (on the caller's stream).
@@ -50,7 +51,8 @@ class AttentionMetadata(BatchStep):
 
 
 class PagedAttention:
-    """GPT-style multi-head paged attention over flattened token rows (seed 002).
+    """GPT-style multi-head paged attention over flattened token rows (the vLLM layer
+    contract of docs/design.md).
 
     Parameters
     ----------

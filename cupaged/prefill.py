@@ -479,6 +479,32 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
     Same arguments, semantics and results as :func:`paged_prefill`; one launch of the
     unified prefill kernel serves both kinds of rows (a decode row's query-head group is
     packed into one tile, so a decode step reads each K/V tile once per kv head).
+
+    Parameters
+    ----------
+    q : array
+        ``[total_q, num_q_heads, head_dim]``, float16, bfloat16 or float32; sequence ``i``
+        owns rows ``[cu_seqlens_q[i], cu_seqlens_q[i + 1])`` (1 row for a decode row), the
+        last ``q_len_i`` of its ``seq_lens[i]`` positions; rows past ``cu_seqlens_q[-1]``
+        are padding (zeros out).
+    k_cache, v_cache : array
+        Paged caches in ``layout``, q's dtype, already holding the new tokens.
+    cu_seqlens_q : array
+        int32 ``[batch + 1]`` query prefix sums.
+    block_tables : array
+        int32 ``[batch, max_blocks_per_seq]``, -1 padded.
+    seq_lens : array
+        int32 ``[batch]`` keys per sequence, new tokens included.
+    causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, layout, out, \
+return_lse, backend, validate
+        As in :func:`paged_prefill`.
+
+    Returns
+    -------
+    out : array
+        ``[total_q, num_q_heads, head_dim]`` in q's dtype.
+    lse : array
+        float32 ``[total_q, num_q_heads]``; only with ``return_lse``.
     """
     return paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens,
                          causal=causal, sm_scale=sm_scale, window_left=window_left,

@@ -58,8 +58,8 @@ def default_tile(head_dim, v_transposed=False):
 
     Up to d128: 4 warps x 32 rows, 64-key tiles (128 at d64), two K/V stages, 2 CTAs per
     SM; the vllm value layout at d128 takes 32-key tiles (64 spill registers). d256: 8 warps
-    x 16 rows, 64-key tiles, one stage, 1 CTA per SM. Chosen on the H200 (2026-11-29):
-    d64 n128 1.07x the n64 tile, d256 n64/s1 1.07x the n32/s2 tile.
+    x 16 rows, 64-key tiles, one stage, 1 CTA per SM. The d64 and d256 shapes won the tile
+    sweep of benchmarks/NOTES.md (prefill, tile sweep after the rewrite).
     """
     if head_dim == 256:
         return TileShape(8, 1, 64, 1, False, 1)
@@ -85,10 +85,9 @@ def smem_bytes(dtype, head_dim, v_transposed, tile):
 
 
 # ----------------------------------------------------------------------------- wgmma (sm_90a)
-# Layouts where "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) on sm_90, as measured
-# on the H200 (2026-11-29, B2 S8192 H32 d128 causal bf16): ragged 403 TFLOP/s against 325 for
-# mma.sync; paged NHD page 16 361 against 331 (after per-tile row addressing, 546fdaf). HND was
-# not timed on its own and stays on mma.sync until it is.
+# Layouts where "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) on sm_90: ragged K/V
+# and NHD caches, where it beat mma.sync (benchmarks/NOTES.md, prefill wgmma). HND has no
+# measurement of its own and stays on mma.sync.
 WGMMA_AUTO = ("ragged", "NHD")
 BACKENDS = ("auto", "mma", "wgmma")
 WGMMA_HEAD_DIMS = (64, 128)
@@ -113,8 +112,8 @@ class WgmmaTile(NamedTuple):
 
 def wgmma_tile(head_dim):
     """wgmma tile of ``head_dim`` (64 or 128): 128-key tiles; two stages at d128, three
-    (P V of one tile overlapping the next softmax) at d64, as measured on the H200
-    (2026-11-29, B2 S8192 H32 causal bf16: d128 407 vs 398 TFLOP/s, d64 304 vs 282).
+    (P V of one tile overlapping the next softmax) at d64, the faster of the two at each
+    head size (benchmarks/NOTES.md, prefill wgmma w1 s2 / s3).
     Its ``block_m`` equals ``default_tile(head_dim).block_m``, so either kernel can run one
     work list."""
     return WgmmaTile(128, 2 if head_dim == 128 else 3)

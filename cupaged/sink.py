@@ -1,10 +1,10 @@
-"""Attention sinks: ``sink_softmax`` and seed 000's unified ``sink_attention``.
+"""Attention sinks: ``sink_softmax`` and the sink-attention contract's unified ``sink_attention``.
 
-A sink is one raw logit per query head that joins every softmax row's denominator and
-nothing else (design.md). ``sink_softmax`` is a kernel of its own (``kernels_cu/sink.cu``);
-``sink_attention`` keeps seed 000's API, shapes, mode detection and errors and runs on the
-ragged prefill kernel (``cupaged.varlen_prefill`` with ``sinks=``). NumPy inputs run the
-reference (:mod:`cupaged.reference.sink`), which defines every mask, quirks included.
+A sink is one raw logit per query head that joins every softmax row's denominator and nothing
+else (docs/design.md). ``sink_softmax`` is a kernel of its own (``kernels_cu/sink.cu``);
+``sink_attention`` keeps the sink-attention contract's API, shapes, mode detection and errors
+and runs on the ragged prefill kernel (``cupaged.varlen_prefill`` with ``sinks=``). NumPy inputs
+run the reference (:mod:`cupaged.reference.sink`), which defines every mask, quirks included.
 """
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def kernel_specializations():
 
 @accepts_dlpack
 def sink_softmax(logits, sinks):
-    """Softmax over the last axis with a per-head sink in the denominator (seed 000).
+    """Softmax over the last axis with a per-head sink in the denominator (the
+    sink-attention contract of docs/design.md).
 
     ``p_j = exp(x_j - M) / (sum_j exp(x_j - M) + exp(sink_h - M))`` with
     ``M = max(max_j x_j, sink_h)``: the probabilities of the logits when a sink column is
@@ -136,7 +137,7 @@ class SinkPlan(NamedTuple):
     cu_k: object            # int32 [batch + 1]
     max_q: object           # int, None with device indptrs
     max_k: object
-    row_window: bool        # prefill mode, window and qo_len != kv_len: seed's row-index window
+    row_window: bool        # prefill mode, window, qo_len != kv_len: the contract's row window
 
 
 def _check_scalars(window_left, causal, sm_scale, batch_size):
@@ -167,8 +168,8 @@ def _check_arrays(q, k, v, sink, xp):
 
 def plan_sink_attention(q, k, v, sink, mode, batch_size, window_left, qo_indptr, kv_indptr, xp,
                         validate=None):
-    """Resolve the mode (seed 000's rules and messages first), check the arrays and build
-    the ragged lengths."""
+    """Resolve the mode (the sink-attention contract's rules and messages first), check the
+    arrays and build the ragged lengths."""
     if mode not in MODES:
         raise ValueError(f"Unknown mode: {mode}. Supported modes: " + ", ".join(repr(m) for m in MODES))
     if mode == "auto":
@@ -214,7 +215,7 @@ def plan_sink_attention(q, k, v, sink, mode, batch_size, window_left, qo_indptr,
 
 
 def _row_window_attention(q, k, v, sink, plan, causal, window_left, sm_scale):
-    """Seed 000's prefill-mode mask for ``qo_len != kv_len``: ``j >= i - w`` from the row
+    """The sink-attention contract's prefill-mode mask for ``qo_len != kv_len``: ``j >= i - w`` from the row
     index ``i`` (and ``j <= i + kv_len - qo_len`` when causal), dense, with ``sink_softmax``."""
     import cupy
     batch, qo, kv = len(plan.cu_q) - 1, plan.max_q, plan.max_k
@@ -235,7 +236,7 @@ def _row_window_attention(q, k, v, sink, plan, causal, window_left, sm_scale):
 @accepts_dlpack
 def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None, mode="auto",
                    qo_indptr=None, kv_indptr=None, *, validate=None):
-    """Seed 000's unified sink attention: prefill, incremental, chunk and varlen modes.
+    """The sink-attention contract's unified sink attention: prefill, incremental, chunk and varlen modes.
 
     Parameters
     ----------
@@ -248,8 +249,8 @@ def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None
     sink : array
         float32 ``[Hq]`` raw sink logits.
     window_left : int
-        ``w >= 0`` hides keys ``j < p - w`` (prefill mode: ``j < i - w``, seed 000's
-        row-index window); -1 for none. Non-causal windows bound the left side only.
+        ``w >= 0`` hides keys ``j < p - w`` (prefill mode: ``j < i - w``, the sink-attention
+        contract's row-index window); -1 for none. Non-causal windows bound the left side only.
     causal : bool
         Hide keys ``j > p``; ``p = kv_len - q_len + i`` (bottom-right aligned).
     sm_scale : float or None
@@ -274,7 +275,7 @@ def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None
     Raises
     ------
     ValueError, TypeError
-        Seed 000's errors (unknown mode, missing ``batch_size`` or indptrs, undetectable
+        The sink-attention contract's errors (unknown mode, missing ``batch_size`` or indptrs, undetectable
         shapes) and bad shapes, dtypes, head sizes, lengths or array modules.
     """
     xp = array_module(q, k, v, sink, qo_indptr, kv_indptr)

@@ -118,7 +118,20 @@ class BatchStep:
 
     def plan(self, key, make):
         """The plan of one layer geometry ``key`` for this step, made by ``make()`` at its
-        first use (``PagedDecoder`` or ``PagedPrefiller`` planned on this step)."""
+        first use (``PagedDecoder`` or ``PagedPrefiller`` planned on this step).
+
+        Parameters
+        ----------
+        key : hashable
+            The layer geometry (heads, head size, block size, dtype, layout, options).
+        make : callable
+            ``make()`` returns the plan; called once per key and step.
+
+        Returns
+        -------
+        object
+            The plan ``make()`` returned for ``key``.
+        """
         p = self._plans.get(key)
         if p is None:
             p = self._plans[key] = make()

@@ -52,12 +52,11 @@ __device__ __forceinline__ void store16_float(T* __restrict__ p, const float* in
   *reinterpret_cast<uint4*>(p) = raw;
 }
 
-// L2 cache policies and residency (benchmarks/NOTES.md). evict_first tags data read exactly
-// once (a decode's K/V stream) so that it does not displace what is reused: +0.7 % on the
-// pages decode kernel. evict_last keeps split-KV partial rows, which the decode kernels write
-// with it, from being pushed out to DRAM by that stream before the merge reads them (at
-// B64 x L8K that write-back and re-read cost 8 us, 1.6 %); the merge then drops the lines it
-// has read (discard: dead rows are never written back).
+// L2 cache policies and residency (benchmarks/NOTES.md, decode v5 variants and v7c).
+// evict_first tags data read exactly once (a decode's K/V stream) so that it does not
+// displace what is reused. evict_last keeps split-KV partial rows, which the decode kernels
+// write with it, from being pushed out to DRAM by that stream before the merge reads them;
+// the merge then drops the lines it has read (discard: dead rows are never written back).
 __device__ __forceinline__ unsigned long long l2_evict_first_policy() {
   unsigned long long policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
@@ -114,7 +113,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
 // Record a bad index entry in the device error word (cupaged.errors): the first report
-// since the word was cleared wins, later ones are dropped. err may be null (not checked).
+// after the word is cleared wins, later ones are dropped. err may be null (not checked).
 // code: error_code(argument, check) of abi.cuh; row / col locate the entry (-1: none).
 __device__ __forceinline__ void report_error(long long* err, int code, i64 row, i64 col,
                                              i64 value, i64 bound) {

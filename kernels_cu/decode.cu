@@ -2,7 +2,7 @@
 //
 //   append_kv_kernel     writes k_new / v_new at position seq_lens[b] (in-place append)
 //   paged_decode_kernel  persistent CTAs (column, kv head x head chunk): each streams the key
-//                        tiles of its column's pieces (host-planned cuts of the sequences)
+//                        tiles of its column's pieces (cuts of the sequences, by plan.cu)
 //                        through one cp.async pipeline into shared memory and serves every
 //                        query head of the kv head from them (K/V read once per group);
 //                        split sequences leave fp32 partials, merged by the CTA finishing
@@ -18,9 +18,9 @@
 //
 // Why tensor cores: per token and kv head decode reads 4*D bytes of 16-bit K/V and does
 // 4*G*D flops (q.k and p.v for the G = Hq/Hk query heads sharing them): G flops per byte.
-// At ~4.4 TB/s that is 4.4*G TFLOP/s: 18 for G = 4, 35 for G = 8, 141 for MQA's G = 32,
-// against ~67 TFLOP/s of fp32 FMA peak (less after bf16 unpacking and shared-memory reads).
-// mma.sync m16n8k16 (hundreds of TFLOP/s) keeps every group size memory-bound, and padding
+// At a DRAM rate of R bytes/s that is G*R flop/s, which passes a current GPU's fp32 FMA peak
+// from G = 4 (less still after bf16 unpacking and shared-memory reads; docs/decode.md).
+// mma.sync m16n8k16 (an order of magnitude more) keeps every group size memory-bound, and padding
 // the group to the 8 columns of N wastes nothing that matters. So the 16-bit path puts tokens
 // on M and the head group on N: S^T = K Q^T, then O^T = V^T P^T, where P^T reaches the B
 // layout from the S^T accumulators by one movmatrix.trans per 8x8 (no shared memory round
@@ -450,7 +450,7 @@ __device__ __forceinline__ int first_visible(int kv_len, int window_left) {
 // pieces in turn). A CTA whose take fails counts itself done (ctr[1]); the last of the row
 // group's gridDim.x CTAs re-arms both counts to 0 for the next launch (no CTA takes after
 // its own failed take, and every CTA fails once). Under a full memory stream the atomic
-// takes microseconds, which the whole CTA would wait at the barrier: thread 0 makes it
+// is slow enough that the whole CTA would wait for it at the barrier: thread 0 makes it
 // ahead (take_ahead, TileCursor::TAKE_AHEAD tiles before the loader needs the piece) and
 // take only publishes the result.
 struct PiecePool {
@@ -632,7 +632,7 @@ struct SoftmaxState {
   }
 };
 
-// Score epilogue in design.md's order: scale, soft-cap, ALiBi; then the visibility mask.
+// Score epilogue in docs/design.md's order: scale, soft-cap, ALiBi; then the visibility mask.
 // Output in log2 units (exp2-based softmax).
 struct ScoreMods {
   float scale_log2, sm_scale, soft_cap, inv_cap;
@@ -1152,7 +1152,7 @@ __global__ void __launch_bounds__(128) merge_states_kernel(CUPAGED_PARAMS_MergeS
 
 // grid (batch, num_kv_heads * head_chunks, ceil(HPC / (W / WPH))); block 32 * W threads,
 // W = max(NWARPS, WPH) warps, WPH (warps per head) a power of two up to MERGE_MAX_WARPS.
-// CTA (b, y, z) merges the pieces of row group y of sequence b when b was split
+// CTA (b, y, z) merges the pieces of row group y of sequence b when b is split
 // (seq_info[b] = (npieces, first slot), npieces > 1); the decode kernel wrote every other
 // sequence's rows. Its W / WPH heads (z * W / WPH + warp / WPH of the row group) each take
 // WPH warps, which split the head's pieces into equal runs (merge_pieces_share: one L2

@@ -23,8 +23,8 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
                :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
 }
 
-// The same with the L2 prefetch-size hint of one 128-byte line: the paged decode loader's K/V
-// stream ran ~2 % faster with it on the H200 (benchmarks/NOTES.md).
+// The same with the L2 prefetch-size hint of one 128-byte line, for the paged decode loader's
+// K/V stream (benchmarks/NOTES.md, decode v4b).
 __device__ __forceinline__ void cp_async16_line(void* smem, const void* gmem, int src_bytes = 16) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
                :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");

@@ -1,9 +1,10 @@
 // Prefill attention over ragged or paged keys/values (FlashAttention-2 style).
 //
 // One CTA computes one work item (sequence b, kv head hk, first packed row row0) of a list
-// the host builds longest-first. Rows are packed over the GQA group: packed row r of a
-// sequence is query i = r / group of head hk * group + r % group, so the heads sharing a kv
-// head share every K/V tile (decode rows of a mixed batch fill a tile with their group).
+// built longest-first (plan.cu's prefill_plan_kernel, or the host in strict mode). Rows are
+// packed over the GQA group: packed row r of a sequence is query i = r / group of head
+// hk * group + r % group, so the heads sharing a kv head share every K/V tile (decode rows
+// of a mixed batch fill a tile with their group).
 // Query i of a sequence with q_len queries and kv_len keys sits at p = kv_len - q_len + i
 // (bottom-right alignment) and sees keys j in [lo, hi): lo = max(0, p - window_left) when
 // window_left >= 0, else 0; hi = min(kv_len, p + 1) when causal, else kv_len.

@@ -238,7 +238,7 @@ struct Pipe {
   __device__ __forceinline__ u32 k_tile(int stage) const { return sKV + 2 * stage * C::KV_BYTES; }
   __device__ __forceinline__ u32 v_tile(int stage) const { return k_tile(stage) + C::KV_BYTES; }
   // Tile n (in `stage`) becomes visible to wgmma, and every warpgroup is done with the next
-  // buffer (its last reader, a wgmma batch, was waited for before this barrier); tile n - 1
+  // buffer (its last reader, a wgmma batch, is waited for before this barrier); tile n - 1
   // starts streaming into that buffer and tile n - 2's table entries are read.
   __device__ __forceinline__ void advance(const Problem<T>& P, int n, int stage) {
     cp_async_wait_all();

@@ -186,8 +186,7 @@ def _torch_graph_time(torch, run_set, sets, reps=20):
 def _free():
     """Give the K/V sets back (CuPy's pool, torch's cache); after more than LARGE_FREE_BYTES,
     wait FREE_SETTLE_SECONDS: for a while after tens of GB are freed the GPU runs the next
-    work slower, longer than ``timing.settle`` covers (H200: B256 x L512 150 us instead of
-    136 right after a 34 GB set, 136 after half a second)."""
+    work slower, longer than ``timing.settle`` covers (benchmarks/NOTES.md, decode v10d)."""
     import cupy
     pool = cupy.get_default_memory_pool()
     held = pool.total_bytes()

@@ -9,7 +9,7 @@ Rows:
 - ``decode`` / ``prefill``: ``paged_decode`` (B64 L8K Hq32 Hk8 d128 bf16, page 16; through
   ``PagedDecoder`` when present, so no host checks are timed) and ``varlen_prefill`` (B2
   S8192 H32 d128 causal bf16) without and with sinks; ``sink_overhead`` is the relative
-  slowdown (goal: < 3 %). A row is skipped when its op module is not there yet.
+  slowdown (goal: < 3 %). A row is skipped when its op module is missing.
 
 Every timed configuration is checked against the reference on a slice first.
 Run: ``python -m cupaged.bench.rope [--quick]``.

@@ -3,7 +3,7 @@
 One row per (S, budget): S 32K (``--quick``), else 32K, 128K, 512K; Hq 32, Hk 8, d 128,
 bf16; budgets ``adaptive 0.3`` (the ``MInferencePolicy`` default: ``0.06 S`` verticals and
 ``0.24 S`` slashes, so at least ~42% of the causal pairs at any length) and ``fixed
-1000/6096`` (the seed's sizes).
+1000/6096`` (the contract's sizes).
 
 Inputs are structured like the attention of a language model rather than random: relative
 to a query at ``p``, key ``j`` scores ``-(j - p) / 2900`` nats (a linear recency bias with
@@ -19,7 +19,7 @@ lists of ``sparse.tiles``, host syncs included), ``kernel_ms`` (the sparse kerne
 ``sparse_ms`` (all three), ``op_ms`` (the public ``vertical_slash_attention`` with its
 argument checks, plus the estimate), ``dense_ms`` (our ``varlen_prefill``, causal, default
 backend: the wgmma kernel on sm_90) and ``vs_dense`` (dense over ``sparse_ms``; issue 7's
-goal: >= 5 at 128K with the seed's budget), ``mma_ms`` (the same with the mma.sync kernel,
+goal: >= 5 at 128K with the contract's budget), ``mma_ms`` (the same with the mma.sync kernel,
 whose tile core the sparse kernel shares), ``cudnn_ms`` / ``vs_cudnn`` (torch SDPA cuDNN,
 GQA), ``diag_frac`` (slashes kept over S), ``density`` (pairs the kernel computes, whole
 tiles, over the causal pairs), ``pair_ratio`` (pairs per second of the sparse kernel over the

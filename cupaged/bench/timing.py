@@ -13,9 +13,8 @@ WARM_SECONDS = 0.03
 def settle(fn, sync, warmup=3, seconds=WARM_SECONDS):
     """Run ``fn()`` ``warmup`` times, then on until ``seconds`` have passed since the start
     (``sync()`` after each): right after a large allocation is freed and another made, the
-    first milliseconds of GPU work can run markedly slower (seen on H200s: a B16 x L8K
-    decode 12 % slower for ~4 ms after an 8 GB K/V set was freed), which a few short
-    warm-up calls do not cover; long calls are not repeated."""
+    first milliseconds of GPU work can run markedly slower (benchmarks/NOTES.md, decode
+    v9e), which a few short warm-up calls do not cover; long calls are not repeated."""
     start = time.perf_counter()
     for _ in range(warmup):
         fn()

@@ -1,7 +1,8 @@
 """NumPy reference backend: the specification every kernel is tested against.
 
-Written from the math of design.md, computing in float64; independent of the kernels.
+Written from the math of docs/design.md, computing in float64; independent of the kernels.
 Submodules: ``attention`` (masked softmax attention, varlen, paged, decode, mixed, merge),
-``cache`` (cache write, copy, swap in every layout), ``sink`` (sink softmax and seed 000's
-unified sink attention), ``rope``, ``sparse`` (vertical+slash estimate, index, BSR).
+``cache`` (cache write, copy, swap in every layout), ``sink`` (sink softmax and the
+sink-attention contract's unified sink attention), ``rope``, ``sparse`` (vertical+slash
+estimate, index, BSR).
 """

@@ -1,6 +1,6 @@
 """Reference attention: the specification every attention kernel is tested against.
 
-Everything is computed in float64 straight from the math of design.md; inputs are NumPy
+Everything is computed in float64 straight from the math of docs/design.md; inputs are NumPy
 arrays already validated by the public ops. For one sequence with ``q_len`` queries and
 ``kv_len`` keys, query ``i`` sits at absolute position ``p = kv_len - q_len + i``
 (bottom-right alignment, with or without ``causal``) and its score against key ``j`` is
@@ -317,7 +317,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         int32 ``[B, max_blocks]``, -1 padded.
     seq_lens : numpy.ndarray
         int32 ``[B]`` cached lengths. Without ``k_new`` the query attends over these
-        keys; with it, these are the lengths before the append (seed 004's
+        keys; with it, these are the lengths before the append (the continuous-batching contract's
         ``cache_seqlens``).
     k_new, v_new : numpy.ndarray, optional
         ``[B, Hk, D]`` the new token's key and value, written in place at position

@@ -7,7 +7,7 @@ For an even rotary dimension ``rd`` and base ``b``, frequency ``f`` in ``[0, rd 
 ``(x1, x2) -> (x1 cos(theta) - x2 sin(theta), x2 cos(theta) + x1 sin(theta))``.
 Dimensions ``[rd, head_dim)`` pass through unchanged.
 
-Pairs (seed 002's two styles):
+Pairs (the vLLM layer contract's two styles):
 
 - neox (``is_neox=True``, "rotate halves"): pair ``f`` is ``(x[f], x[f + rd / 2])``;
 - GPT-J (``is_neox=False``, interleaved): pair ``f`` is ``(x[2 f], x[2 f + 1])``.

@@ -1,19 +1,20 @@
-"""Reference sink attention: seed 000's ``sink_softmax`` and unified ``sink_attention``.
+"""Reference sink attention: ``sink_softmax`` and the unified ``sink_attention`` of the
+sink-attention contract (docs/design.md).
 
 A sink is one extra logit per query head, ``sink_h``, that joins every softmax row as if it
 were a key with that score and a zero value: it adds ``exp(sink_h)`` to the denominator
 and nothing to the numerator (the math is in :mod:`cupaged.reference.attention`).
 
-``sink_attention`` keeps seed 000's API, shapes, mode detection and error messages. Its
-masks follow design.md's bottom-right alignment (query ``i`` of a sequence with ``q_len``
+``sink_attention`` keeps the contract's API, shapes, mode detection and error messages. Its
+masks follow docs/design.md's bottom-right alignment (query ``i`` of a sequence with ``q_len``
 queries and ``kv_len`` keys at ``p = kv_len - q_len + i``) in every mode but one: in
-``"prefill"`` mode the seed counts the window from the row index ``i`` instead of ``p``
-(``j >= i - window_left``), while the causal bound stays ``j <= p``. Prefill mode is meant
-for ``q_len == kv_len``, where ``i == p`` and the two agree; forcing it with unequal lengths
-and a window reproduces the seed's mask. Where seed 000 fails on bad shapes (a torch view
-error, or its auto-detected "incremental" case with flattened ``k``, which its einsum
+``"prefill"`` mode the contract counts the window from the row index ``i`` instead of ``p``
+(``j >= i - window_left``), while the causal bound stays ``j <= p``. Prefill mode is meant for
+``q_len == kv_len``, where ``i == p`` and the two agree; forcing it with unequal lengths and a
+window reproduces the contract's mask. Where the contract's own code fails on bad shapes (a
+torch view error, or its auto-detected "incremental" case with flattened ``k``, which its einsum
 cannot take), this module raises ``ValueError`` or, for the flattened case, reads ``k`` as
-``[batch_size, kv_len, Hk, D]``, the intent the seed states.
+``[batch_size, kv_len, Hk, D]``, the intent the contract states.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def sink_softmax(logits, sinks):
     Parameters
     ----------
     logits : numpy.ndarray
-        ``[..., H, rows, n]`` (seed 000: ``[batch, heads, m, n]``), float dtype; ``-inf``
+        ``[..., H, rows, n]`` (the contract's ``[batch, heads, m, n]``), float dtype; ``-inf``
         entries are hidden keys.
     sinks : numpy.ndarray
         float32 ``[H]`` raw sink logits.
@@ -39,7 +40,7 @@ def sink_softmax(logits, sinks):
     -------
     numpy.ndarray
         ``[..., H, rows, n]`` probabilities ``exp(s_j) / (sum_j exp(s_j) + exp(sink_h))``,
-        computed in float64 and returned in logits' dtype (as the seed's ``torch.softmax``).
+        computed in float64 and returned in logits' dtype (as the contract's ``torch.softmax``).
         Each row sums to ``1 - p_sink``; a finite sink keeps the denominator positive, so a
         row of all ``-inf`` gives zeros (a ``-inf`` sink as well: zeros, where torch gives
         NaN).
@@ -51,7 +52,7 @@ def sink_softmax(logits, sinks):
 
 # ----------------------------------------------------------------------------- modes
 def detect_mode(q, k, batch_size=None, qo_indptr=None, kv_indptr=None):
-    """Seed 000's ``mode="auto"`` rule.
+    """The sink-attention contract's ``mode="auto"`` rule.
 
     ``"varlen"`` when an indptr is given; ``"incremental"`` for ``q`` of rank 3 and ``k``
     of rank 4; for two flattened ``[total, heads, D]`` arrays, with per-sequence lengths
@@ -142,7 +143,7 @@ def _flattened(q, k, v, batch_size, mode, options):
 
 def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None, mode="auto",
                    qo_indptr=None, kv_indptr=None):
-    """Seed 000's unified sink attention: prefill, incremental, chunk and varlen modes.
+    """The sink-attention contract's unified sink attention: prefill, incremental, chunk and varlen modes.
 
     Parameters
     ----------
@@ -176,8 +177,9 @@ def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None
     Raises
     ------
     ValueError
-        With seed 000's messages: unknown mode, missing ``batch_size`` or indptrs, shapes
-        auto-detection cannot read; and for token counts not divisible by ``batch_size``.
+        With the sink-attention contract's messages: unknown mode, missing ``batch_size``
+        or indptrs, shapes auto-detection cannot read; and for token counts not divisible
+        by ``batch_size``.
     """
     if mode == "auto":
         mode = detect_mode(q, k, batch_size, qo_indptr, kv_indptr)

@@ -3,7 +3,7 @@
 The specification of ``cupaged.sparse``, in float64 and plain loops; inputs are NumPy
 arrays already validated by the public ops.
 
-Positions follow design.md: a sequence with ``q_len`` queries and ``kv_len >= q_len`` keys
+Positions follow docs/design.md: a sequence with ``q_len`` queries and ``kv_len >= q_len`` keys
 places query ``i`` at ``p = kv_len - q_len + i``; causal attention sees keys ``j <= p``.
 
 Vertical indices are key positions ``j``; slash indices are diagonal offsets ``d = p - j``
@@ -89,7 +89,8 @@ def _top_sorted(scores, k):
 
 def estimate_vertical_slash(q, k, *, vertical_size, slash_size, last_q=64, num_sink_tokens=30,
                             num_recent_diags=100, adaptive_budget=None, sm_scale=None):
-    """MInference's pattern estimate from the last ``last_q`` queries (seed 003).
+    """MInference's pattern estimate from the last ``last_q`` queries (the MInference
+    contract of docs/design.md).
 
     The causal softmax of the last queries over all keys gives a vertical score per key
     (its column sum) and a slash score per diagonal ``d = p - j`` (its sum along the

@@ -1,7 +1,7 @@
 """Block-sparse attention: MInference vertical+slash prefill, BSR, sparse policies.
 
 - :func:`estimate_vertical_slash` / :func:`paged_estimate_vertical_slash`: pattern of one
-  sequence from its last queries (seed 003).
+  sequence from its last queries (docs/design.md, MInference contract).
 - :func:`vertical_slash_index`: MInference's index conversion to key blocks and columns.
 - :func:`vertical_slash_attention` (one sequence or a packed batch),
   :func:`paged_vertical_slash_attention` (paged cache, chunked prefill),

@@ -1,4 +1,4 @@
-"""Vertical+slash pattern estimate (MInference, seed 003) for one sequence.
+"""Vertical+slash pattern estimate of one sequence (docs/design.md, MInference contract).
 
 The last ``last_q`` (<= 64) queries attend causally to every key; the column sums of their
 softmax rank keys (vertical) and the diagonal sums rank diagonals ``d = p - j`` (slash).
@@ -70,7 +70,8 @@ def _check_kernel_dtype(q):
 @accepts_dlpack
 def estimate_vertical_slash(q, k, *, vertical_size, slash_size, last_q=64, num_sink_tokens=30,
                             num_recent_diags=100, adaptive_budget=None, sm_scale=None):
-    """Estimate one sequence's vertical+slash pattern from its last queries (seed 003).
+    """Estimate one sequence's vertical+slash pattern from its last queries (the MInference
+    contract of docs/design.md).
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""Sparse attention policies: the seed 003 interface, MInference prefill, Quest decode.
+"""Sparse attention policies: the MInference contract's interface, MInference prefill, Quest decode.
 
 A policy says whether it sparsifies prefill or decode, estimates a pattern, selects the
 cache blocks worth reading, runs sparse prefill attention, and resets its state. Arrays
@@ -26,7 +26,7 @@ class PolicyContext(NamedTuple):
 
 
 class SparsePolicy:
-    """Interface of a sparse attention policy (seed 003).
+    """Interface of a sparse attention policy (docs/design.md, MInference contract).
 
     Attributes
     ----------
@@ -59,7 +59,7 @@ def _positive_int(name, value, lo=1):
 
 
 class MInferencePolicy(SparsePolicy):
-    """MInference vertical+slash sparse prefill (seed 003 defaults).
+    """MInference vertical+slash sparse prefill (the MInference contract's defaults).
 
     Parameters
     ----------
