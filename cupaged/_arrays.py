@@ -371,11 +371,11 @@ class Hot:
     computes from CuPy views of them, so the setup the checked call caches is found here.
     """
 
-    __slots__ = ("key", "ptrs", "stream", "_torch_device")
+    __slots__ = ("key", "ptrs", "stream", "_torch_device", "_root")
 
-    def __init__(self, key, ptrs, stream, torch_device):
+    def __init__(self, key, ptrs, stream, torch_device=None, root=None):
         self.key, self.ptrs, self.stream = key, ptrs, stream
-        self._torch_device = torch_device
+        self._torch_device, self._root = torch_device, root
 
     def empty(self, shape, dtype):
         """``(array, address)`` of a new uninitialised output (a torch tensor for torch
@@ -386,6 +386,11 @@ class Hot:
         t = sys.modules["torch"].empty(shape, dtype=_TORCH["np"][dtype],
                                        device=self._torch_device)
         return t, t.data_ptr()
+
+    def done(self, result):
+        """The call's result in the caller's kind: outputs of :meth:`empty` handed to the
+        caller's framework where it is neither CuPy nor torch (JAX, after the launch)."""
+        return result if self._root is None else _convert_out(result, self._root)
 
 
 def hot(strict, arrays, *options):
@@ -412,7 +417,12 @@ def hot(strict, arrays, *options):
         stream = cp.cuda.get_current_stream().ptr
         return Hot((tuple(sig), options, cp.cuda.runtime.getDevice(), stream), ptrs, stream,
                    None)
-    if cp is None or _kind(first) != "torch":
+    if cp is None:
+        return None
+    kind = _kind(first)
+    if kind == "dlpack":
+        return _hot_dlpack(arrays, options, cp)
+    if kind != "torch":
         return None
     device = first.get_device()
     if device < 0 or device != cp.cuda.runtime.getDevice():
@@ -438,6 +448,44 @@ def hot(strict, arrays, *options):
         tdev = tables["devices"][device] = first.device
     stream = sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
     return Hot((tuple(sig), options, device, stream), ptrs, stream, tdev)
+
+
+def _contiguous_strides(shape, itemsize):
+    key = (shape, -itemsize)
+    b = _BYTE_STRIDES.get(key)
+    if b is None:
+        out, step = [], itemsize
+        for n in reversed(shape):
+            out.append(step)
+            step *= n
+        b = _BYTE_STRIDES[key] = tuple(reversed(out))
+    return b
+
+
+def _hot_dlpack(arrays, options, cp):
+    """:func:`hot` for single-device arrays of another framework (JAX): each is read by
+    its buffer address and ordered before CuPy's current stream through ``__dlpack__``
+    (the producer makes that stream wait for the array); dense (C-order) layouts."""
+    stream = cp.cuda.get_current_stream().ptr
+    sig, ptrs = [], []
+    for a in arrays:
+        if a is None:
+            sig.append(None)
+            ptrs.append(0)
+            continue
+        if _KINDS.get(type(a)) != "dlpack" or not hasattr(a, "unsafe_buffer_pointer"):
+            return None
+        try:
+            p = a.unsafe_buffer_pointer()
+            a.__dlpack__(stream=stream)
+        except Exception:  # sharded, deleted or on the host: the checked path says why
+            return None
+        dt = np.dtype(a.dtype)
+        shape = tuple(a.shape)
+        sig.append((shape, _contiguous_strides(shape, dt.itemsize), dt, p & 15))
+        ptrs.append(p)
+    return Hot((tuple(sig), options, cp.cuda.runtime.getDevice(), stream), ptrs, stream,
+               root=_foreign_root(arrays[0]))
 
 
 class CallCache(dict):

@@ -386,7 +386,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
             if return_lse:
                 lse, lse_ptr = call.empty(q.shape[:2], np.float32)
             _launch_decode(dev, st, ptrs, out_ptr, lse_ptr, tables, lens, call.stream)
-            return (out, lse) if return_lse else out
+            return call.done((out, lse) if return_lse else out)
     return _decode_checked(*arrays, num_splits, sm_scale, window_left, logits_soft_cap, layout,
                            return_lse, kv_path, validate,
                            call.key if call is not None else None)
@@ -771,7 +771,8 @@ class PagedDecoder:
             _launch_decode(dev, strides, ptrs, out_ptr, lse_ptr, ptr(dev.tables), ptr(dev.lens),
                            stream, plan=replan)
             self._planned_blocks = strides.num_blocks
-        return _result(out, lse, return_lse)
+        result = _result(out, lse, return_lse)
+        return result if call is None else call.done(result)
 
     def _run_reference(self, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out,
                        return_lse, lse, opts):

@@ -66,6 +66,8 @@ class DemoConfig:
     layers: int = _opt(2, "Decoder layers of the tiny model.")
     vocab_size: int = _opt(512, "Vocabulary of the tiny model.")
     check: bool = _opt(False, "Compare a GPU run with the NumPy reference (slow).")
+    cuda_graphs: bool = _opt(True, "Replay the tiny model's decode-only steps from CUDA graphs "
+                             "(GPU), one per batch size rounded up to a power of two.")
 
     @property
     def max_seq_len(self) -> int:
@@ -249,6 +251,7 @@ class DemoStats:
     max_rel_error: float | None = None               # with check: worst step vs reference
     tokens: dict = field(default_factory=dict)       # tiny model: request id -> generated ids
     argmax_matches: tuple | None = None              # tiny model, check: (matching, tokens)
+    graph_steps: int = 0                             # decode steps replayed from CUDA graphs
 
     @property
     def tokens_per_s(self) -> float:
@@ -271,6 +274,8 @@ class DemoStats:
                 ("batch occupancy", f"mean {fill[:, 0].mean():.0%}{limits}, "
                                     f"{fill[:, 1].mean():.1f} requests running"),
                 ("pool occupancy", f"mean {occ.mean():.0%}, peak {occ.max():.0%}")]
+        if self.graph_steps:
+            rows.append(("decode steps from CUDA graphs", f"{self.graph_steps} of {self.steps}"))
         if self.max_rel_error is not None:
             rows.append(("max rel. error vs reference", f"{self.max_rel_error:.2e}"))
         if self.argmax_matches is not None:
@@ -379,6 +384,14 @@ class ModelSteps:
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
         self.k, self.v = self.model.allocate_cache(cfg.num_blocks, cfg.block_size)
         self.prompts, self.logits = {}, {}
+        self.stream = self.graphs = None
+        if xp is not np:  # every step on one stream: eager steps and graph replays in order
+            from .model import DecodeGraphs
+            self.stream = xp.cuda.Stream(non_blocking=True)
+            if cfg.cuda_graphs:
+                self.graphs = DecodeGraphs(self.model, self.k, self.v,
+                                           blocks_for(cfg.max_seq_len, cfg.block_size),
+                                           self.stream)
 
     def _inputs(self, plan, tokens):
         """Token ids of the step's rows and the rows that emit a token (prompt ends, decodes)."""
@@ -397,18 +410,31 @@ class ModelSteps:
 
     def run(self, plan, stats):
         """One step: forward every row, append each emitting row's greedy token."""
-        from .layers import AttentionMetadata
         xp = self.xp
         ids, emit = self._inputs(plan, stats.tokens)
-        md = AttentionMetadata(plan.cu_seqlens_q, plan.seq_lens, plan.block_tables,
-                               plan.slot_mapping, xp=xp)
-        rows = plan.cu_seqlens_q[1:][emit] - 1
-        logits = host(self.model.forward(ids, md, self.k, self.v, logits_rows=rows))
+        if self.stream is None:
+            logits = self._forward(plan, ids, emit)
+        else:
+            with self.stream:
+                if self.graphs is not None and plan.num_decode == len(plan.rows):
+                    logits = host(self.graphs.step(ids, plan.seq_lens, plan.block_tables,
+                                                   plan.slot_mapping))
+                    stats.graph_steps += 1
+                else:
+                    logits = self._forward(plan, ids, emit)
         for i, row_logits in zip(emit, logits):
             rid = plan.rows[i][0].rid
             stats.tokens.setdefault(rid, []).append(int(row_logits.argmax()))
             if self.cfg.check and xp is not np:
                 self.logits.setdefault(rid, []).append(row_logits)
+
+    def _forward(self, plan, ids, emit):
+        """Host logits of the emitting rows of one step, run eagerly."""
+        from .layers import AttentionMetadata
+        md = AttentionMetadata(plan.cu_seqlens_q, plan.seq_lens, plan.block_tables,
+                               plan.slot_mapping, xp=self.xp)
+        rows = plan.cu_seqlens_q[1:][emit] - 1
+        return host(self.model.forward(ids, md, self.k, self.v, logits_rows=rows))
 
     def finish(self, requests, stats):
         """With ``check`` on the GPU: the NumPy model scores every request's tokens."""
@@ -525,4 +551,4 @@ def run_demo(cfg=DemoConfig(), xp=None, progress=None) -> DemoStats:
 def _sync(xp):
     """Wait for queued GPU work so wall times cover it."""
     if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
+        xp.cuda.Device().synchronize()

@@ -213,6 +213,146 @@ class TinyLlama:
         return self._rms_norm(x, self.final_norm) @ self.lm_head
 
 
+# ----------------------------------------------------------------------------- CUDA graphs
+def _bucket(batch):
+    """Batch size a decode graph is captured for: ``batch`` rounded up to a power of two."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+def _begin_capture(stream):
+    """Capture in relaxed mode where CuPy offers it (a graph's pool may still allocate)."""
+    import cupy
+    relaxed = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+    try:
+        stream.begin_capture(mode=relaxed) if relaxed is not None else stream.begin_capture()
+    except TypeError:  # a CuPy without the mode argument
+        stream.begin_capture()
+
+
+class DecodeGraphs:
+    """Decode steps of a CuPy :class:`TinyLlama` replayed from CUDA graphs.
+
+    One graph per batch size rounded up to a power of two holds a whole decode step: every
+    layer's rotation, cache write, decode plan and decode, and the MLPs and LM head. A step
+    copies its metadata into the graph's fixed device buffers (one asynchronous upload)
+    and replays the graph on ``stream``; padding sequences have no keys and skip the cache
+    write. The first step of a size runs eagerly (kernels loaded, memory pooled), then the
+    graph is captured with its own memory pool (freed intermediates stay the graph's).
+
+    Parameters
+    ----------
+    model : TinyLlama
+        A CuPy model.
+    k_cache, v_cache : array
+        ``model.allocate_cache`` caches.
+    width : int
+        Block-table width of every step.
+    stream : cupy.cuda.Stream
+        A non-default stream every step of the engine runs on (graphs replay there).
+    """
+
+    def __init__(self, model, k_cache, v_cache, width, stream):
+        from ._device import Uploader
+        self.model, self.k, self.v, self.width, self.stream = model, k_cache, v_cache, width, stream
+        self._graphs = {}
+        self._uploader = Uploader(slots=8)
+        self.replays = 0
+
+    def _layout(self, bucket):
+        """(name, dtype, shape, byte offset) of each input of a graph, and the total bytes."""
+        parts, at = [], 0
+        for name, dtype, shape in (("slots", np.int64, (bucket,)),
+                                   ("ids", np.int32, (bucket,)),
+                                   ("cu", np.int32, (bucket + 1,)),
+                                   ("seq_lens", np.int32, (bucket,)),
+                                   ("positions", np.int32, (bucket,)),
+                                   ("tables", np.int32, (bucket, self.width))):
+            parts.append((name, np.dtype(dtype), shape, at))
+            at += int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return parts, at
+
+    def _image(self, parts, size, ids, seq_lens, block_tables, slots):
+        image = np.zeros(size, np.uint8)
+        b = len(ids)
+        for name, dtype, shape, at in parts:
+            a = image[at:at + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+            if name == "slots":
+                a[:] = -1
+                a[:b] = slots
+            elif name == "ids":
+                a[:b] = ids
+            elif name == "cu":
+                a[:] = np.arange(shape[0])
+            elif name == "seq_lens":
+                a[:b] = seq_lens
+            elif name == "positions":
+                a[:b] = np.asarray(seq_lens) - 1
+            else:
+                a[:] = -1
+                a[:b, :block_tables.shape[1]] = block_tables
+        return image
+
+    def step(self, ids, seq_lens, block_tables, slots):
+        """Logits of one decode step.
+
+        Parameters
+        ----------
+        ids : numpy.ndarray
+            int32 ``[batch]``: each sequence's new token.
+        seq_lens : numpy.ndarray
+            int32 ``[batch]`` keys including the new token.
+        block_tables : numpy.ndarray
+            int32 ``[batch, <= width]``.
+        slots : numpy.ndarray
+            int64 ``[batch]`` cache slot of each new token.
+
+        Returns
+        -------
+        cupy.ndarray
+            float32 ``[batch, vocab_size]``, valid until the next step of its batch size.
+        """
+        batch = len(ids)
+        bucket = _bucket(batch)
+        entry = self._graphs.get(bucket)
+        with self.stream:
+            if entry is None:
+                entry, logits = self._capture(bucket, ids, seq_lens, block_tables, slots)
+                self._graphs[bucket] = entry
+                return logits[:batch]
+            buf, parts, size, graph, logits = entry[:5]
+            self._uploader.upload(buf, self._image(parts, size, ids, seq_lens, block_tables,
+                                                   slots))
+            graph.launch(self.stream)
+            self.replays += 1
+            return logits[:batch]
+
+    def _capture(self, bucket, ids, seq_lens, block_tables, slots):
+        """A graph for ``bucket`` sequences, and the logits of this step (run eagerly)."""
+        import cupy
+        from .layers import AttentionMetadata
+        parts, size = self._layout(bucket)
+        pool = cupy.cuda.MemoryPool()
+        with cupy.cuda.using_allocator(pool.malloc):
+            buf = cupy.empty(size, np.uint8)
+            v = {name: buf[at:at + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+                 for name, dtype, shape, at in parts}
+            self._uploader.upload(buf, self._image(parts, size, ids, seq_lens, block_tables,
+                                                   slots))
+
+            def forward():
+                md = AttentionMetadata(v["cu"], v["seq_lens"], v["tables"], v["slots"],
+                                       v["positions"], max_query_len=1, xp=cupy)
+                return md, self.model.forward(v["ids"], md, self.k, self.v)
+
+            _, eager = forward()  # this step; kernels loaded, the pool holds its sizes
+            _begin_capture(self.stream)
+            try:
+                md, logits = forward()  # a fresh step object: its plan copies are captured
+            finally:
+                graph = self.stream.end_capture()
+        return (buf, parts, size, graph, logits, md, pool), eager
+
+
 # ----------------------------------------------------------------------------- drivers
 def _blocks(tokens, block_size):
     return -(-tokens // block_size)

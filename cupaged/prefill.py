@@ -362,7 +362,7 @@ def _run_hot(run, call, q, out, return_lse):
         lse, lse_ptr = call.empty(q.shape[:2], np.float32)
     q, k, v, cu_q, kv_info, tables, alibi, sinks = ptrs
     run(q, k, v, out_ptr, lse_ptr, cu_q, kv_info, tables, alibi, sinks, call.stream)
-    return (out, lse) if return_lse else out
+    return call.done((out, lse) if return_lse else out)
 
 
 _CALLS = CallCache()  # device-planned prefill calls by signature
@@ -723,7 +723,7 @@ class PagedPrefiller:
                     lse, lse_ptr = call.empty(q.shape[:2], np.float32)
                 hit(qp, kp, vp, out_ptr, lse_ptr, d["cu_ptr"], d["sl_ptr"], d["bt_ptr"], alibi,
                     sk, call.stream)
-                return (out, lse) if return_lse else out
+                return call.done((out, lse) if return_lse else out)
         return self._run_checked(*arrays, return_lse, call.key if call is not None else None)
 
     @accepts_dlpack

@@ -260,7 +260,7 @@ def apply_rope(positions, q, k, *, rotary_dim=None, base=10000.0, is_neox=True, 
             else:
                 (q_out, qo), (k_out, ko) = call.empty(q.shape, dtype), call.empty(k.shape, dtype)
             _launch(setup, pos, qp, kp, qo, ko, call.stream)
-            return q_out, k_out
+            return call.done((q_out, k_out))
     return _rope_checked(positions, q, k, rotary_dim, base, is_neox, scaling, max_position,
                          head_dim, inplace, validate, call.key if call is not None else None)
 
