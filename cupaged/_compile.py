@@ -28,7 +28,7 @@ GENERATED_HEADER = "abi.cuh"  # kernel argument structs and error codes, from cu
 MIN_ARCH = 80  # oldest architecture the kernels compile for (cp.async, bf16 mma.sync)
 # modules whose kernel_specializations() list every kernel the library can launch
 SPEC_MODULES = ("cupaged.cache_ops", "cupaged.decode", "cupaged.prefill", "cupaged.rope",
-                "cupaged.sink", "cupaged.sparse.kernels")
+                "cupaged.sink", "cupaged.sparse.kernels", "cupaged.model")
 
 
 class Spec(NamedTuple):

@@ -151,8 +151,15 @@ ROPE = Record("RopeArgs", [
     ("int", "rotary_dim"), ("int", "rot_units"), ("int", "pass_units"),
 ], template="typename T")
 
+# ----------------------------------------------------------------------------- model
+GEMM = Record("GemmArgs", [
+    ("const float* __restrict__", "a"), ("const float* __restrict__", "b"),
+    ("float* __restrict__", "c"), ("i64", "lda"), ("i64", "ldb"), ("i64", "ldc"),
+    ("int", "m"), ("int", "n"), ("int", "k"),
+])
+
 RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_PLAN,
-           CACHE_WRITE, COPY_BLOCKS, ROPE)
+           CACHE_WRITE, COPY_BLOCKS, ROPE, GEMM)
 
 
 def header():

@@ -156,21 +156,21 @@ class TinyLlama:
         scale = 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + np.float32(self.config.rms_eps))
         return x * scale * weight
 
-    def _attention(self, layer, l, x, metadata, positions, k_cache, v_cache):
+    def _attention(self, layer, l, x, metadata, positions, k_cache, v_cache, mm):
         c = self.config
         qd, kd = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = (self._rms_norm(x, layer["attn_norm"]) @ layer["wqkv"]).astype(self.dtype)
+        qkv = mm(self._rms_norm(x, layer["attn_norm"]), layer["wqkv"]).astype(self.dtype)
         q, k, v = qkv[:, :qd], qkv[:, qd:qd + kd], qkv[:, qd + kd:]
         out = self.attention.forward(positions, q, k, v,
                                      k_cache[l], v_cache[l], metadata)
-        return out.astype(np.float32) @ layer["wo"]
+        return mm(out.astype(np.float32), layer["wo"])
 
-    def _mlp(self, layer, x):
-        gate_up = self._rms_norm(x, layer["mlp_norm"]) @ layer["w_gate_up"]
+    def _mlp(self, layer, x, mm):
+        gate_up = mm(self._rms_norm(x, layer["mlp_norm"]), layer["w_gate_up"])
         gate, up = gate_up[:, :self.config.intermediate_size], gate_up[:, self.config.intermediate_size:]
-        return (gate / (1.0 + self.xp.exp(-gate)) * up) @ layer["w_down"]
+        return mm(gate / (1.0 + self.xp.exp(-gate)) * up, layer["w_down"])
 
-    def forward(self, token_ids, metadata, k_cache, v_cache, logits_rows=None):
+    def forward(self, token_ids, metadata, k_cache, v_cache, logits_rows=None, *, matmul=None):
         """One batch step: write the tokens' keys and values, return logits.
 
         Parameters
@@ -185,6 +185,9 @@ class TinyLlama:
             ``allocate_cache``'s caches, updated in place.
         logits_rows : array, optional
             int ``[num_rows]`` rows whose logits are wanted (default: every row).
+        matmul : callable, optional
+            ``matmul(a, b)`` of two float32 matrices (default ``a @ b``); :func:`gemm`
+            where a CUDA graph is captured.
 
         Returns
         -------
@@ -203,17 +206,63 @@ class TinyLlama:
             raise ValueError(f"token_ids: expected int32 [num_tokens >= {n}], got shape "
                              f"{tuple(ids.shape)}")
         n = ids.shape[0] if n is None else n
+        mm = _matmul if matmul is None else matmul
         positions = metadata.positions[:n]
         x = self.embed[ids[:n]]
         for l, layer in enumerate(self.layers):
-            x = x + self._attention(layer, l, x, metadata, positions, k_cache, v_cache)
-            x = x + self._mlp(layer, x)
+            x = x + self._attention(layer, l, x, metadata, positions, k_cache, v_cache, mm)
+            x = x + self._mlp(layer, x, mm)
         if logits_rows is not None:
             x = x[xp.asarray(logits_rows, dtype=np.int64)]
-        return self._rms_norm(x, self.final_norm) @ self.lm_head
+        return mm(self._rms_norm(x, self.final_norm), self.lm_head)
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
+GEMM_TILE = 16
+
+
+def _matmul(a, b):
+    return a @ b
+
+
+def _gemm_expr():
+    return f"cupaged::gemm_f32<{GEMM_TILE}>"
+
+
+def kernel_specializations():
+    """The model's one kernel: the float32 GEMM of its captured steps."""
+    from ._compile import Spec
+    return [Spec("gemm", _gemm_expr())]
+
+
+def gemm(a, b):
+    """``a @ b`` of float32 CuPy matrices by ``kernels_cu/gemm.cu``, on the current stream
+    (capturable where CuPy's own matmul, through cuBLAS, is refused).
+
+    Parameters
+    ----------
+    a : cupy.ndarray
+        float32 ``[m, k]``, last dimension contiguous.
+    b : cupy.ndarray
+        float32 ``[k, n]``, last dimension contiguous.
+
+    Returns
+    -------
+    cupy.ndarray
+        float32 ``[m, n]``.
+    """
+    import cupy
+    from . import abi
+    from ._compile import launcher
+    a, b = (x if x.strides[1] == 4 else cupy.ascontiguousarray(x) for x in (a, b))
+    (m, k), n = a.shape, b.shape[1]
+    c = cupy.empty((m, n), np.float32)
+    launcher("gemm", _gemm_expr(), abi.GEMM)(
+        (-(-n // GEMM_TILE), -(-m // GEMM_TILE)), (GEMM_TILE, GEMM_TILE), a=a.data.ptr,
+        b=b.data.ptr, c=c.data.ptr, lda=a.strides[0] // 4, ldb=b.strides[0] // 4, ldc=n, m=m,
+        n=n, k=k)
+    return c
+
 def _bucket(batch):
     """Batch size a decode graph is captured for: ``batch`` rounded up to a power of two."""
     return 1 << max(batch - 1, 0).bit_length()
@@ -342,7 +391,7 @@ class DecodeGraphs:
             def forward():
                 md = AttentionMetadata(v["cu"], v["seq_lens"], v["tables"], v["slots"],
                                        v["positions"], max_query_len=1, xp=cupy)
-                return md, self.model.forward(v["ids"], md, self.k, self.v)
+                return md, self.model.forward(v["ids"], md, self.k, self.v, matmul=gemm)
 
             _, eager = forward()  # this step; kernels loaded, the pool holds its sizes
             _begin_capture(self.stream)

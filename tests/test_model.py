@@ -214,3 +214,21 @@ def test_gpu_demo_replays_decode_steps(cp):
     assert stats.max_rel_error <= CHECK_TOLERANCE[cfg.dtype]
     matches, total = stats.argmax_matches
     assert matches == total
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, n", [(1, 512, 512), (37, 64, 19), (16, 17, 33), (0, 8, 8)])
+def test_gpu_gemm_matches_numpy(cp, m, k, n):
+    """The captured steps' GEMM against float64 NumPy, a strided (column-sliced) operand too;
+    every output element written (poisoned pool memory is overwritten)."""
+    from cupaged.model import gemm
+    rng = np.random.default_rng(m * 7 + n)
+    a_full = rng.standard_normal((m, 2 * k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    a_dev, b_dev = cp.asarray(a_full)[:, :k], cp.asarray(b)  # a: rows 2k apart
+    poison = cp.full(m * n, np.nan, np.float32)  # its pool block is the output's
+    del poison
+    got = gemm(a_dev, b_dev).get()
+    want = a_full[:, :k].astype(np.float64) @ b.astype(np.float64)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
