@@ -464,8 +464,9 @@ def _contiguous_strides(shape, itemsize):
 
 def _hot_dlpack(arrays, options, cp):
     """:func:`hot` for single-device arrays of another framework (JAX): each is read by
-    its buffer address and ordered before CuPy's current stream through ``__dlpack__``
-    (the producer makes that stream wait for the array); dense (C-order) layouts."""
+    its buffer address; one still being computed is ordered before CuPy's current stream
+    through ``__dlpack__`` (its producer makes that stream wait for it); dense (C-order)
+    layouts."""
     stream = cp.cuda.get_current_stream().ptr
     sig, ptrs = [], []
     for a in arrays:
@@ -473,11 +474,12 @@ def _hot_dlpack(arrays, options, cp):
             sig.append(None)
             ptrs.append(0)
             continue
-        if _KINDS.get(type(a)) != "dlpack" or not hasattr(a, "unsafe_buffer_pointer"):
+        if _KINDS.get(type(a)) != "dlpack" or not hasattr(a, "is_ready"):
             return None
         try:
             p = a.unsafe_buffer_pointer()
-            a.__dlpack__(stream=stream)
+            if not a.is_ready():  # still being computed: ordered before this stream
+                a.__dlpack__(stream=stream)
         except Exception:  # sharded, deleted or on the host: the checked path says why
             return None
         dt = np.dtype(a.dtype)
