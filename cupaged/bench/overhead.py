@@ -2,8 +2,9 @@
 
 For each op (``paged_decode`` at B64 x L8K and B1 x L2K, ``paged_attention`` on a mixed
 batch, ``varlen_prefill`` B2 x S8K causal, ``write_kv_cache`` of 64K tokens, ``apply_rope``
-of 16K tokens, and ``PagedDecoder.plan`` from host and from device metadata) and each kind
-of caller array (``cupy``; ``torch`` tensors when torch is importable), one row gives:
+of 16K tokens, ``PagedDecoder.plan`` from host and from device metadata and
+``PagedDecoder.run``) and each kind of caller array (``cupy``; ``torch`` tensors and ``jax``
+arrays where they are importable), one row gives:
 
 - ``host_us``: host time of one call (``perf_counter`` over a few calls, no sync between);
 - ``gpu_us``: the time per call of calls issued back to back (CUDA events around many
@@ -13,6 +14,9 @@ of caller array (``cupy``; ``torch`` tensors when torch is importable), one row 
 - ``peer_us``: the torch peer on the same data (SDPA cuDNN dense attention, a pair of
   ``index_copy_``), back to back, where there is one;
 - ``vs_graph``: graph_us / gpu_us (1.0: the call costs nothing beyond its kernels).
+
+A first row measures the floor of a small call's host time: two launches of an empty
+kernel and one output allocation.
 
 All Hq32/Hk8 d128 bf16, page 16, NHD. Run: ``cupaged bench overhead [--quick]``.
 """
@@ -109,9 +113,43 @@ def _paged(batch, length, seed=0):
 def _as(kind, arrays):
     if kind == "cupy":
         return arrays
+    if kind == "jax":
+        import jax.dlpack
+        return {n: jax.dlpack.from_dlpack(a) if hasattr(a, "__cuda_array_interface__") else a
+                for n, a in arrays.items()}
     torch = torch_or_none()
     return {n: torch.from_dlpack(a) if hasattr(a, "__cuda_array_interface__") else a
             for n, a in arrays.items()}
+
+
+def _jax_or_none():
+    """JAX with a GPU backend (not preallocating device memory), or None."""
+    import os
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+        jax.devices("gpu")
+    except Exception:
+        return None
+    return jax
+
+
+def _floor_row():
+    """The host floor of a call like paged_decode's: two launches of an empty kernel and
+    one output allocation, back to back."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+    nop = cupy.RawKernel('extern "C" __global__ void nop() {}', "nop")
+    nop((1,), (32,), ())
+    fn = nop.kernel.ptr
+
+    def call():
+        stream = cupy.cuda.get_current_stream().ptr
+        cupy.empty((1, HQ, D), bfloat16)
+        driver.launchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0)
+        driver.launchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0)
+    return {"op": "floor: 2 empty launches + 1 output", "shape": "", "arrays": "cupy",
+            "host_us": _host_us(call), "gpu_us": _events_us(call, "cupy")}
 
 
 def _row(op, shape, kind, call, graph_call, peer=None, extra=None):
@@ -155,6 +193,11 @@ def _decode_rows(batch, length, kinds):
                                                      c["lens"]),
                          peer, {"planned_graph_us": _graph_us(planned),
                                 "host_planned_graph_us": host_planned}))
+    for kind in kinds:  # the engine's per-layer call: a planned decoder's run
+        a = _as(kind, c)
+        dec.plan(a["tables"], a["lens"])
+        run = lambda: dec.run(a["q"], a["kc"], a["vc"])
+        rows.append(_row("PagedDecoder.run", f"B{batch} x L{length}", kind, run, planned))
     return rows
 
 
@@ -271,7 +314,9 @@ def _rope_rows(kinds):
 
 def run(quick=False):
     kinds = ["cupy"] + (["torch"] if torch_or_none() is not None else [])
-    rows = _decode_rows(64, 8192, kinds) + _decode_rows(1, 2048, kinds)
+    kinds += ["jax"] if _jax_or_none() is not None else []
+    rows = [_floor_row()]
+    rows += _decode_rows(64, 8192, kinds) + _decode_rows(1, 2048, kinds)
     rows += _plan_rows(64, 8192, kinds) + _plan_rows(256, 2048, kinds)
     if not quick:
         rows += _mixed_rows(kinds) + _prefill_rows(kinds)
