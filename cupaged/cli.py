@@ -18,7 +18,7 @@ import sys
 import click
 
 from . import __version__
-from ._arrays import cupy_module, gpu_available
+from .core.arrays import cupy_module, gpu_available
 from .bench.timing import format_table
 
 BENCHES = ("decode", "prefill", "cache", "sparse", "rope", "overhead")
@@ -58,7 +58,7 @@ def progress_bar(length, label):
 
 def _archs(ctx, param, archs):
     """Validate ``--arch`` values up front (format, sm_80 or newer)."""
-    from ._compile import check_arch
+    from .core.compile import check_arch
     for arch in archs:
         try:
             check_arch(arch)
@@ -90,7 +90,7 @@ def environment():
     """``(label, value)`` rows describing the installation and the GPU."""
     import ml_dtypes
     import numpy
-    from . import _compile
+    from .core import compile as _compile
     rows = [("cupaged", __version__), ("python", platform.python_version()),
             ("numpy", numpy.__version__), ("ml_dtypes", ml_dtypes.__version__)]
     cp = cupy_module()
@@ -127,7 +127,7 @@ def info():
 def default_archs():
     """The local GPU's architecture, else ``("sm_80", "sm_90")``."""
     if gpu_available():
-        from ._compile import device_arch
+        from .core.compile import device_arch
         return (device_arch(),)
     return ("sm_80", "sm_90")
 
@@ -159,7 +159,7 @@ def check_kernels(archs, jobs, full_table, json_path):
 
     Exits with status 1 on a compile error or when any kernel spills registers.
     """
-    from . import _compile
+    from .core import compile as _compile
     archs = archs or default_archs()
     reports = []
     with progress_bar(sum(_compile.kernel_count(a) for a in archs), "kernels") as update:
@@ -185,7 +185,7 @@ def check_kernels(archs, jobs, full_table, json_path):
 # ----------------------------------------------------------------------------- demo
 def _demo_options(fn):
     """One ``--option`` per DemoConfig field, typed and documented from the field."""
-    from .demo import DemoConfig
+    from .engine.demo import DemoConfig
     for f in reversed(dataclasses.fields(DemoConfig)):
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, bool):
@@ -205,8 +205,8 @@ def _demo_options(fn):
 def demo(device, **options):
     """Continuous batching over the paged cache: a tiny random-weight Llama-style model
     (or random q/k/v with --model none) serving random requests; greedy tokens."""
-    from .demo import (CHECK_TOLERANCE, DemoConfig, array_module_for, check_run, resolve_model,
-                       run_demo)
+    from .engine.demo import (CHECK_TOLERANCE, DemoConfig, array_module_for, check_run,
+        resolve_model, run_demo)
     cfg = DemoConfig(**options)
     xp = array_module_for(device)
     check_run(cfg, xp)  # bad options fail before the progress bar is drawn

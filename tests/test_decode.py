@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import decode_plan as dp
-from cupaged._arrays import FLOAT_DTYPES, bfloat16
-from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.decode import plan as dp
+from cupaged.core.arrays import FLOAT_DTYPES, bfloat16
+from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
 from cupaged.reference import attention as ref
 
 TOL = {np.dtype(np.float16): 2e-3, np.dtype(bfloat16): 1e-2, np.dtype(np.float32): 1e-4}

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import abi, errors
-from cupaged._arrays import bfloat16
+from cupaged.core import abi, errors
+from cupaged.core.arrays import bfloat16
 from cupaged.reference import attention as ref
 
 

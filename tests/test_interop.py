@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cupaged import interop
-from cupaged._arrays import accepts_dlpack, bfloat16
+from cupaged.core.arrays import accepts_dlpack, bfloat16
 
 
 class HostDLPack:

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from cupaged import layers
-from cupaged._arrays import bfloat16
-from cupaged.layouts import LAYOUTS, cache_shapes
+from cupaged.engine import layers
+from cupaged.core.arrays import bfloat16
+from cupaged.core.layouts import LAYOUTS, cache_shapes
 from cupaged.reference import attention as aref
 from cupaged.reference import cache as cref
 from cupaged.reference import rope as rref

@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
-from cupaged.demo import CHECK_TOLERANCE, DemoConfig, run_demo
-from cupaged.model import TinyLlama, TinyLlamaConfig, check_generation, generate, init_weights, score
+from cupaged.engine.demo import CHECK_TOLERANCE, DemoConfig, run_demo
+from cupaged.engine.model import (TinyLlama, TinyLlamaConfig, check_generation, generate,
+    init_weights, score)
 
 SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
 
@@ -129,7 +130,7 @@ def test_demo_engine_tokens_follow_the_dense_model():
                      model="tiny", dtype="float32", layout="HND", num_q_heads=4,
                      num_kv_heads=2, block_size=8, num_blocks=24, seed=2)
     stats = run_demo(cfg, np)
-    from cupaged.demo import make_requests, model_config, prompt_tokens
+    from cupaged.engine.demo import make_requests, model_config, prompt_tokens
     mcfg = model_config(cfg)
     for r in make_requests(cfg, np.random.default_rng(cfg.seed)):
         out = stats.tokens[r.rid]

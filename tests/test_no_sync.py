@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged._arrays import bfloat16
+from cupaged.core.arrays import bfloat16
 
 SPIN_MS = 50
 

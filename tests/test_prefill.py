@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import prefill_plan as plan_
-from cupaged._arrays import HEAD_DIMS, bfloat16
-from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.prefill import plan as plan_
+from cupaged.core.arrays import HEAD_DIMS, bfloat16
+from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
 from cupaged.reference import attention as ref
 from cupaged.reference.cache import write_kv_cache
 
@@ -229,7 +229,7 @@ def test_kv_strides_locate_elements(rng, layout, dtype):
 
 
 def test_smem_fits_and_specs_cover_every_head_dim():
-    from cupaged.prefill import kernel_specializations
+    from cupaged.prefill.api import kernel_specializations
     for d in HEAD_DIMS:
         for vt in (False, True):
             tile = plan_.default_tile(d, vt)
@@ -245,7 +245,7 @@ def test_smem_fits_and_specs_cover_every_head_dim():
 
 
 def test_check_block_elements():
-    from cupaged.layouts import CacheGeometry
+    from cupaged.core.layouts import CacheGeometry
     plan_.check_block_elements(CacheGeometry(10, 1 << 14, 8, 128))
     with pytest.raises(ValueError, match="k_cache"):
         plan_.check_block_elements(CacheGeometry(10, 1 << 18, 64, 256))
@@ -446,8 +446,8 @@ def _bench_tiles():
 @pytest.mark.parametrize("head_dim, tile", _bench_tiles())
 def test_gpu_benchmark_tiles(cp, rng, head_dim, tile):
     """Every non-default tile the benchmark times, against the reference (GQA, window, LSE)."""
-    from cupaged import prefill
-    from cupaged._checks import check_options
+    from cupaged.prefill import api as prefill
+    from cupaged.core.checks import check_options
     q, k, v, cu_q, cu_k = ragged(rng, Q_LENS + [300], KV_LENS + [333], 8, 2, head_dim, bfloat16)
     opts = check_options(np, 8, head_dim, window_left=150)
     work = prefill._work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, True, opts, tile)
@@ -583,7 +583,7 @@ def test_gpu_torch_tensors_in_and_out(rng):
 
 # ----------------------------------------------------------------------------- wgmma backend
 def test_wgmma_backend_resolution(monkeypatch):
-    from cupaged._checks import check_options
+    from cupaged.core.checks import check_options
     opts = check_options(np, 4, 128)
     ok = plan_.wgmma_unsupported(bfloat16, 128, "NHD", opts)
     assert ok is None
@@ -611,7 +611,7 @@ def test_wgmma_backend_resolution(monkeypatch):
 
 
 def test_wgmma_tile_shares_work_list_and_fits():
-    from cupaged.prefill import kernel_specializations
+    from cupaged.prefill.api import kernel_specializations
     for d in plan_.WGMMA_HEAD_DIMS:
         tile = plan_.wgmma_tile(d)
         assert tile.block_m == plan_.default_tile(d).block_m  # PagedPrefiller's one work list
@@ -693,8 +693,8 @@ def test_gpu_wgmma_paged(cp, hopper, rng, dtype, head_dim, block_size, layout):
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16])
 def test_gpu_wgmma_other_tiles(cp, hopper, rng, dtype, head_dim, feature, tile):
     """The wgmma tiles the benchmark times beside the default, against the reference."""
-    from cupaged import prefill
-    from cupaged._checks import check_options
+    from cupaged.prefill import api as prefill
+    from cupaged.core.checks import check_options
     q_lens, kv_lens = Q_LENS + [300], KV_LENS + [533]
     q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, 8, 2, head_dim, dtype)
     fo = {} if feature == "plain" else _feature_opts(rng, feature, 8)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import cache_ops
-from .._arrays import bfloat16
-from ..layouts import LAYOUTS, CacheGeometry, cache_shapes
+from ..cache_ops import api as cache_ops
+from ..core.arrays import bfloat16
+from ..core.layouts import LAYOUTS, CacheGeometry, cache_shapes
 from ..reference import cache as ref
 from .timing import bench_main, copy_bandwidth, time_gpu
 

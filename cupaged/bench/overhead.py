@@ -22,8 +22,11 @@ import time
 
 import numpy as np
 
-from .. import decode, prefill, cache_ops, rope
-from .._arrays import bfloat16
+from ..decode import api as decode
+from ..prefill import api as prefill
+from ..cache_ops import api as cache_ops
+from ..rope import api as rope
+from ..core.arrays import bfloat16
 from .timing import bench_main, copy_bandwidth, torch_or_none
 
 HQ, HK, D, PAGE = 32, 8, 128, 16

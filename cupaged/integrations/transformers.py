@@ -48,10 +48,10 @@ from transformers.masking_utils import flash_attention_mask
 import weakref
 
 from .. import interop
-from .._arrays import bfloat16
-from ..cache_ops import write_kv_cache
-from ..decode import paged_decode
-from ..prefill import paged_attention, varlen_prefill
+from ..core.arrays import bfloat16
+from ..cache_ops.api import write_kv_cache
+from ..decode.api import paged_decode
+from ..prefill.api import paged_attention, varlen_prefill
 
 NAME = "cupaged"
 PAGED_NAME = "paged|cupaged"

@@ -12,12 +12,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
-from .._checks import check_block_tables, check_gqa, check_options, check_query
-from ..layouts import CacheGeometry
+from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
+from ..core.checks import check_block_tables, check_gqa, check_options, check_query
+from ..core.layouts import CacheGeometry
 from ..reference import attention as ref_attention
 from ..reference import sparse as ref
-from . import kernels
+from . import launch as kernels
 
 
 class EstimatePlan(NamedTuple):

@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._arrays import accepts_dlpack, array_module, check_array, check_range, host
+from ..core.arrays import accepts_dlpack, array_module, check_array, check_range, host
 from ..reference import sparse as ref
-from . import kernels
+from . import launch as kernels
 
 PAD = ref.PAD
 

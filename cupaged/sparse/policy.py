@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._arrays import array_module, check_array, host
-from .._checks import check_block_tables, check_query
-from ..layouts import LAYOUTS, k_as_nhd
+from ..core.arrays import array_module, check_array, host
+from ..core.checks import check_block_tables, check_query
+from ..core.layouts import LAYOUTS, k_as_nhd
 from .attention import paged_vertical_slash_attention, vertical_slash_attention
 from .estimate import estimate_vertical_slash, paged_estimate_vertical_slash
 from .index import pad_indices
@@ -283,7 +283,7 @@ def _union_tables(bt, pos, counts, last_fill, bs):
 
 
 def _key_geometry(k_cache, layout):
-    from ..layouts import CacheGeometry, vllm_x
+    from ..core.layouts import CacheGeometry, vllm_x
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     check_array("k_cache", k_cache, ndim=5 if layout == "vllm" else 4)

@@ -5,10 +5,10 @@ import operator
 
 import numpy as np
 
-from ._arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available
+from ..core.arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available
 from .blocks import BlockPool
-from .cache_ops import copy_blocks, write_kv_cache
-from .layouts import LAYOUTS, cache_shapes
+from ..cache_ops.api import copy_blocks, write_kv_cache
+from ..core.layouts import LAYOUTS, cache_shapes
 
 
 def _positive(name, value):
@@ -29,7 +29,7 @@ class PagedKVCache:
     num_blocks, block_size, num_kv_heads : int
         Cache geometry.
     head_dim : int
-        Head size, one of ``cupaged._arrays.HEAD_DIMS`` (64, 80, 96, 112, 128, 256): the
+        Head size, one of ``cupaged.core.arrays.HEAD_DIMS`` (64, 80, 96, 112, 128, 256): the
         sizes the attention kernels are built for (refused here, not at attention time).
     dtype : str or dtype
         float16 (default), bfloat16 or float32.

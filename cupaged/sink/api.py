@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
-from ._checks import check_cu_seqlens, check_gqa
-from ._compile import Spec, ctype, get_kernel
-from .reference import sink as ref
+from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
+from ..core.checks import check_cu_seqlens, check_gqa
+from ..core.compile import Spec, ctype, get_kernel
+from ..reference import sink as ref
 
 MODES = ref.MODES
 _WARP_ROW_MAX = 1024     # rows up to this length: one warp per row
@@ -277,7 +277,7 @@ def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None
                                   qo_indptr=qo_indptr, kv_indptr=kv_indptr)
     if plan.row_window:
         return _row_window_attention(q, k, v, sink, plan, causal, window_left, sm_scale)
-    from .prefill import varlen_prefill
+    from ..prefill.api import varlen_prefill
     d = q.shape[-1]
     cu_q, cu_k = (xp.asarray(c) for c in (plan.cu_q, plan.cu_k))
     return varlen_prefill(q, k.reshape(-1, k.shape[-2], d), v.reshape(-1, v.shape[-2], d),

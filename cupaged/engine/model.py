@@ -14,7 +14,7 @@ head is scaled so that logits spread over a few units and greedy choices are not
 
 ``generate`` (prefill every prompt in one step, then decode) and ``score`` (teacher-forced
 logits of one sequence) drive a model without a scheduler; ``cupaged demo`` drives it with
-one (``cupaged.demo``).
+one (``cupaged.engine.demo``).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available, host
-from .layouts import LAYOUTS, cache_shapes
+from ..core.arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available, host
+from ..core.layouts import LAYOUTS, cache_shapes
 
 __all__ = ["TinyLlamaConfig", "TinyLlama", "generate", "score", "check_generation"]
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import FLOAT_DTYPES, check_choice
+from .arrays import FLOAT_DTYPES, check_choice
 
 LAYOUTS = ("NHD", "HND", "vllm")
 

@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._arrays import HEAD_DIMS, bfloat16, float16
-from .._compile import Spec, allow_dynamic_smem, ctype, get_kernel
-from ..prefill_plan import TileShape
+from ..core.arrays import HEAD_DIMS, bfloat16, float16
+from ..core.compile import Spec, allow_dynamic_smem, ctype, get_kernel
+from ..prefill.plan import TileShape
 
 KERNEL_DTYPES = (float16, bfloat16)
 NULL = np.uint64(0)          # a null pointer argument

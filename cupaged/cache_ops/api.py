@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import abi, errors
-from ._arrays import (CallCache, accepts_dlpack, array_module, check_array, check_choice,
-                      check_range, host, is_cupy, signature, stream_key)
-from ._checks import token_stride
-from ._compile import Spec, launcher
-from ._launch import ptr
-from .layouts import LAYOUTS, block_stride, cache_geometry
-from .reference import cache as ref
+from ..core import abi, errors
+from ..core.arrays import (CallCache, accepts_dlpack, array_module, check_array, check_choice,
+    check_range, host, is_cupy, signature, stream_key)
+from ..core.checks import token_stride
+from ..core.compile import Spec, launcher
+from ..core.launch import ptr
+from ..core.layouts import LAYOUTS, block_stride, cache_geometry
+from ..reference import cache as ref
 
 THREADS = 256
 ROWS_UNROLL = 2

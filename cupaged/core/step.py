@@ -1,7 +1,7 @@
 """One batch step of a serving engine, checked and uploaded once, shared by every layer.
 
 An engine builds a :class:`BatchStep` per step from its scheduler's metadata and hands it
-to every layer (``cupaged.layers``), the model (``cupaged.model``) or its own calls of
+to every layer (``cupaged.layers``), the model (``cupaged.engine.model``) or its own calls of
 the ops: the prefix sums, lengths, block tables, slot mapping and positions live on the
 device once, and the decode or prefill plan of each layer geometry is made once per step
 (at its first layer) and reused by the others. Host (NumPy) metadata is checked on the
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import array_module, check_array, host
-from ._checks import check_block_tables, check_cu_seqlens
-from ._device import Uploader
+from .arrays import array_module, check_array, host
+from .checks import check_block_tables, check_cu_seqlens
+from .device import Uploader
 from .errors import strict
 from .layouts import CacheGeometry
 

@@ -10,12 +10,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import array_module, check_array, check_choice
-from ._checks import (check_block_tables, check_gqa, check_options, check_out, check_query,
-                      token_stride)
-from .errors import strict
-from .decode_plan import MAX_SPLITS, MERGES, SCHEDULES
-from .layouts import LAYOUTS, CacheGeometry, cache_geometry
+from ..core.arrays import array_module, check_array, check_choice
+from ..core.checks import (check_block_tables, check_gqa, check_options, check_out, check_query,
+    token_stride)
+from ..core.errors import strict
+from .plan import MAX_SPLITS, MERGES, SCHEDULES
+from ..core.layouts import LAYOUTS, CacheGeometry, cache_geometry
 
 INT32_MAX = 2**31 - 1
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import FLOAT_DTYPES, check_array, check_head_dim, check_range, host
+from .arrays import FLOAT_DTYPES, check_array, check_head_dim, check_range, host
 
 
 class AttentionOptions(NamedTuple):

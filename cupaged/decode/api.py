@@ -7,8 +7,8 @@ inputs run the float64 reference (``cupaged.reference.attention``); CuPy inputs 
 kernel, a persistent grid (one CTA per resident slot) whose CTAs stream host-planned pieces
 of the sequences' keys; a sequence cut into several pieces is merged (sinks added once) by
 the CTA finishing its last piece, or by a second kernel. Host planning (pieces, head
-layout, strides, merge) lives in ``cupaged.decode_plan``, argument checks in
-``cupaged.decode_checks``.
+layout, strides, merge) lives in ``cupaged.decode.plan``, argument checks in
+``cupaged.decode.checks``.
 """
 from __future__ import annotations
 
@@ -17,16 +17,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import abi, decode_checks as dc, decode_plan as dp, errors
-from ._arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, accepts_dlpack, array_module,
-                      as_dtype, check_array, check_choice, check_head_dim, empty, host, is_cupy,
-                      signature, stream_key)
-from ._checks import check_gqa, check_options, table_stride, token_stride
-from ._compile import Spec, ctype, launcher
-from ._device import Uploader, current, scratch
-from ._launch import ptr
-from .layouts import LAYOUTS, block_stride
-from .reference import attention as ref
+from ..core import abi, errors
+from . import checks as dc, plan as dp
+from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, accepts_dlpack, array_module,
+    as_dtype, check_array, check_choice, check_head_dim, empty, host, is_cupy, signature,
+    stream_key)
+from ..core.checks import check_gqa, check_options, table_stride, token_stride
+from ..core.compile import Spec, ctype, launcher
+from ..core.device import Uploader, current, scratch
+from ..core.launch import ptr
+from ..core.layouts import LAYOUTS, block_stride
+from ..reference import attention as ref
 
 LOG2E = 1.4426950408889634
 PLAN_CTAS = 64  # CTAs of decode_plan_kernel: sequences are checked a CTA at a time

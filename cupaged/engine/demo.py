@@ -7,7 +7,7 @@ token per request past its prompt plus prompt chunks up to a token budget: its t
 appended to the block tables, their K/V written by ``cupaged.write_kv_cache`` and
 ``cupaged.paged_attention`` runs over the whole batch; finished requests free their blocks.
 
-Engines: ``--model tiny`` (default on a GPU) runs ``cupaged.model.TinyLlama``, a
+Engines: ``--model tiny`` (default on a GPU) runs ``cupaged.engine.model.TinyLlama``, a
 random-weight Llama-style model (RoPE by ``cupaged.apply_rope``, one paged cache per
 layer) that reads each prompt and generates greedily; ``--model none`` (default on the
 CPU) attends random queries, keys and values, measuring the cache and attention path only.
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cupy_module,
-                      gpu_available, host)
-from .layouts import LAYOUTS
+from ..core.arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cupy_module,
+    gpu_available, host)
+from ..core.layouts import LAYOUTS
 
 # relative tolerance ||out - ref|| / ||ref|| of the --check comparison, per dtype: of each
 # step's attention output (--model none), of the chosen tokens' logits (--model tiny)
@@ -318,7 +318,7 @@ def launch_step(plan, cache, xp, gen, cfg):
 
 def reference_error(plan, q, out, cache, cfg) -> float:
     """Relative error ``||out - ref|| / ||ref||`` of a step against the NumPy reference."""
-    from .reference.attention import paged_attention
+    from ..reference.attention import paged_attention
     ref = paged_attention(host(q), host(cache.k), host(cache.v), plan.cu_seqlens_q,
                           plan.block_tables, plan.seq_lens, causal=True, layout=cfg.layout)
     ref = np.asarray(ref, np.float64)

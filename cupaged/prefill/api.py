@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import abi, errors, prefill_plan as plan_
-from ._arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, as_dtype, bfloat16,
-                      check_array, check_head_dim, empty, float16, float32, gpu_available,
-                      is_cupy, signature, stream_key)
-from ._checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options, check_out,
-                      table_stride, token_stride)
-from ._compile import Spec, ctype, launcher
-from ._device import Uploader, scratch
-from ._launch import ptr
-from .layouts import CacheGeometry, block_stride, cache_geometry
-from .reference import attention as ref
+from ..core import abi, errors
+from . import plan as plan_
+from ..core.arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, as_dtype, bfloat16,
+    check_array, check_head_dim, empty, float16, float32, gpu_available, is_cupy, signature,
+    stream_key)
+from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
+    check_out, table_stride, token_stride)
+from ..core.compile import Spec, ctype, launcher
+from ..core.device import Uploader, scratch
+from ..core.launch import ptr
+from ..core.layouts import CacheGeometry, block_stride, cache_geometry
+from ..reference import attention as ref
 
 __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller",
            "kernel_specializations"]

@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import check_array, check_choice, float32, is_cupy
-from ._checks import check_cu_seqlens, check_gqa, check_query, token_stride
-from .layouts import LAYOUTS
+from ..core.arrays import check_array, check_choice, float32, is_cupy
+from ..core.checks import check_cu_seqlens, check_gqa, check_query, token_stride
+from ..core.layouts import LAYOUTS
 
 INT32_MAX = np.iinfo(np.int32).max
 

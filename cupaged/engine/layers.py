@@ -18,11 +18,11 @@ import math
 
 import numpy as np
 
-from ._arrays import array_module, check_array, check_head_dim, check_range
-from ._checks import check_block_tables, check_gqa
-from .layouts import LAYOUTS, cache_geometry
-from .rope import check_scaling
-from .step import BatchStep
+from ..core.arrays import array_module, check_array, check_head_dim, check_range
+from ..core.checks import check_block_tables, check_gqa
+from ..core.layouts import LAYOUTS, cache_geometry
+from ..rope.api import check_scaling
+from ..core.step import BatchStep
 
 
 class AttentionMetadata(BatchStep):
@@ -181,9 +181,9 @@ class PagedAttention:
         """Cache write then attention of every row: the step's decode plan (one query a
         sequence) or its prefill plan, made at the first layer of the step; padding rows
         come out as zeros."""
-        from .cache_ops import write_kv_cache
-        from .decode import PagedDecoder
-        from .prefill import PagedPrefiller, varlen_prefill
+        from ..cache_ops.api import write_kv_cache
+        from ..decode.api import PagedDecoder
+        from ..prefill.api import PagedPrefiller, varlen_prefill
         if key_cache is None:
             cu = metadata.cu_seqlens_q
             return varlen_prefill(q, k, v, cu, cu, causal=True, sm_scale=self.scale,
@@ -258,7 +258,7 @@ class PagedAttentionWithRoPE(PagedAttention):
         return self._forward(positions, query, key, value, key_cache, value_cache, metadata)
 
     def _rotate(self, positions, q, k):
-        from .rope import apply_rope
+        from ..rope.api import apply_rope
         return apply_rope(positions, q, k, rotary_dim=self.rotary_dim, base=self.base,
                           is_neox=self.is_neox_style, scaling=self.rope_scaling,
                           max_position=self.max_position)
