@@ -12,7 +12,7 @@ import pytest
 import cupaged
 from cupaged.decode import plan as dp
 from cupaged.core.arrays import FLOAT_DTYPES, bfloat16
-from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, layout_strides, v_as_nhd
 from cupaged.reference import attention as ref
 
 TOL = {np.dtype(np.float16): 2e-3, np.dtype(bfloat16): 1e-2, np.dtype(np.float32): 1e-4}
@@ -271,7 +271,9 @@ def test_cache_strides_locate_every_element(rng, layout, dtype):
     k = rng.standard_normal((nb, bs, hk, d)).astype(dtype)
     v = rng.standard_normal((nb, bs, hk, d)).astype(dtype)
     kc, vc = from_nhd(k, v, layout)
-    ks, vs = dp.cache_strides(layout, bs, hk, d, np.dtype(dtype).itemsize)
+    s = layout_strides(layout, bs, hk, d, np.dtype(dtype).itemsize)
+    ks = (s.k_block, s.k_head, s.k_tok, s.k_chunk, 1)
+    vs = (s.v_block, s.v_head, s.v_tok, s.v_chunk, s.v_dim)
     vec = 16 // np.dtype(dtype).itemsize
     b, t, h, x = np.meshgrid(*map(np.arange, (nb, bs, hk, d)), indexing="ij")
     for strides, cache, logical in ((ks, kc, k), (vs, vc, v)):

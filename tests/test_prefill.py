@@ -12,7 +12,8 @@ import pytest
 import cupaged
 from cupaged.prefill import plan as plan_
 from cupaged.core.arrays import HEAD_DIMS, bfloat16
-from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.core.checks import check_block_elements
+from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, layout_strides, v_as_nhd
 from cupaged.reference import attention as ref
 from cupaged.reference.cache import write_kv_cache
 
@@ -204,7 +205,7 @@ def test_kernel_tile_logic_emulated(rng, tile):
 @pytest.mark.parametrize("layout", ("ragged",) + LAYOUTS)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_kv_strides_locate_elements(rng, layout, dtype):
-    """The kernel's address formula with kv_strides() hits the element the layout defines."""
+    """The kernel's address formula with layout_strides() hits the element the layout defines."""
     nb, bs, hk, d = 5, 8, 3, 32
     x = 16 // np.dtype(dtype).itemsize
     if layout == "ragged":
@@ -216,7 +217,7 @@ def test_kv_strides_locate_elements(rng, layout, dtype):
     as_nhd = (lambda c, _: c) if layout == "ragged" else None
     kn = (as_nhd or k_as_nhd)(kc, layout).reshape(nb * bs, hk, d)
     vn = (as_nhd or v_as_nhd)(vc, layout).reshape(nb * bs, hk, d)
-    s = plan_.kv_strides(layout, bs, hk, d, dtype)
+    s = layout_strides(layout, bs, hk, d, np.dtype(dtype).itemsize)
     for _ in range(50):
         blk, off, h, e = rng.integers(nb), rng.integers(bs), rng.integers(hk), rng.integers(d)
         if layout == "ragged":
@@ -246,9 +247,9 @@ def test_smem_fits_and_specs_cover_every_head_dim():
 
 def test_check_block_elements():
     from cupaged.core.layouts import CacheGeometry
-    plan_.check_block_elements(CacheGeometry(10, 1 << 14, 8, 128))
+    check_block_elements(CacheGeometry(10, 1 << 14, 8, 128))
     with pytest.raises(ValueError, match="k_cache"):
-        plan_.check_block_elements(CacheGeometry(10, 1 << 18, 64, 256))
+        check_block_elements(CacheGeometry(10, 1 << 18, 64, 256))
 
 
 # ----------------------------------------------------------------------------- CPU: bad input
@@ -453,7 +454,7 @@ def test_gpu_benchmark_tiles(cp, rng, head_dim, tile):
     work = prefill._work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, True, opts, tile)
     out, lse = _poisoned(cp, q.shape, bfloat16), cp.full(q.shape[:2], np.nan, np.float32)
     prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
-                    cp.asarray(cu_k), None, 1, plan_.kv_strides("ragged", 1, 2, head_dim, q.dtype),
+                    cp.asarray(cu_k), None, 1, layout_strides("ragged", 1, 2, head_dim, q.itemsize),
                     opts, True, False, 2, tile=tile)
     want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, window_left=150, return_lse=True)
     assert_close(out.get(), want, bfloat16)
@@ -704,7 +705,7 @@ def test_gpu_wgmma_other_tiles(cp, hopper, rng, dtype, head_dim, feature, tile):
     out, lse = _poisoned(cp, q.shape, dtype), cp.full(q.shape[:2], np.nan, np.float32)
     dopts = opts._replace(sinks=None if opts.sinks is None else cp.asarray(opts.sinks))
     prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
-                    cp.asarray(cu_k), None, 1, plan_.kv_strides("ragged", 1, 2, head_dim, q.dtype),
+                    cp.asarray(cu_k), None, 1, layout_strides("ragged", 1, 2, head_dim, q.itemsize),
                     dopts, causal, False, 2, tile=tile, backend="wgmma")
     want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **fo)
     assert_close(out.get(), want, dtype)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core.layouts import layout_strides
 from ..prefill import plan as plan_
 from ..core.arrays import bfloat16
 from ..reference import attention as aref
@@ -137,7 +138,7 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma")
     if tile is None:
         tile = plan_.wgmma_tile(q.shape[2]) if backend == "wgmma" else plan_.launch_tile(q.dtype, q.shape[2])
     work = cupy.asarray(prefill._work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
-    strides = plan_.kv_strides("ragged", 1, H, q.shape[2], q.dtype)
+    strides = layout_strides("ragged", 1, H, q.shape[2], q.itemsize)
     out = cupy.empty_like(q)
 
     def launch():

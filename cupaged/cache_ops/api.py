@@ -27,7 +27,7 @@ import numpy as np
 from ..core import abi, errors
 from ..core.arrays import (CallCache, accepts_dlpack, array_module, check_array, check_choice,
     check_range, host, is_cupy, signature, stream_key)
-from ..core.checks import token_stride
+from ..core.checks import check_aligned, token_stride
 from ..core.compile import Spec, launcher
 from ..core.launch import ptr
 from ..core.layouts import LAYOUTS, block_stride, cache_geometry
@@ -57,14 +57,6 @@ def _check_row_bytes(name, head_dim, dtype):
                          f"got head_dim {head_dim} of {np.dtype(dtype)}")
 
 
-def _check_aligned(named_arrays):
-    """16-byte aligned data of arrays a kernel will touch (CuPy, or pinned NumPy)."""
-    for name, a in named_arrays:
-        if _address(a) % 16:
-            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, "
-                             f"got {_address(a):#x}")
-
-
 def _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate=None):
     """Validate write_kv_cache's arguments (the slots' contents on the host for a host
     mapping or in strict mode); return (array module, geometry)."""
@@ -80,8 +72,7 @@ def _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate=No
     token_stride("value", value)
     check_array("slot_mapping", slot_mapping, shape=(tokens,), dtypes=np.int64)
     if xp is not np:
-        _check_aligned([("key", key), ("value", value), ("k_cache", k_cache),
-                        ("v_cache", v_cache)])
+        check_aligned(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
     if xp is not np and not errors.strict(validate):
         return xp, geo
     slots = host(slot_mapping)
@@ -162,7 +153,7 @@ def _check_blocks(names, a, b, same_shape):
         if block_bytes[0] % 16:
             raise ValueError(f"{names[0]}: expected blocks of a multiple of 16 bytes, "
                              f"got {block_bytes[0]}")
-        _check_aligned(zip(names, (a, b)))
+        check_aligned(**dict(zip(names, (a, b))))
     return block_bytes[0]
 
 

@@ -1,4 +1,9 @@
-"""Paged KV-cache layouts: shapes, geometry checks and NHD views.
+"""Paged KV-cache layouts: shapes, geometry checks, strides and NHD views.
+
+This module is the one home of what a layout means: the shapes (:func:`cache_shapes`), the
+sizes read back from arrays (:func:`cache_geometry`, :func:`key_geometry`) and the element
+strides every kernel takes (:class:`CacheStrides`, from :func:`layout_strides` or
+:func:`cache_strides`). Adding a layout touches this module only, on the Python side.
 
 Layouts (``layout=``):
 
@@ -47,6 +52,69 @@ def cache_shapes(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype):
             (num_blocks, num_kv_heads, head_dim, block_size))
 
 
+class CacheStrides(NamedTuple):
+    """Element strides of a key/value cache pair, the one strides record kernels take.
+
+    With ``x = 16 // itemsize`` (elements of a 16-byte chunk), key element (block, head,
+    token, dim) sits at ``k_block*block + k_head*head + k_tok*token + (dim // x)*k_chunk +
+    dim % x`` and value element at ``v_block*block + v_head*head + v_tok*token + dim*v_dim``
+    (``v_chunk = x * v_dim``: from one 16-byte chunk of a value row to the next). Packed
+    ``[tokens, Hk, D]`` rows (layout ``"ragged"``) have block strides 0.
+    """
+    k_block: int
+    k_head: int
+    k_chunk: int
+    k_tok: int
+    v_block: int
+    v_head: int
+    v_dim: int
+    v_tok: int
+    v_chunk: int
+
+
+def layout_strides(layout, block_size, num_kv_heads, head_dim, itemsize) -> CacheStrides:
+    """Strides of a dense cache in ``layout`` (one of ``("ragged",) + LAYOUTS``) of
+    ``itemsize``-byte elements."""
+    x = 16 // int(itemsize)
+    hd = num_kv_heads * head_dim
+    if layout == "ragged":
+        return CacheStrides(0, head_dim, x, hd, 0, head_dim, 1, hd, x)
+    check_choice("layout", layout, LAYOUTS)
+    if layout == "NHD":
+        return CacheStrides(block_size * hd, head_dim, x, hd, block_size * hd, head_dim, 1, hd, x)
+    blocks, heads = block_size * hd, block_size * head_dim
+    if layout == "HND":
+        return CacheStrides(blocks, heads, x, head_dim, blocks, heads, 1, head_dim, x)
+    # vllm: key [nb, hk, d // x, bs, x], value [nb, hk, d, bs]
+    return CacheStrides(blocks, heads, block_size * x, x, blocks, heads, block_size, 1,
+                        block_size * x)
+
+
+def cache_strides(k_cache, v_cache, layout, geometry=None) -> CacheStrides:
+    """Strides of a cache pair in ``layout``, its block strides as the arrays have them
+    (strided blocks: :func:`block_stride`); ``geometry`` when already read."""
+    geo = geometry or cache_geometry(k_cache, v_cache, layout)
+    return layout_strides(layout, *geo[1:], k_cache.itemsize)._replace(
+        k_block=block_stride(k_cache), v_block=block_stride(v_cache))
+
+
+def key_geometry(k_cache, layout) -> CacheGeometry:
+    """Sizes read off a key cache's shape in ``layout`` (rank and layout checked)."""
+    check_choice("layout", layout, LAYOUTS)
+    want = 5 if layout == "vllm" else 4
+    if k_cache.ndim != want:
+        raise ValueError(f"k_cache: expected {want} dimensions for layout {layout!r}, "
+                         f"got shape {tuple(k_cache.shape)}")
+    if layout == "NHD":
+        nb, bs, hk, d = k_cache.shape
+    elif layout == "HND":
+        nb, hk, bs, d = k_cache.shape
+    else:
+        nb, hk, dx, bs, x = k_cache.shape
+        d = dx * x
+    return CacheGeometry(int(nb), int(bs), int(hk), int(d))
+
+
 def cache_geometry(k_cache, v_cache, layout="NHD") -> CacheGeometry:
     """Validate a cache pair in ``layout`` and return its geometry.
 
@@ -66,24 +134,13 @@ def cache_geometry(k_cache, v_cache, layout="NHD") -> CacheGeometry:
         check_dense_blocks(name, c)
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"v_cache: expected dtype {k_cache.dtype} like k_cache, got {v_cache.dtype}")
-    want_k = 5 if layout == "vllm" else 4
-    if k_cache.ndim != want_k:
-        raise ValueError(f"k_cache: expected {want_k} dimensions for layout {layout!r}, "
-                         f"got shape {tuple(k_cache.shape)}")
+    geo = key_geometry(k_cache, layout)
     if v_cache.ndim != 4:
         raise ValueError(f"v_cache: expected 4 dimensions for layout {layout!r}, "
                          f"got shape {tuple(v_cache.shape)}")
-    if layout == "NHD":
-        nb, bs, hk, d = k_cache.shape
-    elif layout == "HND":
-        nb, hk, bs, d = k_cache.shape
-    else:
-        nb, hk, dx, bs, x = k_cache.shape
-        d = dx * x
-        if x != vllm_x(k_cache.dtype):
-            raise ValueError(f"k_cache: expected innermost extent {vllm_x(k_cache.dtype)} "
-                             f"(16 bytes) for layout 'vllm', got {x}")
-    geo = CacheGeometry(int(nb), int(bs), int(hk), int(d))
+    if layout == "vllm" and k_cache.shape[-1] != vllm_x(k_cache.dtype):
+        raise ValueError(f"k_cache: expected innermost extent {vllm_x(k_cache.dtype)} "
+                         f"(16 bytes) for layout 'vllm', got {k_cache.shape[-1]}")
     want_v = cache_shapes(layout, *geo, k_cache.dtype)[1]
     if tuple(v_cache.shape) != want_v:
         raise ValueError(f"v_cache: expected shape {list(want_v)} to match k_cache, "

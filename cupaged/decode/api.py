@@ -22,7 +22,7 @@ from . import checks as dc, plan as dp
 from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, accepts_dlpack, array_module,
     as_dtype, check_array, check_choice, check_head_dim, empty, host, is_cupy, signature,
     stream_key)
-from ..core.checks import check_gqa, check_options, table_stride, token_stride
+from ..core.checks import check_gqa, check_options, check_positive, table_stride, token_stride
 from ..core.compile import Spec, ctype, launcher
 from ..core.device import Uploader, current, scratch
 from ..core.launch import ptr
@@ -117,11 +117,16 @@ class _DeviceStep(NamedTuple):
     keep: tuple          # the device arrays the packed arguments point into (kept alive)
 
 
+def _stride_fields(strides):
+    """The DECODE and APPEND fields of a cache's strides (the block strides come with the
+    caches): key head, token and chunk; value head, token, chunk and element."""
+    return dict(khs=strides.k_head, kts=strides.k_tok, kcs=strides.k_chunk,
+                vhs=strides.v_head, vts=strides.v_tok, vcs=strides.v_chunk, ves=strides.v_dim)
+
+
 def _decode_fields(lp, num_q_heads, bt_stride, opts, fused):
     """DECODE's fixed fields of a launch (the block strides come with the caches)."""
-    ks, vs = lp.k_strides, lp.v_strides
-    return dict(khs=ks[1], kts=ks[2], kcs=ks[3], vhs=vs[1], vts=vs[2], vcs=vs[3], ves=vs[4],
-                block_size=lp.block_size, block_magic=lp.block_magic,
+    return dict(**_stride_fields(lp.strides), block_size=lp.block_size, block_magic=lp.block_magic,
                 block_shift=lp.block_shift, bt_stride=bt_stride, num_q_heads=num_q_heads,
                 num_kv_heads=lp.num_kv_heads, head_warps=lp.heads.head_warps,
                 head_chunks=lp.heads.head_chunks, window_left=opts.window_left,
@@ -154,11 +159,9 @@ def _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, b
     fused = merge == "fused"
     append_args = None
     if append:
-        ks, vs = lp.k_strides, lp.v_strides
         append_args = abi.APPEND.bind(
             seq_lens=ptr(lens), bt_stride=bt_stride, block_size=lp.block_size,
-            num_kv_heads=lp.num_kv_heads, head_dim=head_dim, khs=ks[1], kts=ks[2], kcs=ks[3],
-            vhs=vs[1], vts=vs[2], vcs=vs[3], ves=vs[4])
+            num_kv_heads=lp.num_kv_heads, head_dim=head_dim, **_stride_fields(lp.strides))
     decode_args = abi.DECODE.bind(
         work=ptr(work), part_out=ptr(part_out), part_lse=ptr(part_lse),
         counters=ptr(counters) if fused else 0, pool_ctr=ptr(pool),
@@ -483,9 +486,9 @@ class PagedDecoder:
                  max_batch=256, max_blocks_per_seq=None, xp=None, kv_path=None):
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("max_batch", max_batch)):
-            dc.check_positive(name, v)
+            check_positive(name, v)
         if max_blocks_per_seq is not None:
-            dc.check_positive("max_blocks_per_seq", max_blocks_per_seq)
+            check_positive("max_blocks_per_seq", max_blocks_per_seq)
         check_gqa(num_q_heads, num_kv_heads, "num_kv_heads")
         check_head_dim("head_dim", head_dim)
         check_choice("layout", layout, LAYOUTS)

@@ -11,13 +11,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import array_module, check_array, check_choice
-from ..core.checks import (check_block_tables, check_gqa, check_options, check_out, check_query,
-    token_stride)
+from ..core.checks import (INT32_MAX, check_aligned, check_block_elements, check_block_tables,
+    check_gqa, check_options, check_out, check_query, token_stride)
 from ..core.errors import strict
 from .plan import MAX_SPLITS, MERGES, SCHEDULES
 from ..core.layouts import LAYOUTS, CacheGeometry, cache_geometry
 
-INT32_MAX = 2**31 - 1
 
 
 class Checked(NamedTuple):
@@ -42,17 +41,8 @@ def check_caches(q, k_cache, v_cache, layout, xp):
     if geo.head_dim != q.shape[2]:
         raise ValueError(f"k_cache: expected head_dim {q.shape[2]} like q, got {geo.head_dim}")
     if xp is not np:
-        if geo.block_size * geo.num_kv_heads * geo.head_dim > INT32_MAX:
-            raise ValueError(f"k_cache: expected fewer than 2**31 elements per block, got "
-                             f"{geo.block_size} x {geo.num_kv_heads} x {geo.head_dim}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.strides[0] // c.itemsize > INT32_MAX:
-                raise ValueError(f"{name}: expected blocks fewer than 2**31 elements apart, "
-                                 f"got a block stride of {c.strides[0] // c.itemsize}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.data.ptr % 16:
-                raise ValueError(f"{name}: expected a 16-byte aligned base address, got one "
-                                 f"{c.data.ptr % 16} bytes past alignment")
+        check_block_elements(geo, k_cache=k_cache, v_cache=v_cache)
+        check_aligned(k_cache=k_cache, v_cache=v_cache)
     return geo
 
 
@@ -120,11 +110,6 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layo
     if out is not None:
         check_out(out, (batch, hq, d), q.dtype, xp)
     return Checked(xp, batch, hq, geo, opts, append, sl)
-
-
-def check_positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 def check_plan(dec, block_tables, seq_lens, append, num_splits, validate=None):

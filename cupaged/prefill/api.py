@@ -23,12 +23,12 @@ from . import plan as plan_
 from ..core.arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, as_dtype, bfloat16,
     check_array, check_head_dim, empty, float16, float32, gpu_available, is_cupy, signature,
     stream_key)
-from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
-    check_out, table_stride, token_stride)
+from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_cu_seqlens,
+    check_gqa, check_options, check_out, check_positive, table_stride, token_stride)
 from ..core.compile import Spec, ctype, launcher
 from ..core.device import Uploader, scratch
 from ..core.launch import ptr
-from ..core.layouts import CacheGeometry, block_stride, cache_geometry
+from ..core.layouts import CacheGeometry, cache_geometry, cache_strides, layout_strides
 from ..reference import attention as ref
 
 __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller",
@@ -79,7 +79,7 @@ def _backend(backend, dtype, head_dim, layout, opts, xp):
 
 def _window(opts):
     """window_left as the kernel's int32; windows past any int32 position hide nothing."""
-    return -1 if opts.window_left >= plan_.INT32_MAX else opts.window_left
+    return -1 if opts.window_left >= INT32_MAX else opts.window_left
 
 
 def _tile(dtype, head_dim, v_transposed, backend, tile=None):
@@ -132,7 +132,7 @@ class _Launches:
         The call's query (shape, dtype, strides).
     tables : array or None
         Block tables (paged) or None (ragged K/V).
-    strides : prefill_plan.KVStrides
+    strides : cupaged.core.layouts.CacheStrides
     """
 
     def __init__(self, q, batch, tables, block_size, num_blocks, total_k, num_kv_heads,
@@ -186,8 +186,7 @@ def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, tot
                  num_kv_heads, tile, causal, opts, name="prefill"):
     """The device work list of a call (the plan kernel alone; tests of its output)."""
     run = _Launches(q, cu_q.shape[0] - 1, tables, block_size, num_blocks, total_k,
-                    num_kv_heads, plan_.kv_strides("ragged", 1, num_kv_heads, q.shape[2],
-                                                   q.dtype), opts, causal, False, "mma",
+                    num_kv_heads, layout_strides("ragged", 1, num_kv_heads, q.shape[2], q.itemsize), opts, causal, False, "mma",
                     tile=tile, name=name)
     kernel, grid, args = run.plan
     kernel.launch(grid, 512, args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info),
@@ -308,13 +307,14 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         xp, q, causal, return_lse, out, dict(sm_scale=sm_scale, window_left=window_left,
                                              alibi_slopes=alibi_slopes, sinks=sinks,
                                              logits_soft_cap=logits_soft_cap))
-    plan_.check_aligned(q=q, k=k, v=v, out=out)
+    if xp is not np:
+        check_aligned(q=q, k=k, v=v, out=out)
     backend = _backend(backend, q.dtype, q.shape[2], "ragged", opts, xp)
     if xp is np:
         return _finish(ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=return_lse,
                                           **_ref_options(opts, causal)), out, return_lse)
     hk, head_dim = int(k.shape[1]), int(q.shape[2])
-    strides = plan_.kv_strides("ragged", 1, hk, head_dim, q.dtype)._replace(
+    strides = layout_strides("ragged", 1, hk, head_dim, q.itemsize)._replace(
         k_tok=token_stride("k", k), v_tok=token_stride("v", v))
     work = None
     if cu_q is not None:  # strict mode: a host work list
@@ -407,7 +407,8 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
         xp, q, causal, return_lse, out, dict(sm_scale=sm_scale, window_left=window_left,
                                              alibi_slopes=alibi_slopes, sinks=sinks,
                                              logits_soft_cap=logits_soft_cap))
-    plan_.check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+    if xp is not np:
+        check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
     backend = _backend(backend, q.dtype, geo.head_dim, layout, opts, xp)
     if xp is np:
         return _finish(ref.paged_prefill(q, k_cache, v_cache, cu_q, block_tables, seq_lens,
@@ -419,18 +420,12 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
         work = xp.asarray(_work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
                                 geo.head_dim, v_t, causal, opts, backend=backend))
     run = _Launches(q, cu_seqlens_q.shape[0] - 1, block_tables, geo.block_size, geo.num_blocks,
-                    0, geo.num_kv_heads, _cache_strides(layout, geo, k_cache, v_cache), opts,
+                    0, geo.num_kv_heads, cache_strides(k_cache, v_cache, layout, geo), opts,
                     causal, v_t, backend, work=work)
     if work is None and key is not None:
         _CALLS.put(key, run)
     return _run(run, q, k_cache, v_cache, out, return_lse, cu_seqlens_q, seq_lens, block_tables,
                 alibi_slopes, sinks)
-
-
-def _cache_strides(layout, geo, k_cache, v_cache):
-    """KVStrides of a paged cache pair, its block strides as the arrays have them."""
-    return plan_.kv_strides(layout, *geo[1:], k_cache.dtype)._replace(
-        k_block=block_stride(k_cache), v_block=block_stride(v_cache))
 
 
 @accepts_dlpack
@@ -452,12 +447,6 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
 
 
 # ----------------------------------------------------------------------------- plan / run
-def _positive_int(name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
-
-
 class PagedPrefiller:
     """Paged prefill planned once per batch step and run once per layer.
 
@@ -489,9 +478,9 @@ class PagedPrefiller:
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout="NHD", *, causal=True, window_left=-1, logits_soft_cap=0.0,
                  sm_scale=None, backend="auto"):
-        self.num_q_heads = _positive_int("num_q_heads", num_q_heads)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-        self.block_size = _positive_int("block_size", block_size)
+        self.num_q_heads = check_positive("num_q_heads", num_q_heads)
+        self.num_kv_heads = check_positive("num_kv_heads", num_kv_heads)
+        self.block_size = check_positive("block_size", block_size)
         check_head_dim("head_dim", head_dim)
         check_gqa(self.num_q_heads, self.num_kv_heads, "num_kv_heads")
         self.head_dim = int(head_dim)
@@ -539,7 +528,7 @@ class PagedPrefiller:
         self._runs.clear()
         contents = xp is np or errors.strict(validate)
         cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, contents=contents)
-        geo = CacheGeometry(plan_.INT32_MAX, self.block_size, self.num_kv_heads, self.head_dim)
+        geo = CacheGeometry(INT32_MAX, self.block_size, self.num_kv_heads, self.head_dim)
         batch = cu_seqlens_q.shape[0] - 1
         bt, sl = check_block_tables(block_tables, seq_lens, geo, xp, batch=batch,
                                     contents=contents)
@@ -651,7 +640,8 @@ class PagedPrefiller:
         causal, return_lse, opts = _check_common(
             xp, q, self.causal, return_lse, out,
             dict(self._options, alibi_slopes=alibi_slopes, sinks=sinks))
-        plan_.check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+        if xp is not np:
+            check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
         backend = _backend(self.backend, self.dtype, self.head_dim, self.layout, opts, xp)
         h = self._host
         if xp is np:
@@ -666,7 +656,7 @@ class PagedPrefiller:
         if run is None:
             run = self._runs.put(key, _Launches(
                 q, d["sl"].shape[0], d["bt"], self.block_size, geo.num_blocks, 0,
-                self.num_kv_heads, _cache_strides(self.layout, geo, k_cache, v_cache), opts,
+                self.num_kv_heads, cache_strides(k_cache, v_cache, self.layout, geo), opts,
                 causal, self._v_transposed, backend,
                 work=None if h["cu"] is None else d["work"], name="prefiller"))
         run(q, k_cache, v_cache, out, lse, d["cu"], d["sl"], d["bt"], alibi_slopes, sinks)

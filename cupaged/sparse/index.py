@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import accepts_dlpack, array_module, check_array, check_range, host
+from ..core.checks import check_positive
 from ..reference import sparse as ref
 from . import launch as kernels
 
@@ -33,10 +34,10 @@ class IndexPlan(NamedTuple):
 
 
 def check_block_size(name, value, multiple=1):
-    if not isinstance(value, (int, np.integer)) or value < 1 or value % multiple:
-        want = f"a positive multiple of {multiple}" if multiple > 1 else "a positive int"
-        raise ValueError(f"{name}: expected {want}, got {value!r}")
-    return int(value)
+    value = check_positive(name, value)
+    if value % multiple:
+        raise ValueError(f"{name}: expected a multiple of {multiple}, got {value!r}")
+    return value
 
 
 def check_pattern_indices(name, idx, xp, shape):
