@@ -257,13 +257,23 @@ def allow_dynamic_smem(kernel, smem):
     return True
 
 
-def get_kernel(stem, expr, *, hopper=False, options=()):
+def get_kernel(stem, expr, *, hopper=False, options=(), smem=0, carveout=False):
     """The ``cupy.RawKernel`` for template expression ``expr`` of ``kernels_cu/<stem>.cu``.
 
-    Compiled once per (device, arch, options) and cached in memory and on disk.
+    Compiled once per (device, arch, options) and cached in memory and on disk. With
+    ``smem``, its dynamic shared-memory limit raised to that many bytes
+    (:func:`allow_dynamic_smem`), and with ``carveout`` also the shared-memory carveout
+    preferred at its maximum (for resident CTAs' tiles).
     """
     import cupy
-    return _kernel(cupy.cuda.Device().id, stem, expr, device_arch(hopper), tuple(options))
+    kernel = _kernel(cupy.cuda.Device().id, stem, expr, device_arch(hopper), tuple(options))
+    _reserve_smem(kernel, smem, carveout)
+    return kernel
+
+
+def _reserve_smem(kernel, smem, carveout):
+    if allow_dynamic_smem(kernel, smem) and carveout and smem:
+        kernel.preferred_shared_memory_carveout = 100
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,8 +282,7 @@ def _launcher(device_id, stem, expr, record, hopper, smem, carveout):
     import cupy
     with cupy.cuda.Device(device_id):
         raw = _kernel(device_id, stem, expr, device_arch(hopper), ())
-        if allow_dynamic_smem(raw, smem) and carveout and smem:
-            raw.preferred_shared_memory_carveout = 100
+        _reserve_smem(raw, smem, carveout)
     return Kernel(raw, record)
 
 

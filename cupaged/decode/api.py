@@ -205,6 +205,17 @@ def _planned_on_device(lp, dtype, num_q_heads, head_dim, opts, merge, append, ba
                         counters[1:], None, part_out, part_lse, plan_args, tables, own_lens)
 
 
+def _planned_on_host(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, bt_stride,
+                     layout, index, counters, pool, part_out, part_lse, tables=None,
+                     own_lens=None):
+    """The device step of a host plan packed into ``index`` (laid out as ``layout``, a
+    ``decode.plan.IndexLayout``): its descriptors, piece info and lengths."""
+    return _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch,
+                        bt_stride, index[layout.desc:layout.tables],
+                        index[layout.info:layout.info + 2 * batch], index[:batch], counters,
+                        pool, part_out, part_lse, tables=tables, own_lens=own_lens)
+
+
 def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, lse, num_blocks,
                    tables, lens):
     """Plan (when planned on the device), append (with ``k_new``), decode and, with a merge
@@ -268,10 +279,9 @@ def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
     part_out, part_lse = _partials(xp, lp, work.num_slots)
     counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots and fused else None
     pool = xp.zeros(2 * lp.row_groups, np.int32) if work.pool_pieces else None
-    return _device_step(lp, dtype, c.num_q_heads, d, c.options, merge, c.append, c.batch,
-                        table_stride(block_tables), index[lay.desc:lay.tables],
-                        index[lay.info:lay.info + 2 * c.batch], index[:c.batch], counters,
-                        pool, part_out, part_lse)
+    return _planned_on_host(lp, dtype, c.num_q_heads, d, c.options, merge, c.append, c.batch,
+                            table_stride(block_tables), lay, index, counters, pool, part_out,
+                            part_lse)
 
 
 _CALLS = CallCache()  # paged_decode's device-planned calls by signature
@@ -638,11 +648,11 @@ class PagedDecoder:
         self._uploader.upload(self._index, dp.pack_index(lay, sl, work, bt))
         idx = self._index
         tables = idx[lay.tables:lay.tables + batch * lay.width].reshape(batch, lay.width)
-        return _device_step(lp, self.dtype, self.num_q_heads, self.head_dim, self._opts, merge,
-                            bool(append), batch, lay.width, idx[lay.desc:lay.tables],
-                            idx[lay.info:lay.info + 2 * batch], idx[:batch], self._counters,
-                            self._pool if work.pool_pieces else None, self._part_out,
-                            self._part_lse, tables=tables, own_lens=idx[:batch])
+        return _planned_on_host(lp, self.dtype, self.num_q_heads, self.head_dim, self._opts,
+                                merge, bool(append), batch, lay.width, lay, idx,
+                                self._counters, self._pool if work.pool_pieces else None,
+                                self._part_out, self._part_lse, tables=tables,
+                                own_lens=idx[:batch])
 
     def _take(self, lp, block_tables, seq_lens, merge, append):
         """A device plan: the tables and lengths copied into the decoder's buffers (after

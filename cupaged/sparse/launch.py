@@ -15,7 +15,7 @@ import numpy as np
 
 from ..core.arrays import HEAD_DIMS, bfloat16, float16
 from ..core.layouts import key_geometry, layout_strides
-from ..core.compile import Spec, allow_dynamic_smem, ctype, get_kernel
+from ..core.compile import Spec, ctype, get_kernel
 from ..prefill.plan import TileShape
 
 KERNEL_DTYPES = (float16, bfloat16)
@@ -63,14 +63,6 @@ def estimate_smem(head_dim):
     return (ROWS + 2 * KEYS) * (head_dim + 8) * 2
 
 
-def kernel(stem, expr, smem=0):
-    """The compiled kernel, allowed ``smem`` bytes of dynamic shared memory."""
-    kern = get_kernel(stem, expr)
-    if allow_dynamic_smem(kern, smem):
-        kern.preferred_shared_memory_carveout = 100   # two CTAs per SM where they fit
-    return kern
-
-
 class KVSource(NamedTuple):
     """Kernel arguments locating keys and values: dense packed rows or a paged cache."""
     k: object
@@ -114,3 +106,9 @@ def kernel_specializations():
             specs.append(Spec("sparse_estimate", estimate_expr(dtype, d)))
             specs.append(Spec("sparse_attention", attention_expr(dtype, d)))
     return specs
+
+
+def kernel(stem, expr, smem=0):
+    """The compiled kernel, allowed ``smem`` bytes of dynamic shared memory (carveout at its
+    maximum: two CTAs per SM where they fit)."""
+    return get_kernel(stem, expr, smem=smem, carveout=True)
