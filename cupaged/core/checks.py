@@ -20,18 +20,20 @@ from .arrays import FLOAT_DTYPES, check_array, check_head_dim, check_range, host
 INT32_MAX = 2**31 - 1  # kernels offset within a cache block and count in 32-bit ints
 
 
-def check_positive(name, value, minimum=1):
-    """An int (NumPy ints included, bools not) of at least ``minimum``, returned as an int.
+def check_int(name, value, minimum=1, maximum=None):
+    """An int (NumPy ints included, bools not) of at least ``minimum`` (and at most
+    ``maximum``), returned as an int.
 
-    Raises TypeError for a non-int, ValueError for one below ``minimum``."""
+    Raises TypeError for a non-int, ValueError for one out of range."""
     try:
         if isinstance(value, (bool, np.bool_)):
             raise TypeError
         number = operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {value!r}") from None
-    if number < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    if number < minimum or (maximum is not None and number > maximum):
+        want = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}: expected an int {want}, got {value!r}")
     return number
 
 

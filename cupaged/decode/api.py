@@ -22,7 +22,7 @@ from . import checks as dc, plan as dp
 from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, accepts_dlpack, array_module,
     as_dtype, check_array, check_choice, check_head_dim, empty, host, is_cupy, signature,
     stream_key)
-from ..core.checks import check_gqa, check_options, check_positive, table_stride, token_stride
+from ..core.checks import check_gqa, check_options, check_int, table_stride, token_stride
 from ..core.compile import Spec, ctype, launcher
 from ..core.device import Uploader, current, scratch
 from ..core.launch import ptr
@@ -496,9 +496,9 @@ class PagedDecoder:
                  max_batch=256, max_blocks_per_seq=None, xp=None, kv_path=None):
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("max_batch", max_batch)):
-            check_positive(name, v)
+            check_int(name, v)
         if max_blocks_per_seq is not None:
-            check_positive("max_blocks_per_seq", max_blocks_per_seq)
+            check_int("max_blocks_per_seq", max_blocks_per_seq)
         check_gqa(num_q_heads, num_kv_heads, "num_kv_heads")
         check_head_dim("head_dim", head_dim)
         check_choice("layout", layout, LAYOUTS)

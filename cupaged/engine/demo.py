@@ -26,7 +26,7 @@ import numpy as np
 
 from ..core.arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cupy_module,
     gpu_available, host)
-from ..core.checks import check_positive
+from ..core.checks import check_int
 from ..core.layouts import LAYOUTS
 
 # relative tolerance ||out - ref|| / ||ref|| of the --check comparison, per dtype: of each
@@ -78,7 +78,7 @@ class DemoConfig:
         for name in ("requests", "num_blocks", "block_size", "num_q_heads", "num_kv_heads",
                      "max_seqs", "max_batch_tokens", "min_prompt", "min_output", "layers",
                      "vocab_size"):
-            check_positive(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         for lo, hi in (("min_prompt", "max_prompt"), ("min_output", "max_output")):
             if getattr(self, hi) < getattr(self, lo):
                 raise ValueError(f"{hi}: expected >= {lo} = {getattr(self, lo)}, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available
-from ..core.checks import check_positive
+from ..core.checks import check_int
 from .blocks import BlockPool
 from ..cache_ops.api import copy_blocks, write_kv_cache
 from ..core.layouts import LAYOUTS, cache_shapes
@@ -39,10 +39,10 @@ class PagedKVCache:
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, dtype="float16",
                  layout="NHD", xp=None):
         check_choice("layout", layout, LAYOUTS)
-        self.num_blocks = check_positive("num_blocks", num_blocks)
-        self.block_size = check_positive("block_size", block_size)
-        self.num_kv_heads = check_positive("num_kv_heads", num_kv_heads)
-        self.head_dim = check_positive("head_dim", head_dim)
+        self.num_blocks = check_int("num_blocks", num_blocks)
+        self.block_size = check_int("block_size", block_size)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_int("head_dim", head_dim)
         check_head_dim("head_dim", self.head_dim)
         self.dtype = as_dtype(dtype)
         if xp is None:

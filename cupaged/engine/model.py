@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available, host
-from ..core.checks import check_positive
+from ..core.checks import check_int
 from ..core.layouts import LAYOUTS, cache_shapes
 
 __all__ = ["TinyLlamaConfig", "TinyLlama", "generate", "score", "check_generation"]
@@ -59,7 +59,7 @@ class TinyLlamaConfig:
         """Raise ValueError/TypeError naming the first bad field."""
         for name in ("vocab_size", "num_layers", "num_q_heads", "num_kv_heads",
                      "intermediate_size", "max_position"):
-            check_positive(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         check_head_dim("head_dim", self.head_dim)
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads = "

@@ -24,7 +24,7 @@ from ..core.arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, a
     check_array, check_head_dim, empty, float16, float32, gpu_available, is_cupy, signature,
     stream_key)
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_cu_seqlens,
-    check_gqa, check_options, check_out, check_positive, table_stride, token_stride)
+    check_gqa, check_options, check_out, check_int, table_stride, token_stride)
 from ..core.compile import Spec, ctype, launcher
 from ..core.device import Uploader, scratch
 from ..core.launch import ptr
@@ -478,9 +478,9 @@ class PagedPrefiller:
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout="NHD", *, causal=True, window_left=-1, logits_soft_cap=0.0,
                  sm_scale=None, backend="auto"):
-        self.num_q_heads = check_positive("num_q_heads", num_q_heads)
-        self.num_kv_heads = check_positive("num_kv_heads", num_kv_heads)
-        self.block_size = check_positive("block_size", block_size)
+        self.num_q_heads = check_int("num_q_heads", num_q_heads)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
+        self.block_size = check_int("block_size", block_size)
         check_head_dim("head_dim", head_dim)
         check_gqa(self.num_q_heads, self.num_kv_heads, "num_kv_heads")
         self.head_dim = int(head_dim)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
-from ..core.checks import check_cu_seqlens, check_gqa, check_positive
+from ..core.checks import check_cu_seqlens, check_gqa, check_int
 from ..core.compile import Spec, ctype, get_kernel
 from ..reference import sink as ref
 
@@ -148,7 +148,7 @@ def _check_scalars(window_left, causal, sm_scale, batch_size):
                                  or not math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected None or a finite float, got {sm_scale!r}")
     if batch_size is not None:
-        check_positive("batch_size", batch_size)
+        check_int("batch_size", batch_size)
 
 
 def _check_arrays(q, k, v, sink, xp):

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import accepts_dlpack, array_module, check_array, check_range, host
-from ..core.checks import check_positive
+from ..core.checks import check_int
 from ..reference import sparse as ref
 from . import launch as kernels
 
@@ -34,7 +34,7 @@ class IndexPlan(NamedTuple):
 
 
 def check_block_size(name, value, multiple=1):
-    value = check_positive(name, value)
+    value = check_int(name, value)
     if value % multiple:
         raise ValueError(f"{name}: expected a multiple of {multiple}, got {value!r}")
     return value

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import array_module, check_array, host
-from ..core.checks import check_block_tables, check_positive, check_query
+from ..core.checks import check_block_tables, check_int, check_query
 from ..core.layouts import k_as_nhd, key_geometry
 from .attention import paged_vertical_slash_attention, vertical_slash_attention
 from .estimate import estimate_vertical_slash, paged_estimate_vertical_slash
@@ -71,14 +71,14 @@ class MInferencePolicy(SparsePolicy):
 
     def __init__(self, vertical_size=1000, slash_size=6096, adaptive_budget=0.3,
                  num_sink_tokens=30, num_recent_diags=100, last_q=64):
-        self.vertical_size = check_positive("vertical_size", vertical_size)
-        self.slash_size = check_positive("slash_size", slash_size)
+        self.vertical_size = check_int("vertical_size", vertical_size)
+        self.slash_size = check_int("slash_size", slash_size)
         if adaptive_budget is not None and not 0 < adaptive_budget <= 1:
             raise ValueError(f"adaptive_budget: expected None or a float in (0, 1], got {adaptive_budget!r}")
         self.adaptive_budget = adaptive_budget
-        self.num_sink_tokens = check_positive("num_sink_tokens", num_sink_tokens, 0)
-        self.num_recent_diags = check_positive("num_recent_diags", num_recent_diags, 0)
-        self.last_q = check_positive("last_q", last_q)
+        self.num_sink_tokens = check_int("num_sink_tokens", num_sink_tokens, minimum=0)
+        self.num_recent_diags = check_int("num_recent_diags", num_recent_diags, minimum=0)
+        self.last_q = check_int("last_q", last_q)
 
     def _estimate_options(self):
         return dict(vertical_size=self.vertical_size, slash_size=self.slash_size,
@@ -131,7 +131,7 @@ class QuestPolicy(SparsePolicy):
     supports_decode = True
 
     def __init__(self, top_k_pages):
-        self.top_k_pages = check_positive("top_k_pages", top_k_pages)
+        self.top_k_pages = check_int("top_k_pages", top_k_pages)
         self.reset()
 
     def reset(self):
