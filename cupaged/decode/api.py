@@ -685,8 +685,8 @@ class PagedDecoder:
                                   tables=tables, own_lens=lens)
 
     @accepts_dlpack
-    def run(self, q, k_cache, v_cache, sinks=None, alibi_slopes=None, k_new=None, v_new=None,
-            out=None, return_lse=False, lse=None):
+    def run(self, q, k_cache, v_cache, *, sinks=None, alibi_slopes=None, k_new=None,
+            v_new=None, out=None, lse=None, return_lse=False):
         """Decode the planned step for one layer.
 
         Parameters

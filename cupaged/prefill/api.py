@@ -218,6 +218,16 @@ def _finish(result, out, return_lse):
     return (res, lse) if return_lse else res
 
 
+def _into_lse(result, lse, return_lse):
+    """A reference ``(out, lse)`` result with its LSE copied into the caller's ``lse``
+    buffer when one is given; ``out`` alone unless ``return_lse``."""
+    if lse is None:
+        return result
+    res, values = result
+    lse[...] = values
+    return (res, lse) if return_lse else res
+
+
 def _ref_options(opts, causal):
     return dict(causal=causal, sm_scale=opts.sm_scale, window_left=opts.window_left,
                 alibi_slopes=opts.alibi_slopes, sinks=opts.sinks,
@@ -610,7 +620,7 @@ class PagedPrefiller:
         return geo
 
     @accepts_dlpack
-    def run(self, q, k_cache, v_cache, *, sinks=None, alibi_slopes=None, out=None,
+    def run(self, q, k_cache, v_cache, *, sinks=None, alibi_slopes=None, out=None, lse=None,
             return_lse=False):
         """Attention of the planned batch for one layer.
 
@@ -626,6 +636,8 @@ class PagedPrefiller:
             float32 ``[num_q_heads]``.
         out : array, optional
             ``[total_q, num_q_heads, head_dim]``, written in place.
+        lse : array, optional
+            float32 ``[total_q, num_q_heads]`` LSE buffer, written when given.
         return_lse : bool
 
         Returns
@@ -635,22 +647,27 @@ class PagedPrefiller:
         lse : array
             float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
         """
-        xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, out)
+        xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, out, lse)
         geo = self._check_run(q, k_cache, v_cache, xp)
         causal, return_lse, opts = _check_common(
             xp, q, self.causal, return_lse, out,
             dict(self._options, alibi_slopes=alibi_slopes, sinks=sinks))
+        if lse is not None:
+            check_array("lse", lse, shape=tuple(q.shape[:2]), dtypes=np.float32, xp=xp)
+        want_lse = return_lse or lse is not None
         if xp is not np:
             check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
         backend = _backend(self.backend, self.dtype, self.head_dim, self.layout, opts, xp)
         h = self._host
         if xp is np:
-            return _finish(ref.paged_prefill(q, k_cache, v_cache, h["cu"], h["bt"], h["sl"],
-                                             layout=self.layout, return_lse=return_lse,
-                                             **_ref_options(opts, causal)), out, return_lse)
+            result = _finish(ref.paged_prefill(q, k_cache, v_cache, h["cu"], h["bt"], h["sl"],
+                                               layout=self.layout, return_lse=want_lse,
+                                               **_ref_options(opts, causal)), out, want_lse)
+            return _into_lse(result, lse, return_lse)
         d = self._device
-        out, lse = _outputs(q, out, return_lse, xp)
-        key = (signature(q, k_cache, v_cache, out, alibi_slopes, sinks), bool(return_lse),
+        out, new_lse = _outputs(q, out, want_lse and lse is None, xp)
+        lse = new_lse if lse is None else lse
+        key = (signature(q, k_cache, v_cache, out, alibi_slopes, sinks, lse), want_lse,
                backend, stream_key())
         run = self._runs.get(key)
         if run is None:
