@@ -257,9 +257,9 @@ def _is_number(v):
 
 def _numeric_columns(rows):
     """Columns whose values are numbers wherever they are set."""
-    return [c for c in columns_of(rows)
-            if any(_is_number(r.get(c)) for r in rows)
-            and all(_is_number(r.get(c)) or r.get(c) is None for r in rows)]
+    return [column for column in columns_of(rows)
+            if any(_is_number(r.get(column)) for r in rows)
+            and all(_is_number(r.get(column)) or r.get(column) is None for r in rows)]
 
 
 def headline(rows, max_columns=4):
@@ -268,17 +268,17 @@ def headline(rows, max_columns=4):
     if not rows:
         return "no rows"
     parts = [f"{len(rows)} row{'s' * (len(rows) != 1)}"]
-    for c in columns_of(rows):
-        bad = sum(r.get(c) is False for r in rows)
+    for column in columns_of(rows):
+        bad = sum(r.get(column) is False for r in rows)
         if bad:
-            parts.append(f"{c} FALSE in {bad}")
+            parts.append(f"{column} FALSE in {bad}")
     numeric = _numeric_columns(rows)
-    picked = ([c for c in numeric if RATIO_COLUMN.search(c)]
-              + [c for c in numeric if RATE_COLUMN.search(c)]) or numeric[-1:]
-    for c in picked[:max_columns]:
-        values = [r[c] for r in rows if _is_number(r.get(c))]
+    picked = ([column for column in numeric if RATIO_COLUMN.search(column)]
+              + [column for column in numeric if RATE_COLUMN.search(column)]) or numeric[-1:]
+    for column in picked[:max_columns]:
+        values = [r[column] for r in rows if _is_number(r.get(column))]
         lo, hi = min(values), max(values)
-        parts.append(f"{c} {lo:.3g}" + ("" if lo == hi else f"..{hi:.3g}"))
+        parts.append(f"{column} {lo:.3g}" + ("" if lo == hi else f"..{hi:.3g}"))
     return "; ".join(parts)
 
 
@@ -306,8 +306,8 @@ def plot_rows(rows, path, title, column=None):
     column = column or numeric[-1]
     if column not in numeric:
         raise click.ClickException(f"--plot-column: expected one of {numeric}, got {column!r}")
-    labels = [" ".join(str(r[c]) for c in columns_of(rows)
-                       if c not in numeric and isinstance(r.get(c), str)) for r in rows]
+    labels = [" ".join(str(r[column]) for column in columns_of(rows)
+                       if column not in numeric and isinstance(r.get(column), str)) for r in rows]
     fig, ax = plt.subplots(figsize=(8, 1 + 0.35 * len(rows)))
     ax.barh(range(len(rows)), [r.get(column) or 0.0 for r in rows])
     ax.set_yticks(range(len(rows)), labels, fontsize=8)

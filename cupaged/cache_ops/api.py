@@ -132,17 +132,17 @@ def _check_blocks(names, a, b, same_shape):
     With ``same_shape`` their blocks must have one shape, else only one size (the key and
     value caches of the vllm layout).
     """
-    for name, c in zip(names, (a, b)):
-        if not (isinstance(c, np.ndarray) or is_cupy(c)):
+    for name, cache in zip(names, (a, b)):
+        if not (isinstance(cache, np.ndarray) or is_cupy(cache)):
             raise TypeError(f"{name}: expected a numpy.ndarray or cupy.ndarray, "
-                            f"got {type(c).__name__}")
-        if c.ndim < 2:
+                            f"got {type(cache).__name__}")
+        if cache.ndim < 2:
             raise ValueError(f"{name}: expected a cache [num_blocks, ...] of 2 or more "
-                             f"dimensions, got shape {tuple(c.shape)}")
-        check_array(name, c)
+                             f"dimensions, got shape {tuple(cache.shape)}")
+        check_array(name, cache)
     if a.dtype != b.dtype:
         raise TypeError(f"{names[1]}: expected dtype {a.dtype} like {names[0]}, got {b.dtype}")
-    block_bytes = [int(np.prod(c.shape[1:])) * c.dtype.itemsize for c in (a, b)]
+    block_bytes = [int(np.prod(cache.shape[1:])) * cache.dtype.itemsize for cache in (a, b)]
     if same_shape and a.shape[1:] != b.shape[1:]:
         raise ValueError(f"{names[1]}: expected blocks of shape {tuple(a.shape[1:])} like "
                          f"{names[0]}, got {tuple(b.shape[1:])}")
@@ -387,9 +387,9 @@ def swap_blocks(src_cache, dst_cache, block_mapping, *, method="auto"):
     if is_cupy(pairs) and method == "memcpy":
         pairs = host(pairs)
     on_device = is_cupy(src_cache) or is_cupy(dst_cache)
-    pinned = {name: _pinned_pointer(name, c) for name, c in
+    pinned = {name: _pinned_pointer(name, cache) for name, cache in
               (("src_cache", src_cache), ("dst_cache", dst_cache))
-              if on_device and isinstance(c, np.ndarray)}
+              if on_device and isinstance(cache, np.ndarray)}
     if not on_device:
         ref.swap_blocks(src_cache, dst_cache, pairs)
         return dst_cache

@@ -128,10 +128,10 @@ def cache_geometry(k_cache, v_cache, layout="NHD") -> CacheGeometry:
         dtypes, or caches whose blocks are not dense.
     """
     check_choice("layout", layout, LAYOUTS)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {c.dtype}")
-        check_dense_blocks(name, c)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {cache.dtype}")
+        check_dense_blocks(name, cache)
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"v_cache: expected dtype {k_cache.dtype} like k_cache, got {v_cache.dtype}")
     geo = key_geometry(k_cache, layout)
@@ -152,8 +152,8 @@ def check_dense_blocks(name, cache):
     """A cache's blocks must be dense (C-contiguous past the block axis), a block stride of
     at least one block and a multiple of 16 bytes apart."""
     dense = cache.itemsize
-    for n, st in zip(reversed(cache.shape[1:]), reversed(cache.strides[1:])):
-        if n > 1 and st != dense:
+    for n, stride in zip(reversed(cache.shape[1:]), reversed(cache.strides[1:])):
+        if n > 1 and stride != dense:
             raise ValueError(f"{name}: expected dense blocks (C-contiguous past the block "
                              f"axis), got strides {cache.strides}")
         dense *= n

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core import abi, errors
-from . import checks as dc, plan as dp
+from . import checks, plan
 from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, accepts_dlpack, array_module,
     as_dtype, check_array, check_choice, check_head_dim, empty, host, is_cupy, signature,
     stream_key)
@@ -44,11 +44,11 @@ def _pages_expr(dtype, head_dim, head_major=False):
             f"{'true' if head_major else 'false'}>")
 
 
-def _launch_expr(lp, dtype):
-    """The decode kernel of launch ``lp``."""
-    if lp.pages:
-        return _pages_expr(dtype, lp.head_dim, lp.head_major)
-    return _decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles)
+def _launch_expr(launch, dtype):
+    """The decode kernel of ``launch``."""
+    if launch.pages:
+        return _pages_expr(dtype, launch.head_dim, launch.head_major)
+    return _decode_expr(dtype, launch.head_dim, launch.vllm_v, launch.tiles.head_tiles)
 
 
 def _merge_expr(in_dtype, out_dtype):
@@ -66,9 +66,9 @@ def _append_expr(dtype):
 PLAN_EXPR = "cupaged::plan::decode_plan_kernel"
 
 
-def _decode_kernel(lp, dtype):
-    return launcher("decode", _launch_expr(lp, dtype), abi.DECODE, hopper=lp.pages,
-                    smem=lp.tiles.smem_bytes, carveout=True)
+def _decode_kernel(launch, dtype):
+    return launcher("decode", _launch_expr(launch, dtype), abi.DECODE, hopper=launch.pages,
+                    smem=launch.tiles.smem_bytes, carveout=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,27 +76,27 @@ def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_k
     """The launch geometry on a device: one CTA per slot its decode kernel can hold."""
     import cupy
     from cupy_backends.cuda.api import driver
-    lp = dp.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
-                        block_size=block_size, num_q_heads=num_q_heads,
-                        num_kv_heads=num_kv_heads, pages=pages)
+    launch = plan.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
+                              block_size=block_size, num_q_heads=num_q_heads,
+                              num_kv_heads=num_kv_heads, pages=pages)
     with cupy.cuda.Device(device_id):
-        kernel = _decode_kernel(lp, dtype)
-    smem = lp.tiles.smem_bytes
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, lp.threads, smem)
+        kernel = _decode_kernel(launch, dtype)
+    smem = launch.tiles.smem_bytes
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, launch.threads, smem)
     sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-    return lp._replace(columns=max(1, sms * max(1, per_sm) // lp.row_groups))
+    return launch._replace(columns=max(1, sms * max(1, per_sm) // launch.row_groups))
 
 
 def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, kv_path,
                       batch):
     """The launch geometry of a ``batch``-sequence step on the current device, its kernel
     path resolved from ``kv_path`` (``dp.resolve_kv_path``)."""
-    dev = current()
+    device = current()
     dtype = np.dtype(dtype)
-    pages = dp.resolve_kv_path(kv_path, dev.compute_capability, dtype.itemsize, int(head_dim),
-                               layout, int(block_size), int(num_q_heads), int(num_kv_heads),
-                               int(batch))
-    return _geometry(dev.id, dtype, int(head_dim), layout, int(block_size), int(num_q_heads),
+    pages = plan.resolve_kv_path(kv_path, device.compute_capability, dtype.itemsize,
+                                 int(head_dim), layout, int(block_size), int(num_q_heads),
+                                 int(num_kv_heads), int(batch))
+    return _geometry(device.id, dtype, int(head_dim), layout, int(block_size), int(num_q_heads),
                      int(num_kv_heads), pages)
 
 
@@ -124,34 +124,35 @@ def _stride_fields(strides):
                 vhs=strides.v_head, vts=strides.v_tok, vcs=strides.v_chunk, ves=strides.v_dim)
 
 
-def _decode_fields(lp, num_q_heads, bt_stride, opts, fused):
+def _decode_fields(launch, num_q_heads, bt_stride, opts, fused):
     """DECODE's fixed fields of a launch (the block strides come with the caches)."""
-    return dict(**_stride_fields(lp.strides), block_size=lp.block_size, block_magic=lp.block_magic,
-                block_shift=lp.block_shift, bt_stride=bt_stride, num_q_heads=num_q_heads,
-                num_kv_heads=lp.num_kv_heads, head_warps=lp.heads.head_warps,
-                head_chunks=lp.heads.head_chunks, window_left=opts.window_left,
+    return dict(**_stride_fields(launch.strides), block_size=launch.block_size,
+                block_magic=launch.block_magic, block_shift=launch.block_shift,
+                bt_stride=bt_stride, num_q_heads=num_q_heads,
+                num_kv_heads=launch.num_kv_heads, head_warps=launch.heads.head_warps,
+                head_chunks=launch.heads.head_chunks, window_left=opts.window_left,
                 fused_merge=int(fused), scale_log2=opts.sm_scale * LOG2E,
                 sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap)
 
 
-def _merge_launch(lp, batch, fused):
+def _merge_launch(launch, batch, fused):
     """merge_pieces_kernel's launch for a step (None with the fused merge)."""
-    return None if fused else dp.merge_launch(lp, batch)
+    return None if fused else plan.merge_launch(launch, batch)
 
 
-def _partials(xp, lp, num_slots, name=None):
+def _partials(xp, launch, num_slots, name=None):
     """Partial rows and LSEs for ``num_slots`` slots (None, None without any); per-stream
     scratch when ``name`` is given."""
     if not num_slots:
         return None, None
-    rows = num_slots * lp.row_groups * lp.heads_per_group
+    rows = num_slots * launch.row_groups * launch.heads_per_group
     if name is None:
-        return xp.empty(rows * lp.head_dim, np.float32), xp.empty(rows, np.float32)
-    buf = scratch(name, rows * (lp.head_dim + 1), np.float32)
-    return buf[:rows * lp.head_dim], buf[rows * lp.head_dim:rows * (lp.head_dim + 1)]
+        return xp.empty(rows * launch.head_dim, np.float32), xp.empty(rows, np.float32)
+    buf = scratch(name, rows * (launch.head_dim + 1), np.float32)
+    return buf[:rows * launch.head_dim], buf[rows * launch.head_dim:rows * (launch.head_dim + 1)]
 
 
-def _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, bt_stride,
+def _device_step(launch, dtype, num_q_heads, head_dim, opts, merge, append, batch, bt_stride,
                  work, seq_info, lens, counters, pool, part_out, part_lse, plan_args=None,
                  tables=None, own_lens=None):
     """Kernels and fixed arguments of a step whose descriptors are at ``work``, piece info
@@ -160,30 +161,30 @@ def _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, b
     append_args = None
     if append:
         append_args = abi.APPEND.bind(
-            seq_lens=ptr(lens), bt_stride=bt_stride, block_size=lp.block_size,
-            num_kv_heads=lp.num_kv_heads, head_dim=head_dim, **_stride_fields(lp.strides))
+            seq_lens=ptr(lens), bt_stride=bt_stride, block_size=launch.block_size,
+            num_kv_heads=launch.num_kv_heads, head_dim=head_dim, **_stride_fields(launch.strides))
     decode_args = abi.DECODE.bind(
         work=ptr(work), part_out=ptr(part_out), part_lse=ptr(part_lse),
         counters=ptr(counters) if fused else 0, pool_ctr=ptr(pool),
-        **_decode_fields(lp, num_q_heads, bt_stride, opts, fused))
+        **_decode_fields(launch, num_q_heads, bt_stride, opts, fused))
     merge_args = None
     if not fused:
         merge_args = abi.MERGE_PIECES.bind(
             part_out=ptr(part_out), part_lse=ptr(part_lse), seq_info=ptr(seq_info),
-            num_q_heads=num_q_heads, num_kv_heads=lp.merge_kv_heads,
-            head_chunks=lp.heads.head_chunks, hpc=lp.heads_per_group, dim=head_dim)
+            num_q_heads=num_q_heads, num_kv_heads=launch.merge_kv_heads,
+            head_chunks=launch.heads.head_chunks, hpc=launch.heads_per_group, dim=head_dim)
     kernels = (launcher("decode", _append_expr(dtype), abi.APPEND) if append else None,
-               _decode_kernel(lp, dtype),
-               None if fused else launcher("decode", _pieces_expr(dtype, lp.head_dim),
+               _decode_kernel(launch, dtype),
+               None if fused else launcher("decode", _pieces_expr(dtype, launch.head_dim),
                                            abi.MERGE_PIECES),
                launcher("plan", PLAN_EXPR, abi.DECODE_PLAN) if plan_args is not None else None)
-    return _DeviceStep(lp, kernels, plan_args, append_args, decode_args, merge_args,
-                       _merge_launch(lp, batch, fused), tables, own_lens,
+    return _DeviceStep(launch, kernels, plan_args, append_args, decode_args, merge_args,
+                       _merge_launch(launch, batch, fused), tables, own_lens,
                        (work, seq_info, lens, counters, pool, part_out, part_lse, tables,
                         own_lens))
 
 
-def _planned_on_device(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, width,
+def _planned_on_device(launch, dtype, num_q_heads, head_dim, opts, merge, append, batch, width,
                        bt_stride, layout, index, counters, part_out, part_lse, tables=None,
                        own_lens=None):
     """The device step of a batch whose pieces decode_plan_kernel cuts on the device: its
@@ -191,57 +192,57 @@ def _planned_on_device(lp, dtype, num_q_heads, head_dim, opts, merge, append, ba
     a ``decode_plan.DeviceIndex`` of at least the batch), its counters into ``counters``
     (zeros, re-armed by the kernels: the plan's own first, then the fused merge's, one a
     sequence and row group)."""
-    stages, num, den = dp.min_piece_terms(lp, merge)
+    stages, num, den = plan.min_piece_terms(launch, merge)
     work = index[:layout.info]
     lens = index[layout.lens:layout.lens + batch]
     plan_args = abi.DECODE_PLAN.bind(
         work=ptr(work), seq_info=ptr(index[layout.info:]), lens_out=ptr(lens),
         scratch=ptr(index[layout.scratch:]), done=ptr(counters), err=ptr(errors.error_word()),
-        batch=batch, width=width, bt_stride=bt_stride, block_size=lp.block_size,
-        append=int(append), window_left=opts.window_left, tile=lp.tiles.tile,
-        columns=lp.columns, min_piece=stages, piece_num=num, piece_den=den)
-    return _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch,
+        batch=batch, width=width, bt_stride=bt_stride, block_size=launch.block_size,
+        append=int(append), window_left=opts.window_left, tile=launch.tiles.tile,
+        columns=launch.columns, min_piece=stages, piece_num=num, piece_den=den)
+    return _device_step(launch, dtype, num_q_heads, head_dim, opts, merge, append, batch,
                         bt_stride, work, index[layout.info:layout.info + 2 * batch], lens,
                         counters[1:], None, part_out, part_lse, plan_args, tables, own_lens)
 
 
-def _planned_on_host(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, bt_stride,
+def _planned_on_host(launch, dtype, num_q_heads, head_dim, opts, merge, append, batch, bt_stride,
                      layout, index, counters, pool, part_out, part_lse, tables=None,
                      own_lens=None):
     """The device step of a host plan packed into ``index`` (laid out as ``layout``, a
     ``decode.plan.IndexLayout``): its descriptors, piece info and lengths."""
-    return _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch,
+    return _device_step(launch, dtype, num_q_heads, head_dim, opts, merge, append, batch,
                         bt_stride, index[layout.desc:layout.tables],
                         index[layout.info:layout.info + 2 * batch], index[:batch], counters,
                         pool, part_out, part_lse, tables=tables, own_lens=own_lens)
 
 
-def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, lse, num_blocks,
+def _launch_decode(device, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, lse, num_blocks,
                    tables, lens):
     """Plan (when planned on the device), append (with ``k_new``), decode and, with a merge
     kernel, merge split pieces by a second kernel; all on the current stream, without a
     host sync. ``tables``/``lens``: the block tables and lengths the step reads."""
     batch, hq, d = q.shape
-    lp = dev.launch
-    append, decode, merge, plan = dev.kernels
+    launch = device.launch
+    append, decode, merge, plan_kernel = device.kernels
     t = ptr(tables)
-    if plan is not None:
-        plan.launch(min(batch, PLAN_CTAS), 512,
-                    dev.plan_args.pack(block_tables=t, seq_lens=ptr(lens), num_blocks=num_blocks))
+    if plan_kernel is not None:
+        plan_kernel.launch(min(batch, PLAN_CTAS), 512, device.plan_args.pack(
+            block_tables=t, seq_lens=ptr(lens), num_blocks=num_blocks))
     kbs, vbs = block_stride(k_cache), block_stride(v_cache)
     kp, vp = ptr(k_cache), ptr(v_cache)
     if k_new is not None:
-        append.launch(batch, 128, dev.append_args.pack(
+        append.launch(batch, 128, device.append_args.pack(
             k_new=ptr(k_new), v_new=ptr(v_new), k_cache=kp, v_cache=vp, block_tables=t,
             kbs=kbs, vbs=vbs, k_new_stride=token_stride("k_new", k_new),
             v_new_stride=token_stride("v_new", v_new)))
-    decode.launch(lp.grid, lp.threads, dev.decode_args.pack(
+    decode.launch(launch.grid, launch.threads, device.decode_args.pack(
         q=ptr(q), out=ptr(out), lse=ptr(lse), k_cache=kp, v_cache=vp, block_tables=t,
         alibi_slopes=ptr(alibi), sinks=ptr(sinks), kbs=kbs, vbs=vbs,
-        q_stride=q.strides[0] // q.itemsize if batch > 1 else hq * d), lp.tiles.smem_bytes)
+        q_stride=q.strides[0] // q.itemsize if batch > 1 else hq * d), launch.tiles.smem_bytes)
     if merge is not None:
-        grid, threads, wph = dev.merge_launch
-        merge.launch(grid, threads, dev.merge_args.pack(out=ptr(out), lse=ptr(lse),
+        grid, threads, wph = device.merge_launch
+        merge.launch(grid, threads, device.merge_args.pack(out=ptr(out), lse=ptr(lse),
                                                         sinks=ptr(sinks), wph=wph))
 
 
@@ -256,32 +257,34 @@ def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_pa
            out=ptr(out), lse_out=ptr(lse))
 
 
-def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
+def _call_step(xp, launch, checked, dtype, block_tables, seq_lens, num_splits):
     """The device step of one ``paged_decode`` call (default merge), in per-stream scratch:
     planned on the device, or on the host when the lengths were checked there (strict mode)
     or a count of splits is asked for (then uploaded: a copy the call waits for)."""
-    merge = dp.resolve_merge(None, lp)
+    merge = plan.resolve_merge(None, launch)
     fused = merge == "fused"
-    d = lp.head_dim
-    if c.seq_lens_host is None and num_splits is None:
-        layout = dp.DeviceIndex(c.batch, lp.columns)
+    d, batch, opts = launch.head_dim, checked.batch, checked.options
+    if checked.seq_lens_host is None and num_splits is None:
+        layout = plan.DeviceIndex(batch, launch.columns)
         index = scratch("decode.index", layout.size)
-        counters = scratch("decode.counters", 1 + c.batch * lp.row_groups, zero=True)
-        part_out, part_lse = _partials(xp, lp, layout.pieces, "decode.partials")
-        return _planned_on_device(lp, dtype, c.num_q_heads, d, c.options, merge, c.append,
-                                  c.batch, block_tables.shape[1], table_stride(block_tables),
-                                  layout, index, counters, part_out, part_lse)
-    sl = c.seq_lens_host if c.seq_lens_host is not None else host(seq_lens)
-    schedule, _ = dc.check_variants(None, None, num_splits)
-    work = dp.plan_work(lp, sl, c.append, c.options.window_left, schedule, num_splits, merge)
-    lay = dp.IndexLayout(c.batch, len(work.desc), 0)
-    index = xp.asarray(dp.pack_index(lay, sl, work))
-    part_out, part_lse = _partials(xp, lp, work.num_slots)
-    counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots and fused else None
-    pool = xp.zeros(2 * lp.row_groups, np.int32) if work.pool_pieces else None
-    return _planned_on_host(lp, dtype, c.num_q_heads, d, c.options, merge, c.append, c.batch,
-                            table_stride(block_tables), lay, index, counters, pool, part_out,
-                            part_lse)
+        counters = scratch("decode.counters", 1 + batch * launch.row_groups, zero=True)
+        part_out, part_lse = _partials(xp, launch, layout.pieces, "decode.partials")
+        return _planned_on_device(launch, dtype, checked.num_q_heads, d, opts, merge,
+                                  checked.append, batch, block_tables.shape[1],
+                                  table_stride(block_tables), layout, index, counters, part_out,
+                                  part_lse)
+    sl = checked.seq_lens_host if checked.seq_lens_host is not None else host(seq_lens)
+    schedule, _ = checks.check_variants(None, None, num_splits)
+    work = plan.plan_work(launch, sl, checked.append, opts.window_left, schedule, num_splits,
+                          merge)
+    lay = plan.IndexLayout(batch, len(work.desc), 0)
+    index = xp.asarray(plan.pack_index(lay, sl, work))
+    part_out, part_lse = _partials(xp, launch, work.num_slots)
+    counters = xp.zeros(batch * launch.row_groups, np.int32) if work.num_slots and fused else None
+    pool = xp.zeros(2 * launch.row_groups, np.int32) if work.pool_pieces else None
+    return _planned_on_host(launch, dtype, checked.num_q_heads, d, opts, merge, checked.append,
+                            batch, table_stride(block_tables), lay, index, counters, pool,
+                            part_out, part_lse)
 
 
 _CALLS = CallCache()  # paged_decode's device-planned calls by signature
@@ -374,42 +377,44 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
                bool(return_lse), kv_path, stream_key())
         hit = _CALLS.get(key)
         if hit is not None:  # checked and set up by an earlier call of this signature
-            dev, num_blocks = hit
-            return _run_step(dev, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
+            device, num_blocks = hit
+            return _run_step(device, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
                              return_lse, num_blocks, block_tables, seq_lens)
     options = dict(sm_scale=sm_scale, window_left=window_left, alibi_slopes=alibi_slopes,
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
-    c = dc.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
-                        num_splits, out, options, validate)
+    checked = checks.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new,
+                                  layout, num_splits, out, options, validate)
     if kv_path is not None:
-        check_choice("kv_path", kv_path, dp.KV_PATHS)
-    if c.xp is np:
+        check_choice("kv_path", kv_path, plan.KV_PATHS)
+    if checked.xp is np:
         o, lse = ref.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new=k_new,
-                                  v_new=v_new, sm_scale=c.options.sm_scale,
-                                  window_left=c.options.window_left, alibi_slopes=alibi_slopes,
-                                  sinks=sinks, logits_soft_cap=c.options.logits_soft_cap,
+                                  v_new=v_new, sm_scale=checked.options.sm_scale,
+                                  window_left=checked.options.window_left,
+                                  alibi_slopes=alibi_slopes,
+                                  sinks=sinks, logits_soft_cap=checked.options.logits_soft_cap,
                                   layout=layout, return_lse=True)
         return _reference_into(o, lse, out, return_lse)
-    if c.batch == 0:
-        out = empty(c.xp, q.shape, q.dtype) if out is None else out
-        lse = empty(c.xp, (0, c.num_q_heads), np.float32) if return_lse else None
+    if checked.batch == 0:
+        out = empty(checked.xp, q.shape, q.dtype) if out is None else out
+        lse = empty(checked.xp, (0, checked.num_q_heads), np.float32) if return_lse else None
         return _result(out, lse, return_lse)
-    lp = _current_geometry(q.dtype, q.shape[2], layout, c.geometry.block_size, c.num_q_heads,
-                           c.geometry.num_kv_heads, kv_path, c.batch)
-    dev = _call_step(c.xp, lp, c, q.dtype, block_tables, seq_lens, num_splits)
-    if key is not None and c.seq_lens_host is None:
-        _CALLS.put(key, (dev, c.geometry.num_blocks))
-    return _run_step(dev, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
-                     return_lse, c.geometry.num_blocks, block_tables, seq_lens)
+    launch = _current_geometry(q.dtype, q.shape[2], layout, checked.geometry.block_size,
+                               checked.num_q_heads, checked.geometry.num_kv_heads, kv_path,
+                               checked.batch)
+    device = _call_step(checked.xp, launch, checked, q.dtype, block_tables, seq_lens, num_splits)
+    if key is not None and checked.seq_lens_host is None:
+        _CALLS.put(key, (device, checked.geometry.num_blocks))
+    return _run_step(device, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
+                     return_lse, checked.geometry.num_blocks, block_tables, seq_lens)
 
 
-def _run_step(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, return_lse,
+def _run_step(device, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, return_lse,
               num_blocks, tables, lens):
     """Outputs allocated (by the caller's framework), then the step's launches."""
     import cupy
     out = empty(cupy, q.shape, q.dtype) if out is None else out
     lse = empty(cupy, q.shape[:2], np.float32) if return_lse else None
-    _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, lse, num_blocks,
+    _launch_decode(device, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, lse, num_blocks,
                    tables, lens)
     return _result(out, lse, return_lse)
 
@@ -503,7 +508,7 @@ class PagedDecoder:
         check_head_dim("head_dim", head_dim)
         check_choice("layout", layout, LAYOUTS)
         if kv_path is not None:
-            check_choice("kv_path", kv_path, dp.KV_PATHS)
+            check_choice("kv_path", kv_path, plan.KV_PATHS)
         self._kv_path = kv_path
         self._opts = check_options(np, num_q_heads, head_dim, sm_scale=sm_scale,
                                    window_left=window_left, logits_soft_cap=logits_soft_cap)
@@ -561,29 +566,29 @@ class PagedDecoder:
         """
         check_choice("planner", planner, ("device", "host"))
         xp = self._xp or array_module(block_tables, seq_lens)
-        bt, sl, max_block = dc.check_plan(self, block_tables, seq_lens, append, num_splits,
-                                          validate)
-        schedule, merge = dc.check_variants(schedule, merge, num_splits)
+        bt, sl, max_block = checks.check_plan(self, block_tables, seq_lens, append,
+                                              num_splits, validate)
+        schedule, merge = checks.check_variants(schedule, merge, num_splits)
         host_planned = planner == "host" or schedule == "split"
         if sl is None and host_planned:
             bt, sl = host(block_tables), host(seq_lens)
-            max_block = dc.planned_max_block(bt, sl, self.block_size, append)
+            max_block = checks.planned_max_block(bt, sl, self.block_size, append)
         if sl is not None and isinstance(block_tables, np.ndarray):
             bt, sl = np.array(bt, np.int32), np.array(sl, np.int32)  # plans own their arrays
         self._xp = xp
         batch = block_tables.shape[0]
         work = device = None
         if xp is not np:
-            lp = self._geometry(batch)
-            merge = dp.resolve_merge(merge, lp)
+            launch = self._geometry(batch)
+            merge = plan.resolve_merge(merge, launch)
             if host_planned:
-                work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
-                                    num_splits, merge)
-                device = self._upload(lp, bt, sl, work, merge, append)
+                work = plan.plan_work(launch, sl, bool(append), self._opts.window_left,
+                                      schedule, num_splits, merge)
+                device = self._upload(launch, bt, sl, work, merge, append)
             else:
-                device = self._take(lp, block_tables if sl is None else bt,
+                device = self._take(launch, block_tables if sl is None else bt,
                                     seq_lens if sl is None else sl, merge, append)
-        self._step = dp.Step(batch, bt, sl, bool(append), max_block, work, merge, device)
+        self._step = plan.Step(batch, bt, sl, bool(append), max_block, work, merge, device)
         self._planned_blocks = None
         self._runs.clear()
         return self
@@ -613,7 +618,7 @@ class PagedDecoder:
         return _current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
                                  self.num_q_heads, self.num_kv_heads, self._kv_path, batch)
 
-    def _buffers(self, lp, rows, width, part_rows):
+    def _buffers(self, launch, rows, width, part_rows):
         """The decoder's index, partial and counter buffers, grown to hold a plan of
         ``rows`` descriptors, tables ``width`` wide and ``part_rows`` partial rows. The
         index buffer holds a host plan (``decode_plan.IndexLayout``) or a device plan
@@ -622,48 +627,49 @@ class PagedDecoder:
         import cupy
         lay = self._layout
         if lay is None or width > lay.width or rows > lay.rows:
-            lay = dp.IndexLayout(self.max_batch, max(rows, lay.rows if lay else 0),
+            lay = plan.IndexLayout(self.max_batch, max(rows, lay.rows if lay else 0),
                                  max(width, self._width))
-            size = max(lay.size, dp.DeviceIndex(self.max_batch, lp.columns).size
+            size = max(lay.size, plan.DeviceIndex(self.max_batch, launch.columns).size
                        + self.max_batch * (lay.width + 1))
             self._index, self._layout, self._width = cupy.empty(size, np.int32), lay, lay.width
         if self._part_lse is None or self._part_lse.size < part_rows:
             self._part_out = cupy.empty(part_rows * self.head_dim, np.float32)
             self._part_lse = cupy.empty(part_rows, np.float32)
-        need = 1 + self.max_batch * lp.row_groups
+        need = 1 + self.max_batch * launch.row_groups
         if self._counters is None or self._counters.size < need:
             # re-armed to zero by the kernels that count on them
             self._counters = cupy.zeros(need, np.int32)
-            self._pool = cupy.zeros(2 * lp.row_groups, np.int32)
+            self._pool = cupy.zeros(2 * launch.row_groups, np.int32)
         return lay
 
-    def _upload(self, lp, bt, sl, work, merge, append):
+    def _upload(self, launch, bt, sl, work, merge, append):
         """A host plan: one asynchronous host-to-device copy of ``[lens | piece info | work
         | tables]``; buffers grow only when a plan needs more than any "balanced" plan of
         ``max_batch`` sequences."""
         batch, width = bt.shape
-        rows, slots = dp.work_capacity(lp, self.max_batch)
-        part_rows = max(slots, work.num_slots) * lp.row_groups * lp.heads_per_group
-        lay = self._buffers(lp, max(rows, len(work.desc)), width, part_rows)
-        self._uploader.upload(self._index, dp.pack_index(lay, sl, work, bt))
+        rows, slots = plan.work_capacity(launch, self.max_batch)
+        part_rows = max(slots, work.num_slots) * launch.row_groups * launch.heads_per_group
+        lay = self._buffers(launch, max(rows, len(work.desc)), width, part_rows)
+        self._uploader.upload(self._index, plan.pack_index(lay, sl, work, bt))
         idx = self._index
         tables = idx[lay.tables:lay.tables + batch * lay.width].reshape(batch, lay.width)
-        return _planned_on_host(lp, self.dtype, self.num_q_heads, self.head_dim, self._opts,
+        return _planned_on_host(launch, self.dtype, self.num_q_heads, self.head_dim, self._opts,
                                 merge, bool(append), batch, lay.width, lay, idx,
                                 self._counters, self._pool if work.pool_pieces else None,
                                 self._part_out, self._part_lse, tables=tables,
                                 own_lens=idx[:batch])
 
-    def _take(self, lp, block_tables, seq_lens, merge, append):
+    def _take(self, launch, block_tables, seq_lens, merge, append):
         """A device plan: the tables and lengths copied into the decoder's buffers (after
         the device plan's index; device arrays copied on the device, host ones uploaded),
         to be cut by the plan kernel at the first run."""
         import cupy
         batch, width = block_tables.shape
-        dev_lay = dp.DeviceIndex(self.max_batch, lp.columns)
-        lay = self._buffers(lp, 0, width, dev_lay.pieces * lp.row_groups * lp.heads_per_group)
+        device_index = plan.DeviceIndex(self.max_batch, launch.columns)
+        lay = self._buffers(launch, 0, width,
+                            device_index.pieces * launch.row_groups * launch.heads_per_group)
         idx = self._index
-        at = dev_lay.size
+        at = device_index.size
         tables = idx[at:at + batch * lay.width].reshape(batch, lay.width)
         lens = idx[at + self.max_batch * lay.width:][:batch]
         if isinstance(block_tables, np.ndarray):
@@ -679,8 +685,8 @@ class PagedDecoder:
                              rt.memcpyDeviceToDevice, stream)
             rt.memcpyAsync(lens.data.ptr, seq_lens.data.ptr, batch * 4,
                            rt.memcpyDeviceToDevice, stream)
-        return _planned_on_device(lp, self.dtype, self.num_q_heads, self.head_dim, self._opts,
-                                  merge, bool(append), batch, width, lay.width, dev_lay, idx,
+        return _planned_on_device(launch, self.dtype, self.num_q_heads, self.head_dim, self._opts,
+                                  merge, bool(append), batch, width, lay.width, device_index, idx,
                                   self._counters, self._part_out, self._part_lse,
                                   tables=tables, own_lens=lens)
 
@@ -709,40 +715,40 @@ class PagedDecoder:
         -------
         out, or ``(out, lse)`` with ``return_lse``; as :func:`paged_decode`.
         """
-        st = self._step
+        step = self._step
         key = None
-        if st is not None and st.device is not None and is_cupy(q):
+        if step is not None and step.device is not None and is_cupy(q):
             key = signature(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse)
         if key is None or key not in self._runs:
-            xp, opts = dc.check_run(self, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new,
-                                    v_new, out, lse)
+            xp, opts = checks.check_run(self, step, q, k_cache, v_cache, sinks, alibi_slopes,
+                                        k_new, v_new, out, lse)
             if xp is np:
                 return self._run_reference(q, k_cache, v_cache, sinks, alibi_slopes, k_new,
                                            v_new, out, return_lse, lse, opts)
             self._runs.put(key, True)
-        shape = (st.batch, self.num_q_heads, self.head_dim)
+        shape = (step.batch, self.num_q_heads, self.head_dim)
         import cupy
         out = empty(cupy, shape, self.dtype) if out is None else out
         if lse is None and return_lse:
             lse = empty(cupy, shape[:2], np.float32)
-        if st.batch:
-            dev = st.device
+        if step.batch:
+            device = step.device
             num_blocks = k_cache.shape[0]
-            if (dev.plan_args is not None and self._planned_blocks == num_blocks
+            if (device.plan_args is not None and self._planned_blocks == num_blocks
                     and not cupy.cuda.runtime.streamIsCapturing(
                         cupy.cuda.get_current_stream().ptr)):
                 # planned at an earlier run; a captured run plans again at each replay, so
                 # that it follows later plans
-                dev = dev._replace(kernels=dev.kernels[:3] + (None,))
-            _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out, lse,
-                           num_blocks, dev.tables, dev.lens)
+                device = device._replace(kernels=device.kernels[:3] + (None,))
+            _launch_decode(device, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out, lse,
+                           num_blocks, device.tables, device.lens)
             self._planned_blocks = num_blocks
         return _result(out, lse, return_lse)
 
     def _run_reference(self, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out,
                        return_lse, lse, opts):
-        st = self._step
-        o, l = ref.paged_decode(q, k_cache, v_cache, st.block_tables, st.seq_lens, k_new=k_new,
+        step = self._step
+        o, l = ref.paged_decode(q, k_cache, v_cache, step.block_tables, step.seq_lens, k_new=k_new,
                                 v_new=v_new, sm_scale=opts.sm_scale, window_left=opts.window_left,
                                 alibi_slopes=alibi_slopes, sinks=sinks,
                                 logits_soft_cap=opts.logits_soft_cap, layout=self.layout,
@@ -762,9 +768,9 @@ def kernel_specializations():
         specs.append(Spec("decode", _merge_expr(dt, dt)))
         specs += [Spec("decode", _pieces_expr(dt, d)) for d in (128, 256)]
         for d in HEAD_DIMS:
-            for nt in sorted({dp.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
+            for nt in sorted({plan.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
                 specs += [Spec("decode", _decode_expr(dt, d, vt, nt)) for vt in (False, True)]
-            if dt.itemsize == 2 and d in dp.PAGE_HEAD_DIMS:
+            if dt.itemsize == 2 and d in plan.PAGE_HEAD_DIMS:
                 specs += [Spec("decode", _pages_expr(dt, d, hm), hopper=True)
                           for hm in (False, True)]
     return specs

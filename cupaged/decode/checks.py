@@ -132,16 +132,16 @@ def check_plan(dec, block_tables, seq_lens, append, num_splits, validate=None):
     return bt, sl, planned_max_block(bt, sl, dec.block_size, append)
 
 
-def check_run(dec, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse):
-    """Checks of ``PagedDecoder.run`` against decoder ``dec`` and its plan ``st`` (shapes,
+def check_run(dec, step, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse):
+    """Checks of ``PagedDecoder.run`` against decoder ``dec`` and its plan ``step`` (shapes,
     dtypes, modules; no sync); returns ``(xp, options)``."""
-    if st is None:
+    if step is None:
         raise ValueError("PagedDecoder.run: expected a plan() first, got none")
     xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse)
     if xp is not dec._xp:
         raise TypeError(f"q: expected {dec._xp.__name__} arrays like the plan, got "
                         f"{xp.__name__} arrays")
-    shape = (st.batch, dec.num_q_heads, dec.head_dim)
+    shape = (step.batch, dec.num_q_heads, dec.head_dim)
     check_array("q", q, shape=shape, dtypes=dec.dtype, xp=xp, contiguous=False)
     token_stride("q", q)
     geo = check_caches(q, k_cache, v_cache, dec.layout, xp)
@@ -149,18 +149,18 @@ def check_run(dec, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, o
         raise ValueError(f"k_cache: expected block_size {dec.block_size} and "
                          f"{dec.num_kv_heads} kv heads like the decoder, got "
                          f"{geo.block_size} and {geo.num_kv_heads}")
-    if st.max_block >= geo.num_blocks:
+    if step.max_block >= geo.num_blocks:
         raise ValueError(f"block_tables: expected block ids below {geo.num_blocks} (the "
-                         f"cache's blocks), the plan reads block {st.max_block}")
-    if check_new_kv(k_new, v_new, st.batch, geo, dec.dtype, xp) != st.append:
-        raise ValueError(f"k_new, v_new: expected them {'' if st.append else 'not '}"
-                         f"given, as planned with append={st.append}")
+                         f"cache's blocks), the plan reads block {step.max_block}")
+    if check_new_kv(k_new, v_new, step.batch, geo, dec.dtype, xp) != step.append:
+        raise ValueError(f"k_new, v_new: expected them {'' if step.append else 'not '}"
+                         f"given, as planned with append={step.append}")
     opts = check_options(xp, dec.num_q_heads, dec.head_dim, sm_scale=dec._opts.sm_scale,
                          window_left=dec._opts.window_left, alibi_slopes=alibi_slopes,
                          sinks=sinks, logits_soft_cap=dec._opts.logits_soft_cap)
     if out is not None:
         check_out(out, shape, dec.dtype, xp)
-    check_lse(lse, st.batch, dec.num_q_heads, xp)
+    check_lse(lse, step.batch, dec.num_q_heads, xp)
     return xp, opts
 
 

@@ -373,9 +373,9 @@ class ModelSteps:
         from .model import TinyLlama
         self.cfg, self.xp = cfg, xp
         self.model = TinyLlama(model_config(cfg), xp)
-        c = self.model.config
-        self.label = (f"tiny llama ({c.num_layers} layers, hidden {c.hidden_size}, "
-                      f"vocab {c.vocab_size}, greedy)")
+        config = self.model.config
+        self.label = (f"tiny llama ({config.num_layers} layers, hidden {config.hidden_size}, "
+                      f"vocab {config.vocab_size}, greedy)")
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
         self.k, self.v = self.model.allocate_cache(cfg.num_blocks, cfg.block_size)
         self.prompts, self.logits = {}, {}

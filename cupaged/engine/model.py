@@ -144,11 +144,11 @@ class TinyLlama:
             ``cache_shape`` is ``cupaged.layouts.cache_shapes(layout, num_blocks, block_size,
             num_kv_heads, head_dim, dtype)``; ``k_cache[l]`` is layer ``l``'s cache.
         """
-        c = self.config
-        k_shape, v_shape = cache_shapes(c.layout, num_blocks, block_size, c.num_kv_heads,
-                                        c.head_dim, self.dtype)
-        return (self.xp.zeros((c.num_layers, *k_shape), self.dtype),
-                self.xp.zeros((c.num_layers, *v_shape), self.dtype))
+        config = self.config
+        k_shape, v_shape = cache_shapes(config.layout, num_blocks, block_size, config.num_kv_heads,
+                                        config.head_dim, self.dtype)
+        return (self.xp.zeros((config.num_layers, *k_shape), self.dtype),
+                self.xp.zeros((config.num_layers, *v_shape), self.dtype))
 
     def _rms_norm(self, x, weight):
         xp = self.xp
@@ -156,8 +156,8 @@ class TinyLlama:
         return x * scale * weight
 
     def _attention(self, layer, l, x, metadata, positions, k_cache, v_cache):
-        c = self.config
-        qd, kd = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        config = self.config
+        qd, kd = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         qkv = (self._rms_norm(x, layer["attn_norm"]) @ layer["wqkv"]).astype(self.dtype)
         q, k, v = qkv[:, :qd], qkv[:, qd:qd + kd], qkv[:, qd + kd:]
         out = self.attention.forward(positions, q, k, v,

@@ -176,10 +176,10 @@ def _padding_layout(mask, b, sq, sk):
         keep_q = keep_k[:, sk - sq:]
         cu_q = np.concatenate([[0], np.cumsum(keep_q.sum(1))]).astype(np.int32)
         cu_k = np.concatenate([[0], np.cumsum(keep_k.sum(1))]).astype(np.int32)
-        dev = mask.device
-        return (torch.from_numpy(np.flatnonzero(keep_q)).to(dev),
-                torch.from_numpy(np.flatnonzero(keep_k)).to(dev),
-                torch.from_numpy(cu_q).to(dev), torch.from_numpy(cu_k).to(dev))
+        device = mask.device
+        return (torch.from_numpy(np.flatnonzero(keep_q)).to(device),
+                torch.from_numpy(np.flatnonzero(keep_k)).to(device),
+                torch.from_numpy(cu_q).to(device), torch.from_numpy(cu_k).to(device))
     return _LAYOUTS.get(mask, (sq, sk), make)
 
 

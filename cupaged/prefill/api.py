@@ -185,9 +185,9 @@ class _Launches:
 def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, total_k,
                  num_kv_heads, tile, causal, opts, name="prefill"):
     """The device work list of a call (the plan kernel alone; tests of its output)."""
+    strides = layout_strides("ragged", 1, num_kv_heads, q.shape[2], q.itemsize)
     run = _Launches(q, cu_q.shape[0] - 1, tables, block_size, num_blocks, total_k,
-                    num_kv_heads, layout_strides("ragged", 1, num_kv_heads, q.shape[2], q.itemsize), opts, causal, False, "mma",
-                    tile=tile, name=name)
+                    num_kv_heads, strides, opts, causal, False, "mma", tile=tile, name=name)
     kernel, grid, args = run.plan
     kernel.launch(grid, 512, args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info),
                                        block_tables=ptr(tables), out=ptr(out), lse=ptr(lse)))

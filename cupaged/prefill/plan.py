@@ -13,7 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import check_array, check_choice, float32
-from ..core.checks import check_block_elements, check_cu_seqlens, check_gqa, check_query, token_stride
+from ..core.checks import (check_block_elements, check_cu_seqlens, check_gqa, check_query,
+    token_stride)
 from ..core.layouts import LAYOUTS
 
 
