@@ -373,9 +373,9 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
         slots = DEFAULT_SMS * ctas_per_sm(tiles.smem_bytes)
     strides = layout_strides(layout, block_size, num_kv_heads, head_dim, itemsize)
     magic, shift = block_division(block_size)
-    lp = DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, 1, strides,
+    launch = DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, 1, strides,
                       int(block_size), magic, shift, bool(pages))
-    return lp._replace(columns=max(1, slots // lp.row_groups))
+    return launch._replace(columns=max(1, slots // launch.row_groups))
 
 
 # ----------------------------------------------------------------------------- work
