@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # block management
     "BlockPool": "engine.blocks", "BlockTable": "engine.blocks", "PoolExhausted": "engine.blocks",
-    "PagedKVCache": "engine.kv_cache",
+    "PagedKVCache": "engine.kv_cache", "CacheView": "core.layouts",
     # cache kernels
     "write_kv_cache": "cache_ops.api", "copy_blocks": "cache_ops.api", "swap_blocks": "cache_ops.api",
     # attention

@@ -39,7 +39,7 @@ def test_decode_plan_matches_host(rng, cp, kv_path, lens, append, window):
     lens = np.asarray(lens, np.int32)
     tables, nb = tables_for(rng, lens, bs, int(append))
     dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, window_left=window,
-                               max_batch=len(lens) + 3, kv_path=kv_path)
+                               max_batch=len(lens) + 3, kv_path=kv_path, layout="NHD")
     dec.plan(cp.asarray(tables), cp.asarray(lens), append=append)
     kc = cp.asarray(rng.standard_normal((nb, bs, hk, d), np.float32).astype(bfloat16))
     vc = cp.asarray(rng.standard_normal((nb, bs, hk, d), np.float32).astype(bfloat16))

@@ -23,7 +23,7 @@ def test_decoder_plan_returns_self_and_owns_its_arrays(rng):
     kc, vc = _caches(rng)
     bt, sl = _tables()
     q = rng.standard_normal((2, HQ, D)).astype(np.float32)
-    dec = cupaged.PagedDecoder(HQ, HK, D, BS, dtype=np.float32, xp=np)
+    dec = cupaged.PagedDecoder(HQ, HK, D, BS, dtype=np.float32, xp=np, layout="NHD")
     assert dec.plan(bt, sl) is dec
     want = cupaged.paged_decode(q, kc, vc, bt.copy(), sl.copy(), layout="NHD")
     bt[:] = 11
@@ -36,7 +36,7 @@ def test_prefiller_plan_returns_self_and_owns_its_arrays(rng):
     bt, sl = _tables()
     cu = np.array([0, 3, 5], np.int32)
     q = rng.standard_normal((5, HQ, D)).astype(np.float32)
-    pre = cupaged.PagedPrefiller(HQ, HK, D, BS, dtype=np.float32)
+    pre = cupaged.PagedPrefiller(HQ, HK, D, BS, dtype=np.float32, layout="NHD")
     assert pre.plan(cu, bt, sl) is pre
     want = cupaged.paged_prefill(q, kc, vc, cu.copy(), bt.copy(), sl.copy(), layout="NHD")
     bt[:] = 11
@@ -51,10 +51,10 @@ def test_run_writes_the_lse_buffer(rng, wrapper):
     bt, sl = _tables()
     if wrapper == "decoder":
         q = rng.standard_normal((2, HQ, D)).astype(np.float32)
-        w = cupaged.PagedDecoder(HQ, HK, D, BS, dtype=np.float32, xp=np).plan(bt, sl)
+        w = cupaged.PagedDecoder(HQ, HK, D, BS, dtype=np.float32, xp=np, layout="NHD").plan(bt, sl)
     else:
         q = rng.standard_normal((5, HQ, D)).astype(np.float32)
-        w = cupaged.PagedPrefiller(HQ, HK, D, BS, dtype=np.float32).plan(
+        w = cupaged.PagedPrefiller(HQ, HK, D, BS, dtype=np.float32, layout="NHD").plan(
             np.array([0, 3, 5], np.int32), bt, sl)
     out, want_lse = w.run(q, kc, vc, return_lse=True)
     lse = np.full(q.shape[:2], np.nan, np.float32)

@@ -261,7 +261,8 @@ def _varlen_args(rng):
 def _paged_args(rng):
     q, k, v, cu_q, cu_k = ragged(rng, [3, 4], [5, 4], 4, 2, 64, np.float16)
     kc, vc, bt, sl = paged(rng, k, v, cu_k, "NHD", 4)
-    return dict(q=q, k_cache=kc, v_cache=vc, cu_seqlens_q=cu_q, block_tables=bt, seq_lens=sl)
+    return dict(q=q, k_cache=kc, v_cache=vc, cu_seqlens_q=cu_q, block_tables=bt, seq_lens=sl,
+                layout="NHD")
 
 
 VARLEN_BAD = [
@@ -350,7 +351,7 @@ def test_prefiller_rejects_bad_construction(name, kwargs, exc):
 
 def test_prefiller_rejects_bad_plan_and_run(rng):
     a = _paged_args(rng)
-    pre = cupaged.PagedPrefiller(4, 2, 64, 4, dtype="float16")
+    pre = cupaged.PagedPrefiller(4, 2, 64, 4, dtype="float16", layout="NHD")
     with pytest.raises(ValueError, match="plan"):
         pre.run(a["q"], a["k_cache"], a["v_cache"])
     with pytest.raises(ValueError, match="seq_lens"):
@@ -501,7 +502,7 @@ def test_gpu_chunked_prefill_equals_one_shot(cp, rng):
     kc, vc, bt = cp.asarray(kc), cp.asarray(vc), cp.asarray(bt)
     for a, b in [(0, 256), (256, 601), (601, 700)]:
         part = cupaged.paged_prefill(cp.asarray(q[a:b]), kc, vc, cp.asarray(np.array([0, b - a], np.int32)),
-                                     bt, cp.asarray(np.array([b], np.int32)))
+                                     bt, cp.asarray(np.array([b], np.int32)), layout="NHD")
         assert_close(part.get(), whole[a:b], bfloat16)
 
 
@@ -644,11 +645,11 @@ def test_wgmma_backend_numpy_path_is_the_reference(rng):
     got = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, window_left=3, backend="wgmma")
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="backend"):
-        cupaged.PagedPrefiller(4, 2, 80, 4, backend="wgmma")
+        cupaged.PagedPrefiller(4, 2, 80, 4, backend="wgmma", layout="NHD")
     with pytest.raises(ValueError, match="backend"):
         cupaged.PagedPrefiller(4, 2, 64, 4, layout="vllm", backend="wgmma")
     with pytest.raises(ValueError, match="backend"):
-        cupaged.PagedPrefiller(4, 2, 64, 4, backend="mmaa")
+        cupaged.PagedPrefiller(4, 2, 64, 4, backend="mmaa", layout="NHD")
 
 
 @pytest.fixture
@@ -737,13 +738,13 @@ def test_gpu_wgmma_prefiller_and_auto_fallbacks(cp, hopper, rng):
     q, k, v, cu_q, cu_k = ragged(rng, [1, 37, 130], [50, 37, 300], 8, 2, 128, bfloat16)
     kc, vc, bt, sl = paged(rng, k, v, cu_k, "NHD", 16)
     dq, dkc, dvc = (cp.asarray(a) for a in (q, kc, vc))
-    pre = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, backend="wgmma").plan(cu_q, bt, sl)
+    pre = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, backend="wgmma", layout="NHD").plan(cu_q, bt, sl)
     want = ref.varlen_prefill(q, k, v, cu_q, cu_k)
     assert_close(pre.run(dq, dkc, dvc).get(), want, bfloat16)
     slopes = cp.asarray((2.0 ** -np.arange(1, 9)).astype(np.float32))
     with pytest.raises(ValueError, match="alibi_slopes"):
         pre.run(dq, dkc, dvc, alibi_slopes=slopes)
-    auto = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16).plan(cu_q, bt, sl)  # ALiBi: mma.sync
+    auto = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, layout="NHD").plan(cu_q, bt, sl)  # ALiBi: mma.sync
     want = ref.varlen_prefill(q, k, v, cu_q, cu_k, alibi_slopes=slopes.get())
     assert_close(auto.run(dq, dkc, dvc, alibi_slopes=slopes).get(), want, bfloat16)
 

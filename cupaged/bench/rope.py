@@ -88,12 +88,13 @@ def _decode_inputs(batch, kv_len, block_size=16):
 def _decode_runner(inp, sinks):
     import cupaged
     try:
-        dec = cupaged.PagedDecoder(HQ, HK, D, 16, dtype="bfloat16")
+        dec = cupaged.PagedDecoder(HQ, HK, D, 16, dtype="bfloat16", layout="NHD")
         dec.plan(inp["block_tables"], inp["seq_lens"])
         return lambda: dec.run(inp["q"], inp["k_cache"], inp["v_cache"], sinks=sinks)
     except (AttributeError, ImportError, TypeError):
         return lambda: cupaged.paged_decode(inp["q"], inp["k_cache"], inp["v_cache"],
-                                            inp["block_tables"], inp["seq_lens"], sinks=sinks)
+                                            inp["block_tables"], inp["seq_lens"], sinks=sinks,
+                                            layout="NHD")
 
 
 def _check_decode(inp, sinks, out, kv_len):

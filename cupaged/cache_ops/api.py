@@ -30,7 +30,7 @@ from ..core.arrays import (CallCache, accepts_dlpack, array_module, check_array,
 from ..core.checks import check_aligned, token_stride
 from ..core.compile import Spec, launcher
 from ..core.launch import ptr
-from ..core.layouts import LAYOUTS, block_stride, cache_geometry
+from ..core.layouts import LAYOUTS, accepts_cache, block_stride, cache_geometry
 from ..reference import cache as ref
 
 THREADS = 256
@@ -277,6 +277,7 @@ def _address(a):
 
 
 # ----------------------------------------------------------------------------- public ops
+@accepts_cache(2)
 @accepts_dlpack
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, validate=None):
     """Write one key and one value row per token into its cache slot, in place.
@@ -288,7 +289,8 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, 
         float32), heads dense, token rows 16-byte multiples apart (views of a fused qkv
         tensor go in without a copy); ``head_dim * itemsize`` a multiple of 16 bytes.
     k_cache, v_cache : array
-        Paged caches in ``layout`` (shapes from ``cupaged.layouts.cache_shapes``).
+        Paged caches in ``layout`` (shapes from ``cupaged.layouts.cache_shapes``); or
+        ``k_cache`` a CacheView or PagedKVCache, with its layout (``v_cache`` left out).
     slot_mapping : array
         int64 ``[num_tokens]``: slot ``block * block_size + offset`` of each token, in
         ``[0, num_blocks * block_size)``, or ``-1`` to skip the token. Tokens sharing a slot

@@ -14,11 +14,13 @@ Layouts (``layout=``):
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
 from .arrays import FLOAT_DTYPES, check_choice
+from .checks import check_int
 
 LAYOUTS = ("NHD", "HND", "vllm")
 
@@ -29,6 +31,95 @@ class CacheGeometry(NamedTuple):
     block_size: int
     num_kv_heads: int
     head_dim: int
+
+
+class CacheView:
+    """A paged cache pair with its layout, taken by the attention ops in place of
+    ``(k_cache, v_cache)`` so that the layout travels with the arrays.
+
+    ``paged_decode(q, CacheView(k, v, layout="HND"), block_tables, seq_lens)`` is
+    ``paged_decode(q, k, v, block_tables, seq_lens, layout="HND")``; a
+    :class:`cupaged.PagedKVCache` is a CacheView too.
+
+    Parameters
+    ----------
+    k, v : array
+        Key and value caches, shapes ``cache_shapes(layout, ...)``.
+    layout : {"NHD", "HND", "vllm"}
+    block_size : int, optional
+        Checked against k's shape read in ``layout`` when given.
+    """
+    __slots__ = ("k", "v", "layout", "block_size")
+
+    def __init__(self, k, v, *, layout="NHD", block_size=None):
+        geo = key_geometry(k, layout)
+        if block_size is not None and check_int("block_size", block_size) != geo.block_size:
+            raise ValueError(f"block_size: expected {geo.block_size} (k's shape "
+                             f"{tuple(k.shape)} read as {layout}), got {block_size}")
+        self.k, self.v, self.layout, self.block_size = k, v, layout, geo.block_size
+
+    def __repr__(self):
+        return (f"CacheView(k={tuple(self.k.shape)}, v={tuple(self.v.shape)}, "
+                f"layout={self.layout!r}, block_size={self.block_size})")
+
+
+def resolve_layout(layout, k_cache, q=None, num_kv_heads=None):
+    """The layout of raw cache arrays: ``layout`` when given, else "NHD" unless k_cache's
+    shape also reads validly as HND, which is refused (the two readings would give
+    different numbers). A reading is valid when its kv-head count divides q's heads and
+    equals ``num_kv_heads`` where known (the caller's k_new, or a wrapper's heads)."""
+    if layout is not None:
+        return layout
+    shape = tuple(getattr(k_cache, "shape", ()))
+    if len(shape) != 4 or not shape[1] or not shape[2]:
+        return "NHD"
+
+    def valid(heads):
+        if num_kv_heads is not None and heads != num_kv_heads:
+            return False
+        q_shape = tuple(getattr(q, "shape", ()))
+        return len(q_shape) != 3 or q_shape[1] % heads == 0
+
+    if valid(shape[2]) and valid(shape[1]):
+        raise ValueError(
+            f"k_cache: shape {shape} reads as NHD (block_size {shape[1]}, {shape[2]} kv heads) "
+            f"and as HND ({shape[1]} kv heads, block_size {shape[2]}); pass layout='NHD' or "
+            f"layout='HND', or the cache as a cupaged.CacheView or PagedKVCache")
+    return "NHD"
+
+
+def accepts_cache(position, owner=False, names=("k_cache", "v_cache")):
+    """Decorate an op whose ``k_cache, v_cache`` arguments sit at ``position`` so that a
+    :class:`CacheView` (or PagedKVCache) may stand in for both: its k and v go in as
+    k_cache and v_cache (``names``) and its layout as ``layout=`` (an explicit different layout is
+    refused). With ``owner`` (a method of an object with a ``layout``, ``num_kv_heads``
+    and ``layout_given``), the view's layout must be the owner's, and raw caches whose
+    shape reads as both NHD and HND are refused when the owner was given no layout."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if len(args) > position:
+                cache, rest = args[position], args[position + 1:]
+            else:
+                cache, rest = kwargs.get(names[0]), None
+            if not isinstance(cache, CacheView):
+                if owner and not args[0].layout_given and cache is not None:
+                    resolve_layout(None, cache, num_kv_heads=args[0].num_kv_heads)
+                return fn(*args, **kwargs)
+            want = args[0].layout if owner else kwargs.get("layout")
+            if want is not None and want != cache.layout:
+                where = (f"the {type(args[0]).__name__}'s layout" if owner
+                         else "the layout= given")
+                raise ValueError(f"{names[0]}: expected a cache in {where} {want!r}, got a "
+                                 f"{cache.layout!r} {type(cache).__name__}")
+            if not owner:
+                kwargs["layout"] = cache.layout
+            if rest is None:
+                kwargs.update({names[0]: cache.k, names[1]: cache.v})
+                return fn(*args, **kwargs)
+            return fn(*args[:position], cache.k, cache.v, *rest, **kwargs)
+        return call
+    return decorate
 
 
 def vllm_x(dtype) -> int:

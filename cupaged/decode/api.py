@@ -26,7 +26,7 @@ from ..core.checks import check_gqa, check_options, check_int, table_stride, tok
 from ..core.compile import Spec, ctype, launcher
 from ..core.device import Uploader, current, scratch
 from ..core.launch import ptr
-from ..core.layouts import LAYOUTS, block_stride
+from ..core.layouts import LAYOUTS, accepts_cache, block_stride, resolve_layout
 from ..reference import attention as ref
 
 LOG2E = 1.4426950408889634
@@ -303,10 +303,11 @@ def _reference_into(o, lse, out, return_lse):
 
 
 # ----------------------------------------------------------------------------- public ops
+@accepts_cache(1)
 @accepts_dlpack
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                 logits_soft_cap=0.0, layout="NHD", num_splits=None, out=None,
+                 logits_soft_cap=0.0, layout=None, num_splits=None, out=None,
                  return_lse=False, kv_path=None, validate=None):
     """Attention of one query token per sequence over its paged keys and values.
 
@@ -337,7 +338,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         term per head).
     logits_soft_cap : float
         ``c > 0`` maps scores to ``c * tanh(s / c)``.
-    layout : {"NHD", "HND", "vllm"}
+    layout : {"NHD", "HND", "vllm"}, optional
+        Layout of raw cache arrays; default "NHD", refused (ValueError) when k_cache's shape
+        also reads validly as HND. A cache given as a :class:`cupaged.CacheView` or
+        :class:`cupaged.PagedKVCache` (in place of ``k_cache, v_cache``) brings its own.
     num_splits : int, optional
         Cut each sequence into this many equal pieces (CuPy path; the "split" schedule of
         :meth:`PagedDecoder.plan`, planned on the host: reads the lengths back); default:
@@ -380,6 +384,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
             device, num_blocks = hit
             return _run_step(device, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
                              return_lse, num_blocks, block_tables, seq_lens)
+    layout = resolve_layout(layout, k_cache, q,
+                            k_new.shape[1] if getattr(k_new, "ndim", 0) == 3 else None)
     options = dict(sm_scale=sm_scale, window_left=window_left, alibi_slopes=alibi_slopes,
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
     checked = checks.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new,
@@ -481,7 +487,9 @@ class PagedDecoder:
         ``num_q_heads % num_kv_heads == 0``; head_dim one of 64, 80, 96, 112, 128, 256.
     dtype : str or dtype
         float16, bfloat16 or float32: q, caches and output.
-    layout : {"NHD", "HND", "vllm"}
+    layout : {"NHD", "HND", "vllm"}, optional
+        Cache layout; default "NHD", and then a raw cache whose shape also reads validly as
+        HND is refused at ``run`` (a CacheView or PagedKVCache brings its layout).
     window_left, logits_soft_cap, sm_scale
         As in :func:`paged_decode`.
     max_batch : int
@@ -497,7 +505,7 @@ class PagedDecoder:
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
-                 layout="NHD", window_left=-1, logits_soft_cap=0.0, sm_scale=None,
+                 layout=None, window_left=-1, logits_soft_cap=0.0, sm_scale=None,
                  max_batch=256, max_blocks_per_seq=None, xp=None, kv_path=None):
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("max_batch", max_batch)):
@@ -506,6 +514,8 @@ class PagedDecoder:
             check_int("max_blocks_per_seq", max_blocks_per_seq)
         check_gqa(num_q_heads, num_kv_heads, "num_kv_heads")
         check_head_dim("head_dim", head_dim)
+        self.layout_given = layout is not None
+        layout = "NHD" if layout is None else layout
         check_choice("layout", layout, LAYOUTS)
         if kv_path is not None:
             check_choice("kv_path", kv_path, plan.KV_PATHS)
@@ -690,8 +700,9 @@ class PagedDecoder:
                                   self._counters, self._part_out, self._part_lse,
                                   tables=tables, own_lens=lens)
 
+    @accepts_cache(2, owner=True)
     @accepts_dlpack
-    def run(self, q, k_cache, v_cache, *, sinks=None, alibi_slopes=None, k_new=None,
+    def run(self, q, k_cache, v_cache=None, *, sinks=None, alibi_slopes=None, k_new=None,
             v_new=None, out=None, lse=None, return_lse=False):
         """Decode the planned step for one layer.
 
@@ -700,7 +711,8 @@ class PagedDecoder:
         q : array
             ``[batch, num_q_heads, head_dim]`` in the decoder's dtype (rows may be strided).
         k_cache, v_cache : array
-            The layer's caches in the decoder's layout, block size and kv heads.
+            The layer's caches in the decoder's layout, block size and kv heads; or
+            ``k_cache`` a CacheView or PagedKVCache of them (``v_cache`` left out).
         sinks, alibi_slopes : array, optional
             float32 ``[num_q_heads]``.
         k_new, v_new : array, optional

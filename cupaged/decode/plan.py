@@ -374,7 +374,7 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
     strides = layout_strides(layout, block_size, num_kv_heads, head_dim, itemsize)
     magic, shift = block_division(block_size)
     launch = DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, 1, strides,
-                      int(block_size), magic, shift, bool(pages))
+                          int(block_size), magic, shift, bool(pages))
     return launch._replace(columns=max(1, slots // launch.row_groups))
 
 

@@ -7,11 +7,14 @@ from ..core.arrays import as_dtype, check_choice, check_head_dim, cupy_module, g
 from ..core.checks import check_int
 from .blocks import BlockPool
 from ..cache_ops.api import copy_blocks, write_kv_cache
-from ..core.layouts import LAYOUTS, cache_shapes
+from ..core.layouts import LAYOUTS, CacheView, cache_shapes
 
 
-class PagedKVCache:
+class PagedKVCache(CacheView):
     """Key and value caches of ``num_blocks`` blocks and the ``BlockPool`` over them.
+
+    A :class:`cupaged.CacheView`: the attention ops take it in place of ``(k, v)`` with its
+    layout, e.g. ``cupaged.paged_decode(q, cache, block_tables, seq_lens)``.
 
     Parameters
     ----------

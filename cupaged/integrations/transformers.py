@@ -337,11 +337,12 @@ def _paged_varlen(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k
             if n < q.shape[0]:
                 out[n:].zero_()
             paged_decode(_array(q[:n]), _array(k_cache), _array(v_cache), _array(tables),
-                         _array(lens), out=_array(out[:n]), sinks=_sinks(sinks), **opts)
+                         _array(lens), layout="NHD", out=_array(out[:n]), sinks=_sinks(sinks),
+                         **opts)
         else:
             paged_attention(_array(q), _array(k_cache), _array(v_cache), _array(cu_q),
-                            _array(tables), _array(lens), out=_array(out), sinks=_sinks(sinks),
-                            **opts)
+                            _array(tables), _array(lens), layout="NHD", out=_array(out),
+                            sinks=_sinks(sinks), **opts)
     return out
 
 
@@ -365,7 +366,7 @@ def _paged_decode(module, query, key, value, cache, cu_seq_lens_k, block_table, 
         write_kv_cache(_array(k_new), _array(v_new), _array(k_cache), _array(v_cache),
                        _array(slots))
         paged_decode(_array(q), _array(k_cache), _array(v_cache), _array(tables), _array(lens),
-                     out=_array(out), sinks=_sinks(sinks), **opts)
+                     layout="NHD", out=_array(out), sinks=_sinks(sinks), **opts)
     return out
 
 

@@ -28,7 +28,8 @@ from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_c
 from ..core.compile import Spec, ctype, launcher
 from ..core.device import Uploader, scratch
 from ..core.launch import ptr
-from ..core.layouts import CacheGeometry, cache_geometry, cache_strides, layout_strides
+from ..core.layouts import (CacheGeometry, accepts_cache, cache_geometry, cache_strides,
+    layout_strides, resolve_layout)
 from ..reference import attention as ref
 
 __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller",
@@ -357,10 +358,11 @@ def _check_caches(k_cache, v_cache, layout, xp):
     return cache_geometry(k_cache, v_cache, layout)
 
 
+@accepts_cache(1)
 @accepts_dlpack
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                   sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                  logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False, backend="auto",
+                  logits_soft_cap=0.0, layout=None, out=None, return_lse=False, backend="auto",
                   validate=None):
     """Attention of new query tokens against paged caches (chunked prefill, prefix reuse).
 
@@ -387,7 +389,10 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     validate : bool, optional
         As in :func:`varlen_prefill`, for the prefix sums, lengths and block tables (a bad
         length or block id gives its sequence's rows as zeros).
-    layout : {"NHD", "HND", "vllm"}
+    layout : {"NHD", "HND", "vllm"}, optional
+        Layout of raw cache arrays; default "NHD", refused (ValueError) when k_cache's shape
+        also reads validly as HND. A cache given as a :class:`cupaged.CacheView` or
+        :class:`cupaged.PagedKVCache` (in place of ``k_cache, v_cache``) brings its own.
 
     Returns
     -------
@@ -405,6 +410,7 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
         if run is not None:
             return _run(run, q, k_cache, v_cache, out, return_lse, cu_seqlens_q, seq_lens,
                         block_tables, alibi_slopes, sinks)
+    layout = resolve_layout(layout, k_cache, q)
     xp = array_module(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, alibi_slopes,
                       sinks, out)
     geo = _check_caches(k_cache, v_cache, layout, xp)
@@ -438,10 +444,11 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
                 alibi_slopes, sinks)
 
 
+@accepts_cache(1)
 @accepts_dlpack
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                     sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                    logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False,
+                    logits_soft_cap=0.0, layout=None, out=None, return_lse=False,
                     backend="auto", validate=None):
     """Attention for a batch mixing decode rows (``q_len = 1``) and prefill rows.
 
@@ -479,14 +486,16 @@ class PagedPrefiller:
         256) and cache block size.
     dtype : str or dtype
         float16, bfloat16 or float32: the dtype of q and the caches.
-    layout : {"NHD", "HND", "vllm"}
+    layout : {"NHD", "HND", "vllm"}, optional
+        Cache layout; default "NHD", and then a raw cache whose shape also reads validly as
+        HND is refused at ``run`` (a CacheView or PagedKVCache brings its layout).
     causal, window_left, logits_soft_cap, sm_scale, backend
         As in :func:`paged_prefill` ("wgmma" is checked against these here, against the
         device and ``alibi_slopes`` in ``run``; one planned work list serves both kernels).
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
-                 layout="NHD", *, causal=True, window_left=-1, logits_soft_cap=0.0,
+                 layout=None, *, causal=True, window_left=-1, logits_soft_cap=0.0,
                  sm_scale=None, backend="auto"):
         self.num_q_heads = check_int("num_q_heads", num_q_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
@@ -495,7 +504,8 @@ class PagedPrefiller:
         check_gqa(self.num_q_heads, self.num_kv_heads, "num_kv_heads")
         self.head_dim = int(head_dim)
         self.dtype = as_dtype(dtype)
-        self.layout = plan_.check_layout(layout)
+        self.layout_given = layout is not None
+        self.layout = plan_.check_layout("NHD" if layout is None else layout)
         self._v_transposed = self.layout == "vllm" and self.dtype != float32
         self.causal = plan_.check_flag("causal", causal)
         self._options = dict(sm_scale=sm_scale, window_left=window_left,
@@ -619,8 +629,9 @@ class PagedPrefiller:
         plan_.check_paged_query(q, geo, k_cache.dtype, xp)
         return geo
 
+    @accepts_cache(2, owner=True)
     @accepts_dlpack
-    def run(self, q, k_cache, v_cache, *, sinks=None, alibi_slopes=None, out=None, lse=None,
+    def run(self, q, k_cache, v_cache=None, *, sinks=None, alibi_slopes=None, out=None, lse=None,
             return_lse=False):
         """Attention of the planned batch for one layer.
 
