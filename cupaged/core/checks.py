@@ -208,3 +208,9 @@ def check_out(out, shape, dtype, xp):
     """Validate a caller-provided output buffer."""
     check_array("out", out, shape=shape, dtypes=dtype, xp=xp)
     return out
+
+
+def check_lse(lse, rows, num_q_heads, xp):
+    """A caller's LSE buffer (None passes): float32 ``[rows, num_q_heads]``."""
+    if lse is not None:
+        check_array("lse", lse, shape=(rows, num_q_heads), dtypes=np.float32, xp=xp)

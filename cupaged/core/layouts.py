@@ -63,7 +63,7 @@ class CacheView:
                 f"layout={self.layout!r}, block_size={self.block_size})")
 
 
-def resolve_layout(layout, k_cache, q=None, num_kv_heads=None):
+def resolve_layout(layout, k_cache, q=None, num_kv_heads=None, name="k_cache"):
     """The layout of raw cache arrays: ``layout`` when given, else "NHD" unless k_cache's
     shape also reads validly as HND, which is refused (the two readings would give
     different numbers). A reading is valid when its kv-head count divides q's heads and
@@ -82,7 +82,7 @@ def resolve_layout(layout, k_cache, q=None, num_kv_heads=None):
 
     if valid(shape[2]) and valid(shape[1]):
         raise ValueError(
-            f"k_cache: shape {shape} reads as NHD (block_size {shape[1]}, {shape[2]} kv heads) "
+            f"{name}: shape {shape} reads as NHD (block_size {shape[1]}, {shape[2]} kv heads) "
             f"and as HND ({shape[1]} kv heads, block_size {shape[2]}); pass layout='NHD' or "
             f"layout='HND', or the cache as a cupaged.CacheView or PagedKVCache")
     return "NHD"
@@ -104,7 +104,8 @@ def accepts_cache(position, owner=False, names=("k_cache", "v_cache")):
                 cache, rest = kwargs.get(names[0]), None
             if not isinstance(cache, CacheView):
                 if owner and not args[0].layout_given and cache is not None:
-                    resolve_layout(None, cache, num_kv_heads=args[0].num_kv_heads)
+                    resolve_layout(None, cache, num_kv_heads=args[0].num_kv_heads,
+                                   name=names[0])
                 return fn(*args, **kwargs)
             want = args[0].layout if owner else kwargs.get("layout")
             if want is not None and want != cache.layout:

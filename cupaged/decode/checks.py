@@ -12,7 +12,7 @@ import numpy as np
 
 from ..core.arrays import array_module, check_array, check_choice
 from ..core.checks import (INT32_MAX, check_aligned, check_block_elements, check_block_tables,
-    check_gqa, check_options, check_out, check_query, token_stride)
+    check_gqa, check_lse, check_options, check_out, check_query, token_stride)
 from ..core.errors import strict
 from .plan import MAX_SPLITS, MERGES, SCHEDULES
 from ..core.layouts import LAYOUTS, CacheGeometry, cache_geometry
@@ -84,12 +84,6 @@ def check_variants(schedule, merge, num_splits):
     if merge is not None:
         check_choice("merge", merge, MERGES)
     return schedule, merge
-
-
-def check_lse(lse, batch, num_q_heads, xp):
-    """A caller's LSE buffer: float32 ``[batch, num_q_heads]``."""
-    if lse is not None:
-        check_array("lse", lse, shape=(batch, num_q_heads), dtypes=np.float32, xp=xp)
 
 
 def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,

@@ -24,7 +24,7 @@ from ..core.arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, a
     check_array, check_head_dim, empty, float16, float32, gpu_available, is_cupy, signature,
     stream_key)
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_cu_seqlens,
-    check_gqa, check_options, check_out, check_int, table_stride, token_stride)
+    check_gqa, check_int, check_lse, check_options, check_out, table_stride, token_stride)
 from ..core.compile import Spec, ctype, launcher
 from ..core.device import Uploader, scratch
 from ..core.launch import ptr
@@ -664,7 +664,7 @@ class PagedPrefiller:
             xp, q, self.causal, return_lse, out,
             dict(self._options, alibi_slopes=alibi_slopes, sinks=sinks))
         if lse is not None:
-            check_array("lse", lse, shape=tuple(q.shape[:2]), dtypes=np.float32, xp=xp)
+            check_lse(lse, q.shape[0], self.num_q_heads, xp)
         want_lse = return_lse or lse is not None
         if xp is not np:
             check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
