@@ -235,12 +235,16 @@ def _ref_options(opts, causal):
                 logits_soft_cap=opts.logits_soft_cap)
 
 
-def _check_common(xp, q, causal, return_lse, out, options):
+def _check_common(xp, q, causal, return_lse, out, options, **keys_values):
+    """The checks every prefill call shares: flags, options, ``out`` and, for device
+    arrays, the 16-byte alignment of q, out and ``keys_values``."""
     causal = plan_.check_flag("causal", causal)
     return_lse = plan_.check_flag("return_lse", return_lse)
     opts = check_options(xp, q.shape[1], q.shape[2], **options)
     if out is not None:
         check_out(out, tuple(q.shape), q.dtype, xp)
+    if xp is not np:
+        check_aligned(q=q, out=out, **keys_values)
     return causal, return_lse, opts
 
 
@@ -317,9 +321,7 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     causal, return_lse, opts = _check_common(
         xp, q, causal, return_lse, out, dict(sm_scale=sm_scale, window_left=window_left,
                                              alibi_slopes=alibi_slopes, sinks=sinks,
-                                             logits_soft_cap=logits_soft_cap))
-    if xp is not np:
-        check_aligned(q=q, k=k, v=v, out=out)
+                                             logits_soft_cap=logits_soft_cap), k=k, v=v)
     backend = _backend(backend, q.dtype, q.shape[2], "ragged", opts, xp)
     if xp is np:
         return _finish(ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=return_lse,
@@ -422,9 +424,8 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     causal, return_lse, opts = _check_common(
         xp, q, causal, return_lse, out, dict(sm_scale=sm_scale, window_left=window_left,
                                              alibi_slopes=alibi_slopes, sinks=sinks,
-                                             logits_soft_cap=logits_soft_cap))
-    if xp is not np:
-        check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+                                             logits_soft_cap=logits_soft_cap),
+        k_cache=k_cache, v_cache=v_cache)
     backend = _backend(backend, q.dtype, geo.head_dim, layout, opts, xp)
     if xp is np:
         return _finish(ref.paged_prefill(q, k_cache, v_cache, cu_q, block_tables, seq_lens,
@@ -662,12 +663,10 @@ class PagedPrefiller:
         geo = self._check_run(q, k_cache, v_cache, xp)
         causal, return_lse, opts = _check_common(
             xp, q, self.causal, return_lse, out,
-            dict(self._options, alibi_slopes=alibi_slopes, sinks=sinks))
-        if lse is not None:
-            check_lse(lse, q.shape[0], self.num_q_heads, xp)
+            dict(self._options, alibi_slopes=alibi_slopes, sinks=sinks), k_cache=k_cache,
+            v_cache=v_cache)
+        check_lse(lse, q.shape[0], self.num_q_heads, xp)
         want_lse = return_lse or lse is not None
-        if xp is not np:
-            check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
         backend = _backend(self.backend, self.dtype, self.head_dim, self.layout, opts, xp)
         h = self._host
         if xp is np:
