@@ -7,7 +7,7 @@ test_decode.py check the kernel itself against the reference on plans like these
 import numpy as np
 import pytest
 
-from cupaged.decode import api as decode, checks as dc, plan as dp
+from cupaged.decode import checks as dc, launch as decode, plan as dp
 from cupaged.core.arrays import FLOAT_DTYPES, HEAD_DIMS
 from cupaged.core.layouts import LAYOUTS
 

@@ -66,7 +66,7 @@ class Step(NamedTuple):
     max_block: int        # largest block id the step reads (-1: none)
     work: object          # WorkPlan (device runs) or None
     merge: str            # one of MERGES (None on the NumPy path unless given)
-    device: object        # decode._DeviceStep (views of the uploaded indices) or None
+    device: object        # decode.launch._DeviceStep (views of the uploaded indices) or None
 
 
 def page_kv_heads(num_kv_heads):
