@@ -10,7 +10,7 @@ import pytest
 
 import cupaged
 from cupaged.decode import plan as dp
-from cupaged.prefill import api as prefill, plan as pp
+from cupaged.prefill import launch as prefill, plan as pp
 from cupaged.core.arrays import bfloat16
 
 

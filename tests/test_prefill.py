@@ -230,7 +230,7 @@ def test_kv_strides_locate_elements(rng, layout, dtype):
 
 
 def test_smem_fits_and_specs_cover_every_head_dim():
-    from cupaged.prefill.api import kernel_specializations
+    from cupaged.prefill.launch import kernel_specializations
     for d in HEAD_DIMS:
         for vt in (False, True):
             tile = plan_.default_tile(d, vt)
@@ -448,11 +448,11 @@ def _bench_tiles():
 @pytest.mark.parametrize("head_dim, tile", _bench_tiles())
 def test_gpu_benchmark_tiles(cp, rng, head_dim, tile):
     """Every non-default tile the benchmark times, against the reference (GQA, window, LSE)."""
-    from cupaged.prefill import api as prefill
+    from cupaged.prefill import launch as prefill
     from cupaged.core.checks import check_options
     q, k, v, cu_q, cu_k = ragged(rng, Q_LENS + [300], KV_LENS + [333], 8, 2, head_dim, bfloat16)
     opts = check_options(np, 8, head_dim, window_left=150)
-    work = prefill._work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, True, opts, tile)
+    work = prefill.host_work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, True, opts, tile)
     out, lse = _poisoned(cp, q.shape, bfloat16), cp.full(q.shape[:2], np.nan, np.float32)
     prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
                     cp.asarray(cu_k), None, 1, layout_strides("ragged", 1, 2, head_dim, q.itemsize),
@@ -613,7 +613,7 @@ def test_wgmma_backend_resolution(monkeypatch):
 
 
 def test_wgmma_tile_shares_work_list_and_fits():
-    from cupaged.prefill.api import kernel_specializations
+    from cupaged.prefill.launch import kernel_specializations
     for d in plan_.WGMMA_HEAD_DIMS:
         tile = plan_.wgmma_tile(d)
         assert tile.block_m == plan_.default_tile(d).block_m  # PagedPrefiller's one work list
@@ -695,14 +695,14 @@ def test_gpu_wgmma_paged(cp, hopper, rng, dtype, head_dim, block_size, layout):
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16])
 def test_gpu_wgmma_other_tiles(cp, hopper, rng, dtype, head_dim, feature, tile):
     """The wgmma tiles the benchmark times beside the default, against the reference."""
-    from cupaged.prefill import api as prefill
+    from cupaged.prefill import launch as prefill
     from cupaged.core.checks import check_options
     q_lens, kv_lens = Q_LENS + [300], KV_LENS + [533]
     q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, 8, 2, head_dim, dtype)
     fo = {} if feature == "plain" else _feature_opts(rng, feature, 8)
     causal = fo.pop("causal", True)
     opts = check_options(np, 8, head_dim, **fo)
-    work = prefill._work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, causal, opts, tile)
+    work = prefill.host_work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, causal, opts, tile)
     out, lse = _poisoned(cp, q.shape, dtype), cp.full(q.shape[:2], np.nan, np.float32)
     dopts = opts._replace(sinks=None if opts.sinks is None else cp.asarray(opts.sinks))
     prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),

@@ -131,13 +131,13 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma")
     """Launch-only closure of varlen_prefill with its work list built once (``tile``: a
     non-default tile shape; ``backend``: "mma" or "wgmma"). Returns (launch, kernel)."""
     import cupy
-    from ..prefill import api as prefill
+    from ..prefill import launch as prefill
     from ..core.checks import check_options
     lens = np.diff(cu_host)
     opts = check_options(cupy, H, q.shape[2])
     if tile is None:
         tile = plan_.wgmma_tile(q.shape[2]) if backend == "wgmma" else plan_.launch_tile(q.dtype, q.shape[2])
-    work = cupy.asarray(prefill._work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
+    work = cupy.asarray(prefill.host_work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
     strides = layout_strides("ragged", 1, H, q.shape[2], q.itemsize)
     out = cupy.empty_like(q)
 

@@ -27,7 +27,7 @@ BASE_OPTIONS = ("--std=c++17", "-DNDEBUG")
 GENERATED_HEADER = "abi.cuh"  # kernel argument structs and error codes, from cupaged.core.abi
 MIN_ARCH = 80  # oldest architecture the kernels compile for (cp.async, bf16 mma.sync)
 # modules whose kernel_specializations() list every kernel the library can launch
-SPEC_MODULES = ("cupaged.cache_ops.api", "cupaged.decode.launch", "cupaged.prefill.api",
+SPEC_MODULES = ("cupaged.cache_ops.api", "cupaged.decode.launch", "cupaged.prefill.launch",
                 "cupaged.rope.api", "cupaged.sink.api", "cupaged.sparse.launch")
 
 

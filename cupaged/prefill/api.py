@@ -12,197 +12,26 @@ fp16/bf16 on tensor cores (mma.sync m16n8k16, FlashAttention-2 style), fp32 on a
 CUDA-core path (correct, not tuned). ``backend="wgmma"`` runs ``kernels_cu/prefill_sm90.cu``
 instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, head sizes 64/128, no soft-cap or
 ALiBi, not the vllm layout); ``"auto"`` picks it where it applies when
-its layout is in ``prefill_plan.WGMMA_AUTO``, else the mma.sync kernel.
+its layout is in ``prefill_plan.WGMMA_AUTO``, else the mma.sync kernel. Kernel choice,
+argument records and launches live in ``cupaged.prefill.launch``.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..core import abi, errors
+from ..core import errors
 from . import plan as plan_
-from ..core.arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, as_dtype, bfloat16,
-    check_array, check_head_dim, empty, float16, float32, gpu_available, is_cupy, signature,
-    stream_key)
+from ..core.arrays import (CallCache, accepts_dlpack, array_module, as_dtype, check_array,
+    check_head_dim, empty, float32, gpu_available, is_cupy, signature, stream_key)
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_cu_seqlens,
-    check_gqa, check_int, check_lse, check_options, check_out, table_stride, token_stride)
-from ..core.compile import Spec, ctype, launcher
-from ..core.device import Uploader, scratch
-from ..core.launch import ptr
+    check_gqa, check_int, check_lse, check_options, check_out, token_stride)
+from ..core.device import Uploader
 from ..core.layouts import (CacheGeometry, accepts_cache, cache_geometry, cache_strides,
     layout_strides, resolve_layout)
 from ..reference import attention as ref
+from .launch import Launches, choose_backend, host_work
 
-__all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller",
-           "kernel_specializations"]
-
-PLAN_EXPR = "cupaged::plan::prefill_plan_kernel"
-PLAN_CTAS = 64  # CTAs of prefill_plan_kernel: sequences are checked a CTA at a time
-
-
-# ----------------------------------------------------------------------------- kernels
-def _expr(dtype, head_dim, v_transposed, tile):
-    """Template name of the kernel for ``dtype`` / ``head_dim`` / tile (fp32: CUDA cores)."""
-    if np.dtype(dtype) == float32:
-        return f"cupaged::prefill_simt_kernel<{head_dim}>"
-    vt = "true" if v_transposed else "false"
-    return f"cupaged::prefill_mma_kernel<{ctype(dtype)}, {head_dim}, {vt}, {tile.cpp()}>"
-
-
-def _expr_wgmma(dtype, head_dim, tile):
-    """Template name of the sm_90a wgmma kernel."""
-    return (f"cupaged::prefill_wgmma_kernel<{ctype(dtype)}, {head_dim}, {tile.block_n}, "
-            f"{tile.stages}>")
-
-
-def kernel_specializations():
-    """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for the
-    vllm value layout) at the default tile of the head size, fp32 x head dims (one
-    CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x
-    (64, 128). The benchmark's other tiles compile on demand."""
-    specs = [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt)))
-             for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
-    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d)), hopper=True)
-              for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS]
-    return (specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
-            + [Spec("plan", PLAN_EXPR)])
-
-
-def _device_arch():
-    import cupy
-    return cupy.cuda.Device().compute_capability
-
-
-def _backend(backend, dtype, head_dim, layout, opts, xp):
-    """The kernel family of a call: "mma" or "wgmma" (the device arch checked for CuPy)."""
-    unsupported = plan_.wgmma_unsupported(dtype, head_dim, layout, opts)
-    return plan_.resolve_backend(backend, unsupported, None if xp is np else _device_arch(), layout)
-
-
-def _window(opts):
-    """window_left as the kernel's int32; windows past any int32 position hide nothing."""
-    return -1 if opts.window_left >= INT32_MAX else opts.window_left
-
-
-def _tile(dtype, head_dim, v_transposed, backend, tile=None):
-    """The tile of a launch (``tile`` overrides the default, benchmarks only)."""
-    if tile is not None:
-        return tile
-    if backend == "wgmma":
-        return plan_.wgmma_tile(head_dim)
-    return plan_.launch_tile(dtype, head_dim, v_transposed)
-
-
-def _work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_transposed, causal, opts,
-          tile=None, backend="mma"):
-    """Host work list for one launch."""
-    tile = _tile(dtype, head_dim, v_transposed, backend, tile)
-    return plan_.work_list(q_lens, kv_lens, group=num_q_heads // num_kv_heads,
-                           num_kv_heads=num_kv_heads, tile=tile, causal=causal,
-                           window_left=_window(opts))
-
-
-def _kernel(dtype, head_dim, v_transposed, tile, backend):
-    """(kernel, dynamic smem bytes, threads) of a launch."""
-    tile = _tile(dtype, head_dim, v_transposed, backend, tile)
-    if backend == "wgmma":
-        smem = plan_.wgmma_smem_bytes(head_dim, tile)
-        return (launcher("prefill_sm90", _expr_wgmma(dtype, head_dim, tile), abi.PREFILL,
-                         hopper=True, smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
-    smem = plan_.smem_bytes(dtype, head_dim, v_transposed, tile)
-    return (launcher("prefill", _expr(dtype, head_dim, v_transposed, tile), abi.PREFILL, smem=smem,
-                     carveout=smem > 48 * 1024), smem, tile.threads)
-
-
-def work_capacity(total_q, batch, group, num_kv_heads, block_m):
-    """Work items a launch over ``total_q`` query rows of ``batch`` sequences can need:
-    ``sum(ceil(q_len * group / block_m)) <= ceil(total_q * group / block_m) + batch`` per
-    kv head (the grid of a device-planned launch, which the host sizes without reading the
-    lengths)."""
-    return (-(-total_q * group // block_m) + batch) * num_kv_heads
-
-
-class _Launches:
-    """The launches of one prefill call shape, their fixed arguments packed once: the plan
-    kernel (device work lists: checks, padding rows zeroed, items written into per-stream
-    scratch, the list sized by :func:`work_capacity`) and the prefill kernel.
-    ``__call__`` gives the arrays. With ``work`` (a host list) the plan kernel is left out.
-
-    Parameters
-    ----------
-    q : array
-        The call's query (shape, dtype, strides).
-    tables : array or None
-        Block tables (paged) or None (ragged K/V).
-    strides : cupaged.core.layouts.CacheStrides
-    """
-
-    def __init__(self, q, batch, tables, block_size, num_blocks, total_k, num_kv_heads,
-                 strides, opts, causal, v_transposed, backend, tile=None, work=None,
-                 name="prefill"):
-        total_q, hq, d = q.shape
-        group = hq // num_kv_heads
-        self.tile = _tile(q.dtype, d, v_transposed, backend, tile)
-        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend)
-        paged = tables is not None
-        self.plan = None
-        if work is None:
-            capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
-            work = scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4)
-            plan_scratch = scratch(f"{name}.plan", 1 + 2 * batch, zero=True)
-            self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN),
-                         min(max(batch, 1), PLAN_CTAS), abi.PREFILL_PLAN.bind(
-                work=ptr(work), scratch=ptr(plan_scratch),
-                done=ptr(scratch(f"{name}.done", 1, zero=True)), err=ptr(errors.error_word()),
-                row_bytes=hq * d * q.itemsize, batch=batch, total_q=total_q, total_k=total_k,
-                paged=int(paged), width=tables.shape[1] if paged else 0,
-                bt_stride=table_stride(tables), block_size=block_size, num_blocks=num_blocks,
-                group=group, num_kv_heads=num_kv_heads, num_q_heads=hq,
-                block_m=self.tile.block_m, block_n=self.tile.block_n, causal=int(causal),
-                window_left=_window(opts), capacity=capacity))
-        self.work = work
-        self.args = abi.PREFILL.bind(
-            work=ptr(work), max_blocks=table_stride(tables), block_size=block_size,
-            paged=int(paged), k_block=strides.k_block, k_head=strides.k_head,
-            k_chunk=strides.k_chunk, k_tok=strides.k_tok, v_block=strides.v_block,
-            v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok, num_q_heads=hq,
-            num_kv_heads=num_kv_heads, sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
-            window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q))
-
-    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks):
-        """Launch on the current stream, without a host sync."""
-        if self.plan is not None:
-            kernel, grid, args = self.plan
-            kernel.launch(grid, 512, args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info),
-                                               block_tables=ptr(tables), out=ptr(out),
-                                               lse=ptr(lse)))
-        n = self.work.shape[0]
-        if n:
-            self.kernel.launch(n, self.threads, self.args.pack(
-                q=ptr(q), k=ptr(k), v=ptr(v), out=ptr(out), lse=ptr(lse), cu_q=ptr(cu_q),
-                kv_info=ptr(kv_info), block_tables=ptr(tables), alibi=ptr(alibi),
-                sinks=ptr(sinks)), self.smem)
-
-
-def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, total_k,
-                 num_kv_heads, tile, causal, opts, name="prefill"):
-    """The device work list of a call (the plan kernel alone; tests of its output)."""
-    strides = layout_strides("ragged", 1, num_kv_heads, q.shape[2], q.itemsize)
-    run = _Launches(q, cu_q.shape[0] - 1, tables, block_size, num_blocks, total_k,
-                    num_kv_heads, strides, opts, causal, False, "mma", tile=tile, name=name)
-    kernel, grid, args = run.plan
-    kernel.launch(grid, 512, args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info),
-                                       block_tables=ptr(tables), out=ptr(out), lse=ptr(lse)))
-    return run.work
-
-
-def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides, opts,
-            causal, v_transposed, num_kv_heads, tile=None, backend="mma"):
-    """Launch one prefill kernel over a host-planned ``work`` (device int32 ``[n, 4]``);
-    no host sync (benchmarks and strict-mode calls)."""
-    _Launches(q, cu_q.shape[0] - 1, tables, block_size, 0, 0, num_kv_heads, strides, opts,
-              causal, v_transposed, backend, tile=tile, work=work)(
-        q, k, v, out, lse, cu_q, kv_info, tables, opts.alibi_slopes, opts.sinks)
-
+__all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller"]
 
 def _outputs(q, out, return_lse, xp):
     out = empty(xp, q.shape, q.dtype) if out is None else out
@@ -322,7 +151,7 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         xp, q, causal, return_lse, out, dict(sm_scale=sm_scale, window_left=window_left,
                                              alibi_slopes=alibi_slopes, sinks=sinks,
                                              logits_soft_cap=logits_soft_cap), k=k, v=v)
-    backend = _backend(backend, q.dtype, q.shape[2], "ragged", opts, xp)
+    backend = choose_backend(backend, q.dtype, q.shape[2], "ragged", opts, xp)
     if xp is np:
         return _finish(ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=return_lse,
                                           **_ref_options(opts, causal)), out, return_lse)
@@ -331,9 +160,9 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         k_tok=token_stride("k", k), v_tok=token_stride("v", v))
     work = None
     if cu_q is not None:  # strict mode: a host work list
-        work = xp.asarray(_work(np.diff(cu_q), np.diff(cu_k), q.dtype, q.shape[1], hk, head_dim,
+        work = xp.asarray(host_work(np.diff(cu_q), np.diff(cu_k), q.dtype, q.shape[1], hk, head_dim,
                                 False, causal, opts, backend=backend))
-    run = _Launches(q, cu_seqlens_q.shape[0] - 1, None, 1, 0, k.shape[0], hk, strides, opts,
+    run = Launches(q, cu_seqlens_q.shape[0] - 1, None, 1, 0, k.shape[0], hk, strides, opts,
                     causal, False, backend, work=work)
     if work is None and key is not None:
         _CALLS.put(key, run)
@@ -426,7 +255,7 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
                                              alibi_slopes=alibi_slopes, sinks=sinks,
                                              logits_soft_cap=logits_soft_cap),
         k_cache=k_cache, v_cache=v_cache)
-    backend = _backend(backend, q.dtype, geo.head_dim, layout, opts, xp)
+    backend = choose_backend(backend, q.dtype, geo.head_dim, layout, opts, xp)
     if xp is np:
         return _finish(ref.paged_prefill(q, k_cache, v_cache, cu_q, block_tables, seq_lens,
                                          layout=layout, return_lse=return_lse,
@@ -434,9 +263,9 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     v_t = layout == "vllm" and q.dtype != float32
     work = None
     if cu_q is not None:  # strict mode: a host work list
-        work = xp.asarray(_work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
+        work = xp.asarray(host_work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
                                 geo.head_dim, v_t, causal, opts, backend=backend))
-    run = _Launches(q, cu_seqlens_q.shape[0] - 1, block_tables, geo.block_size, geo.num_blocks,
+    run = Launches(q, cu_seqlens_q.shape[0] - 1, block_tables, geo.block_size, geo.num_blocks,
                     0, geo.num_kv_heads, cache_strides(k_cache, v_cache, layout, geo), opts,
                     causal, v_t, backend, work=work)
     if work is None and key is not None:
@@ -559,7 +388,7 @@ class PagedPrefiller:
             return self
         cu, bt, sl = (np.array(a, np.int32) for a in (cu, bt, sl))  # the plan's own copies
         used = np.arange(bt.shape[1])[None, :] < -(-sl.astype(np.int64) // self.block_size)[:, None]
-        work = _work(np.diff(cu), sl, self.dtype, self.num_q_heads, self.num_kv_heads,
+        work = host_work(np.diff(cu), sl, self.dtype, self.num_q_heads, self.num_kv_heads,
                      self.head_dim, self._v_transposed, self.causal, self._opts)
         self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]),
                           max_block=int(bt[used].max()) if used.any() else -1)
@@ -667,7 +496,7 @@ class PagedPrefiller:
             v_cache=v_cache)
         check_lse(lse, q.shape[0], self.num_q_heads, xp)
         want_lse = return_lse or lse is not None
-        backend = _backend(self.backend, self.dtype, self.head_dim, self.layout, opts, xp)
+        backend = choose_backend(self.backend, self.dtype, self.head_dim, self.layout, opts, xp)
         h = self._host
         if xp is np:
             result = _finish(ref.paged_prefill(q, k_cache, v_cache, h["cu"], h["bt"], h["sl"],
@@ -681,7 +510,7 @@ class PagedPrefiller:
                backend, stream_key())
         run = self._runs.get(key)
         if run is None:
-            run = self._runs.put(key, _Launches(
+            run = self._runs.put(key, Launches(
                 q, d["sl"].shape[0], d["bt"], self.block_size, geo.num_blocks, 0,
                 self.num_kv_heads, cache_strides(k_cache, v_cache, self.layout, geo), opts,
                 causal, self._v_transposed, backend,
