@@ -13,22 +13,25 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     # block management
-    "BlockPool": "blocks", "BlockTable": "blocks", "PoolExhausted": "blocks",
-    "PagedKVCache": "kv_cache",
+    "BlockPool": "engine.blocks", "BlockTable": "engine.blocks", "PoolExhausted": "engine.blocks",
+    "PagedKVCache": "engine.kv_cache", "CacheView": "core.layouts",
     # cache kernels
-    "write_kv_cache": "cache_ops", "copy_blocks": "cache_ops", "swap_blocks": "cache_ops",
+    "write_kv_cache": "cache_ops.api", "copy_blocks": "cache_ops.api", "swap_blocks": "cache_ops.api",
     # attention
-    "paged_decode": "decode", "PagedDecoder": "decode", "merge_states": "decode",
-    "varlen_prefill": "prefill", "paged_prefill": "prefill", "paged_attention": "prefill",
-    "PagedPrefiller": "prefill",
-    "sink_softmax": "sink", "sink_attention": "sink",
-    "apply_rope": "rope",
+    "paged_decode": "decode.api", "PagedDecoder": "decode.api", "merge_states": "decode.api",
+    "varlen_prefill": "prefill.api", "paged_prefill": "prefill.api",
+    "paged_attention": "prefill.api", "PagedPrefiller": "prefill.api",
+    "sink_softmax": "sink.api", "sink_attention": "sink.api",
+    "apply_rope": "rope.api",
     # steps and device errors
-    "BatchStep": "step", "check_errors": "errors", "DeviceIndexError": "errors",
+    "BatchStep": "core.step", "check_errors": "core.errors", "DeviceIndexError": "core.errors",
     # arrays
-    "gpu_available": "_arrays", "bfloat16": "_arrays",
+    "gpu_available": "core.arrays", "bfloat16": "core.arrays",
 }
-_SUBMODULES = ("sparse", "layers", "reference", "layouts", "interop", "errors", "step")
+# public submodule names and where they live
+_SUBMODULES = {"sparse": "sparse", "layers": "engine.layers", "reference": "reference",
+               "layouts": "core.layouts", "interop": "interop", "errors": "core.errors",
+               "step": "core.step"}
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 
@@ -39,7 +42,7 @@ def __getattr__(name):
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(f".{_SUBMODULES[name]}", __name__)
     raise AttributeError(f"module 'cupaged' has no attribute {name!r}")
 
 

@@ -18,7 +18,7 @@ import sys
 import click
 
 from . import __version__
-from ._arrays import cupy_module, gpu_available
+from .core.arrays import cupy_module, gpu_available
 from .bench.timing import format_table
 
 BENCHES = ("decode", "prefill", "cache", "sparse", "rope", "overhead")
@@ -58,7 +58,7 @@ def progress_bar(length, label):
 
 def _archs(ctx, param, archs):
     """Validate ``--arch`` values up front (format, sm_80 or newer)."""
-    from ._compile import check_arch
+    from .core.compile import check_arch
     for arch in archs:
         try:
             check_arch(arch)
@@ -90,7 +90,7 @@ def environment():
     """``(label, value)`` rows describing the installation and the GPU."""
     import ml_dtypes
     import numpy
-    from . import _compile
+    from .core import compile as _compile
     rows = [("cupaged", __version__), ("python", platform.python_version()),
             ("numpy", numpy.__version__), ("ml_dtypes", ml_dtypes.__version__)]
     cp = cupy_module()
@@ -127,7 +127,7 @@ def info():
 def default_archs():
     """The local GPU's architecture, else ``("sm_80", "sm_90")``."""
     if gpu_available():
-        from ._compile import device_arch
+        from .core.compile import device_arch
         return (device_arch(),)
     return ("sm_80", "sm_90")
 
@@ -159,7 +159,7 @@ def check_kernels(archs, jobs, full_table, json_path):
 
     Exits with status 1 on a compile error or when any kernel spills registers.
     """
-    from . import _compile
+    from .core import compile as _compile
     archs = archs or default_archs()
     reports = []
     with progress_bar(sum(_compile.kernel_count(a) for a in archs), "kernels") as update:
@@ -185,7 +185,7 @@ def check_kernels(archs, jobs, full_table, json_path):
 # ----------------------------------------------------------------------------- demo
 def _demo_options(fn):
     """One ``--option`` per DemoConfig field, typed and documented from the field."""
-    from .demo import DemoConfig
+    from .engine.demo import DemoConfig
     for f in reversed(dataclasses.fields(DemoConfig)):
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, bool):
@@ -205,8 +205,8 @@ def _demo_options(fn):
 def demo(device, **options):
     """Continuous batching over the paged cache: a tiny random-weight Llama-style model
     (or random q/k/v with --model none) serving random requests; greedy tokens."""
-    from .demo import (CHECK_TOLERANCE, DemoConfig, array_module_for, check_run, resolve_model,
-                       run_demo)
+    from .engine.demo import (CHECK_TOLERANCE, DemoConfig, array_module_for, check_run,
+        resolve_model, run_demo)
     cfg = DemoConfig(**options)
     xp = array_module_for(device)
     check_run(cfg, xp)  # bad options fail before the progress bar is drawn
@@ -257,9 +257,9 @@ def _is_number(v):
 
 def _numeric_columns(rows):
     """Columns whose values are numbers wherever they are set."""
-    return [c for c in columns_of(rows)
-            if any(_is_number(r.get(c)) for r in rows)
-            and all(_is_number(r.get(c)) or r.get(c) is None for r in rows)]
+    return [column for column in columns_of(rows)
+            if any(_is_number(r.get(column)) for r in rows)
+            and all(_is_number(r.get(column)) or r.get(column) is None for r in rows)]
 
 
 def headline(rows, max_columns=4):
@@ -268,17 +268,17 @@ def headline(rows, max_columns=4):
     if not rows:
         return "no rows"
     parts = [f"{len(rows)} row{'s' * (len(rows) != 1)}"]
-    for c in columns_of(rows):
-        bad = sum(r.get(c) is False for r in rows)
+    for column in columns_of(rows):
+        bad = sum(r.get(column) is False for r in rows)
         if bad:
-            parts.append(f"{c} FALSE in {bad}")
+            parts.append(f"{column} FALSE in {bad}")
     numeric = _numeric_columns(rows)
-    picked = ([c for c in numeric if RATIO_COLUMN.search(c)]
-              + [c for c in numeric if RATE_COLUMN.search(c)]) or numeric[-1:]
-    for c in picked[:max_columns]:
-        values = [r[c] for r in rows if _is_number(r.get(c))]
+    picked = ([column for column in numeric if RATIO_COLUMN.search(column)]
+              + [column for column in numeric if RATE_COLUMN.search(column)]) or numeric[-1:]
+    for column in picked[:max_columns]:
+        values = [r[column] for r in rows if _is_number(r.get(column))]
         lo, hi = min(values), max(values)
-        parts.append(f"{c} {lo:.3g}" + ("" if lo == hi else f"..{hi:.3g}"))
+        parts.append(f"{column} {lo:.3g}" + ("" if lo == hi else f"..{hi:.3g}"))
     return "; ".join(parts)
 
 
@@ -306,8 +306,8 @@ def plot_rows(rows, path, title, column=None):
     column = column or numeric[-1]
     if column not in numeric:
         raise click.ClickException(f"--plot-column: expected one of {numeric}, got {column!r}")
-    labels = [" ".join(str(r[c]) for c in columns_of(rows)
-                       if c not in numeric and isinstance(r.get(c), str)) for r in rows]
+    labels = [" ".join(str(r[column]) for column in columns_of(rows)
+                       if column not in numeric and isinstance(r.get(column), str)) for r in rows]
     fig, ax = plt.subplots(figsize=(8, 1 + 0.35 * len(rows)))
     ax.barh(range(len(rows)), [r.get(column) or 0.0 for r in rows])
     ax.set_yticks(range(len(rows)), labels, fontsize=8)

@@ -18,7 +18,7 @@ import contextlib
 
 import numpy as np
 
-from ._arrays import _caller_stream, _export_foreign, _foreign_root, _import_foreign, is_cupy
+from .core.arrays import _caller_stream, _export_foreign, _foreign_root, _import_foreign, is_cupy
 
 # DLPack device types (dlpack.h DLDeviceType) for messages
 _DEVICE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA host (pinned)", 4: "OpenCL", 7: "Vulkan",

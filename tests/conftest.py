@@ -6,7 +6,7 @@ import zlib
 import numpy as np
 import pytest
 
-from cupaged._arrays import gpu_available
+from cupaged.core.arrays import gpu_available
 
 # JAX (the interop tests) would otherwise claim 75% of the GPU when first used and hold it
 # for the worker's lifetime, starving the other pytest-xdist workers' large tests.

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cupaged.blocks import BlockPool, BlockTable, PoolExhausted
+from cupaged.engine.blocks import BlockPool, BlockTable, PoolExhausted
 
 
 def snapshot(table):

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import cache_ops
-from cupaged._arrays import bfloat16
-from cupaged.layouts import LAYOUTS, CacheGeometry, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.cache_ops import api as cache_ops
+from cupaged.core.arrays import bfloat16
+from cupaged.core.layouts import LAYOUTS, CacheGeometry, cache_shapes, k_as_nhd, v_as_nhd
 from cupaged.reference import cache as ref
 
 DTYPES = [np.float16, bfloat16, np.float32]

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cupaged import _compile, cli
-from cupaged._arrays import gpu_available
-from cupaged.blocks import BlockPool, BlockTable
-from cupaged.demo import DemoConfig, Scheduler, blocks_for, make_requests
+from cupaged.core import compile as _compile
+from cupaged import cli
+from cupaged.core.arrays import gpu_available
+from cupaged.engine.blocks import BlockPool, BlockTable
+from cupaged.engine.demo import DemoConfig, Scheduler, blocks_for, make_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -314,7 +315,7 @@ def test_demo_bad_options_are_click_errors():
 
 @pytest.mark.parametrize("model, layers", [("none", 1), ("tiny", 3)])
 def test_demo_pool_larger_than_memory_is_refused_before_allocating(model, layers, monkeypatch):
-    from cupaged import demo
+    from cupaged.engine import demo
     monkeypatch.setattr(demo, "free_memory", lambda xp: (2**30, "available host memory"))
     res = invoke("demo", "--device", "cpu", "--model", model, "--layers", layers,
                  "--num-blocks", 100_000_000)
@@ -327,7 +328,7 @@ def test_demo_pool_larger_than_memory_is_refused_before_allocating(model, layers
 
 
 def test_free_host_memory_is_known(monkeypatch):
-    from cupaged import demo
+    from cupaged.engine import demo
     free, where = demo.free_memory(np)
     assert free > 2**20 and "host memory" in where
     monkeypatch.setattr(demo, "free_memory", lambda xp: (None, "host memory"))
@@ -353,7 +354,7 @@ def test_demo_tiny_model_on_cpu():
 
 
 def test_demo_model_defaults_by_backend():
-    from cupaged.demo import resolve_model
+    from cupaged.engine.demo import resolve_model
     assert resolve_model(DemoConfig(), np) == "none"
     assert resolve_model(DemoConfig(), object()) == "tiny"
     assert resolve_model(DemoConfig(model="none"), object()) == "none"

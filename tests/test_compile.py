@@ -11,7 +11,7 @@ import multiprocessing
 
 import pytest
 
-from cupaged import _compile
+from cupaged.core import compile as _compile
 
 
 def _nvrtc_or_skip():

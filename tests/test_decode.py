@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import decode_plan as dp
-from cupaged._arrays import FLOAT_DTYPES, bfloat16
-from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.decode import plan as dp
+from cupaged.core.arrays import FLOAT_DTYPES, bfloat16
+from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, layout_strides, v_as_nhd
 from cupaged.reference import attention as ref
 
 TOL = {np.dtype(np.float16): 2e-3, np.dtype(bfloat16): 1e-2, np.dtype(np.float32): 1e-4}
@@ -136,7 +136,7 @@ def test_numpy_path_matches_reference(rng, layout, dtype, feats, append):
 def test_numpy_empty_rows_are_zero_with_sink_lse(rng):
     case = make_case(rng, lens=[0, 5], hq=4, hk=4)
     sinks = np.arange(4, dtype=np.float32)
-    out, lse = cupaged.paged_decode(**case, sinks=sinks, return_lse=True)
+    out, lse = cupaged.paged_decode(**case, sinks=sinks, return_lse=True, layout="NHD")
     assert (out[0] == 0).all() and np.isfinite(out).all()
     np.testing.assert_allclose(lse[0], sinks, rtol=1e-6)
 
@@ -215,7 +215,7 @@ def test_bad_input_raises_before_any_change(rng):
     case = make_case(rng, lens=[5, 30], hq=4, hk=2, d=64, bs=8, append=True)
     case["k_new"], case["v_new"] = case.pop("k_new"), case.pop("v_new")
     for overrides, error, text in _bad_cases(case):
-        args = {**case, "k_new": None, "v_new": None, **overrides}
+        args = {**case, "k_new": None, "v_new": None, "layout": "NHD", **overrides}
         before = (args["k_cache"].copy(), args["v_cache"].copy())
         with pytest.raises(error, match=re.escape(text)):
             cupaged.paged_decode(**args)
@@ -226,22 +226,22 @@ def test_bad_input_raises_before_any_change(rng):
 def test_decoder_bad_input(rng):
     case = make_case(rng, lens=[5, 30], hq=4, hk=2, d=64, bs=8)
     with pytest.raises(ValueError, match="num_kv_heads"):
-        cupaged.PagedDecoder(4, 3, 64, 8)
+        cupaged.PagedDecoder(4, 3, 64, 8, layout="NHD")
     with pytest.raises(ValueError, match="head_dim"):
-        cupaged.PagedDecoder(4, 2, 72, 8)
+        cupaged.PagedDecoder(4, 2, 72, 8, layout="NHD")
     with pytest.raises(ValueError, match="block_size"):
-        cupaged.PagedDecoder(4, 2, 64, 0)
+        cupaged.PagedDecoder(4, 2, 64, 0, layout="NHD")
     with pytest.raises(ValueError, match="kv_path"):
-        cupaged.PagedDecoder(4, 2, 64, 8, kv_path="tma")
+        cupaged.PagedDecoder(4, 2, 64, 8, kv_path="tma", layout="NHD")
     with pytest.raises(ValueError, match="kv_path"):
         cupaged.paged_decode(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
-                             case["seq_lens"], kv_path="tma")
-    dec = cupaged.PagedDecoder(4, 2, 64, 8, max_batch=1)
+                             case["seq_lens"], kv_path="tma", layout="NHD")
+    dec = cupaged.PagedDecoder(4, 2, 64, 8, max_batch=1, layout="NHD")
     with pytest.raises(ValueError, match="plan"):
         dec.run(case["q"], case["k_cache"], case["v_cache"])
     with pytest.raises(ValueError, match="max_batch"):
         dec.plan(case["block_tables"], case["seq_lens"])
-    dec = cupaged.PagedDecoder(4, 2, 64, 8, max_batch=2)
+    dec = cupaged.PagedDecoder(4, 2, 64, 8, max_batch=2, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"])
     with pytest.raises(ValueError, match="k_new"):
         dec.run(case["q"], case["k_cache"], case["v_cache"], k_new=case["q"][:, :2],
@@ -271,7 +271,9 @@ def test_cache_strides_locate_every_element(rng, layout, dtype):
     k = rng.standard_normal((nb, bs, hk, d)).astype(dtype)
     v = rng.standard_normal((nb, bs, hk, d)).astype(dtype)
     kc, vc = from_nhd(k, v, layout)
-    ks, vs = dp.cache_strides(layout, bs, hk, d, np.dtype(dtype).itemsize)
+    s = layout_strides(layout, bs, hk, d, np.dtype(dtype).itemsize)
+    ks = (s.k_block, s.k_head, s.k_tok, s.k_chunk, 1)
+    vs = (s.v_block, s.v_head, s.v_tok, s.v_chunk, s.v_dim)
     vec = 16 // np.dtype(dtype).itemsize
     b, t, h, x = np.meshgrid(*map(np.arange, (nb, bs, hk, d)), indexing="ij")
     for strides, cache, logical in ((ks, kc, k), (vs, vc, v)):
@@ -447,7 +449,7 @@ def test_decoder_graph_capture_and_replay(rng, cp):
     sinks = rng.standard_normal(hq).astype(np.float32)
     sinks_dev = cp.asarray(sinks)  # no host-to-device copy may happen during the capture
     dev = to_device(cp, case)
-    dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, max_batch=4, xp=cp)
+    dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, max_batch=4, xp=cp, layout="NHD")
     q_buf = cp.asarray(case["q"])
     out = cp.empty(case["q"].shape, bfloat16)
     lse = cp.empty((3, hq), np.float32)
@@ -491,7 +493,7 @@ def test_device_planned_graph_follows_new_plans(rng, cp, tables_on):
     case = make_case(rng, lens=np.maximum(lens1, lens2), hq=hq, hk=hk, d=d, bs=bs, dtype=bfloat16)
     dev = to_device(cp, case)
     put = (lambda a: a) if tables_on == "host" else cp.asarray
-    dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, max_batch=4, xp=cp)
+    dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, max_batch=4, xp=cp, layout="NHD")
     q_buf = cp.asarray(case["q"])
     out = cp.empty(case["q"].shape, bfloat16)
     lse = cp.empty(case["q"].shape[:2], np.float32)
@@ -563,7 +565,7 @@ def test_decoder_schedules_and_merges(rng, cp, monkeypatch, schedule, merge, dty
     opts = features(rng, hq, feats)
     (want, want_lse), _ = oracle(case, "NHD", **opts)
     dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, max_batch=150,
-                               window_left=opts.pop("window_left", -1), xp=cp)
+                               window_left=opts.pop("window_left", -1), xp=cp, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"], schedule=schedule, planner="host",
              merge=merge, num_splits=3 if schedule == "split" else None)
     assert dec.num_splits > 1
@@ -587,7 +589,7 @@ def test_short_batches_stay_whole(rng, cp, kv_path):
     case = make_case(rng, lens=lens, hq=16, hk=4, d=128, bs=16, dtype=bfloat16)
     opts = features(rng, 16, ("sinks", "alibi"))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
-    dec = cupaged.PagedDecoder(16, 4, 128, 16, dtype=bfloat16, max_batch=500, kv_path=kv_path, xp=cp)
+    dec = cupaged.PagedDecoder(16, 4, 128, 16, dtype=bfloat16, max_batch=500, kv_path=kv_path, xp=cp, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"], planner="host")
     assert dec.num_splits == 1 and dec._step.work.num_slots == 0
     got = decoder_run(cp, case, dec, {n: cp.asarray(a) for n, a in opts.items()}, bfloat16)
@@ -600,7 +602,7 @@ def test_fused_and_kernel_merges_agree(rng, cp):
     case = make_case(rng, lens=[4097, 0, 33, 2000], hq=32, hk=8, d=128, bs=16, dtype=bfloat16)
     got = {}
     for merge in ("fused", "kernel"):
-        dec = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=4)
+        dec = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=4, layout="NHD")
         dec.plan(cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"]), merge=merge)
         got[merge] = decoder_run(cp, case, dec, {}, bfloat16)
     np.testing.assert_allclose(got["fused"][0].astype(np.float32),
@@ -624,7 +626,7 @@ def test_kernel_merge_splits_heads_over_warps(rng, cp, kv_path, lens):
     opts = features(rng, 32, ("sinks",))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
     dec = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=len(lens),
-                               kv_path=kv_path, xp=cp)
+                               kv_path=kv_path, xp=cp, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"], merge="kernel", planner="host")
     wph = dp.merge_launch(dec._step.device.launch, len(lens))[2]
     assert (wph > 1 and dec.num_splits > 16) or len(lens) == 9  # B9: 1 or 2 a head
@@ -639,7 +641,7 @@ def test_many_heads_default_to_the_kernel_merge(rng, cp):
     case = make_case(rng, lens=[20000, 5, 0], hq=32, hk=1, d=128, bs=16, dtype=bfloat16)
     opts = features(rng, 32, ("sinks",))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
-    dec = cupaged.PagedDecoder(32, 1, 128, 16, dtype=bfloat16, max_batch=3, xp=cp)
+    dec = cupaged.PagedDecoder(32, 1, 128, 16, dtype=bfloat16, max_batch=3, xp=cp, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"], planner="host")
     assert dec.merge == "kernel" and dec.num_splits > 8
     got = decoder_run(cp, case, dec, {"sinks": cp.asarray(opts["sinks"])}, bfloat16)
@@ -653,7 +655,7 @@ def test_decoder_replans_many_pieces(rng, cp):
     case = make_case(rng, lens=mixed_lengths(rng, 40), hq=16, hk=4, d=64, bs=16,
                      dtype=np.float16)
     (want, want_lse), _ = oracle(case, "NHD")
-    dec = cupaged.PagedDecoder(16, 4, 64, 16, dtype=np.float16, max_batch=40)
+    dec = cupaged.PagedDecoder(16, 4, 64, 16, dtype=np.float16, max_batch=40, layout="NHD")
     bt, sl = cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"])
     for kw in (dict(num_splits=256), dict(num_splits=256, merge="kernel"),
                dict(num_splits=1, merge="kernel"), dict(schedule="balanced")):
@@ -736,7 +738,7 @@ def test_pages_kernel_splits_and_merges(rng, cp, merge, hq, hk):
                      dtype=bfloat16)
     opts = features(rng, hq, ("sinks",))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
-    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=60, kv_path="pages", xp=cp)
+    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=60, kv_path="pages", xp=cp, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"], merge=merge, planner="host")
     assert dec.kv_path == "pages" and dec.num_splits > 1
     feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
@@ -786,7 +788,7 @@ def test_pool_pieces(rng, cp, monkeypatch, kv_path, hq, hk, merge):
     feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
     dev = to_device(cp, case)
     dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=24, kv_path=kv_path,
-                               xp=cp)
+                               xp=cp, layout="NHD")
     q = cp.asarray(case["q"])
     out = cp.empty(case["q"].shape, bfloat16)
     lse = cp.empty(case["q"].shape[:2], np.float32)
@@ -821,10 +823,10 @@ def test_device_bad_input(rng, cp):
     case = make_case(rng, lens=[5, 30], hq=4, hk=2, d=64, bs=8)
     dev = to_device(cp, case)
     with pytest.raises(TypeError, match="mix"):
-        cupaged.paged_decode(**{**dev, "q": case["q"]})
+        cupaged.paged_decode(**{**dev, "q": case["q"]}, layout="NHD")
     with pytest.raises(TypeError, match="mix"):
-        cupaged.paged_decode(**{**dev, "seq_lens": case["seq_lens"]})
+        cupaged.paged_decode(**{**dev, "seq_lens": case["seq_lens"]}, layout="NHD")
     flat = cp.empty(dev["k_cache"].size + 8, dev["k_cache"].dtype)
     shifted = flat[1:1 + dev["k_cache"].size].reshape(dev["k_cache"].shape)
     with pytest.raises(ValueError, match="16-byte"):
-        cupaged.paged_decode(**{**dev, "k_cache": shifted})
+        cupaged.paged_decode(**{**dev, "k_cache": shifted}, layout="NHD")

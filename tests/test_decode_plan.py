@@ -7,9 +7,9 @@ test_decode.py check the kernel itself against the reference on plans like these
 import numpy as np
 import pytest
 
-from cupaged import decode, decode_checks as dc, decode_plan as dp
-from cupaged._arrays import FLOAT_DTYPES, HEAD_DIMS
-from cupaged.layouts import LAYOUTS
+from cupaged.decode import checks as dc, launch as decode, plan as dp
+from cupaged.core.arrays import FLOAT_DTYPES, HEAD_DIMS
+from cupaged.core.layouts import LAYOUTS
 
 D128 = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import abi, errors
-from cupaged._arrays import bfloat16
+from cupaged.core import abi, errors
+from cupaged.core.arrays import bfloat16
 from cupaged.reference import attention as ref
 
 
@@ -88,7 +88,7 @@ def test_decode_bad_block_ids(rng, cp, bad):
     else:
         tables[2, 0] = -7
     dev = _dev(cp, {**case, "block_tables": tables})
-    out = cupaged.paged_decode(**dev).get().astype(np.float32)
+    out = cupaged.paged_decode(**dev, layout="NHD").get().astype(np.float32)
     _expect_error(r"block_tables: expected entries in \[0, %d\), got -?\d+ at index \(2, \d+\)" % nb)
     assert (out[2] == 0).all()
     good = [0, 1, 3, 4]
@@ -104,12 +104,12 @@ def test_decode_lengths_past_the_table_and_strict_mode(rng, cp):
     lens = case["seq_lens"].copy()
     lens[1] = 10**6
     dev = _dev(cp, {**case, "seq_lens": lens})
-    out = cupaged.paged_decode(**dev).get().astype(np.float32)
+    out = cupaged.paged_decode(**dev, layout="NHD").get().astype(np.float32)
     _expect_error("seq_lens: sequence 1 needs 1000000 tokens")
     assert (out[1] == 0).all()
     poisoned = cp.full(case["q"].shape, np.nan, bfloat16)
     with pytest.raises(ValueError, match="seq_lens: sequence 1 needs"):
-        cupaged.paged_decode(**dev, out=poisoned, validate=True)
+        cupaged.paged_decode(**dev, out=poisoned, validate=True, layout="NHD")
     assert bool(cp.isnan(poisoned.astype(cp.float32)).all())  # nothing ran
     cupaged.check_errors()
 
@@ -119,7 +119,7 @@ def test_decoder_plan_from_garbage_device_tables(rng, cp):
     cupaged.check_errors()
     case = _decode_case(rng, cp)
     tables = rng.integers(-2**31, 2**31 - 1, case["block_tables"].shape, dtype=np.int64).astype(np.int32)
-    dec = cupaged.PagedDecoder(8, 2, 128, 16, dtype=bfloat16, max_batch=8)
+    dec = cupaged.PagedDecoder(8, 2, 128, 16, dtype=bfloat16, max_batch=8, layout="NHD")
     dec.plan(cp.asarray(tables), cp.asarray(case["seq_lens"]))
     dev = _dev(cp, case)
     out = dec.run(dev["q"], dev["k_cache"], dev["v_cache"]).get().astype(np.float32)
@@ -136,7 +136,7 @@ def test_append_skips_bad_sequences(rng, cp):
     dev = _dev(cp, {**case, "block_tables": tables})
     k0, v0 = dev["k_cache"].copy(), dev["v_cache"].copy()
     knew = cp.asarray(rng.standard_normal((5, 2, 128), np.float32).astype(bfloat16))
-    cupaged.paged_decode(**dev, k_new=knew, v_new=knew)
+    cupaged.paged_decode(**dev, k_new=knew, v_new=knew, layout="NHD")
     _expect_error(r"block_tables: expected entries in .* at index \(0, 2\)")
     changed = cp.any(dev["k_cache"] != k0, axis=(1, 2, 3)).get()
     assert changed.sum() == 4  # sequences 1..4 appended one token each, in one block each
@@ -172,7 +172,7 @@ def test_paged_prefill_bad_sequence_rows_are_zero(rng, cp):
     tables[2, 0] = 2**30
     dev = _dev(cp, {**case, "block_tables": tables})
     out = cupaged.paged_prefill(cp.asarray(q), dev["k_cache"], dev["v_cache"], cp.asarray(cu),
-                                dev["block_tables"], dev["seq_lens"]).get().astype(np.float32)
+                                dev["block_tables"], dev["seq_lens"], layout="NHD").get().astype(np.float32)
     _expect_error(r"block_tables: expected entries in .* got 1073741824 at index \(2, 0\)")
     assert (out[cu[2]:cu[3]] == 0).all()
     good = np.r_[cu[0]:cu[2], cu[4]:cu[5]]

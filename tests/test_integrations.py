@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_cupaged_imports_neither_torch_nor_transformers():
-    code = ("import sys, cupaged, cupaged.integrations, cupaged.model, cupaged.demo; "
+    code = ("import sys, cupaged, cupaged.integrations, cupaged.engine.model, cupaged.engine.demo; "
             "bad = [m for m in ('torch', 'transformers', 'cupy') if m in sys.modules]; "
             "assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -7,7 +7,7 @@ import pytest
 
 import cupaged
 from cupaged import interop
-from cupaged._arrays import accepts_dlpack, bfloat16
+from cupaged.core.arrays import accepts_dlpack, bfloat16
 
 
 class HostDLPack:

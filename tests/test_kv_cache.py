@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged._arrays import HEAD_DIMS, bfloat16
-from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.core.arrays import HEAD_DIMS, bfloat16
+from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

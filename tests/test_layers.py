@@ -2,9 +2,10 @@
 import numpy as np
 import pytest
 
-from cupaged import layers
-from cupaged._arrays import bfloat16
-from cupaged.layouts import LAYOUTS, cache_shapes
+import cupaged
+from cupaged.engine import layers
+from cupaged.core.arrays import bfloat16
+from cupaged.core.layouts import LAYOUTS, cache_shapes
 from cupaged.reference import attention as aref
 from cupaged.reference import cache as cref
 from cupaged.reference import rope as rref
@@ -258,3 +259,24 @@ def test_gpu_alibi_layer_mixed_batch(rng, cp, layout):
     out = layer(dev["query"], dev["key"], dev["value"], dev["key_cache"], dev["value_cache"],
                 metadata(dev, cp))
     assert_close(out.get(), want, np.float16)
+
+
+def test_layer_takes_the_cache_object(rng):
+    """A CacheView (or PagedKVCache) in the layer's layout stands in for the cache pair;
+    without a layout, caches whose shape reads as both NHD and HND are refused."""
+    batch = mixed_batch(rng, np.float32, "HND", hq=8, hk=2, bs=16)
+    layer = layers.PagedAttention(8, 64, 0.1, num_kv_heads=2, layout="HND")
+    raw = (batch["key_cache"].copy(), batch["value_cache"].copy())
+    want = layer(batch["query"], batch["key"], batch["value"], *raw, metadata(batch))
+    view = cupaged.CacheView(batch["key_cache"], batch["value_cache"], layout="HND")
+    got = layer(batch["query"], batch["key"], batch["value"], view, metadata(batch))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(view.k, raw[0])
+    with pytest.raises(ValueError, match="PagedAttention's layout 'NHD'"):
+        layers.PagedAttention(8, 64, 0.1, num_kv_heads=2, layout="NHD")(
+            batch["query"], batch["key"], batch["value"], view, metadata(batch))
+    square = mixed_batch(rng, np.float32, "HND", hq=16, hk=16, bs=16)
+    with pytest.raises(ValueError, match=r"key_cache: shape \(12, 16, 16, 64\) reads as NHD"):
+        layers.PagedAttention(16, 64, 0.1, num_kv_heads=16)(
+            square["query"], square["key"], square["value"], square["key_cache"],
+            square["value_cache"], metadata(square))

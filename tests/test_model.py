@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
-from cupaged.demo import CHECK_TOLERANCE, DemoConfig, run_demo
-from cupaged.model import TinyLlama, TinyLlamaConfig, check_generation, generate, init_weights, score
+from cupaged.engine.demo import CHECK_TOLERANCE, DemoConfig, run_demo
+from cupaged.engine.model import (TinyLlama, TinyLlamaConfig, check_generation, generate,
+    init_weights, score)
 
 SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
 
@@ -129,7 +130,7 @@ def test_demo_engine_tokens_follow_the_dense_model():
                      model="tiny", dtype="float32", layout="HND", num_q_heads=4,
                      num_kv_heads=2, block_size=8, num_blocks=24, seed=2)
     stats = run_demo(cfg, np)
-    from cupaged.demo import make_requests, model_config, prompt_tokens
+    from cupaged.engine.demo import make_requests, model_config, prompt_tokens
     mcfg = model_config(cfg)
     for r in make_requests(cfg, np.random.default_rng(cfg.seed)):
         out = stats.tokens[r.rid]
@@ -172,8 +173,8 @@ def test_gpu_demo_engine_matches_numpy(cp, dtype):
 def test_gpu_decode_graphs_match_eager_steps(cp, layout):
     """Decode steps replayed from CUDA graphs (captured per power-of-two batch, replayed with
     other sequences, lengths and tokens) give the eager step's logits and cache writes."""
-    from cupaged.layers import AttentionMetadata
-    from cupaged.model import DecodeGraphs
+    from cupaged.engine.layers import AttentionMetadata
+    from cupaged.engine.model import DecodeGraphs
     cfg = small(layout=layout)
     model = TinyLlama(cfg, cp)
     rng = np.random.default_rng(3)
@@ -221,7 +222,7 @@ def test_gpu_demo_replays_decode_steps(cp):
 def test_gpu_gemm_matches_numpy(cp, m, k, n):
     """The captured steps' GEMM against float64 NumPy, a strided (column-sliced) operand too;
     every output element written (poisoned pool memory is overwritten)."""
-    from cupaged.model import gemm
+    from cupaged.engine.model import gemm
     rng = np.random.default_rng(m * 7 + n)
     a_full = rng.standard_normal((m, 2 * k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)

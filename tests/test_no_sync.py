@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged._arrays import bfloat16
+from cupaged.core.arrays import bfloat16
 
 SPIN_MS = 50
 
@@ -73,17 +73,17 @@ def _paged(rng, xp, lens=(300, 17, 2048, 0, 513), hq=32, hk=8, d=128, bs=16, dty
 
 def _calls(c):
     """Every public op on the arrays of ``_paged`` (one module's arrays)."""
-    dec_dev = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=8)
+    dec_dev = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=8, layout="NHD")
     dec_host = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=8,
-                                    xp=__import__("cupy"))
-    pre = cupaged.PagedPrefiller(32, 8, 128, 16, dtype=bfloat16)
+                                    xp=__import__("cupy"), layout="NHD")
+    pre = cupaged.PagedPrefiller(32, 8, 128, 16, dtype=bfloat16, layout="NHD")
     pos = c["slots"]
     return {
-        "paged_decode": lambda: cupaged.paged_decode(c["q"], c["kc"], c["vc"], c["tables"], c["lens"]),
+        "paged_decode": lambda: cupaged.paged_decode(c["q"], c["kc"], c["vc"], c["tables"], c["lens"], layout="NHD"),
         "paged_decode_append": lambda: cupaged.paged_decode(
-            c["q"], c["kc"], c["vc"], c["tables"], c["lens"], k_new=c["kn"], v_new=c["kn"]),
+            c["q"], c["kc"], c["vc"], c["tables"], c["lens"], k_new=c["kn"], v_new=c["kn"], layout="NHD"),
         "paged_attention": lambda: cupaged.paged_attention(c["qp"], c["kc"], c["vc"], c["cu"],
-                                                           c["tables"], c["lens"]),
+                                                           c["tables"], c["lens"], layout="NHD"),
         "varlen_prefill": lambda: cupaged.varlen_prefill(c["qp"], c["kv"], c["kv"], c["cu"], c["cu"]),
         "write_kv_cache": lambda: cupaged.write_kv_cache(c["kv"], c["kv"], c["kc"], c["vc"], c["slots"]),
         "apply_rope": lambda: cupaged.apply_rope(pos, c["qp"], c["kv"], max_position=8192),

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import decode_plan as dp, prefill, prefill_plan as pp
-from cupaged._arrays import bfloat16
+from cupaged.decode import plan as dp
+from cupaged.prefill import launch as prefill, plan as pp
+from cupaged.core.arrays import bfloat16
 
 
 def tables_for(rng, lens, bs, append=0, spare=5):
@@ -38,7 +39,7 @@ def test_decode_plan_matches_host(rng, cp, kv_path, lens, append, window):
     lens = np.asarray(lens, np.int32)
     tables, nb = tables_for(rng, lens, bs, int(append))
     dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, window_left=window,
-                               max_batch=len(lens) + 3, kv_path=kv_path)
+                               max_batch=len(lens) + 3, kv_path=kv_path, layout="NHD")
     dec.plan(cp.asarray(tables), cp.asarray(lens), append=append)
     kc = cp.asarray(rng.standard_normal((nb, bs, hk, d), np.float32).astype(bfloat16))
     vc = cp.asarray(rng.standard_normal((nb, bs, hk, d), np.float32).astype(bfloat16))
@@ -75,7 +76,7 @@ def test_prefill_work_matches_host(rng, cp, paged, q_lens, kv_extra, causal, win
     pad = 5  # padding rows past cu_q[-1]
     q = cp.zeros((int(cu_q[-1]) + pad, hq, d), bfloat16)
     out = cp.full(q.shape, np.nan, bfloat16)
-    opts = cupaged._checks.check_options(cp, hq, d, window_left=window)
+    opts = cupaged.core.checks.check_options(cp, hq, d, window_left=window)
     if paged:
         tables, nb = tables_for(rng, kv_lens, bs)
         work = prefill._device_work(q, out, None, cp.asarray(cu_q), cp.asarray(kv_lens.astype(np.int32)),

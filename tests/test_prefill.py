@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import prefill_plan as plan_
-from cupaged._arrays import HEAD_DIMS, bfloat16
-from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.prefill import plan as plan_
+from cupaged.core.arrays import HEAD_DIMS, bfloat16
+from cupaged.core.checks import check_block_elements
+from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, layout_strides, v_as_nhd
 from cupaged.reference import attention as ref
 from cupaged.reference.cache import write_kv_cache
 
@@ -204,7 +205,7 @@ def test_kernel_tile_logic_emulated(rng, tile):
 @pytest.mark.parametrize("layout", ("ragged",) + LAYOUTS)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_kv_strides_locate_elements(rng, layout, dtype):
-    """The kernel's address formula with kv_strides() hits the element the layout defines."""
+    """The kernel's address formula with layout_strides() hits the element the layout defines."""
     nb, bs, hk, d = 5, 8, 3, 32
     x = 16 // np.dtype(dtype).itemsize
     if layout == "ragged":
@@ -216,7 +217,7 @@ def test_kv_strides_locate_elements(rng, layout, dtype):
     as_nhd = (lambda c, _: c) if layout == "ragged" else None
     kn = (as_nhd or k_as_nhd)(kc, layout).reshape(nb * bs, hk, d)
     vn = (as_nhd or v_as_nhd)(vc, layout).reshape(nb * bs, hk, d)
-    s = plan_.kv_strides(layout, bs, hk, d, dtype)
+    s = layout_strides(layout, bs, hk, d, np.dtype(dtype).itemsize)
     for _ in range(50):
         blk, off, h, e = rng.integers(nb), rng.integers(bs), rng.integers(hk), rng.integers(d)
         if layout == "ragged":
@@ -229,7 +230,7 @@ def test_kv_strides_locate_elements(rng, layout, dtype):
 
 
 def test_smem_fits_and_specs_cover_every_head_dim():
-    from cupaged.prefill import kernel_specializations
+    from cupaged.prefill.launch import kernel_specializations
     for d in HEAD_DIMS:
         for vt in (False, True):
             tile = plan_.default_tile(d, vt)
@@ -245,10 +246,10 @@ def test_smem_fits_and_specs_cover_every_head_dim():
 
 
 def test_check_block_elements():
-    from cupaged.layouts import CacheGeometry
-    plan_.check_block_elements(CacheGeometry(10, 1 << 14, 8, 128))
+    from cupaged.core.layouts import CacheGeometry
+    check_block_elements(CacheGeometry(10, 1 << 14, 8, 128))
     with pytest.raises(ValueError, match="k_cache"):
-        plan_.check_block_elements(CacheGeometry(10, 1 << 18, 64, 256))
+        check_block_elements(CacheGeometry(10, 1 << 18, 64, 256))
 
 
 # ----------------------------------------------------------------------------- CPU: bad input
@@ -260,7 +261,8 @@ def _varlen_args(rng):
 def _paged_args(rng):
     q, k, v, cu_q, cu_k = ragged(rng, [3, 4], [5, 4], 4, 2, 64, np.float16)
     kc, vc, bt, sl = paged(rng, k, v, cu_k, "NHD", 4)
-    return dict(q=q, k_cache=kc, v_cache=vc, cu_seqlens_q=cu_q, block_tables=bt, seq_lens=sl)
+    return dict(q=q, k_cache=kc, v_cache=vc, cu_seqlens_q=cu_q, block_tables=bt, seq_lens=sl,
+                layout="NHD")
 
 
 VARLEN_BAD = [
@@ -349,7 +351,7 @@ def test_prefiller_rejects_bad_construction(name, kwargs, exc):
 
 def test_prefiller_rejects_bad_plan_and_run(rng):
     a = _paged_args(rng)
-    pre = cupaged.PagedPrefiller(4, 2, 64, 4, dtype="float16")
+    pre = cupaged.PagedPrefiller(4, 2, 64, 4, dtype="float16", layout="NHD")
     with pytest.raises(ValueError, match="plan"):
         pre.run(a["q"], a["k_cache"], a["v_cache"])
     with pytest.raises(ValueError, match="seq_lens"):
@@ -446,14 +448,14 @@ def _bench_tiles():
 @pytest.mark.parametrize("head_dim, tile", _bench_tiles())
 def test_gpu_benchmark_tiles(cp, rng, head_dim, tile):
     """Every non-default tile the benchmark times, against the reference (GQA, window, LSE)."""
-    from cupaged import prefill
-    from cupaged._checks import check_options
+    from cupaged.prefill import launch as prefill
+    from cupaged.core.checks import check_options
     q, k, v, cu_q, cu_k = ragged(rng, Q_LENS + [300], KV_LENS + [333], 8, 2, head_dim, bfloat16)
     opts = check_options(np, 8, head_dim, window_left=150)
-    work = prefill._work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, True, opts, tile)
+    work = prefill.host_work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, True, opts, tile)
     out, lse = _poisoned(cp, q.shape, bfloat16), cp.full(q.shape[:2], np.nan, np.float32)
     prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
-                    cp.asarray(cu_k), None, 1, plan_.kv_strides("ragged", 1, 2, head_dim, q.dtype),
+                    cp.asarray(cu_k), None, 1, layout_strides("ragged", 1, 2, head_dim, q.itemsize),
                     opts, True, False, 2, tile=tile)
     want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, window_left=150, return_lse=True)
     assert_close(out.get(), want, bfloat16)
@@ -500,7 +502,7 @@ def test_gpu_chunked_prefill_equals_one_shot(cp, rng):
     kc, vc, bt = cp.asarray(kc), cp.asarray(vc), cp.asarray(bt)
     for a, b in [(0, 256), (256, 601), (601, 700)]:
         part = cupaged.paged_prefill(cp.asarray(q[a:b]), kc, vc, cp.asarray(np.array([0, b - a], np.int32)),
-                                     bt, cp.asarray(np.array([b], np.int32)))
+                                     bt, cp.asarray(np.array([b], np.int32)), layout="NHD")
         assert_close(part.get(), whole[a:b], bfloat16)
 
 
@@ -583,7 +585,7 @@ def test_gpu_torch_tensors_in_and_out(rng):
 
 # ----------------------------------------------------------------------------- wgmma backend
 def test_wgmma_backend_resolution(monkeypatch):
-    from cupaged._checks import check_options
+    from cupaged.core.checks import check_options
     opts = check_options(np, 4, 128)
     ok = plan_.wgmma_unsupported(bfloat16, 128, "NHD", opts)
     assert ok is None
@@ -611,7 +613,7 @@ def test_wgmma_backend_resolution(monkeypatch):
 
 
 def test_wgmma_tile_shares_work_list_and_fits():
-    from cupaged.prefill import kernel_specializations
+    from cupaged.prefill.launch import kernel_specializations
     for d in plan_.WGMMA_HEAD_DIMS:
         tile = plan_.wgmma_tile(d)
         assert tile.block_m == plan_.default_tile(d).block_m  # PagedPrefiller's one work list
@@ -643,11 +645,11 @@ def test_wgmma_backend_numpy_path_is_the_reference(rng):
     got = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, window_left=3, backend="wgmma")
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="backend"):
-        cupaged.PagedPrefiller(4, 2, 80, 4, backend="wgmma")
+        cupaged.PagedPrefiller(4, 2, 80, 4, backend="wgmma", layout="NHD")
     with pytest.raises(ValueError, match="backend"):
         cupaged.PagedPrefiller(4, 2, 64, 4, layout="vllm", backend="wgmma")
     with pytest.raises(ValueError, match="backend"):
-        cupaged.PagedPrefiller(4, 2, 64, 4, backend="mmaa")
+        cupaged.PagedPrefiller(4, 2, 64, 4, backend="mmaa", layout="NHD")
 
 
 @pytest.fixture
@@ -693,18 +695,18 @@ def test_gpu_wgmma_paged(cp, hopper, rng, dtype, head_dim, block_size, layout):
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16])
 def test_gpu_wgmma_other_tiles(cp, hopper, rng, dtype, head_dim, feature, tile):
     """The wgmma tiles the benchmark times beside the default, against the reference."""
-    from cupaged import prefill
-    from cupaged._checks import check_options
+    from cupaged.prefill import launch as prefill
+    from cupaged.core.checks import check_options
     q_lens, kv_lens = Q_LENS + [300], KV_LENS + [533]
     q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, 8, 2, head_dim, dtype)
     fo = {} if feature == "plain" else _feature_opts(rng, feature, 8)
     causal = fo.pop("causal", True)
     opts = check_options(np, 8, head_dim, **fo)
-    work = prefill._work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, causal, opts, tile)
+    work = prefill.host_work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, causal, opts, tile)
     out, lse = _poisoned(cp, q.shape, dtype), cp.full(q.shape[:2], np.nan, np.float32)
     dopts = opts._replace(sinks=None if opts.sinks is None else cp.asarray(opts.sinks))
     prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
-                    cp.asarray(cu_k), None, 1, plan_.kv_strides("ragged", 1, 2, head_dim, q.dtype),
+                    cp.asarray(cu_k), None, 1, layout_strides("ragged", 1, 2, head_dim, q.itemsize),
                     dopts, causal, False, 2, tile=tile, backend="wgmma")
     want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **fo)
     assert_close(out.get(), want, dtype)
@@ -736,13 +738,13 @@ def test_gpu_wgmma_prefiller_and_auto_fallbacks(cp, hopper, rng):
     q, k, v, cu_q, cu_k = ragged(rng, [1, 37, 130], [50, 37, 300], 8, 2, 128, bfloat16)
     kc, vc, bt, sl = paged(rng, k, v, cu_k, "NHD", 16)
     dq, dkc, dvc = (cp.asarray(a) for a in (q, kc, vc))
-    pre = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, backend="wgmma").plan(cu_q, bt, sl)
+    pre = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, backend="wgmma", layout="NHD").plan(cu_q, bt, sl)
     want = ref.varlen_prefill(q, k, v, cu_q, cu_k)
     assert_close(pre.run(dq, dkc, dvc).get(), want, bfloat16)
     slopes = cp.asarray((2.0 ** -np.arange(1, 9)).astype(np.float32))
     with pytest.raises(ValueError, match="alibi_slopes"):
         pre.run(dq, dkc, dvc, alibi_slopes=slopes)
-    auto = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16).plan(cu_q, bt, sl)  # ALiBi: mma.sync
+    auto = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, layout="NHD").plan(cu_q, bt, sl)  # ALiBi: mma.sync
     want = ref.varlen_prefill(q, k, v, cu_q, cu_k, alibi_slopes=slopes.get())
     assert_close(auto.run(dq, dkc, dvc, alibi_slopes=slopes).get(), want, bfloat16)
 

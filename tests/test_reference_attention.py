@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from cupaged._arrays import bfloat16
-from cupaged.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
+from cupaged.core.arrays import bfloat16
+from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
 from cupaged.reference import attention as ref
 from cupaged.reference.cache import write_kv_cache
 

@@ -7,7 +7,7 @@ column dropped. It shares no code with ``cupaged.reference``.
 import numpy as np
 import pytest
 
-from cupaged._arrays import bfloat16
+from cupaged.core.arrays import bfloat16
 from cupaged.reference.attention import varlen_prefill
 from cupaged.reference.sink import detect_mode, sink_attention, sink_softmax
 

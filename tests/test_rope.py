@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged._arrays import bfloat16
+from cupaged.core.arrays import bfloat16
 from cupaged.reference import rope as ref
 
 DTYPES = [np.float16, bfloat16, np.float32]
@@ -193,8 +193,8 @@ def test_gpu_matches_reference(rng, cp, dtype, case):
 @pytest.mark.parametrize("neox,rd", [(True, 64), (False, 64), (True, 20)])
 def test_gpu_writes_every_element(rng, cp, dtype, neox, rd):
     """Poisoned outputs: every element (rotated and passed through) must be written."""
-    from cupaged._launch import current_stream, ptr
-    from cupaged.rope import _launch, _setup, plan_rope
+    from cupaged.core.launch import current_stream, ptr
+    from cupaged.rope.api import _launch, _setup, plan_rope
     t, d = 19, 128
     pos = cp.asarray(rng.integers(0, 3000, size=t), dtype=cp.int32)
     q, k = cp.asarray(rand(rng, (t, 4, d), dtype)), cp.asarray(rand(rng, (t, 2, d), dtype))
@@ -228,7 +228,7 @@ def test_gpu_inplace_flattened_misaligned(rng, cp):
 def test_gpu_frequencies_are_cached_and_large_positions_exact(cp, rng):
     """The kernel forms angles from float64 frequencies (kept per device and setting), so
     positions far past any table (a million) rotate as precisely as small ones."""
-    from cupaged import rope as mod
+    from cupaged.rope import api as mod
     q, k = cp.asarray(rand(rng, (3, 1, 64), np.float32)), cp.asarray(rand(rng, (3, 1, 64), np.float32))
     kw = dict(base=12345.0)
     cupaged.apply_rope(cp.asarray([1, 5, 9], dtype=cp.int32), q, k, **kw)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged._arrays import bfloat16
+from cupaged.core.arrays import bfloat16
 from cupaged.reference import sink as ref
 
 DTYPES = [np.float16, bfloat16, np.float32]
@@ -241,7 +241,7 @@ def test_gpu_softmax_matches_reference(rng, cp, dtype, shape):
 @pytest.mark.parametrize("path_n", [(17, "warp"), (3001, "cta"), (70_001, "split")])
 def test_gpu_softmax_writes_every_element(rng, cp, dtype, path_n):
     """Each path on a poisoned output; the input starts 2 bytes past a 16-byte boundary."""
-    from cupaged.sink import _softmax_launch, plan_softmax
+    from cupaged.sink.api import _softmax_launch, plan_softmax
     n, path = path_n
     shape = (1, 2, 3, n)
     x = masked_logits(rng, shape, dtype, empty_rows=False)

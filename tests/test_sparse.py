@@ -289,7 +289,7 @@ def test_bsr_is_masked_dense(rng, causal):
 
 
 def test_out_buffer_and_bf16(rng):
-    from cupaged._arrays import bfloat16
+    from cupaged.core.arrays import bfloat16
     q, k, v = (x.astype(bfloat16) for x in _qkv(rng, 64, 64))
     idx = np.tile(np.arange(64, dtype=np.int32), (4, 1))
     out = np.full(q.shape, np.nan, bfloat16)
@@ -389,7 +389,7 @@ def test_quest_select_keeps_last_page_in_order(rng):
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_quest_decode_reads_selected_pages(rng, layout):
-    pytest.importorskip("cupaged.decode")
+    pytest.importorskip("cupaged.decode.api")
     q, k, v, tables, lens = _quest_setup(rng, [60, 20, 5], layout=layout)
     pol = sparse.QuestPolicy(2)
     pol.update_bounds(k, tables, lens, layout=layout)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cupaged import sparse
-from cupaged._arrays import bfloat16
+from cupaged.core.arrays import bfloat16
 from cupaged.reference import attention as ra
 from cupaged.reference import sparse as ref
 from cupaged.sparse import index, tiles
@@ -373,7 +373,7 @@ def test_minference_policy_gpu(cp, rng):
 
 
 def test_quest_gpu_equals_numpy(cp, rng):
-    pytest.importorskip("cupaged.decode")
+    pytest.importorskip("cupaged.decode.api")
     bs, lens = 16, np.array([300, 40, 129], np.int32)
     nb = 40
     k_cache, v_cache = (_rand(rng, (nb, 2, bs, 128), np.float16) for _ in range(2))

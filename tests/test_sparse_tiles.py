@@ -9,7 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from cupaged._compile import KERNEL_DIR
+from cupaged.core.compile import KERNEL_DIR
 from cupaged.reference import sparse as ref
 from cupaged.sparse import tiles
 

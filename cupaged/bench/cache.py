@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import cache_ops
-from .._arrays import bfloat16
-from ..layouts import LAYOUTS, CacheGeometry, cache_shapes
+from ..cache_ops import api as cache_ops
+from ..core.arrays import bfloat16
+from ..core.layouts import LAYOUTS, CacheGeometry, cache_shapes
 from ..reference import cache as ref
 from .timing import bench_main, copy_bandwidth, time_gpu
 
@@ -33,8 +33,8 @@ def _filled(shape):
     return a
 
 
-def _same(dev, host):
-    return bool((dev.get().view(np.uint16) == host.view(np.uint16)).all())
+def _same(device, host):
+    return bool((device.get().view(np.uint16) == host.view(np.uint16)).all())
 
 
 def _row(op, variant, note, seconds, nbytes, public=None, ok=True):
@@ -95,13 +95,13 @@ def bench_swap(num_blocks, run, direction, method, check=True):
     import cupy
     import cupyx
     shape = (4 * num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    dev = _random(shape, 6)
+    device = _random(shape, 6)
     host = cupyx.empty_pinned((num_blocks,) + shape[1:], DTYPE)
     host.view(np.uint16).fill(0x3F80)
     starts = np.random.default_rng(7).permutation(4 * num_blocks // run)[: num_blocks // run]
     dev_ids = (starts[:, None] * run + np.arange(run)).reshape(-1)
     pairs = np.stack([dev_ids, np.arange(num_blocks)], axis=1)
-    src, dst = (dev, host) if direction == "out" else (host, dev)
+    src, dst = (device, host) if direction == "out" else (host, device)
     if direction == "in":
         pairs = pairs[:, ::-1].copy()
     ok = True
@@ -112,7 +112,7 @@ def bench_swap(num_blocks, run, direction, method, check=True):
         cupy.cuda.get_current_stream().synchronize()
         got = dst if isinstance(dst, np.ndarray) else dst.get()
         ok = bool((got.view(np.uint16) == expect.view(np.uint16)).all())
-    block_bytes = dev[0].nbytes
+    block_bytes = device[0].nbytes
     t = time_gpu(lambda: cache_ops.swap_blocks(src, dst, pairs, method=method), reps=10)
     return _row(f"swap_blocks {direction}", method,
                 f"{num_blocks} blocks, runs of {run}, {block_bytes >> 10} KiB", t,

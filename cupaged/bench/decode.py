@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from .. import decode
-from .._arrays import bfloat16
+from ..decode import api as decode
+from ..core.arrays import bfloat16
 from ..reference import attention as ref
 from .timing import (bench_main, copy_bandwidth, read_bandwidth, settle, time_gpu,
                      torch_or_none)

@@ -26,8 +26,11 @@ import time
 
 import numpy as np
 
-from .. import decode, prefill, cache_ops, rope
-from .._arrays import bfloat16
+from ..decode import api as decode
+from ..prefill import api as prefill
+from ..cache_ops import api as cache_ops
+from ..rope import api as rope
+from ..core.arrays import bfloat16
 from .timing import bench_main, copy_bandwidth, torch_or_none
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
@@ -167,7 +170,8 @@ def _decode_rows(batch, length, kinds):
     c = _paged(batch, length)
     c["q"] = _rand((batch, HQ, D), 3)
     rows = []
-    dec = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy)
+    dec = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy,
+                              layout="NHD")
     out = cupy.empty(c["q"].shape, bfloat16)
     planned = lambda: dec.run(c["q"], c["kc"], c["vc"], out=out)
     dec.plan(c["tables_host"], c["lens_host"], planner="host")
@@ -187,10 +191,11 @@ def _decode_rows(batch, length, kinds):
                                                                         enable_gqa=True)
     for kind in kinds:
         a = _as(kind, c)
-        call = lambda: decode.paged_decode(a["q"], a["kc"], a["vc"], a["tables"], a["lens"])
+        call = lambda: decode.paged_decode(a["q"], a["kc"], a["vc"], a["tables"], a["lens"],
+                                           layout="NHD")
         rows.append(_row("paged_decode", f"B{batch} x L{length}", kind, call,
                          lambda: decode.paged_decode(c["q"], c["kc"], c["vc"], c["tables"],
-                                                     c["lens"]),
+                                                     c["lens"], layout="NHD"),
                          peer, {"planned_graph_us": _graph_us(planned),
                                 "host_planned_graph_us": host_planned}))
     for kind in kinds:  # the engine's per-layer call: a planned decoder's run
@@ -204,7 +209,8 @@ def _decode_rows(batch, length, kinds):
 def _plan_rows(batch, length, kinds):
     import cupy
     c = _paged(batch, length)
-    dec = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy)
+    dec = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy,
+                              layout="NHD")
     rows = [{"op": "PagedDecoder.plan", "shape": f"B{batch} host metadata", "arrays": "numpy",
              "host_us": _host_us(lambda: dec.plan(c["tables_host"], c["lens_host"]))},
             {"op": "PagedDecoder.plan planner=host", "shape": f"B{batch} host metadata",
@@ -230,10 +236,10 @@ def _mixed_rows(kinds):
     for kind in kinds:
         a = _as(kind, c)
         call = lambda: prefill.paged_attention(a["q"], a["kc"], a["vc"], a["cu"], a["tables"],
-                                               a["lens"])
+                                               a["lens"], layout="NHD")
         rows.append(_row("paged_attention", "63 x L8K decode + 2K chunk", kind, call,
                          lambda: prefill.paged_attention(c["q"], c["kc"], c["vc"], c["cu"],
-                                                         c["tables"], c["lens"])))
+                                                         c["tables"], c["lens"], layout="NHD")))
     return rows
 
 

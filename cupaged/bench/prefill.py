@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import prefill_plan as plan_
-from .._arrays import bfloat16
+from ..core.layouts import layout_strides
+from ..prefill import plan as plan_
+from ..core.arrays import bfloat16
 from ..reference import attention as aref
 from .timing import bench_main, time_gpu, torch_or_none
 
@@ -130,14 +131,14 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma")
     """Launch-only closure of varlen_prefill with its work list built once (``tile``: a
     non-default tile shape; ``backend``: "mma" or "wgmma"). Returns (launch, kernel)."""
     import cupy
-    from .. import prefill
-    from .._checks import check_options
+    from ..prefill import launch as prefill
+    from ..core.checks import check_options
     lens = np.diff(cu_host)
     opts = check_options(cupy, H, q.shape[2])
     if tile is None:
         tile = plan_.wgmma_tile(q.shape[2]) if backend == "wgmma" else plan_.launch_tile(q.dtype, q.shape[2])
-    work = cupy.asarray(prefill._work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
-    strides = plan_.kv_strides("ragged", 1, H, q.shape[2], q.dtype)
+    work = cupy.asarray(prefill.host_work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
+    strides = layout_strides("ragged", 1, H, q.shape[2], q.itemsize)
     out = cupy.empty_like(q)
 
     def launch():
@@ -151,7 +152,7 @@ def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16, backe
     """PagedPrefiller.run over a ``layout`` cache holding k/v in shuffled pages."""
     import cupy
     import cupaged
-    from ..layouts import cache_shapes
+    from ..core.layouts import cache_shapes
     lens = np.diff(cu_host)
     need = -(-lens // block_size)
     ids = np.random.default_rng(1).permutation(int(need.sum())).astype(np.int32)
@@ -214,7 +215,7 @@ def bench_wgmma(inputs, causal, paged=False, tiles=WGMMA_VARIANTS[:1]):
 
 def bench_tiles(q_lens, head_dim, causal, tiles, label="tiles", peers=True, public=True):
     """One row per tile shape (the first is the reference for ``vs_default``); peers on the first."""
-    from .. import prefill
+    from ..prefill import api as prefill
     q, k, v, cu_host, cu_dev = _ragged_inputs(q_lens, head_dim)
     flops = _flops(q_lens, q_lens, head_dim, causal)
     rows, base_out, base_s = [], None, None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._arrays import bfloat16
+from ..core.arrays import bfloat16
 from ..reference import attention as aref
 from ..reference import rope as rref
 from .timing import bench_main, copy_bandwidth, rotating, time_gpu
@@ -40,7 +40,7 @@ def _close(got, want, tol=2e-2):
 # ----------------------------------------------------------------------------- RoPE
 def bench_rope(tokens, is_neox=True, inplace=False):
     import cupy
-    from .. import rope
+    from ..rope import api as rope
     item = np.dtype(bfloat16).itemsize
 
     def make():
@@ -88,12 +88,13 @@ def _decode_inputs(batch, kv_len, block_size=16):
 def _decode_runner(inp, sinks):
     import cupaged
     try:
-        dec = cupaged.PagedDecoder(HQ, HK, D, 16, dtype="bfloat16")
+        dec = cupaged.PagedDecoder(HQ, HK, D, 16, dtype="bfloat16", layout="NHD")
         dec.plan(inp["block_tables"], inp["seq_lens"])
         return lambda: dec.run(inp["q"], inp["k_cache"], inp["v_cache"], sinks=sinks)
     except (AttributeError, ImportError, TypeError):
         return lambda: cupaged.paged_decode(inp["q"], inp["k_cache"], inp["v_cache"],
-                                            inp["block_tables"], inp["seq_lens"], sinks=sinks)
+                                            inp["block_tables"], inp["seq_lens"], sinks=sinks,
+                                            layout="NHD")
 
 
 def _check_decode(inp, sinks, out, kv_len):
@@ -108,7 +109,7 @@ def _check_decode(inp, sinks, out, kv_len):
 def bench_decode_sinks(batch, kv_len):
     """Rows of paged decode without and with sinks, or [] when decode is missing."""
     import importlib.util
-    if importlib.util.find_spec("cupaged.decode") is None:
+    if importlib.util.find_spec("cupaged.decode.api") is None:
         return []
     inp = _decode_inputs(batch, kv_len)
     sinks = _random((HQ,), 7, 2.0).astype(np.float32)
@@ -122,7 +123,7 @@ def bench_prefill_sinks(batch, seqlen):
     """Rows of causal varlen prefill without and with sinks, or [] when prefill is missing."""
     import cupy
     try:
-        from ..prefill import varlen_prefill
+        from ..prefill.api import varlen_prefill
     except ImportError:
         return []
     tokens = batch * seqlen

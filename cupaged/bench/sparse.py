@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._arrays import bfloat16
+from ..core.arrays import bfloat16
 from ..reference import sparse as ref
 from .timing import bench_main, time_gpu, torch_or_none
 
@@ -86,8 +86,8 @@ def _inputs(seqlen, seed=0):
 def _split_times(q, k, v, v_idx, s_idx, reps):
     """Median (index seconds, kernel seconds), computed pairs and the output of the op's steps."""
     import cupy
-    from .._checks import check_options
-    from ..sparse import attention as sa, index, kernels, tiles
+    from ..core.checks import check_options
+    from ..sparse import attention as sa, index, launch as kernels, tiles
     n = q.shape[0]
     batch = sa.Batch(HQ, HK, D, np.array([n]), np.array([n]))
     cu = cupy.asarray([0, n], dtype=np.int32)

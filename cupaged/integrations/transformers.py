@@ -48,10 +48,10 @@ from transformers.masking_utils import flash_attention_mask
 import weakref
 
 from .. import interop
-from .._arrays import bfloat16
-from ..cache_ops import write_kv_cache
-from ..decode import paged_decode
-from ..prefill import paged_attention, varlen_prefill
+from ..core.arrays import bfloat16
+from ..cache_ops.api import write_kv_cache
+from ..decode.api import paged_decode
+from ..prefill.api import paged_attention, varlen_prefill
 
 NAME = "cupaged"
 PAGED_NAME = "paged|cupaged"
@@ -176,10 +176,10 @@ def _padding_layout(mask, b, sq, sk):
         keep_q = keep_k[:, sk - sq:]
         cu_q = np.concatenate([[0], np.cumsum(keep_q.sum(1))]).astype(np.int32)
         cu_k = np.concatenate([[0], np.cumsum(keep_k.sum(1))]).astype(np.int32)
-        dev = mask.device
-        return (torch.from_numpy(np.flatnonzero(keep_q)).to(dev),
-                torch.from_numpy(np.flatnonzero(keep_k)).to(dev),
-                torch.from_numpy(cu_q).to(dev), torch.from_numpy(cu_k).to(dev))
+        device = mask.device
+        return (torch.from_numpy(np.flatnonzero(keep_q)).to(device),
+                torch.from_numpy(np.flatnonzero(keep_k)).to(device),
+                torch.from_numpy(cu_q).to(device), torch.from_numpy(cu_k).to(device))
     return _LAYOUTS.get(mask, (sq, sk), make)
 
 
@@ -337,11 +337,12 @@ def _paged_varlen(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k
             if n < q.shape[0]:
                 out[n:].zero_()
             paged_decode(_array(q[:n]), _array(k_cache), _array(v_cache), _array(tables),
-                         _array(lens), out=_array(out[:n]), sinks=_sinks(sinks), **opts)
+                         _array(lens), layout="NHD", out=_array(out[:n]), sinks=_sinks(sinks),
+                         **opts)
         else:
             paged_attention(_array(q), _array(k_cache), _array(v_cache), _array(cu_q),
-                            _array(tables), _array(lens), out=_array(out), sinks=_sinks(sinks),
-                            **opts)
+                            _array(tables), _array(lens), layout="NHD", out=_array(out),
+                            sinks=_sinks(sinks), **opts)
     return out
 
 
@@ -365,7 +366,7 @@ def _paged_decode(module, query, key, value, cache, cu_seq_lens_k, block_table, 
         write_kv_cache(_array(k_new), _array(v_new), _array(k_cache), _array(v_cache),
                        _array(slots))
         paged_decode(_array(q), _array(k_cache), _array(v_cache), _array(tables), _array(lens),
-                     out=_array(out), sinks=_sinks(sinks), **opts)
+                     layout="NHD", out=_array(out), sinks=_sinks(sinks), **opts)
     return out
 
 

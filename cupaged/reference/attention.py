@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layouts import cache_geometry, k_as_nhd, v_as_nhd
+from ..core.layouts import cache_geometry, k_as_nhd, v_as_nhd
 from .cache import write_kv_cache
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layouts import LAYOUTS, vllm_x
+from ..core.layouts import LAYOUTS, vllm_x
 
 
 def _block_size(k_cache, layout):

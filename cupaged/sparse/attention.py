@@ -12,13 +12,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._arrays import (FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_range,
-                       host)
-from .._checks import check_block_tables, check_cu_seqlens, check_gqa, check_options, \
-    check_out, check_query
-from ..layouts import cache_geometry
+from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_range, host
+from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
+    check_out, check_query)
+from ..core.layouts import cache_geometry
 from ..reference import sparse as ref
-from . import kernels, tiles
+from . import launch as kernels, tiles
 from .index import check_block_size, check_pattern_indices, prepare
 
 

@@ -12,12 +12,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
-from .._checks import check_block_tables, check_gqa, check_options, check_query
-from ..layouts import CacheGeometry
+from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
+from ..core.checks import (INT32_MAX, check_block_tables, check_gqa, check_int, check_options,
+    check_query)
+from ..core.layouts import CacheGeometry
 from ..reference import attention as ref_attention
 from ..reference import sparse as ref
-from . import kernels
+from . import launch as kernels
 
 
 class EstimatePlan(NamedTuple):
@@ -34,13 +35,6 @@ class EstimatePlan(NamedTuple):
     num_recent_diags: int
 
 
-def _check_int(name, value, lo, hi=None):
-    if not isinstance(value, (int, np.integer)) or value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name}: expected an int {rng}, got {value!r}")
-    return int(value)
-
-
 def plan_estimate(q, kv_len, num_kv_heads, xp, *, vertical_size, slash_size, last_q,
                   num_sink_tokens, num_recent_diags, adaptive_budget, sm_scale):
     """Validate the estimate's query and options against ``kv_len`` keys; return the plan."""
@@ -48,11 +42,11 @@ def plan_estimate(q, kv_len, num_kv_heads, xp, *, vertical_size, slash_size, las
     check_gqa(hq, num_kv_heads)
     if q_len < 1 or kv_len < q_len:
         raise ValueError(f"q: expected 1 <= q_len <= kv_len ({kv_len}) queries, got {q_len}")
-    _check_int("vertical_size", vertical_size, 1)
-    _check_int("slash_size", slash_size, 1)
-    last_q = _check_int("last_q", last_q, 1, kernels.ROWS)
-    sinks = _check_int("num_sink_tokens", num_sink_tokens, 0)
-    recent = _check_int("num_recent_diags", num_recent_diags, 0)
+    check_int("vertical_size", vertical_size)
+    check_int("slash_size", slash_size)
+    last_q = check_int("last_q", last_q, 1, kernels.ROWS)
+    sinks = check_int("num_sink_tokens", num_sink_tokens, minimum=0)
+    recent = check_int("num_recent_diags", num_recent_diags, minimum=0)
     if adaptive_budget is not None and (not isinstance(adaptive_budget, (int, float, np.floating))
                                         or not 0 < adaptive_budget <= 1):
         raise ValueError(f"adaptive_budget: expected None or a float in (0, 1], got {adaptive_budget!r}")
@@ -145,7 +139,7 @@ def paged_estimate_vertical_slash(q, k_cache, block_table, seq_len, *, vertical_
     xp = array_module(q, k_cache, block_table)
     check_query("q", q, xp)
     geo = _check_key_cache(k_cache, layout, q, xp)
-    seq_len = _check_int("seq_len", seq_len, 1, 2 ** 31 - 1)
+    seq_len = check_int("seq_len", seq_len, 1, INT32_MAX)
     check_array("block_table", block_table, ndim=1, dtypes=np.int32, xp=xp)
     check_block_tables(block_table[None], xp.asarray([seq_len], dtype=np.int32), geo, xp)
     plan = plan_estimate(q, seq_len, geo.num_kv_heads, xp, vertical_size=vertical_size,

@@ -14,9 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._arrays import accepts_dlpack, array_module, check_array, check_range, host
+from ..core.arrays import accepts_dlpack, array_module, check_array, check_range, host
+from ..core.checks import check_int
 from ..reference import sparse as ref
-from . import kernels
+from . import launch as kernels
 
 PAD = ref.PAD
 
@@ -33,10 +34,10 @@ class IndexPlan(NamedTuple):
 
 
 def check_block_size(name, value, multiple=1):
-    if not isinstance(value, (int, np.integer)) or value < 1 or value % multiple:
-        want = f"a positive multiple of {multiple}" if multiple > 1 else "a positive int"
-        raise ValueError(f"{name}: expected {want}, got {value!r}")
-    return int(value)
+    value = check_int(name, value)
+    if value % multiple:
+        raise ValueError(f"{name}: expected a multiple of {multiple}, got {value!r}")
+    return value
 
 
 def check_pattern_indices(name, idx, xp, shape):

@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._arrays import array_module, check_array, host
-from .._checks import check_block_tables, check_query
-from ..layouts import LAYOUTS, k_as_nhd
+from ..core.arrays import array_module, check_array, host
+from ..core.checks import check_block_tables, check_int, check_query
+from ..core.layouts import k_as_nhd, key_geometry
 from .attention import paged_vertical_slash_attention, vertical_slash_attention
 from .estimate import estimate_vertical_slash, paged_estimate_vertical_slash
 from .index import pad_indices
@@ -52,12 +52,6 @@ class SparsePolicy:
         """Forget per-request state."""
 
 
-def _positive_int(name, value, lo=1):
-    if not isinstance(value, (int, np.integer)) or value < lo:
-        raise ValueError(f"{name}: expected an int >= {lo}, got {value!r}")
-    return int(value)
-
-
 class MInferencePolicy(SparsePolicy):
     """MInference vertical+slash sparse prefill (the MInference contract's defaults).
 
@@ -77,14 +71,14 @@ class MInferencePolicy(SparsePolicy):
 
     def __init__(self, vertical_size=1000, slash_size=6096, adaptive_budget=0.3,
                  num_sink_tokens=30, num_recent_diags=100, last_q=64):
-        self.vertical_size = _positive_int("vertical_size", vertical_size)
-        self.slash_size = _positive_int("slash_size", slash_size)
+        self.vertical_size = check_int("vertical_size", vertical_size)
+        self.slash_size = check_int("slash_size", slash_size)
         if adaptive_budget is not None and not 0 < adaptive_budget <= 1:
             raise ValueError(f"adaptive_budget: expected None or a float in (0, 1], got {adaptive_budget!r}")
         self.adaptive_budget = adaptive_budget
-        self.num_sink_tokens = _positive_int("num_sink_tokens", num_sink_tokens, 0)
-        self.num_recent_diags = _positive_int("num_recent_diags", num_recent_diags, 0)
-        self.last_q = _positive_int("last_q", last_q)
+        self.num_sink_tokens = check_int("num_sink_tokens", num_sink_tokens, minimum=0)
+        self.num_recent_diags = check_int("num_recent_diags", num_recent_diags, minimum=0)
+        self.last_q = check_int("last_q", last_q)
 
     def _estimate_options(self):
         return dict(vertical_size=self.vertical_size, slash_size=self.slash_size,
@@ -137,7 +131,7 @@ class QuestPolicy(SparsePolicy):
     supports_decode = True
 
     def __init__(self, top_k_pages):
-        self.top_k_pages = _positive_int("top_k_pages", top_k_pages)
+        self.top_k_pages = check_int("top_k_pages", top_k_pages)
         self.reset()
 
     def reset(self):
@@ -283,13 +277,7 @@ def _union_tables(bt, pos, counts, last_fill, bs):
 
 
 def _key_geometry(k_cache, layout):
-    from ..layouts import CacheGeometry, vllm_x
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    check_array("k_cache", k_cache, ndim=5 if layout == "vllm" else 4)
-    s = k_cache.shape
-    if layout == "NHD":
-        return CacheGeometry(s[0], s[1], s[2], s[3])
-    if layout == "HND":
-        return CacheGeometry(s[0], s[2], s[1], s[3])
-    return CacheGeometry(s[0], s[3], s[1], s[2] * vllm_x(k_cache.dtype))
+    """A contiguous key cache's sizes in ``layout``."""
+    geo = key_geometry(k_cache, layout)
+    check_array("k_cache", k_cache)
+    return geo

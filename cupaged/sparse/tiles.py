@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import kernels
+from . import launch as kernels
 
 LIST_BUDGET = 1 << 30        # bytes of tile lists per launch group
 TILE_BYTES = 8               # int2 per tile

@@ -16,13 +16,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import abi, errors
-from ._arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module, check_array,
-                      check_range, empty, host, hot)
-from ._checks import token_stride
-from ._compile import Spec, ctype, launcher
-from ._launch import current_stream, ptr
-from .reference import rope as ref
+from ..core import abi, errors
+from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module, check_array,
+                           check_range, empty, host, hot)
+from ..core.checks import token_stride
+from ..core.compile import Spec, ctype, launcher
+from ..core.launch import current_stream, ptr
+from ..reference import rope as ref
 
 SCALING_TYPES = ("linear", "dynamic")
 _THREADS = 256

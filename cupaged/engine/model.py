@@ -14,7 +14,7 @@ head is scaled so that logits spread over a few units and greedy choices are not
 
 ``generate`` (prefill every prompt in one step, then decode) and ``score`` (teacher-forced
 logits of one sequence) drive a model without a scheduler; ``cupaged demo`` drives it with
-one (``cupaged.demo``).
+one (``cupaged.engine.demo``).
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available, host
-from .layouts import LAYOUTS, cache_shapes
+from ..core.arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available, host
+from ..core.checks import check_int
+from ..core.layouts import LAYOUTS, cache_shapes
 
 __all__ = ["TinyLlamaConfig", "TinyLlama", "generate", "score", "check_generation"]
 
@@ -58,9 +59,7 @@ class TinyLlamaConfig:
         """Raise ValueError/TypeError naming the first bad field."""
         for name in ("vocab_size", "num_layers", "num_q_heads", "num_kv_heads",
                      "intermediate_size", "max_position"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name))
         check_head_dim("head_dim", self.head_dim)
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads = "
@@ -145,11 +144,11 @@ class TinyLlama:
             ``cache_shape`` is ``cupaged.layouts.cache_shapes(layout, num_blocks, block_size,
             num_kv_heads, head_dim, dtype)``; ``k_cache[l]`` is layer ``l``'s cache.
         """
-        c = self.config
-        k_shape, v_shape = cache_shapes(c.layout, num_blocks, block_size, c.num_kv_heads,
-                                        c.head_dim, self.dtype)
-        return (self.xp.zeros((c.num_layers, *k_shape), self.dtype),
-                self.xp.zeros((c.num_layers, *v_shape), self.dtype))
+        config = self.config
+        k_shape, v_shape = cache_shapes(config.layout, num_blocks, block_size, config.num_kv_heads,
+                                        config.head_dim, self.dtype)
+        return (self.xp.zeros((config.num_layers, *k_shape), self.dtype),
+                self.xp.zeros((config.num_layers, *v_shape), self.dtype))
 
     def _rms_norm(self, x, weight):
         xp = self.xp
@@ -157,8 +156,8 @@ class TinyLlama:
         return x * scale * weight
 
     def _attention(self, layer, l, x, metadata, positions, k_cache, v_cache, mm):
-        c = self.config
-        qd, kd = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        config = self.config
+        qd, kd = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         qkv = mm(self._rms_norm(x, layer["attn_norm"]), layer["wqkv"]).astype(self.dtype)
         q, k, v = qkv[:, :qd], qkv[:, qd:qd + kd], qkv[:, qd + kd:]
         out = self.attention.forward(positions, q, k, v,
@@ -231,7 +230,7 @@ def _gemm_expr():
 
 def kernel_specializations():
     """The model's one kernel: the float32 GEMM of its captured steps."""
-    from ._compile import Spec
+    from ..core.compile import Spec
     return [Spec("gemm", _gemm_expr())]
 
 
@@ -252,8 +251,8 @@ def gemm(a, b):
         float32 ``[m, n]``.
     """
     import cupy
-    from . import abi
-    from ._compile import launcher
+    from ..core import abi
+    from ..core.compile import launcher
     a, b = (x if x.strides[1] == 4 else cupy.ascontiguousarray(x) for x in (a, b))
     (m, k), n = a.shape, b.shape[1]
     c = cupy.empty((m, n), np.float32)
@@ -301,7 +300,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, k_cache, v_cache, width, stream):
-        from ._device import Uploader
+        from ..core.device import Uploader
         self.model, self.k, self.v, self.width, self.stream = model, k_cache, v_cache, width, stream
         self._graphs = {}
         self._uploader = Uploader(slots=8)

@@ -1,7 +1,7 @@
 """One batch step of a serving engine, checked and uploaded once, shared by every layer.
 
 An engine builds a :class:`BatchStep` per step from its scheduler's metadata and hands it
-to every layer (``cupaged.layers``), the model (``cupaged.model``) or its own calls of
+to every layer (``cupaged.layers``), the model (``cupaged.engine.model``) or its own calls of
 the ops: the prefix sums, lengths, block tables, slot mapping and positions live on the
 device once, and the decode or prefill plan of each layer geometry is made once per step
 (at its first layer) and reused by the others. Host (NumPy) metadata is checked on the
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import array_module, check_array, host
-from ._checks import check_block_tables, check_cu_seqlens
-from ._device import Uploader
+from .arrays import array_module, check_array, host
+from .checks import INT32_MAX, check_block_tables, check_cu_seqlens
+from .device import Uploader
 from .errors import strict
 from .layouts import CacheGeometry
 
-_INT32_MAX = 2**31 - 1
 
 
 class BatchStep:
@@ -65,7 +64,7 @@ class BatchStep:
         cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, src, contents=contents)
         num_seqs = cu_seqlens_q.shape[0] - 1
         # shapes here; block ids and lengths against the block size by the layers' plans
-        check_block_tables(block_tables, seq_lens, CacheGeometry(_INT32_MAX, 1, 1, 1), src,
+        check_block_tables(block_tables, seq_lens, CacheGeometry(INT32_MAX, 1, 1, 1), src,
                            batch=num_seqs, contents=False)
         bt, sl = (host(block_tables), host(seq_lens)) if contents else (None, None)
         check_array("slot_mapping", slot_mapping, ndim=1, dtypes=np.int64, xp=src)

@@ -12,199 +12,28 @@ fp16/bf16 on tensor cores (mma.sync m16n8k16, FlashAttention-2 style), fp32 on a
 CUDA-core path (correct, not tuned). ``backend="wgmma"`` runs ``kernels_cu/prefill_sm90.cu``
 instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, head sizes 64/128, no soft-cap or
 ALiBi, not the vllm layout); ``"auto"`` picks it where it applies when
-its layout is in ``prefill_plan.WGMMA_AUTO``, else the mma.sync kernel.
+its layout is in ``prefill_plan.WGMMA_AUTO``, else the mma.sync kernel. Kernel choice,
+argument records and launches live in ``cupaged.prefill.launch``.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import abi, errors, prefill_plan as plan_
-from ._arrays import (HEAD_DIMS, CallCache, accepts_dlpack, array_module, as_dtype, bfloat16,
-                      check_array, check_head_dim, empty, float16, float32, gpu_available,
-                      hot)
-from ._checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options, check_out,
-                      table_stride, token_stride)
-from ._compile import Spec, ctype, launcher
-from ._device import Uploader, scratch
-from ._launch import current_stream, ptr
-from .layouts import CacheGeometry, block_stride, cache_geometry
-from .reference import attention as ref
+from ..core import errors
+from . import plan as plan_
+from ..core.arrays import (CallCache, accepts_dlpack, array_module, as_dtype, check_array,
+                           check_head_dim, empty, float32, gpu_available, hot)
+from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_cu_seqlens,
+                           check_gqa, check_int, check_lse, check_options, check_out,
+                           token_stride)
+from ..core.device import Uploader
+from ..core.launch import current_stream, ptr
+from ..core.layouts import (CacheGeometry, accepts_cache, cache_geometry, cache_strides,
+                            layout_strides, resolve_layout)
+from ..reference import attention as ref
+from .launch import Launches, addresses, choose_backend, host_work
 
-__all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller",
-           "kernel_specializations"]
-
-PLAN_EXPR = "cupaged::plan::prefill_plan_kernel"
-PLAN_CTAS = 64  # CTAs of prefill_plan_kernel: sequences are checked a CTA at a time
-
-
-# ----------------------------------------------------------------------------- kernels
-def _expr(dtype, head_dim, v_transposed, tile):
-    """Template name of the kernel for ``dtype`` / ``head_dim`` / tile (fp32: CUDA cores)."""
-    if np.dtype(dtype) == float32:
-        return f"cupaged::prefill_simt_kernel<{head_dim}>"
-    vt = "true" if v_transposed else "false"
-    return f"cupaged::prefill_mma_kernel<{ctype(dtype)}, {head_dim}, {vt}, {tile.cpp()}>"
-
-
-def _expr_wgmma(dtype, head_dim, tile):
-    """Template name of the sm_90a wgmma kernel."""
-    return (f"cupaged::prefill_wgmma_kernel<{ctype(dtype)}, {head_dim}, {tile.block_n}, "
-            f"{tile.stages}>")
-
-
-def kernel_specializations():
-    """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for the
-    vllm value layout) at the default tile of the head size, fp32 x head dims (one
-    CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x
-    (64, 128). The benchmark's other tiles compile on demand."""
-    specs = [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt)))
-             for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
-    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d)), hopper=True)
-              for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS]
-    return (specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
-            + [Spec("plan", PLAN_EXPR)])
-
-
-def _device_arch():
-    import cupy
-    return cupy.cuda.Device().compute_capability
-
-
-def _backend(backend, dtype, head_dim, layout, opts, xp):
-    """The kernel family of a call: "mma" or "wgmma" (the device arch checked for CuPy)."""
-    unsupported = plan_.wgmma_unsupported(dtype, head_dim, layout, opts)
-    return plan_.resolve_backend(backend, unsupported, None if xp is np else _device_arch(), layout)
-
-
-def _window(opts):
-    """window_left as the kernel's int32; windows past any int32 position hide nothing."""
-    return -1 if opts.window_left >= plan_.INT32_MAX else opts.window_left
-
-
-def _tile(dtype, head_dim, v_transposed, backend, tile=None):
-    """The tile of a launch (``tile`` overrides the default, benchmarks only)."""
-    if tile is not None:
-        return tile
-    if backend == "wgmma":
-        return plan_.wgmma_tile(head_dim)
-    return plan_.launch_tile(dtype, head_dim, v_transposed)
-
-
-def _work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_transposed, causal, opts,
-          tile=None, backend="mma"):
-    """Host work list for one launch."""
-    tile = _tile(dtype, head_dim, v_transposed, backend, tile)
-    return plan_.work_list(q_lens, kv_lens, group=num_q_heads // num_kv_heads,
-                           num_kv_heads=num_kv_heads, tile=tile, causal=causal,
-                           window_left=_window(opts))
-
-
-def _kernel(dtype, head_dim, v_transposed, tile, backend):
-    """(kernel, dynamic smem bytes, threads) of a launch."""
-    tile = _tile(dtype, head_dim, v_transposed, backend, tile)
-    if backend == "wgmma":
-        smem = plan_.wgmma_smem_bytes(head_dim, tile)
-        return (launcher("prefill_sm90", _expr_wgmma(dtype, head_dim, tile), abi.PREFILL,
-                         hopper=True, smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
-    smem = plan_.smem_bytes(dtype, head_dim, v_transposed, tile)
-    return (launcher("prefill", _expr(dtype, head_dim, v_transposed, tile), abi.PREFILL, smem=smem,
-                     carveout=smem > 48 * 1024), smem, tile.threads)
-
-
-def work_capacity(total_q, batch, group, num_kv_heads, block_m):
-    """Work items a launch over ``total_q`` query rows of ``batch`` sequences can need:
-    ``sum(ceil(q_len * group / block_m)) <= ceil(total_q * group / block_m) + batch`` per
-    kv head (the grid of a device-planned launch, which the host sizes without reading the
-    lengths)."""
-    return (-(-total_q * group // block_m) + batch) * num_kv_heads
-
-
-class _Launches:
-    """The launches of one prefill call shape, their fixed arguments packed once: the plan
-    kernel (device work lists: checks, padding rows zeroed, items written into per-stream
-    scratch, the list sized by :func:`work_capacity`) and the prefill kernel.
-    ``__call__`` gives the arrays. With ``work`` (a host list) the plan kernel is left out.
-
-    Parameters
-    ----------
-    q : array
-        The call's query (shape, dtype, strides).
-    tables : array or None
-        Block tables (paged) or None (ragged K/V).
-    strides : prefill_plan.KVStrides
-    """
-
-    def __init__(self, q, batch, tables, block_size, num_blocks, total_k, num_kv_heads,
-                 strides, opts, causal, v_transposed, backend, tile=None, work=None,
-                 name="prefill"):
-        total_q, hq, d = q.shape
-        self.dtype = q.dtype
-        group = hq // num_kv_heads
-        self.tile = _tile(q.dtype, d, v_transposed, backend, tile)
-        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend)
-        paged = tables is not None
-        self.plan = None
-        if work is None:
-            capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
-            work = scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4)
-            plan_scratch = scratch(f"{name}.plan", 1 + 2 * batch, zero=True)
-            self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN).at(
-                min(max(batch, 1), PLAN_CTAS), 512), abi.PREFILL_PLAN.bind(
-                work=ptr(work), scratch=ptr(plan_scratch),
-                done=ptr(scratch(f"{name}.done", 1, zero=True)), err=ptr(errors.error_word()),
-                row_bytes=hq * d * q.itemsize, batch=batch, total_q=total_q, total_k=total_k,
-                paged=int(paged), width=tables.shape[1] if paged else 0,
-                bt_stride=table_stride(tables), block_size=block_size, num_blocks=num_blocks,
-                group=group, num_kv_heads=num_kv_heads, num_q_heads=hq,
-                block_m=self.tile.block_m, block_n=self.tile.block_n, causal=int(causal),
-                window_left=_window(opts), capacity=capacity))
-        self.work = work
-        self.go = self.kernel.at(work.shape[0], self.threads, self.smem)
-        self.args = abi.PREFILL.bind(
-            work=ptr(work), max_blocks=table_stride(tables), block_size=block_size,
-            paged=int(paged), k_block=strides.k_block, k_head=strides.k_head,
-            k_chunk=strides.k_chunk, k_tok=strides.k_tok, v_block=strides.v_block,
-            v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok, num_q_heads=hq,
-            num_kv_heads=num_kv_heads, sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
-            window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q))
-
-    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream):
-        """Launch on ``stream`` (a raw pointer), without a host sync; every array by its
-        device address (0 for None)."""
-        if self.plan is not None:
-            go, args = self.plan
-            go(args.pack(cu_q=cu_q, kv_info=kv_info, block_tables=tables, out=out, lse=lse),
-               stream)
-        self.go(self.args.pack(q=q, k=k, v=v, out=out, lse=lse, cu_q=cu_q, kv_info=kv_info,
-                               block_tables=tables, alibi=alibi, sinks=sinks), stream)
-
-
-def _addresses(*arrays):
-    return [ptr(a) for a in arrays]
-
-
-def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, total_k,
-                 num_kv_heads, tile, causal, opts, name="prefill"):
-    """The device work list of a call (the plan kernel alone; tests of its output)."""
-    run = _Launches(q, cu_q.shape[0] - 1, tables, block_size, num_blocks, total_k,
-                    num_kv_heads, plan_.kv_strides("ragged", 1, num_kv_heads, q.shape[2],
-                                                   q.dtype), opts, causal, False, "mma",
-                    tile=tile, name=name)
-    go, args = run.plan
-    go(args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info), block_tables=ptr(tables), out=ptr(out),
-                 lse=ptr(lse)), current_stream())
-    return run.work
-
-
-def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides, opts,
-            causal, v_transposed, num_kv_heads, tile=None, backend="mma"):
-    """Launch one prefill kernel over a host-planned ``work`` (device int32 ``[n, 4]``);
-    no host sync (benchmarks and strict-mode calls)."""
-    _Launches(q, cu_q.shape[0] - 1, tables, block_size, 0, 0, num_kv_heads, strides, opts,
-              causal, v_transposed, backend, tile=tile, work=work)(
-        *_addresses(q, k, v, out, lse, cu_q, kv_info, tables, opts.alibi_slopes, opts.sinks),
-        current_stream())
-
+__all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller"]
 
 def _outputs(q, out, return_lse, xp):
     out = empty(xp, q.shape, q.dtype) if out is None else out
@@ -221,18 +50,32 @@ def _finish(result, out, return_lse):
     return (res, lse) if return_lse else res
 
 
+def _into_lse(result, lse, return_lse):
+    """A reference ``(out, lse)`` result with its LSE copied into the caller's ``lse``
+    buffer when one is given; ``out`` alone unless ``return_lse``."""
+    if lse is None:
+        return result
+    res, values = result
+    lse[...] = values
+    return (res, lse) if return_lse else res
+
+
 def _ref_options(opts, causal):
     return dict(causal=causal, sm_scale=opts.sm_scale, window_left=opts.window_left,
                 alibi_slopes=opts.alibi_slopes, sinks=opts.sinks,
                 logits_soft_cap=opts.logits_soft_cap)
 
 
-def _check_common(xp, q, causal, return_lse, out, options):
+def _check_common(xp, q, causal, return_lse, out, options, **keys_values):
+    """The checks every prefill call shares: flags, options, ``out`` and, for device
+    arrays, the 16-byte alignment of q, out and ``keys_values``."""
     causal = plan_.check_flag("causal", causal)
     return_lse = plan_.check_flag("return_lse", return_lse)
     opts = check_options(xp, q.shape[1], q.shape[2], **options)
     if out is not None:
         check_out(out, tuple(q.shape), q.dtype, xp)
+    if xp is not np:
+        check_aligned(q=q, out=out, **keys_values)
     return causal, return_lse, opts
 
 
@@ -317,20 +160,19 @@ def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, ou
     causal, return_lse, opts = _check_common(
         xp, q, causal, return_lse, out, dict(sm_scale=sm_scale, window_left=window_left,
                                              alibi_slopes=alibi_slopes, sinks=sinks,
-                                             logits_soft_cap=logits_soft_cap))
-    plan_.check_aligned(q=q, k=k, v=v, out=out)
-    backend = _backend(backend, q.dtype, q.shape[2], "ragged", opts, xp)
+                                             logits_soft_cap=logits_soft_cap), k=k, v=v)
+    backend = choose_backend(backend, q.dtype, q.shape[2], "ragged", opts, xp)
     if xp is np:
         return _finish(ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=return_lse,
                                           **_ref_options(opts, causal)), out, return_lse)
     hk, head_dim = int(k.shape[1]), int(q.shape[2])
-    strides = plan_.kv_strides("ragged", 1, hk, head_dim, q.dtype)._replace(
+    strides = layout_strides("ragged", 1, hk, head_dim, q.itemsize)._replace(
         k_tok=token_stride("k", k), v_tok=token_stride("v", v))
     work = None
     if cu_q is not None:  # strict mode: a host work list
-        work = xp.asarray(_work(np.diff(cu_q), np.diff(cu_k), q.dtype, q.shape[1], hk, head_dim,
+        work = xp.asarray(host_work(np.diff(cu_q), np.diff(cu_k), q.dtype, q.shape[1], hk, head_dim,
                                 False, causal, opts, backend=backend))
-    run = _Launches(q, cu_seqlens_q.shape[0] - 1, None, 1, 0, k.shape[0], hk, strides, opts,
+    run = Launches(q, cu_seqlens_q.shape[0] - 1, None, 1, 0, k.shape[0], hk, strides, opts,
                     causal, False, backend, work=work)
     if work is None:
         _CALLS.put(cache_key, run)
@@ -344,7 +186,7 @@ def _run(run, q, out, return_lse, arrays):
     tables, alibi_slopes and sinks."""
     import cupy
     out, lse = _outputs(q, out, return_lse, cupy)
-    q, k, v, cu_q, kv_info, tables, alibi, sinks = _addresses(*arrays)
+    q, k, v, cu_q, kv_info, tables, alibi, sinks = addresses(*arrays)
     run(q, k, v, ptr(out), ptr(lse), cu_q, kv_info, tables, alibi, sinks, current_stream())
     return (out, lse) if return_lse else out
 
@@ -376,9 +218,10 @@ def _check_caches(k_cache, v_cache, layout, xp):
     return cache_geometry(k_cache, v_cache, layout)
 
 
+@accepts_cache(1)
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                   sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                  logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False, backend="auto",
+                  logits_soft_cap=0.0, layout=None, out=None, return_lse=False, backend="auto",
                   validate=None):
     """Attention of new query tokens against paged caches (chunked prefill, prefix reuse).
 
@@ -405,7 +248,10 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     validate : bool, optional
         As in :func:`varlen_prefill`, for the prefix sums, lengths and block tables (a bad
         length or block id gives its sequence's rows as zeros).
-    layout : {"NHD", "HND", "vllm"}
+    layout : {"NHD", "HND", "vllm"}, optional
+        Layout of raw cache arrays; default "NHD", refused (ValueError) when k_cache's shape
+        also reads validly as HND. A cache given as a :class:`cupaged.CacheView` or
+        :class:`cupaged.PagedKVCache` (in place of ``k_cache, v_cache``) brings its own.
 
     Returns
     -------
@@ -432,6 +278,7 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
                    return_lse, backend, validate, cache_key):
     """paged_prefill's checks, its launches' setup (cached under ``cache_key`` when planned
     on the device) and its launches."""
+    layout = resolve_layout(layout, k_cache, q)
     xp = array_module(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, alibi_slopes,
                       sinks, out)
     geo = _check_caches(k_cache, v_cache, layout, xp)
@@ -443,9 +290,9 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
     causal, return_lse, opts = _check_common(
         xp, q, causal, return_lse, out, dict(sm_scale=sm_scale, window_left=window_left,
                                              alibi_slopes=alibi_slopes, sinks=sinks,
-                                             logits_soft_cap=logits_soft_cap))
-    plan_.check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
-    backend = _backend(backend, q.dtype, geo.head_dim, layout, opts, xp)
+                                             logits_soft_cap=logits_soft_cap),
+        k_cache=k_cache, v_cache=v_cache)
+    backend = choose_backend(backend, q.dtype, geo.head_dim, layout, opts, xp)
     if xp is np:
         return _finish(ref.paged_prefill(q, k_cache, v_cache, cu_q, block_tables, seq_lens,
                                          layout=layout, return_lse=return_lse,
@@ -453,10 +300,10 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
     v_t = layout == "vllm" and q.dtype != float32
     work = None
     if cu_q is not None:  # strict mode: a host work list
-        work = xp.asarray(_work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
+        work = xp.asarray(host_work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
                                 geo.head_dim, v_t, causal, opts, backend=backend))
-    run = _Launches(q, cu_seqlens_q.shape[0] - 1, block_tables, geo.block_size, geo.num_blocks,
-                    0, geo.num_kv_heads, _cache_strides(layout, geo, k_cache, v_cache), opts,
+    run = Launches(q, cu_seqlens_q.shape[0] - 1, block_tables, geo.block_size, geo.num_blocks,
+                    0, geo.num_kv_heads, cache_strides(k_cache, v_cache, layout, geo), opts,
                     causal, v_t, backend, work=work)
     if work is None:
         _CALLS.put(cache_key, run)
@@ -464,15 +311,10 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
                                           block_tables, alibi_slopes, sinks))
 
 
-def _cache_strides(layout, geo, k_cache, v_cache):
-    """KVStrides of a paged cache pair, its block strides as the arrays have them."""
-    return plan_.kv_strides(layout, *geo[1:], k_cache.dtype)._replace(
-        k_block=block_stride(k_cache), v_block=block_stride(v_cache))
-
-
+@accepts_cache(1)
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                     sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                    logits_soft_cap=0.0, layout="NHD", out=None, return_lse=False,
+                    logits_soft_cap=0.0, layout=None, out=None, return_lse=False,
                     backend="auto", validate=None):
     """Attention for a batch mixing decode rows (``q_len = 1``) and prefill rows.
 
@@ -514,12 +356,6 @@ return_lse, backend, validate
 
 
 # ----------------------------------------------------------------------------- plan / run
-def _positive_int(name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
-
-
 class PagedPrefiller:
     """Paged prefill planned once per batch step and run once per layer.
 
@@ -542,23 +378,26 @@ class PagedPrefiller:
         256) and cache block size.
     dtype : str or dtype
         float16, bfloat16 or float32: the dtype of q and the caches.
-    layout : {"NHD", "HND", "vllm"}
+    layout : {"NHD", "HND", "vllm"}, optional
+        Cache layout; default "NHD", and then a raw cache whose shape also reads validly as
+        HND is refused at ``run`` (a CacheView or PagedKVCache brings its layout).
     causal, window_left, logits_soft_cap, sm_scale, backend
         As in :func:`paged_prefill` ("wgmma" is checked against these here, against the
         device and ``alibi_slopes`` in ``run``; one planned work list serves both kernels).
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
-                 layout="NHD", *, causal=True, window_left=-1, logits_soft_cap=0.0,
+                 layout=None, *, causal=True, window_left=-1, logits_soft_cap=0.0,
                  sm_scale=None, backend="auto"):
-        self.num_q_heads = _positive_int("num_q_heads", num_q_heads)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-        self.block_size = _positive_int("block_size", block_size)
+        self.num_q_heads = check_int("num_q_heads", num_q_heads)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
+        self.block_size = check_int("block_size", block_size)
         check_head_dim("head_dim", head_dim)
         check_gqa(self.num_q_heads, self.num_kv_heads, "num_kv_heads")
         self.head_dim = int(head_dim)
         self.dtype = as_dtype(dtype)
-        self.layout = plan_.check_layout(layout)
+        self.layout_given = layout is not None
+        self.layout = plan_.check_layout("NHD" if layout is None else layout)
         self._v_transposed = self.layout == "vllm" and self.dtype != float32
         self.causal = plan_.check_flag("causal", causal)
         self._options = dict(sm_scale=sm_scale, window_left=window_left,
@@ -601,7 +440,7 @@ class PagedPrefiller:
         self._runs.clear()
         contents = xp is np or errors.strict(validate)
         cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, contents=contents)
-        geo = CacheGeometry(plan_.INT32_MAX, self.block_size, self.num_kv_heads, self.head_dim)
+        geo = CacheGeometry(INT32_MAX, self.block_size, self.num_kv_heads, self.head_dim)
         batch = cu_seqlens_q.shape[0] - 1
         bt, sl = check_block_tables(block_tables, seq_lens, geo, xp, batch=batch,
                                     contents=contents)
@@ -611,7 +450,7 @@ class PagedPrefiller:
             return self
         cu, bt, sl = (np.array(a, np.int32) for a in (cu, bt, sl))  # the plan's own copies
         used = np.arange(bt.shape[1])[None, :] < -(-sl.astype(np.int64) // self.block_size)[:, None]
-        work = _work(np.diff(cu), sl, self.dtype, self.num_q_heads, self.num_kv_heads,
+        work = host_work(np.diff(cu), sl, self.dtype, self.num_q_heads, self.num_kv_heads,
                      self.head_dim, self._v_transposed, self.causal, self._opts)
         self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]),
                           max_block=int(bt[used].max()) if used.any() else -1)
@@ -684,7 +523,8 @@ class PagedPrefiller:
         plan_.check_paged_query(q, geo, k_cache.dtype, xp)
         return geo
 
-    def run(self, q, k_cache, v_cache, *, sinks=None, alibi_slopes=None, out=None,
+    @accepts_cache(2, owner=True)
+    def run(self, q, k_cache, v_cache=None, *, sinks=None, alibi_slopes=None, out=None, lse=None,
             return_lse=False):
         """Attention of the planned batch for one layer.
 
@@ -700,6 +540,8 @@ class PagedPrefiller:
             float32 ``[num_q_heads]``.
         out : array, optional
             ``[total_q, num_q_heads, head_dim]``, written in place.
+        lse : array, optional
+            float32 ``[total_q, num_q_heads]`` LSE buffer, written when given.
         return_lse : bool
 
         Returns
@@ -709,17 +551,16 @@ class PagedPrefiller:
         lse : array
             float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
         """
-        arrays = (q, k_cache, v_cache, alibi_slopes, sinks, out)
+        arrays = (q, k_cache, v_cache, alibi_slopes, sinks, out, lse)
         call = hot(False, arrays, bool(return_lse)) if self._device is not None else None
         if call is not None:
             hit = self._runs.get(call.key)
             if hit is not None:  # checked against the plan by an earlier run
                 d = self._device
-                qp, kp, vp, alibi, sk, out_ptr = call.ptrs
+                qp, kp, vp, alibi, sk, out_ptr, lse_ptr = call.ptrs
                 if out is None:
                     out, out_ptr = call.empty(q.shape, self.dtype)
-                lse = lse_ptr = 0
-                if return_lse:
+                if lse is None and return_lse:
                     lse, lse_ptr = call.empty(q.shape[:2], np.float32)
                 hit(qp, kp, vp, out_ptr, lse_ptr, d["cu_ptr"], d["sl_ptr"], d["bt_ptr"], alibi,
                     sk, call.stream)
@@ -727,29 +568,33 @@ class PagedPrefiller:
         return self._run_checked(*arrays, return_lse, call.key if call is not None else None)
 
     @accepts_dlpack
-    def _run_checked(self, q, k_cache, v_cache, alibi_slopes, sinks, out, return_lse,
+    def _run_checked(self, q, k_cache, v_cache, alibi_slopes, sinks, out, lse, return_lse,
                      cache_key):
         """run's checks against the plan, its launches' setup (cached under ``cache_key``)
         and its launches."""
-        xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, out)
+        xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, out, lse)
         geo = self._check_run(q, k_cache, v_cache, xp)
         causal, return_lse, opts = _check_common(
             xp, q, self.causal, return_lse, out,
-            dict(self._options, alibi_slopes=alibi_slopes, sinks=sinks))
-        plan_.check_aligned(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
-        backend = _backend(self.backend, self.dtype, self.head_dim, self.layout, opts, xp)
+            dict(self._options, alibi_slopes=alibi_slopes, sinks=sinks), k_cache=k_cache,
+            v_cache=v_cache)
+        check_lse(lse, q.shape[0], self.num_q_heads, xp)
+        want_lse = return_lse or lse is not None
+        backend = choose_backend(self.backend, self.dtype, self.head_dim, self.layout, opts, xp)
         h = self._host
         if xp is np:
-            return _finish(ref.paged_prefill(q, k_cache, v_cache, h["cu"], h["bt"], h["sl"],
-                                             layout=self.layout, return_lse=return_lse,
-                                             **_ref_options(opts, causal)), out, return_lse)
+            result = _finish(ref.paged_prefill(q, k_cache, v_cache, h["cu"], h["bt"], h["sl"],
+                                               layout=self.layout, return_lse=want_lse,
+                                               **_ref_options(opts, causal)), out, want_lse)
+            return _into_lse(result, lse, return_lse)
         d = self._device
-        run = self._runs.put(cache_key, _Launches(
+        out, new_lse = _outputs(q, out, want_lse and lse is None, xp)
+        lse = new_lse if lse is None else lse
+        run = self._runs.put(cache_key, Launches(
             q, d["sl"].shape[0], d["bt"], self.block_size, geo.num_blocks, 0,
-            self.num_kv_heads, _cache_strides(self.layout, geo, k_cache, v_cache), opts,
+            self.num_kv_heads, cache_strides(k_cache, v_cache, self.layout, geo), opts,
             causal, self._v_transposed, backend,
             work=None if h["cu"] is None else d["work"], name="prefiller"))
-        out, lse = _outputs(q, out, return_lse, xp)
-        run(*_addresses(q, k_cache, v_cache, out, lse, d["cu"], d["sl"], d["bt"], alibi_slopes,
-                        sinks), current_stream())
+        run(*addresses(q, k_cache, v_cache, out, lse, d["cu"], d["sl"], d["bt"], alibi_slopes,
+                       sinks), current_stream())
         return (out, lse) if return_lse else out

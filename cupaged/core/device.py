@@ -27,8 +27,8 @@ class DeviceFacts(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def _facts(device_id):
     import cupy
-    dev = cupy.cuda.Device(device_id)
-    return DeviceFacts(device_id, dev.compute_capability, dev.attributes["MultiProcessorCount"])
+    device = cupy.cuda.Device(device_id)
+    return DeviceFacts(device_id, device.compute_capability, device.attributes["MultiProcessorCount"])
 
 
 def current():

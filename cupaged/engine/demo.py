@@ -7,7 +7,7 @@ token per request past its prompt plus prompt chunks up to a token budget: its t
 appended to the block tables, their K/V written by ``cupaged.write_kv_cache`` and
 ``cupaged.paged_attention`` runs over the whole batch; finished requests free their blocks.
 
-Engines: ``--model tiny`` (default on a GPU) runs ``cupaged.model.TinyLlama``, a
+Engines: ``--model tiny`` (default on a GPU) runs ``cupaged.engine.model.TinyLlama``, a
 random-weight Llama-style model (RoPE by ``cupaged.apply_rope``, one paged cache per
 layer) that reads each prompt and generates greedily; ``--model none`` (default on the
 CPU) attends random queries, keys and values, measuring the cache and attention path only.
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cupy_module,
-                      gpu_available, host)
-from .layouts import LAYOUTS
+from ..core.arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cupy_module,
+    gpu_available, host)
+from ..core.checks import check_int
+from ..core.layouts import LAYOUTS
 
 # relative tolerance ||out - ref|| / ||ref|| of the --check comparison, per dtype: of each
 # step's attention output (--model none), of the chosen tokens' logits (--model tiny)
@@ -79,8 +80,7 @@ class DemoConfig:
         for name in ("requests", "num_blocks", "block_size", "num_q_heads", "num_kv_heads",
                      "max_seqs", "max_batch_tokens", "min_prompt", "min_output", "layers",
                      "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+            check_int(name, getattr(self, name))
         for lo, hi in (("min_prompt", "max_prompt"), ("min_output", "max_output")):
             if getattr(self, hi) < getattr(self, lo):
                 raise ValueError(f"{hi}: expected >= {lo} = {getattr(self, lo)}, "
@@ -323,7 +323,7 @@ def launch_step(plan, cache, xp, gen, cfg):
 
 def reference_error(plan, q, out, cache, cfg) -> float:
     """Relative error ``||out - ref|| / ||ref||`` of a step against the NumPy reference."""
-    from .reference.attention import paged_attention
+    from ..reference.attention import paged_attention
     ref = paged_attention(host(q), host(cache.k), host(cache.v), plan.cu_seqlens_q,
                           plan.block_tables, plan.seq_lens, causal=True, layout=cfg.layout)
     ref = np.asarray(ref, np.float64)
@@ -378,9 +378,9 @@ class ModelSteps:
         from .model import TinyLlama
         self.cfg, self.xp = cfg, xp
         self.model = TinyLlama(model_config(cfg), xp)
-        c = self.model.config
-        self.label = (f"tiny llama ({c.num_layers} layers, hidden {c.hidden_size}, "
-                      f"vocab {c.vocab_size}, greedy)")
+        config = self.model.config
+        self.label = (f"tiny llama ({config.num_layers} layers, hidden {config.hidden_size}, "
+                      f"vocab {config.vocab_size}, greedy)")
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
         self.k, self.v = self.model.allocate_cache(cfg.num_blocks, cfg.block_size)
         self.prompts, self.logits = {}, {}

@@ -1,35 +1,27 @@
 """A paged KV cache: key and value arrays in one layout plus the pool of their blocks."""
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
-from ._arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available
+from ..core.arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available
+from ..core.checks import check_int
 from .blocks import BlockPool
-from .cache_ops import copy_blocks, write_kv_cache
-from .layouts import LAYOUTS, cache_shapes
+from ..cache_ops.api import copy_blocks, write_kv_cache
+from ..core.layouts import LAYOUTS, CacheView, cache_shapes
 
 
-def _positive(name, value):
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
-    if v < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {v}")
-    return v
-
-
-class PagedKVCache:
+class PagedKVCache(CacheView):
     """Key and value caches of ``num_blocks`` blocks and the ``BlockPool`` over them.
+
+    A :class:`cupaged.CacheView`: the attention ops take it in place of ``(k, v)`` with its
+    layout, e.g. ``cupaged.paged_decode(q, cache, block_tables, seq_lens)``.
 
     Parameters
     ----------
     num_blocks, block_size, num_kv_heads : int
         Cache geometry.
     head_dim : int
-        Head size, one of ``cupaged._arrays.HEAD_DIMS`` (64, 80, 96, 112, 128, 256): the
+        Head size, one of ``cupaged.core.arrays.HEAD_DIMS`` (64, 80, 96, 112, 128, 256): the
         sizes the attention kernels are built for (refused here, not at attention time).
     dtype : str or dtype
         float16 (default), bfloat16 or float32.
@@ -50,10 +42,10 @@ class PagedKVCache:
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, dtype="float16",
                  layout="NHD", xp=None):
         check_choice("layout", layout, LAYOUTS)
-        self.num_blocks = _positive("num_blocks", num_blocks)
-        self.block_size = _positive("block_size", block_size)
-        self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
-        self.head_dim = _positive("head_dim", head_dim)
+        self.num_blocks = check_int("num_blocks", num_blocks)
+        self.block_size = check_int("block_size", block_size)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_int("head_dim", head_dim)
         check_head_dim("head_dim", self.head_dim)
         self.dtype = as_dtype(dtype)
         if xp is None:

@@ -41,12 +41,12 @@ def error_word():
     """The current device's error word (int64 ``[ERROR_WORDS]``), zeroed when first made;
     kernels that check device indices take its address."""
     import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    word = _WORDS.get(dev)
+    device_id = cupy.cuda.runtime.getDevice()
+    word = _WORDS.get(device_id)
     if word is None:
         word = cupy.zeros(ERROR_WORDS, np.int64)
         cupy.cuda.runtime.deviceSynchronize()  # zeroed before any stream's kernel reads it
-        _WORDS[dev] = word
+        _WORDS[device_id] = word
     return word
 
 
@@ -84,8 +84,8 @@ def check_errors():
     if not _WORDS:
         return
     import cupy
-    for dev, word in _WORDS.items():
-        with cupy.cuda.Device(dev):
+    for device_id, word in _WORDS.items():
+        with cupy.cuda.Device(device_id):
             cupy.cuda.runtime.deviceSynchronize()
             words = word.get()
             if words[0]:

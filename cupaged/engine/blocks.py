@@ -10,9 +10,9 @@ call that raises leaves the pool and the table exactly as they were.
 """
 from __future__ import annotations
 
-import operator
-
 import numpy as np
+
+from ..core.checks import check_int
 
 
 class PoolExhausted(RuntimeError):
@@ -22,16 +22,6 @@ class PoolExhausted(RuntimeError):
     succeeds once enough blocks are freed (a scheduler catches it to preempt a sequence).
     Nothing changes when it is raised.
     """
-
-
-def _int(name, value, lo=0):
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
-    if v < lo:
-        raise ValueError(f"{name}: expected an int >= {lo}, got {v}")
-    return v
 
 
 class BlockPool:
@@ -52,8 +42,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks, block_size):
-        self.num_blocks = _int("num_blocks", num_blocks, 1)
-        self.block_size = _int("block_size", block_size, 1)
+        self.num_blocks = check_int("num_blocks", num_blocks)
+        self.block_size = check_int("block_size", block_size)
         self._refcount = np.zeros(self.num_blocks, np.int32)
         # stack of free ids: the top (end) is handed out first; ids come out 0, 1, 2, ...
         self._free = np.arange(self.num_blocks - 1, -1, -1, dtype=np.int32)
@@ -83,7 +73,7 @@ class BlockPool:
         n : int
             Blocks wanted, ``>= 0``.
         """
-        return _int("n", n) <= self._num_free
+        return check_int("n", n, minimum=0) <= self._num_free
 
     def allocate(self, n) -> np.ndarray:
         """Take ``n`` free blocks, each with reference count 1.
@@ -103,7 +93,7 @@ class BlockPool:
         PoolExhausted
             If fewer than ``n`` blocks are free (nothing is allocated).
         """
-        n = _int("n", n)
+        n = check_int("n", n, minimum=0)
         if n > self._num_free:
             raise PoolExhausted(f"allocate: need {n} block{'s' * (n != 1)}, only "
                                 f"{self._num_free} of {self.num_blocks} are free")
@@ -217,8 +207,8 @@ class BlockTable:
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool: expected a BlockPool, got {type(pool).__name__}")
         self.pool = pool
-        self.max_seqs = _int("max_seqs", max_seqs, 1)
-        self.max_blocks_per_seq = _int("max_blocks_per_seq", max_blocks_per_seq, 1)
+        self.max_seqs = check_int("max_seqs", max_seqs)
+        self.max_blocks_per_seq = check_int("max_blocks_per_seq", max_blocks_per_seq)
         self._tables = np.full((self.max_seqs, self.max_blocks_per_seq), -1, np.int32)
         self._lens = np.zeros(self.max_seqs, np.int32)
         self._live = np.zeros(self.max_seqs, bool)
@@ -272,7 +262,7 @@ class BlockTable:
 
     # ------------------------------------------------------------------ checks
     def _seq(self, name, seq_id, live=None):
-        s = _int(name, seq_id)
+        s = check_int(name, seq_id, minimum=0)
         if s >= self.max_seqs:
             raise ValueError(f"{name}: expected a sequence id in [0, {self.max_seqs}), got {s}")
         if live is True and not self._live[s]:
@@ -284,7 +274,7 @@ class BlockTable:
     def _plan_append(self, seq_id, num_tokens):
         """(seq, old_len, new_len, new blocks needed, shared last block to copy or -1)."""
         s = self._seq("seq_id", seq_id)
-        n = _int("num_tokens", num_tokens)
+        n = check_int("num_tokens", num_tokens, minimum=0)
         bs = self.pool.block_size
         old = int(self._lens[s])
         new = old + n

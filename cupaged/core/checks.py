@@ -9,11 +9,59 @@ arrays are checked here when they are host (NumPy) arrays, or device arrays in s
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import FLOAT_DTYPES, check_array, check_head_dim, check_range, host
+from .arrays import FLOAT_DTYPES, check_array, check_head_dim, check_range, host
+
+
+INT32_MAX = 2**31 - 1  # kernels offset within a cache block and count in 32-bit ints
+
+
+def check_int(name, value, minimum=1, maximum=None):
+    """An int (NumPy ints included, bools not) of at least ``minimum`` (and at most
+    ``maximum``), returned as an int.
+
+    Raises TypeError for a non-int, ValueError for one out of range."""
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {value!r}") from None
+    if number < minimum or (maximum is not None and number > maximum):
+        want = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}: expected an int {want}, got {value!r}")
+    return number
+
+
+def check_aligned(**arrays):
+    """Arrays a kernel reads with 16-byte vector loads (CuPy, or pinned NumPy the kernel reads
+    through its device alias) must start at a 16-byte aligned address; None and empty arrays
+    pass, as do NumPy arrays (the reference backend reads them)."""
+    for name, a in arrays.items():
+        if a is None or not a.size:
+            continue
+        address = a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+        if address % 16:
+            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, "
+                             f"got {address:#x}")
+
+
+def check_block_elements(geometry, **caches):
+    """A cache block (``block_size * num_kv_heads * head_dim`` elements) and, for each of
+    ``caches``, the distance from one block to the next must stay within 2^31 - 1 elements:
+    kernels take in-block offsets and block strides as 32-bit ints."""
+    n = geometry.block_size * geometry.num_kv_heads * geometry.head_dim
+    if n > INT32_MAX:
+        raise ValueError(f"k_cache: expected a cache block of at most {INT32_MAX} elements, got {n}")
+    for name, cache in caches.items():
+        stride = cache.strides[0] // cache.itemsize
+        if stride > INT32_MAX:
+            raise ValueError(f"{name}: expected blocks at most {INT32_MAX} elements apart, got "
+                             f"a block stride of {stride}")
 
 
 class AttentionOptions(NamedTuple):
@@ -160,3 +208,9 @@ def check_out(out, shape, dtype, xp):
     """Validate a caller-provided output buffer."""
     check_array("out", out, shape=shape, dtypes=dtype, xp=xp)
     return out
+
+
+def check_lse(lse, rows, num_q_heads, xp):
+    """A caller's LSE buffer (None passes): float32 ``[rows, num_q_heads]``."""
+    if lse is not None:
+        check_array("lse", lse, shape=(rows, num_q_heads), dtypes=np.float32, xp=xp)

@@ -13,9 +13,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._arrays import HEAD_DIMS, bfloat16, float16
-from .._compile import Spec, allow_dynamic_smem, ctype, get_kernel
-from ..prefill_plan import TileShape
+from ..core.arrays import HEAD_DIMS, bfloat16, float16
+from ..core.layouts import key_geometry, layout_strides
+from ..core.compile import Spec, ctype, get_kernel
+from ..prefill.plan import TileShape
 
 KERNEL_DTYPES = (float16, bfloat16)
 NULL = np.uint64(0)          # a null pointer argument
@@ -62,14 +63,6 @@ def estimate_smem(head_dim):
     return (ROWS + 2 * KEYS) * (head_dim + 8) * 2
 
 
-def kernel(stem, expr, smem=0):
-    """The compiled kernel, allowed ``smem`` bytes of dynamic shared memory."""
-    kern = get_kernel(stem, expr)
-    if allow_dynamic_smem(kern, smem):
-        kern.preferred_shared_memory_carveout = 100   # two CTAs per SM where they fit
-    return kern
-
-
 class KVSource(NamedTuple):
     """Kernel arguments locating keys and values: dense packed rows or a paged cache."""
     k: object
@@ -90,20 +83,18 @@ class KVSource(NamedTuple):
 def dense_kv(k, v, cu_k=NULL):
     """Source of packed ``[tokens, Hk, D]`` keys and values."""
     _, hk, d = k.shape
-    return KVSource(k, v, cu_k, NULL, 0, 1, 0, hk * d, d)
+    s = layout_strides("ragged", 1, hk, d, k.itemsize)
+    return KVSource(k, v, cu_k, NULL, 0, 1, 0, s.k_tok, s.k_head)
 
 
 def paged_kv(k_cache, v_cache, block_tables, layout):
-    """Source of an ``"NHD"`` or ``"HND"`` paged cache; ``block_tables`` 1-D or 2-D."""
-    nb, a, b, d = k_cache.shape
-    if layout == "NHD":       # [nb, bs, Hk, D]
-        bs, hk = a, b
-        tok, head = hk * d, d
-    else:                     # "HND": [nb, Hk, bs, D]
-        hk, bs = a, b
-        tok, head = d, bs * d
+    """Source of an ``"NHD"`` or ``"HND"`` paged cache (dense blocks; K and V of the same
+    strides); ``block_tables`` 1-D or 2-D."""
+    geo = key_geometry(k_cache, layout)
+    s = layout_strides(layout, *geo[1:], k_cache.itemsize)
     stride = block_tables.shape[-1] if block_tables.ndim == 2 else 0
-    return KVSource(k_cache, v_cache, NULL, block_tables, stride, bs, bs * hk * d, tok, head)
+    return KVSource(k_cache, v_cache, NULL, block_tables, stride, geo.block_size, s.k_block,
+                    s.k_tok, s.k_head)
 
 
 def kernel_specializations():
@@ -115,3 +106,9 @@ def kernel_specializations():
             specs.append(Spec("sparse_estimate", estimate_expr(dtype, d)))
             specs.append(Spec("sparse_attention", attention_expr(dtype, d)))
     return specs
+
+
+def kernel(stem, expr, smem=0):
+    """The compiled kernel, allowed ``smem`` bytes of dynamic shared memory (carveout at its
+    maximum: two CTAs per SM where they fit)."""
+    return get_kernel(stem, expr, smem=smem, carveout=True)

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import abi, errors
-from ._arrays import (CallCache, accepts_dlpack, array_module, check_array, check_choice,
-                      check_range, host, hot, is_cupy)
-from ._checks import token_stride
-from ._compile import Spec, launcher
-from ._launch import current_stream, ptr
-from .layouts import LAYOUTS, block_stride, cache_geometry
-from .reference import cache as ref
+from ..core import abi, errors
+from ..core.arrays import (CallCache, accepts_dlpack, array_module, check_array, check_choice,
+                           check_range, host, hot, is_cupy)
+from ..core.checks import check_aligned, token_stride
+from ..core.compile import Spec, launcher
+from ..core.launch import current_stream, ptr
+from ..core.layouts import LAYOUTS, accepts_cache, block_stride, cache_geometry
+from ..reference import cache as ref
 
 THREADS = 256
 ROWS_UNROLL = 2
@@ -57,14 +57,6 @@ def _check_row_bytes(name, head_dim, dtype):
                          f"got head_dim {head_dim} of {np.dtype(dtype)}")
 
 
-def _check_aligned(named_arrays):
-    """16-byte aligned data of arrays a kernel will touch (CuPy, or pinned NumPy)."""
-    for name, a in named_arrays:
-        if _address(a) % 16:
-            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, "
-                             f"got {_address(a):#x}")
-
-
 def _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate=None):
     """Validate write_kv_cache's arguments (the slots' contents on the host for a host
     mapping or in strict mode); return (array module, geometry)."""
@@ -80,8 +72,7 @@ def _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate=No
     token_stride("value", value)
     check_array("slot_mapping", slot_mapping, shape=(tokens,), dtypes=np.int64)
     if xp is not np:
-        _check_aligned([("key", key), ("value", value), ("k_cache", k_cache),
-                        ("v_cache", v_cache)])
+        check_aligned(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
     if xp is not np and not errors.strict(validate):
         return xp, geo
     slots = host(slot_mapping)
@@ -141,17 +132,17 @@ def _check_blocks(names, a, b, same_shape):
     With ``same_shape`` their blocks must have one shape, else only one size (the key and
     value caches of the vllm layout).
     """
-    for name, c in zip(names, (a, b)):
-        if not (isinstance(c, np.ndarray) or is_cupy(c)):
+    for name, cache in zip(names, (a, b)):
+        if not (isinstance(cache, np.ndarray) or is_cupy(cache)):
             raise TypeError(f"{name}: expected a numpy.ndarray or cupy.ndarray, "
-                            f"got {type(c).__name__}")
-        if c.ndim < 2:
+                            f"got {type(cache).__name__}")
+        if cache.ndim < 2:
             raise ValueError(f"{name}: expected a cache [num_blocks, ...] of 2 or more "
-                             f"dimensions, got shape {tuple(c.shape)}")
-        check_array(name, c)
+                             f"dimensions, got shape {tuple(cache.shape)}")
+        check_array(name, cache)
     if a.dtype != b.dtype:
         raise TypeError(f"{names[1]}: expected dtype {a.dtype} like {names[0]}, got {b.dtype}")
-    block_bytes = [int(np.prod(c.shape[1:])) * c.dtype.itemsize for c in (a, b)]
+    block_bytes = [int(np.prod(cache.shape[1:])) * cache.dtype.itemsize for cache in (a, b)]
     if same_shape and a.shape[1:] != b.shape[1:]:
         raise ValueError(f"{names[1]}: expected blocks of shape {tuple(a.shape[1:])} like "
                          f"{names[0]}, got {tuple(b.shape[1:])}")
@@ -162,7 +153,7 @@ def _check_blocks(names, a, b, same_shape):
         if block_bytes[0] % 16:
             raise ValueError(f"{names[0]}: expected blocks of a multiple of 16 bytes, "
                              f"got {block_bytes[0]}")
-        _check_aligned(zip(names, (a, b)))
+        check_aligned(**dict(zip(names, (a, b))))
     return block_bytes[0]
 
 
@@ -288,6 +279,7 @@ def _address(a):
 
 
 # ----------------------------------------------------------------------------- public ops
+@accepts_cache(2)
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, validate=None):
     """Write one key and one value row per token into its cache slot, in place.
 
@@ -298,7 +290,8 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, 
         float32), heads dense, token rows 16-byte multiples apart (views of a fused qkv
         tensor go in without a copy); ``head_dim * itemsize`` a multiple of 16 bytes.
     k_cache, v_cache : array
-        Paged caches in ``layout`` (shapes from ``cupaged.layouts.cache_shapes``).
+        Paged caches in ``layout`` (shapes from ``cupaged.layouts.cache_shapes``); or
+        ``k_cache`` a CacheView or PagedKVCache, with its layout (``v_cache`` left out).
     slot_mapping : array
         int64 ``[num_tokens]``: slot ``block * block_size + offset`` of each token, in
         ``[0, num_blocks * block_size)``, or ``-1`` to skip the token. Tokens sharing a slot
@@ -402,9 +395,9 @@ def swap_blocks(src_cache, dst_cache, block_mapping, *, method="auto"):
     if is_cupy(pairs) and method == "memcpy":
         pairs = host(pairs)
     on_device = is_cupy(src_cache) or is_cupy(dst_cache)
-    pinned = {name: _pinned_pointer(name, c) for name, c in
+    pinned = {name: _pinned_pointer(name, cache) for name, cache in
               (("src_cache", src_cache), ("dst_cache", dst_cache))
-              if on_device and isinstance(c, np.ndarray)}
+              if on_device and isinstance(cache, np.ndarray)}
     if not on_device:
         ref.swap_blocks(src_cache, dst_cache, pairs)
         return dst_cache

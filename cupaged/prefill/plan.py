@@ -12,11 +12,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import check_array, check_choice, float32, is_cupy
-from ._checks import check_cu_seqlens, check_gqa, check_query, token_stride
-from .layouts import LAYOUTS
+from ..core.arrays import check_array, check_choice, float32
+from ..core.checks import (check_block_elements, check_cu_seqlens, check_gqa, check_query,
+    token_stride)
+from ..core.layouts import LAYOUTS
 
-INT32_MAX = np.iinfo(np.int32).max
 
 
 class TileShape(NamedTuple):
@@ -222,37 +222,6 @@ def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left
 
 
 # ----------------------------------------------------------------------------- strides
-class KVStrides(NamedTuple):
-    """Element strides locating K/V elements for the kernel (see kernels_cu/prefill.cu)."""
-    k_block: int
-    k_head: int
-    k_chunk: int
-    k_tok: int
-    v_block: int
-    v_head: int
-    v_dim: int
-    v_tok: int
-
-
-def kv_strides(layout, block_size, num_kv_heads, head_dim, dtype):
-    """Strides for ``layout`` in ``("ragged",) + LAYOUTS`` (ragged: ``[tokens, Hk, D]``).
-
-    The tensor-core loaders multiply block and token strides in 32 bits (into 64-bit
-    offsets): ``check_block_elements`` keeps a cache block under 2^31 elements.
-    """
-    x = 16 // np.dtype(dtype).itemsize
-    hd = num_kv_heads * head_dim
-    if layout == "ragged":
-        return KVStrides(0, head_dim, x, hd, 0, head_dim, 1, hd)
-    if layout == "NHD":
-        return KVStrides(block_size * hd, head_dim, x, hd, block_size * hd, head_dim, 1, hd)
-    if layout == "HND":
-        s = (block_size * hd, block_size * head_dim)
-        return KVStrides(*s, x, head_dim, *s, 1, head_dim)
-    s = (block_size * hd, block_size * head_dim)  # vllm
-    return KVStrides(*s, block_size * x, x, *s, block_size, 1)
-
-
 # ----------------------------------------------------------------------------- checks
 def check_flag(name, value):
     if not isinstance(value, (bool, np.bool_)):
@@ -267,15 +236,6 @@ def check_max_seqlen(name, value, lengths):
     actual = int(lengths.max()) if len(lengths) else 0
     if not isinstance(value, (int, np.integer)) or value < actual:
         raise ValueError(f"{name}: expected an int >= the longest sequence ({actual}), got {value!r}")
-
-
-def check_aligned(**arrays):
-    """Device arrays are read with 16-byte vector loads: their base must be 16-byte aligned
-    (and their token rows 16 bytes apart: ``_checks.token_stride``)."""
-    for name, a in arrays.items():
-        if a is not None and is_cupy(a) and a.size and a.data.ptr % 16:
-            raise ValueError(f"{name}: expected a 16-byte aligned device pointer, "
-                             f"got address {a.data.ptr:#x}")
 
 
 def check_ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, xp, contents=True):
@@ -305,13 +265,6 @@ def check_paged_query(q, geometry, cache_dtype, xp):
         raise ValueError(f"k_cache: expected head size {head_dim} like q, got {geometry.head_dim}")
     check_gqa(num_q_heads, geometry.num_kv_heads, "k_cache")
     check_block_elements(geometry)
-
-
-def check_block_elements(geometry):
-    """A cache block (``block_size * num_kv_heads * head_dim`` elements) must stay under 2^31."""
-    n = geometry.block_size * geometry.num_kv_heads * geometry.head_dim
-    if n > INT32_MAX:
-        raise ValueError(f"k_cache: expected a cache block of at most {INT32_MAX} elements, got {n}")
 
 
 def check_layout(layout):

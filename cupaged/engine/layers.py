@@ -20,11 +20,11 @@ import math
 
 import numpy as np
 
-from ._arrays import accepts_dlpack, array_module, check_array, check_head_dim, check_range
-from ._checks import check_block_tables, check_gqa
-from .layouts import LAYOUTS, cache_geometry
-from .rope import check_scaling
-from .step import BatchStep
+from ..core.arrays import accepts_dlpack, array_module, check_array, check_head_dim, check_range
+from ..core.checks import check_block_tables, check_gqa
+from ..core.layouts import LAYOUTS, accepts_cache, cache_geometry
+from ..rope.api import check_scaling
+from ..core.step import BatchStep
 
 
 class AttentionMetadata(BatchStep):
@@ -66,12 +66,13 @@ class PagedAttention:
         Key/value heads ``Hk`` (default ``Hq``), dividing ``Hq``.
     sliding_window : int, optional
         ``W >= 1``: each query sees its last ``W`` positions (``window_left = W - 1``).
-    layout : {"NHD", "HND", "vllm"}
-        Cache layout (``cupaged.layouts``).
+    layout : {"NHD", "HND", "vllm"}, optional
+        Cache layout (``cupaged.layouts``); default "NHD", and then raw caches whose shape
+        also reads validly as HND are refused (a CacheView or PagedKVCache brings its layout).
     """
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, sliding_window=None,
-                 layout="NHD"):
+                 layout=None):
         self.num_heads = int(num_heads)
         self.head_size = int(head_size)
         self.num_kv_heads = self.num_heads if num_kv_heads is None else int(num_kv_heads)
@@ -83,6 +84,8 @@ class PagedAttention:
         if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
                                            or sliding_window < 1):
             raise ValueError(f"sliding_window: expected None or an int >= 1, got {sliding_window!r}")
+        self.layout_given = layout is not None
+        layout = "NHD" if layout is None else layout
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         self.sliding_window, self.layout = sliding_window, layout
@@ -95,6 +98,7 @@ class PagedAttention:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    @accepts_cache(4, owner=True, names=("key_cache", "value_cache"))
     def forward(self, query, key, value, key_cache, value_cache, metadata):
         """Cache write and attention of one batch step.
 
@@ -107,7 +111,8 @@ class PagedAttention:
             taken as they are (no copy).
         key_cache, value_cache : array or None
             Paged caches in ``layout``; None for both skips the cache (prompt-only steps
-            whose sequences have no past: ``seq_lens == q_lens``).
+            whose sequences have no past: ``seq_lens == q_lens``). ``key_cache`` may be a
+            CacheView or PagedKVCache in the layer's layout (``value_cache`` left out).
         metadata : AttentionMetadata
             The step (a :class:`cupaged.step.BatchStep`).
 
@@ -185,9 +190,9 @@ class PagedAttention:
         """Cache write then attention of every row: the step's decode plan (one query a
         sequence) or its prefill plan, made at the first layer of the step; padding rows
         come out as zeros."""
-        from .cache_ops import write_kv_cache
-        from .decode import PagedDecoder
-        from .prefill import PagedPrefiller, varlen_prefill
+        from ..cache_ops.api import write_kv_cache
+        from ..decode.api import PagedDecoder
+        from ..prefill.api import PagedPrefiller, varlen_prefill
         if key_cache is None:
             cu = metadata.cu_seqlens_q
             return varlen_prefill(q, k, v, cu, cu, causal=True, sm_scale=self.scale,
@@ -247,7 +252,7 @@ class PagedAttentionWithRoPE(PagedAttention):
 
     def __init__(self, num_heads, head_size, scale, rotary_dim, max_position=8192, base=10000,
                  num_kv_heads=None, is_neox_style=True, rope_scaling=None, sliding_window=None,
-                 layout="NHD"):
+                 layout=None):
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, layout)
         if not isinstance(rotary_dim, (int, np.integer)) or rotary_dim < 2 or rotary_dim % 2 \
                 or rotary_dim > self.head_size:
@@ -256,13 +261,14 @@ class PagedAttentionWithRoPE(PagedAttention):
         self.is_neox_style = bool(is_neox_style)
         self.rope_scaling = check_scaling(rope_scaling, self.max_position, self.rotary_dim)
 
+    @accepts_cache(5, owner=True, names=("key_cache", "value_cache"))
     def forward(self, positions, query, key, value, key_cache, value_cache, metadata):
         """As :meth:`PagedAttention.forward`, rotating by ``positions`` int32/int64
         ``[num_tokens]`` first (padding entries are not read)."""
         return self._forward(positions, query, key, value, key_cache, value_cache, metadata)
 
     def _rotate(self, positions, q, k):
-        from .rope import apply_rope
+        from ..rope.api import apply_rope
         return apply_rope(positions, q, k, rotary_dim=self.rotary_dim, base=self.base,
                           is_neox=self.is_neox_style, scaling=self.rope_scaling,
                           max_position=self.max_position)
@@ -279,7 +285,7 @@ class PagedAttentionWithALiBi(PagedAttention):
         ``[num_heads]`` ALiBi slopes.
     """
 
-    def __init__(self, num_heads, head_size, scale, slopes, num_kv_heads=None, layout="NHD"):
+    def __init__(self, num_heads, head_size, scale, slopes, num_kv_heads=None, layout=None):
         super().__init__(num_heads, head_size, scale, num_kv_heads, layout=layout)
         slopes = np.asarray(slopes, dtype=np.float32)
         if slopes.shape != (self.num_heads,) or not np.isfinite(slopes).all():

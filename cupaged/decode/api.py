@@ -7,280 +7,27 @@ inputs run the float64 reference (``cupaged.reference.attention``); CuPy inputs 
 kernel, a persistent grid (one CTA per resident slot) whose CTAs stream pieces of the
 sequences' keys (cut on the device by ``kernels_cu/plan.cu``, or on the host); a sequence cut into several pieces is merged (sinks added once) by
 the CTA finishing its last piece, or by a second kernel. Host planning (pieces, head
-layout, strides, merge) lives in ``cupaged.decode_plan``, argument checks in
-``cupaged.decode_checks``.
+layout, strides, merge) lives in ``cupaged.decode.plan``, argument checks in
+``cupaged.decode.checks``, kernel choice, argument records and launches in
+``cupaged.decode.launch``.
 """
 from __future__ import annotations
 
-import functools
 import sys
-from typing import NamedTuple
 
 import numpy as np
 
-from . import abi, decode_checks as dc, decode_plan as dp, errors
-from ._arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, accepts_dlpack, array_module,
-                      as_dtype, check_array, check_choice, check_head_dim, empty, host, hot)
-from ._checks import check_gqa, check_options, table_stride, token_stride
-from ._compile import Spec, ctype, launcher
-from ._device import Uploader, current, scratch
-from ._launch import current_stream, ptr
-from .layouts import LAYOUTS, block_stride
-from .reference import attention as ref
-
-LOG2E = 1.4426950408889634
-PLAN_CTAS = 64  # CTAs of decode_plan_kernel: sequences are checked a CTA at a time
-
-
-# ----------------------------------------------------------------------------- kernels
-def _decode_expr(dtype, head_dim, vllm_v, head_tiles):
-    return (f"cupaged::decode::paged_decode_kernel<{ctype(dtype)}, {head_dim}, "
-            f"{'true' if vllm_v else 'false'}, {head_tiles}>")
-
-
-def _pages_expr(dtype, head_dim, head_major=False):
-    return (f"cupaged::decode::paged_decode_pages_kernel<{ctype(dtype)}, {head_dim}, "
-            f"{'true' if head_major else 'false'}>")
-
-
-def _launch_expr(lp, dtype):
-    """The decode kernel of launch ``lp``."""
-    if lp.pages:
-        return _pages_expr(dtype, lp.head_dim, lp.head_major)
-    return _decode_expr(dtype, lp.head_dim, lp.vllm_v, lp.tiles.head_tiles)
-
-
-def _merge_expr(in_dtype, out_dtype):
-    return f"cupaged::decode::merge_states_kernel<{ctype(in_dtype)}, {ctype(out_dtype)}>"
-
-
-def _pieces_expr(dtype, head_dim):
-    return f"cupaged::decode::merge_pieces_kernel<{ctype(dtype)}, {-(-head_dim // 128)}>"
-
-
-def _append_expr(dtype):
-    return f"cupaged::decode::append_kv_kernel<{ctype(dtype)}>"
-
-
-PLAN_EXPR = "cupaged::plan::decode_plan_kernel"
-
-
-def _decode_kernel(lp, dtype):
-    return launcher("decode", _launch_expr(lp, dtype), abi.DECODE, hopper=lp.pages,
-                    smem=lp.tiles.smem_bytes, carveout=True)
-
-
-@functools.lru_cache(maxsize=None)
-def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, pages):
-    """The launch geometry on a device: one CTA per slot its decode kernel can hold."""
-    import cupy
-    from cupy_backends.cuda.api import driver
-    lp = dp.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
-                        block_size=block_size, num_q_heads=num_q_heads,
-                        num_kv_heads=num_kv_heads, pages=pages)
-    with cupy.cuda.Device(device_id):
-        kernel = _decode_kernel(lp, dtype)
-    smem = lp.tiles.smem_bytes
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, lp.threads, smem)
-    sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-    return lp._replace(columns=max(1, sms * max(1, per_sm) // lp.row_groups))
-
-
-def _current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, kv_path,
-                      batch):
-    """The launch geometry of a ``batch``-sequence step on the current device, its kernel
-    path resolved from ``kv_path`` (``dp.resolve_kv_path``)."""
-    dev = current()
-    dtype = np.dtype(dtype)
-    pages = dp.resolve_kv_path(kv_path, dev.compute_capability, dtype.itemsize, int(head_dim),
-                               layout, int(block_size), int(num_q_heads), int(num_kv_heads),
-                               int(batch))
-    return _geometry(dev.id, dtype, int(head_dim), layout, int(block_size), int(num_q_heads),
-                     int(num_kv_heads), pages)
-
-
-# ----------------------------------------------------------------------------- device steps
-class _DeviceStep(NamedTuple):
-    """Device side of one step: geometry, kernels, and each launch's fixed arguments packed
-    once (``_launch.Bound``), leaving the run's arrays (q, caches, outputs, per-head
-    arrays, tables and lengths) to :func:`_launch_decode`."""
-    launch: object       # decode_plan.DecodeLaunch on this device
-    launches: tuple      # Kernel.at launches: append (or None), decode, merge_pieces (or
-                         # None), plan (or None)
-    plan_args: object    # Bound of DECODE_PLAN (None: planned on the host)
-    append_args: object  # Bound of APPEND (None: no append)
-    decode_args: object  # Bound of DECODE
-    merge_args: object   # Bound of MERGE_PIECES (None: the fused merge)
-    merge_wph: int       # warps a head of merge_pieces_kernel (0: the fused merge)
-    tables: object       # int32 [batch, >= width] block tables of a plan's own (None: the call's)
-    lens: object         # int32 [batch] lengths of a plan's own (None: the call's)
-    keep: tuple          # the device arrays the packed arguments point into (kept alive)
-
-
-def _decode_fields(lp, num_q_heads, bt_stride, opts, fused):
-    """DECODE's fixed fields of a launch (the block strides come with the caches)."""
-    ks, vs = lp.k_strides, lp.v_strides
-    return dict(khs=ks[1], kts=ks[2], kcs=ks[3], vhs=vs[1], vts=vs[2], vcs=vs[3], ves=vs[4],
-                block_size=lp.block_size, block_magic=lp.block_magic,
-                block_shift=lp.block_shift, bt_stride=bt_stride, num_q_heads=num_q_heads,
-                num_kv_heads=lp.num_kv_heads, head_warps=lp.heads.head_warps,
-                head_chunks=lp.heads.head_chunks, window_left=opts.window_left,
-                fused_merge=int(fused), scale_log2=opts.sm_scale * LOG2E,
-                sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap)
-
-
-def _partials(xp, lp, num_slots, name=None):
-    """Partial rows and LSEs for ``num_slots`` slots (None, None without any); per-stream
-    scratch when ``name`` is given."""
-    if not num_slots:
-        return None, None
-    rows = num_slots * lp.row_groups * lp.heads_per_group
-    if name is None:
-        return xp.empty(rows * lp.head_dim, np.float32), xp.empty(rows, np.float32)
-    buf = scratch(name, rows * (lp.head_dim + 1), np.float32)
-    return buf[:rows * lp.head_dim], buf[rows * lp.head_dim:rows * (lp.head_dim + 1)]
-
-
-def _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, bt_stride,
-                 work, seq_info, lens, counters, pool, part_out, part_lse, plan_args=None,
-                 tables=None, own_lens=None):
-    """Kernels and fixed arguments of a step whose descriptors are at ``work``, piece info
-    at ``seq_info`` and the lengths the append reads at ``lens``."""
-    fused = merge == "fused"
-    append_args = None
-    if append:
-        ks, vs = lp.k_strides, lp.v_strides
-        append_args = abi.APPEND.bind(
-            seq_lens=ptr(lens), bt_stride=bt_stride, block_size=lp.block_size,
-            num_kv_heads=lp.num_kv_heads, head_dim=head_dim, khs=ks[1], kts=ks[2], kcs=ks[3],
-            vhs=vs[1], vts=vs[2], vcs=vs[3], ves=vs[4])
-    decode_args = abi.DECODE.bind(
-        work=ptr(work), part_out=ptr(part_out), part_lse=ptr(part_lse),
-        counters=ptr(counters) if fused else 0, pool_ctr=ptr(pool),
-        **_decode_fields(lp, num_q_heads, bt_stride, opts, fused))
-    merge_args = None
-    if not fused:
-        merge_args = abi.MERGE_PIECES.bind(
-            part_out=ptr(part_out), part_lse=ptr(part_lse), seq_info=ptr(seq_info),
-            num_q_heads=num_q_heads, num_kv_heads=lp.merge_kv_heads,
-            head_chunks=lp.heads.head_chunks, hpc=lp.heads_per_group, dim=head_dim)
-    merge_dims = None if fused else dp.merge_launch(lp, batch)  # (grid, threads, wph)
-    launches = (
-        launcher("decode", _append_expr(dtype), abi.APPEND).at(batch, 128) if append else None,
-        _decode_kernel(lp, dtype).at(lp.grid, lp.threads, lp.tiles.smem_bytes),
-        None if fused else launcher("decode", _pieces_expr(dtype, lp.head_dim),
-                                    abi.MERGE_PIECES).at(*merge_dims[:2]),
-        launcher("plan", PLAN_EXPR, abi.DECODE_PLAN).at(min(batch, PLAN_CTAS), 512)
-        if plan_args is not None else None)
-    return _DeviceStep(lp, launches, plan_args, append_args, decode_args, merge_args,
-                       0 if fused else merge_dims[2], tables, own_lens,
-                       (work, seq_info, lens, counters, pool, part_out, part_lse, tables,
-                        own_lens))
-
-
-def _planned_on_device(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, width,
-                       bt_stride, layout, index, counters, part_out, part_lse, tables=None,
-                       own_lens=None):
-    """The device step of a batch whose pieces decode_plan_kernel cuts on the device: its
-    descriptors, piece info and checked lengths go into ``index`` (laid out as ``layout``,
-    a ``decode_plan.DeviceIndex`` of at least the batch), its counters into ``counters``
-    (zeros, re-armed by the kernels: the plan's own first, then the fused merge's, one a
-    sequence and row group)."""
-    stages, num, den = dp.min_piece_terms(lp, merge)
-    work = index[:layout.info]
-    lens = index[layout.lens:layout.lens + batch]
-    plan_args = abi.DECODE_PLAN.bind(
-        work=ptr(work), seq_info=ptr(index[layout.info:]), lens_out=ptr(lens),
-        scratch=ptr(index[layout.scratch:]), done=ptr(counters), err=ptr(errors.error_word()),
-        batch=batch, width=width, bt_stride=bt_stride, block_size=lp.block_size,
-        append=int(append), window_left=opts.window_left, tile=lp.tiles.tile,
-        columns=lp.columns, min_piece=stages, piece_num=num, piece_den=den)
-    return _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch,
-                        bt_stride, work, index[layout.info:layout.info + 2 * batch], lens,
-                        counters[1:], None, part_out, part_lse, plan_args, tables, own_lens)
-
-
-class _Strides(NamedTuple):
-    """What a step's launches take of a call's arrays besides their addresses (fixed by
-    the call's signature)."""
-    kbs: int          # block strides of the caches (elements)
-    vbs: int
-    q_stride: int     # q's row stride (elements)
-    k_new_stride: int
-    v_new_stride: int
-    num_blocks: int
-
-
-def _strides(q, k_cache, v_cache, k_new, v_new):
-    batch, hq, d = q.shape
-    return _Strides(block_stride(k_cache), block_stride(v_cache),
-                    q.strides[0] // q.itemsize if batch > 1 else hq * d,
-                    token_stride("k_new", k_new) if k_new is not None else 0,
-                    token_stride("v_new", v_new) if v_new is not None else 0,
-                    k_cache.shape[0])
-
-
-def _launch_decode(dev, st, ptrs, out, lse, tables, lens, stream, plan=True):
-    """Plan (when planned on the device and ``plan``), append (with ``k_new``), decode and,
-    with a merge kernel, merge split pieces by a second kernel; on ``stream`` (a raw
-    pointer), without a host sync. ``st``: the call's :class:`_Strides`; ``ptrs``: the
-    addresses of q, k_cache, v_cache, k_new, v_new, alibi_slopes and sinks; ``out``,
-    ``lse``, ``tables``, ``lens``: addresses of the outputs and of the block tables and
-    lengths the step reads."""
-    q, kc, vc, k_new, v_new, alibi, sinks = ptrs
-    append, decode, merge, plan_go = dev.launches
-    if plan and plan_go is not None:
-        plan_go(dev.plan_args.pack(block_tables=tables, seq_lens=lens,
-                                   num_blocks=st.num_blocks), stream)
-    if k_new:
-        append(dev.append_args.pack(
-            k_new=k_new, v_new=v_new, k_cache=kc, v_cache=vc, block_tables=tables, kbs=st.kbs,
-            vbs=st.vbs, k_new_stride=st.k_new_stride, v_new_stride=st.v_new_stride), stream)
-    decode(dev.decode_args.pack(
-        q=q, out=out, lse=lse, k_cache=kc, v_cache=vc, block_tables=tables,
-        alibi_slopes=alibi, sinks=sinks, kbs=st.kbs, vbs=st.vbs, q_stride=st.q_stride), stream)
-    if merge is not None:
-        merge(dev.merge_args.pack(out=out, lse=lse, sinks=sinks, wph=dev.merge_wph), stream)
-
-
-def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_parts, rows,
-                  heads, dim, sinks, out, lse):
-    """Merge ``num_parts`` states per row into ``out`` ``[rows, dim]`` (and ``lse``)."""
-    kernel = launcher("decode", _merge_expr(o_first.dtype, out.dtype), abi.MERGE_STATES)
-    kernel(-(-rows // 4), 128, o_first=ptr(o_first), o_rest=ptr(o_rest),
-           o_part_stride=o_strides[0], o_row_stride=o_strides[1], l_first=ptr(l_first),
-           l_rest=ptr(l_rest), l_part_stride=l_strides[0], l_row_stride=l_strides[1],
-           num_parts=num_parts, num_rows=rows, num_heads=heads, dim=dim, sinks=ptr(sinks),
-           out=ptr(out), lse_out=ptr(lse))
-
-
-def _call_step(xp, lp, c, dtype, block_tables, seq_lens, num_splits):
-    """The device step of one ``paged_decode`` call (default merge), in per-stream scratch:
-    planned on the device, or on the host when the lengths were checked there (strict mode)
-    or a count of splits is asked for (then uploaded: a copy the call waits for)."""
-    merge = dp.resolve_merge(None, lp)
-    fused = merge == "fused"
-    d = lp.head_dim
-    if c.seq_lens_host is None and num_splits is None:
-        layout = dp.DeviceIndex(c.batch, lp.columns)
-        index = scratch("decode.index", layout.size)
-        counters = scratch("decode.counters", 1 + c.batch * lp.row_groups, zero=True)
-        part_out, part_lse = _partials(xp, lp, layout.pieces, "decode.partials")
-        return _planned_on_device(lp, dtype, c.num_q_heads, d, c.options, merge, c.append,
-                                  c.batch, block_tables.shape[1], table_stride(block_tables),
-                                  layout, index, counters, part_out, part_lse)
-    sl = c.seq_lens_host if c.seq_lens_host is not None else host(seq_lens)
-    schedule, _ = dc.check_variants(None, None, num_splits)
-    work = dp.plan_work(lp, sl, c.append, c.options.window_left, schedule, num_splits, merge)
-    lay = dp.IndexLayout(c.batch, len(work.desc), 0)
-    index = xp.asarray(dp.pack_index(lay, sl, work))
-    part_out, part_lse = _partials(xp, lp, work.num_slots)
-    counters = xp.zeros(c.batch * lp.row_groups, np.int32) if work.num_slots and fused else None
-    pool = xp.zeros(2 * lp.row_groups, np.int32) if work.pool_pieces else None
-    return _device_step(lp, dtype, c.num_q_heads, d, c.options, merge, c.append, c.batch,
-                        table_stride(block_tables), index[lay.desc:lay.tables],
-                        index[lay.info:lay.info + 2 * c.batch], index[:c.batch], counters,
-                        pool, part_out, part_lse)
+from ..core import errors
+from . import checks, plan
+from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module, as_dtype,
+                           check_array, check_choice, check_head_dim, empty, host, hot)
+from ..core.checks import check_gqa, check_options, check_int, table_stride
+from ..core.device import Uploader
+from ..core.launch import current_stream, ptr
+from ..core.layouts import LAYOUTS, accepts_cache, resolve_layout
+from ..reference import attention as ref
+from .launch import (call_step, call_strides, current_geometry, launch_decode, launch_merge,
+                     planned_on_device, planned_on_host)
 
 
 _CALLS = CallCache()  # paged_decode's device-planned calls by signature
@@ -303,9 +50,10 @@ def _reference_into(o, lse, out, return_lse):
 
 
 # ----------------------------------------------------------------------------- public ops
+@accepts_cache(1)
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                 logits_soft_cap=0.0, layout="NHD", num_splits=None, out=None,
+                 logits_soft_cap=0.0, layout=None, num_splits=None, out=None,
                  return_lse=False, kv_path=None, validate=None):
     """Attention of one query token per sequence over its paged keys and values.
 
@@ -337,7 +85,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         term per head).
     logits_soft_cap : float
         ``c > 0`` maps scores to ``c * tanh(s / c)``.
-    layout : {"NHD", "HND", "vllm"}
+    layout : {"NHD", "HND", "vllm"}, optional
+        Layout of raw cache arrays; default "NHD", refused (ValueError) when k_cache's shape
+        also reads validly as HND. A cache given as a :class:`cupaged.CacheView` or
+        :class:`cupaged.PagedKVCache` (in place of ``k_cache, v_cache``) brings its own.
     num_splits : int, optional
         Cut each sequence into this many equal pieces (CuPy path; the "split" schedule of
         :meth:`PagedDecoder.plan`, planned on the host: reads the lengths back); default:
@@ -378,14 +129,14 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
                    layout, bool(return_lse), kv_path)
         hit = _CALLS.get(call.key) if call is not None else None
         if hit is not None:  # checked and set up by an earlier call of this signature
-            dev, st, dtype = hit
+            device, strides, dtype = hit
             *ptrs, tables, lens, out_ptr = call.ptrs
             if out is None:
                 out, out_ptr = call.empty(q.shape, dtype)
             lse = lse_ptr = 0
             if return_lse:
                 lse, lse_ptr = call.empty(q.shape[:2], np.float32)
-            _launch_decode(dev, st, ptrs, out_ptr, lse_ptr, tables, lens, call.stream)
+            launch_decode(device, strides, ptrs, out_ptr, lse_ptr, tables, lens, call.stream)
             return call.done((out, lse) if return_lse else out)
     return _decode_checked(*arrays, num_splits, sm_scale, window_left, logits_soft_cap, layout,
                            return_lse, kv_path, validate,
@@ -398,12 +149,14 @@ def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, bloc
                     return_lse, kv_path, validate, cache_key):
     """paged_decode's checks, its device step (cached under ``cache_key`` when planned on
     the device) and its launches."""
+    layout = resolve_layout(layout, k_cache, q,
+                            k_new.shape[1] if getattr(k_new, "ndim", 0) == 3 else None)
     options = dict(sm_scale=sm_scale, window_left=window_left, alibi_slopes=alibi_slopes,
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
-    checked = dc.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new,
-                              layout, num_splits, out, options, validate)
+    checked = checks.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new,
+                                  layout, num_splits, out, options, validate)
     if kv_path is not None:
-        check_choice("kv_path", kv_path, dp.KV_PATHS)
+        check_choice("kv_path", kv_path, plan.KV_PATHS)
     xp = checked.xp
     if xp is np:
         o, lse = ref.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new=k_new,
@@ -417,15 +170,15 @@ def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, bloc
     lse = empty(xp, q.shape[:2], np.float32) if return_lse else None
     if checked.batch:
         geo = checked.geometry
-        lp = _current_geometry(q.dtype, q.shape[2], layout, geo.block_size,
-                               checked.num_q_heads, geo.num_kv_heads, kv_path, checked.batch)
-        dev = _call_step(xp, lp, checked, q.dtype, block_tables, seq_lens, num_splits)
-        st = _strides(q, k_cache, v_cache, k_new, v_new)
+        launch = current_geometry(q.dtype, q.shape[2], layout, geo.block_size,
+                                  checked.num_q_heads, geo.num_kv_heads, kv_path, checked.batch)
+        device = call_step(xp, launch, checked, q.dtype, block_tables, seq_lens, num_splits)
+        strides = call_strides(q, k_cache, v_cache, k_new, v_new)
         if checked.seq_lens_host is None:
-            _CALLS.put(cache_key, (dev, st, q.dtype))
-        _launch_decode(dev, st, [ptr(a) for a in (q, k_cache, v_cache, k_new, v_new,
-                                                   alibi_slopes, sinks)],
-                       ptr(out), ptr(lse), ptr(block_tables), ptr(seq_lens), current_stream())
+            _CALLS.put(cache_key, (device, strides, q.dtype))
+        launch_decode(device, strides, [ptr(a) for a in (q, k_cache, v_cache, k_new, v_new,
+                                                         alibi_slopes, sinks)],
+                      ptr(out), ptr(lse), ptr(block_tables), ptr(seq_lens), current_stream())
     return _result(out, lse, return_lse)
 
 
@@ -458,7 +211,7 @@ def merge_states(out_a, lse_a, out_b, lse_b):
         return ref.merge_states(out_a, lse_a, out_b, lse_b)
     out, lse = empty(xp, out_a.shape, out_a.dtype), empty(xp, (t, h), np.float32)
     if t * h:
-        _launch_merge(out_a, out_b, (0, d), lse_a, lse_b, (0, 1), 2, t * h, h, d, None, out, lse)
+        launch_merge(out_a, out_b, (0, d), lse_a, lse_b, (0, 1), 2, t * h, h, d, None, out, lse)
     return out, lse
 
 
@@ -491,7 +244,9 @@ class PagedDecoder:
         ``num_q_heads % num_kv_heads == 0``; head_dim one of 64, 80, 96, 112, 128, 256.
     dtype : str or dtype
         float16, bfloat16 or float32: q, caches and output.
-    layout : {"NHD", "HND", "vllm"}
+    layout : {"NHD", "HND", "vllm"}, optional
+        Cache layout; default "NHD", and then a raw cache whose shape also reads validly as
+        HND is refused at ``run`` (a CacheView or PagedKVCache brings its layout).
     window_left, logits_soft_cap, sm_scale
         As in :func:`paged_decode`.
     max_batch : int
@@ -507,18 +262,20 @@ class PagedDecoder:
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
-                 layout="NHD", window_left=-1, logits_soft_cap=0.0, sm_scale=None,
+                 layout=None, window_left=-1, logits_soft_cap=0.0, sm_scale=None,
                  max_batch=256, max_blocks_per_seq=None, xp=None, kv_path=None):
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("max_batch", max_batch)):
-            dc.check_positive(name, v)
+            check_int(name, v)
         if max_blocks_per_seq is not None:
-            dc.check_positive("max_blocks_per_seq", max_blocks_per_seq)
+            check_int("max_blocks_per_seq", max_blocks_per_seq)
         check_gqa(num_q_heads, num_kv_heads, "num_kv_heads")
         check_head_dim("head_dim", head_dim)
+        self.layout_given = layout is not None
+        layout = "NHD" if layout is None else layout
         check_choice("layout", layout, LAYOUTS)
         if kv_path is not None:
-            check_choice("kv_path", kv_path, dp.KV_PATHS)
+            check_choice("kv_path", kv_path, plan.KV_PATHS)
         self._kv_path = kv_path
         self._opts = check_options(np, num_q_heads, head_dim, sm_scale=sm_scale,
                                    window_left=window_left, logits_soft_cap=logits_soft_cap)
@@ -576,29 +333,29 @@ class PagedDecoder:
         """
         check_choice("planner", planner, ("device", "host"))
         xp = self._xp or array_module(block_tables, seq_lens)
-        bt, sl, max_block = dc.check_plan(self, block_tables, seq_lens, append, num_splits,
-                                          validate)
-        schedule, merge = dc.check_variants(schedule, merge, num_splits)
+        bt, sl, max_block = checks.check_plan(self, block_tables, seq_lens, append,
+                                              num_splits, validate)
+        schedule, merge = checks.check_variants(schedule, merge, num_splits)
         host_planned = planner == "host" or schedule == "split"
         if sl is None and host_planned:
             bt, sl = host(block_tables), host(seq_lens)
-            max_block = dc.planned_max_block(bt, sl, self.block_size, append)
+            max_block = checks.planned_max_block(bt, sl, self.block_size, append)
         if sl is not None and isinstance(block_tables, np.ndarray):
             bt, sl = np.array(bt, np.int32), np.array(sl, np.int32)  # plans own their arrays
         self._xp = xp
         batch = block_tables.shape[0]
         work = device = None
         if xp is not np:
-            lp = self._geometry(batch)
-            merge = dp.resolve_merge(merge, lp)
+            launch = self._geometry(batch)
+            merge = plan.resolve_merge(merge, launch)
             if host_planned:
-                work = dp.plan_work(lp, sl, bool(append), self._opts.window_left, schedule,
-                                    num_splits, merge)
-                device = self._upload(lp, bt, sl, work, merge, append)
+                work = plan.plan_work(launch, sl, bool(append), self._opts.window_left,
+                                      schedule, num_splits, merge)
+                device = self._upload(launch, bt, sl, work, merge, append)
             else:
-                device = self._take(lp, block_tables if sl is None else bt,
+                device = self._take(launch, block_tables if sl is None else bt,
                                     seq_lens if sl is None else sl, merge, append)
-        self._step = dp.Step(batch, bt, sl, bool(append), max_block, work, merge, device)
+        self._step = plan.Step(batch, bt, sl, bool(append), max_block, work, merge, device)
         self._planned_blocks = None
         self._runs.clear()
         return self
@@ -625,10 +382,10 @@ class PagedDecoder:
         return 1 if step is None or step.work is None else step.work.max_pieces
 
     def _geometry(self, batch):
-        return _current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
+        return current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
                                  self.num_q_heads, self.num_kv_heads, self._kv_path, batch)
 
-    def _buffers(self, lp, rows, width, part_rows):
+    def _buffers(self, launch, rows, width, part_rows):
         """The decoder's index, partial and counter buffers, grown to hold a plan of
         ``rows`` descriptors, tables ``width`` wide and ``part_rows`` partial rows. The
         index buffer holds a host plan (``decode_plan.IndexLayout``) or a device plan
@@ -637,48 +394,49 @@ class PagedDecoder:
         import cupy
         lay = self._layout
         if lay is None or width > lay.width or rows > lay.rows:
-            lay = dp.IndexLayout(self.max_batch, max(rows, lay.rows if lay else 0),
+            lay = plan.IndexLayout(self.max_batch, max(rows, lay.rows if lay else 0),
                                  max(width, self._width))
-            size = max(lay.size, dp.DeviceIndex(self.max_batch, lp.columns).size
+            size = max(lay.size, plan.DeviceIndex(self.max_batch, launch.columns).size
                        + self.max_batch * (lay.width + 1))
             self._index, self._layout, self._width = cupy.empty(size, np.int32), lay, lay.width
         if self._part_lse is None or self._part_lse.size < part_rows:
             self._part_out = cupy.empty(part_rows * self.head_dim, np.float32)
             self._part_lse = cupy.empty(part_rows, np.float32)
-        need = 1 + self.max_batch * lp.row_groups
+        need = 1 + self.max_batch * launch.row_groups
         if self._counters is None or self._counters.size < need:
             # re-armed to zero by the kernels that count on them
             self._counters = cupy.zeros(need, np.int32)
-            self._pool = cupy.zeros(2 * lp.row_groups, np.int32)
+            self._pool = cupy.zeros(2 * launch.row_groups, np.int32)
         return lay
 
-    def _upload(self, lp, bt, sl, work, merge, append):
+    def _upload(self, launch, bt, sl, work, merge, append):
         """A host plan: one asynchronous host-to-device copy of ``[lens | piece info | work
         | tables]``; buffers grow only when a plan needs more than any "balanced" plan of
         ``max_batch`` sequences."""
         batch, width = bt.shape
-        rows, slots = dp.work_capacity(lp, self.max_batch)
-        part_rows = max(slots, work.num_slots) * lp.row_groups * lp.heads_per_group
-        lay = self._buffers(lp, max(rows, len(work.desc)), width, part_rows)
-        self._uploader.upload(self._index, dp.pack_index(lay, sl, work, bt))
+        rows, slots = plan.work_capacity(launch, self.max_batch)
+        part_rows = max(slots, work.num_slots) * launch.row_groups * launch.heads_per_group
+        lay = self._buffers(launch, max(rows, len(work.desc)), width, part_rows)
+        self._uploader.upload(self._index, plan.pack_index(lay, sl, work, bt))
         idx = self._index
         tables = idx[lay.tables:lay.tables + batch * lay.width].reshape(batch, lay.width)
-        return _device_step(lp, self.dtype, self.num_q_heads, self.head_dim, self._opts, merge,
-                            bool(append), batch, lay.width, idx[lay.desc:lay.tables],
-                            idx[lay.info:lay.info + 2 * batch], idx[:batch], self._counters,
-                            self._pool if work.pool_pieces else None, self._part_out,
-                            self._part_lse, tables=tables, own_lens=idx[:batch])
+        return planned_on_host(launch, self.dtype, self.num_q_heads, self.head_dim, self._opts,
+                                merge, bool(append), batch, lay.width, lay, idx,
+                                self._counters, self._pool if work.pool_pieces else None,
+                                self._part_out, self._part_lse, tables=tables,
+                                own_lens=idx[:batch])
 
-    def _take(self, lp, block_tables, seq_lens, merge, append):
+    def _take(self, launch, block_tables, seq_lens, merge, append):
         """A device plan: the tables and lengths copied into the decoder's buffers (after
         the device plan's index; device arrays copied on the device, host ones uploaded),
         to be cut by the plan kernel at the first run."""
         import cupy
         batch, width = block_tables.shape
-        dev_lay = dp.DeviceIndex(self.max_batch, lp.columns)
-        lay = self._buffers(lp, 0, width, dev_lay.pieces * lp.row_groups * lp.heads_per_group)
+        device_index = plan.DeviceIndex(self.max_batch, launch.columns)
+        lay = self._buffers(launch, 0, width,
+                            device_index.pieces * launch.row_groups * launch.heads_per_group)
         idx = self._index
-        at = dev_lay.size
+        at = device_index.size
         tables = idx[at:at + batch * lay.width].reshape(batch, lay.width)
         lens = idx[at + self.max_batch * lay.width:][:batch]
         if isinstance(block_tables, np.ndarray):
@@ -694,13 +452,14 @@ class PagedDecoder:
                              rt.memcpyDeviceToDevice, stream)
             rt.memcpyAsync(lens.data.ptr, seq_lens.data.ptr, batch * 4,
                            rt.memcpyDeviceToDevice, stream)
-        return _planned_on_device(lp, self.dtype, self.num_q_heads, self.head_dim, self._opts,
-                                  merge, bool(append), batch, width, lay.width, dev_lay, idx,
+        return planned_on_device(launch, self.dtype, self.num_q_heads, self.head_dim, self._opts,
+                                  merge, bool(append), batch, width, lay.width, device_index, idx,
                                   self._counters, self._part_out, self._part_lse,
                                   tables=tables, own_lens=lens)
 
-    def run(self, q, k_cache, v_cache, sinks=None, alibi_slopes=None, k_new=None, v_new=None,
-            out=None, return_lse=False, lse=None):
+    @accepts_cache(2, owner=True)
+    def run(self, q, k_cache, v_cache=None, *, sinks=None, alibi_slopes=None, k_new=None,
+            v_new=None, out=None, lse=None, return_lse=False):
         """Decode the planned step for one layer.
 
         Parameters
@@ -708,7 +467,8 @@ class PagedDecoder:
         q : array
             ``[batch, num_q_heads, head_dim]`` in the decoder's dtype (rows may be strided).
         k_cache, v_cache : array
-            The layer's caches in the decoder's layout, block size and kv heads.
+            The layer's caches in the decoder's layout, block size and kv heads; or
+            ``k_cache`` a CacheView or PagedKVCache of them (``v_cache`` left out).
         sinks, alibi_slopes : array, optional
             float32 ``[num_q_heads]``.
         k_new, v_new : array, optional
@@ -738,12 +498,12 @@ class PagedDecoder:
                      return_lse, cache_key):
         """run's checks against the plan (remembered under ``cache_key``) and its launches."""
         step = self._step
-        xp, opts = dc.check_run(self, step, q, k_cache, v_cache, sinks, alibi_slopes, k_new,
-                                v_new, out, lse)
+        xp, opts = checks.check_run(self, step, q, k_cache, v_cache, sinks, alibi_slopes,
+                                    k_new, v_new, out, lse)
         if xp is np:
             return self._run_reference(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new,
                                        out, return_lse, lse, opts)
-        strides = _strides(q, k_cache, v_cache, k_new, v_new)
+        strides = call_strides(q, k_cache, v_cache, k_new, v_new)
         self._runs.put(cache_key, strides)
         ptrs = [ptr(a) for a in (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
                                  lse)]
@@ -761,23 +521,23 @@ class PagedDecoder:
             lse, lse_ptr = (call.empty(shape[:2], np.float32) if call is not None else
                             _with_ptr(empty(sys.modules["cupy"], shape[:2], np.float32)))
         if step.batch:
-            dev = step.device
+            device = step.device
             stream = call.stream if call is not None else current_stream()
             # planned at an earlier run, unless captured: a captured run plans at each
             # replay, so that it follows later plans
-            replan = (dev.plan_args is not None
+            replan = (device.plan_args is not None
                       and (self._planned_blocks != strides.num_blocks
                            or sys.modules["cupy"].cuda.runtime.streamIsCapturing(stream)))
-            _launch_decode(dev, strides, ptrs, out_ptr, lse_ptr, ptr(dev.tables), ptr(dev.lens),
-                           stream, plan=replan)
+            launch_decode(device, strides, ptrs, out_ptr, lse_ptr, ptr(device.tables),
+                          ptr(device.lens), stream, plan=replan)
             self._planned_blocks = strides.num_blocks
         result = _result(out, lse, return_lse)
         return result if call is None else call.done(result)
 
     def _run_reference(self, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out,
                        return_lse, lse, opts):
-        st = self._step
-        o, l = ref.paged_decode(q, k_cache, v_cache, st.block_tables, st.seq_lens, k_new=k_new,
+        step = self._step
+        o, l = ref.paged_decode(q, k_cache, v_cache, step.block_tables, step.seq_lens, k_new=k_new,
                                 v_new=v_new, sm_scale=opts.sm_scale, window_left=opts.window_left,
                                 alibi_slopes=alibi_slopes, sinks=sinks,
                                 logits_soft_cap=opts.logits_soft_cap, layout=self.layout,
@@ -785,21 +545,3 @@ class PagedDecoder:
         if lse is not None:
             lse[...] = l
         return _reference_into(o, l if lse is None else lse, out, return_lse)
-
-
-def kernel_specializations():
-    """Every kernel this module can launch: append, the two merges, decode per dtype, head
-    dim, value layout (rows or vllm's transposed) and heads per warp, the pages kernel
-    (sm_90) per 16-bit dtype, head dim and block layout (NHD or HND), and the device plan."""
-    specs = [Spec("plan", PLAN_EXPR)]
-    for dt in FLOAT_DTYPES:
-        specs.append(Spec("decode", _append_expr(dt)))
-        specs.append(Spec("decode", _merge_expr(dt, dt)))
-        specs += [Spec("decode", _pieces_expr(dt, d)) for d in (128, 256)]
-        for d in HEAD_DIMS:
-            for nt in sorted({dp.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
-                specs += [Spec("decode", _decode_expr(dt, d, vt, nt)) for vt in (False, True)]
-            if dt.itemsize == 2 and d in dp.PAGE_HEAD_DIMS:
-                specs += [Spec("decode", _pages_expr(dt, d, hm), hopper=True)
-                          for hm in (False, True)]
-    return specs

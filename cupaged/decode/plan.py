@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.layouts import CacheStrides, layout_strides
+
 NTHREADS = 128
 NWARPS = NTHREADS // 32
 STAGES = 3
@@ -61,7 +63,7 @@ class Step(NamedTuple):
     max_block: int        # largest block id the step reads (-1: none)
     work: object          # WorkPlan (device runs) or None
     merge: str            # one of MERGES (None on the NumPy path unless given)
-    device: object        # decode._DeviceStep (views of the uploaded indices) or None
+    device: object        # decode.launch._DeviceStep (views of the uploaded indices) or None
 
 
 def page_kv_heads(num_kv_heads):
@@ -303,23 +305,6 @@ def block_division(block_size):
     return -(-(1 << shift) // int(block_size)), shift
 
 
-def cache_strides(layout, block_size, num_kv_heads, head_dim, itemsize):
-    """Element strides ``(block, head, tok, chunk, elem)`` of the key and value caches.
-
-    Element (block, head, token, dim) sits at ``block*block + head*head + token*tok +
-    (dim // VEC)*chunk + (dim % VEC)*elem`` with ``VEC = 16 // itemsize``.
-    """
-    bs, hk, d, vec = block_size, num_kv_heads, head_dim, 16 // itemsize
-    if layout == "NHD":
-        s = (bs * hk * d, d, hk * d, vec, 1)
-        return s, s
-    if layout == "HND":
-        s = (hk * bs * d, bs * d, d, vec, 1)
-        return s, s
-    # vllm: key [nb, hk, d // x, bs, x], value [nb, hk, d, bs]
-    return (hk * d * bs, d * bs, vec, bs * vec, 1), (hk * d * bs, d * bs, 1, vec * bs, bs)
-
-
 class DecodeLaunch(NamedTuple):
     """Everything one paged-decode launch needs besides the arrays and the work plan."""
     head_dim: int
@@ -328,8 +313,7 @@ class DecodeLaunch(NamedTuple):
     tiles: TileConfig
     heads: HeadLayout
     columns: int      # CTA columns (grid.x); each walks a list of pieces
-    k_strides: tuple
-    v_strides: tuple
+    strides: CacheStrides
     block_size: int
     block_magic: int
     block_shift: int
@@ -346,7 +330,7 @@ class DecodeLaunch(NamedTuple):
     @property
     def head_major(self):
         """The pages kernel on an HND cache: a kv head's rows of a block lie together."""
-        return self.pages and self.k_strides[1] > self.k_strides[2]
+        return self.pages and self.strides.k_head > self.strides.k_tok
 
     @property
     def threads(self):
@@ -392,11 +376,11 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
         heads = head_layout(group, tiles.heads_per_warp)
     if slots is None:
         slots = DEFAULT_SMS * ctas_per_sm(tiles.smem_bytes)
-    k_strides, v_strides = cache_strides(layout, block_size, num_kv_heads, head_dim, itemsize)
+    strides = layout_strides(layout, block_size, num_kv_heads, head_dim, itemsize)
     magic, shift = block_division(block_size)
-    lp = DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, 1, k_strides, v_strides,
-                      int(block_size), magic, shift, bool(pages))
-    return lp._replace(columns=max(1, slots // lp.row_groups))
+    launch = DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, 1, strides,
+                          int(block_size), magic, shift, bool(pages))
+    return launch._replace(columns=max(1, slots // launch.row_groups))
 
 
 # ----------------------------------------------------------------------------- work

@@ -13,12 +13,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
-from ._checks import check_cu_seqlens, check_gqa
-from ._compile import Spec, ctype, get_kernel
-from ._device import Uploader, current
-from .errors import strict
-from .reference import sink as ref
+from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
+from ..core.checks import check_cu_seqlens, check_gqa, check_int
+from ..core.compile import Spec, ctype, get_kernel
+from ..core.device import Uploader, current
+from ..core.errors import strict
+from ..reference import sink as ref
 
 MODES = ref.MODES
 _WARP_ROW_MAX = 1024     # rows up to this length: one warp per row
@@ -148,8 +148,8 @@ def _check_scalars(window_left, causal, sm_scale, batch_size):
     if sm_scale is not None and (not isinstance(sm_scale, (int, float, np.floating))
                                  or not math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected None or a finite float, got {sm_scale!r}")
-    if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
-        raise ValueError(f"batch_size: expected None or an int >= 1, got {batch_size!r}")
+    if batch_size is not None:
+        check_int("batch_size", batch_size)
 
 
 def _check_arrays(q, k, v, sink, xp):
@@ -288,7 +288,7 @@ def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None
                                   qo_indptr=qo_indptr, kv_indptr=kv_indptr)
     if plan.row_window:
         return _row_window_attention(q, k, v, sink, plan, causal, window_left, sm_scale)
-    from .prefill import varlen_prefill
+    from ..prefill.api import varlen_prefill
     d = q.shape[-1]
     cu_q, cu_k = (c if c is not None and not isinstance(c, np.ndarray) else _upload(c)
                   for c in (plan.cu_q, plan.cu_k))

@@ -10,14 +10,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import array_module, check_array, check_choice
-from ._checks import (check_block_tables, check_gqa, check_options, check_out, check_query,
-                      token_stride)
-from .errors import strict
-from .decode_plan import MAX_SPLITS, MERGES, SCHEDULES
-from .layouts import LAYOUTS, CacheGeometry, cache_geometry
+from ..core.arrays import array_module, check_array, check_choice
+from ..core.checks import (INT32_MAX, check_aligned, check_block_elements, check_block_tables,
+    check_gqa, check_lse, check_options, check_out, check_query, token_stride)
+from ..core.errors import strict
+from .plan import MAX_SPLITS, MERGES, SCHEDULES
+from ..core.layouts import LAYOUTS, CacheGeometry, cache_geometry
 
-INT32_MAX = 2**31 - 1
 
 
 class Checked(NamedTuple):
@@ -42,17 +41,8 @@ def check_caches(q, k_cache, v_cache, layout, xp):
     if geo.head_dim != q.shape[2]:
         raise ValueError(f"k_cache: expected head_dim {q.shape[2]} like q, got {geo.head_dim}")
     if xp is not np:
-        if geo.block_size * geo.num_kv_heads * geo.head_dim > INT32_MAX:
-            raise ValueError(f"k_cache: expected fewer than 2**31 elements per block, got "
-                             f"{geo.block_size} x {geo.num_kv_heads} x {geo.head_dim}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.strides[0] // c.itemsize > INT32_MAX:
-                raise ValueError(f"{name}: expected blocks fewer than 2**31 elements apart, "
-                                 f"got a block stride of {c.strides[0] // c.itemsize}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.data.ptr % 16:
-                raise ValueError(f"{name}: expected a 16-byte aligned base address, got one "
-                                 f"{c.data.ptr % 16} bytes past alignment")
+        check_block_elements(geo, k_cache=k_cache, v_cache=v_cache)
+        check_aligned(k_cache=k_cache, v_cache=v_cache)
     return geo
 
 
@@ -96,12 +86,6 @@ def check_variants(schedule, merge, num_splits):
     return schedule, merge
 
 
-def check_lse(lse, batch, num_q_heads, xp):
-    """A caller's LSE buffer: float32 ``[batch, num_q_heads]``."""
-    if lse is not None:
-        check_array("lse", lse, shape=(batch, num_q_heads), dtypes=np.float32, xp=xp)
-
-
 def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
                  num_splits, out, options, validate=None) -> Checked:
     """Every check of ``paged_decode`` before any launch (index contents on host copies for
@@ -120,11 +104,6 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layo
     if out is not None:
         check_out(out, (batch, hq, d), q.dtype, xp)
     return Checked(xp, batch, hq, geo, opts, append, sl)
-
-
-def check_positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 def check_plan(dec, block_tables, seq_lens, append, num_splits, validate=None):
@@ -147,16 +126,16 @@ def check_plan(dec, block_tables, seq_lens, append, num_splits, validate=None):
     return bt, sl, planned_max_block(bt, sl, dec.block_size, append)
 
 
-def check_run(dec, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse):
-    """Checks of ``PagedDecoder.run`` against decoder ``dec`` and its plan ``st`` (shapes,
+def check_run(dec, step, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse):
+    """Checks of ``PagedDecoder.run`` against decoder ``dec`` and its plan ``step`` (shapes,
     dtypes, modules; no sync); returns ``(xp, options)``."""
-    if st is None:
+    if step is None:
         raise ValueError("PagedDecoder.run: expected a plan() first, got none")
     xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse)
     if xp is not dec._xp:
         raise TypeError(f"q: expected {dec._xp.__name__} arrays like the plan, got "
                         f"{xp.__name__} arrays")
-    shape = (st.batch, dec.num_q_heads, dec.head_dim)
+    shape = (step.batch, dec.num_q_heads, dec.head_dim)
     check_array("q", q, shape=shape, dtypes=dec.dtype, xp=xp, contiguous=False)
     token_stride("q", q)
     geo = check_caches(q, k_cache, v_cache, dec.layout, xp)
@@ -164,18 +143,18 @@ def check_run(dec, st, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, o
         raise ValueError(f"k_cache: expected block_size {dec.block_size} and "
                          f"{dec.num_kv_heads} kv heads like the decoder, got "
                          f"{geo.block_size} and {geo.num_kv_heads}")
-    if st.max_block >= geo.num_blocks:
+    if step.max_block >= geo.num_blocks:
         raise ValueError(f"block_tables: expected block ids below {geo.num_blocks} (the "
-                         f"cache's blocks), the plan reads block {st.max_block}")
-    if check_new_kv(k_new, v_new, st.batch, geo, dec.dtype, xp) != st.append:
-        raise ValueError(f"k_new, v_new: expected them {'' if st.append else 'not '}"
-                         f"given, as planned with append={st.append}")
+                         f"cache's blocks), the plan reads block {step.max_block}")
+    if check_new_kv(k_new, v_new, step.batch, geo, dec.dtype, xp) != step.append:
+        raise ValueError(f"k_new, v_new: expected them {'' if step.append else 'not '}"
+                         f"given, as planned with append={step.append}")
     opts = check_options(xp, dec.num_q_heads, dec.head_dim, sm_scale=dec._opts.sm_scale,
                          window_left=dec._opts.window_left, alibi_slopes=alibi_slopes,
                          sinks=sinks, logits_soft_cap=dec._opts.logits_soft_cap)
     if out is not None:
         check_out(out, shape, dec.dtype, xp)
-    check_lse(lse, st.batch, dec.num_q_heads, xp)
+    check_lse(lse, step.batch, dec.num_q_heads, xp)
     return xp, opts
 
 

@@ -289,9 +289,9 @@ class _ForeignCall:
         self.device = None
         if self.stream is not None:
             cp = cupy_module()
-            dev = self.first.get_device()
-            if cp.cuda.runtime.getDevice() != dev:
-                self.device = cp.cuda.Device(dev)
+            device_id = self.first.get_device()
+            if cp.cuda.runtime.getDevice() != device_id:
+                self.device = cp.cuda.Device(device_id)
                 self.device.__enter__()
             self.stream.__enter__()
         return self

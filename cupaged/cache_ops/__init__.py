@@ -1,0 +1,1 @@
+"""Paged-cache writes, block copies and swaps (``api``)."""

@@ -1,0 +1,191 @@
+"""Prefill launches: kernel choice ("mma" or "wgmma") and tile, the work list, each launch's
+argument record (``abi.PREFILL``, ``abi.PREFILL_PLAN``) packed once per call shape, and the
+launches on the current stream.
+
+The pure host planning (tile shapes, work lists, checks) is ``prefill.plan``; the public ops
+and the wrapper that call these live in ``prefill.api``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import abi, errors
+from . import plan as plan_
+from ..core.arrays import HEAD_DIMS, bfloat16, float16, float32
+from ..core.checks import INT32_MAX, table_stride, token_stride
+from ..core.compile import Spec, ctype, launcher
+from ..core.device import scratch
+from ..core.launch import current_stream, ptr
+from ..core.layouts import layout_strides
+
+PLAN_EXPR = "cupaged::plan::prefill_plan_kernel"
+PLAN_CTAS = 64  # CTAs of prefill_plan_kernel: sequences are checked a CTA at a time
+
+
+# ----------------------------------------------------------------------------- kernels
+def _expr(dtype, head_dim, v_transposed, tile):
+    """Template name of the kernel for ``dtype`` / ``head_dim`` / tile (fp32: CUDA cores)."""
+    if np.dtype(dtype) == float32:
+        return f"cupaged::prefill_simt_kernel<{head_dim}>"
+    vt = "true" if v_transposed else "false"
+    return f"cupaged::prefill_mma_kernel<{ctype(dtype)}, {head_dim}, {vt}, {tile.cpp()}>"
+
+
+def _expr_wgmma(dtype, head_dim, tile):
+    """Template name of the sm_90a wgmma kernel."""
+    return (f"cupaged::prefill_wgmma_kernel<{ctype(dtype)}, {head_dim}, {tile.block_n}, "
+            f"{tile.stages}>")
+
+
+def kernel_specializations():
+    """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for the
+    vllm value layout) at the default tile of the head size, fp32 x head dims (one
+    CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x
+    (64, 128). The benchmark's other tiles compile on demand."""
+    specs = [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt)))
+             for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
+    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d)), hopper=True)
+              for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS]
+    return (specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
+            + [Spec("plan", PLAN_EXPR)])
+
+
+def _device_arch():
+    import cupy
+    return cupy.cuda.Device().compute_capability
+
+
+def choose_backend(backend, dtype, head_dim, layout, opts, xp):
+    """The kernel family of a call: "mma" or "wgmma" (the device arch checked for CuPy)."""
+    unsupported = plan_.wgmma_unsupported(dtype, head_dim, layout, opts)
+    return plan_.resolve_backend(backend, unsupported, None if xp is np else _device_arch(), layout)
+
+
+def _window(opts):
+    """window_left as the kernel's int32; windows past any int32 position hide nothing."""
+    return -1 if opts.window_left >= INT32_MAX else opts.window_left
+
+
+def _tile(dtype, head_dim, v_transposed, backend, tile=None):
+    """The tile of a launch (``tile`` overrides the default, benchmarks only)."""
+    if tile is not None:
+        return tile
+    if backend == "wgmma":
+        return plan_.wgmma_tile(head_dim)
+    return plan_.launch_tile(dtype, head_dim, v_transposed)
+
+
+def host_work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_transposed, causal,
+              opts, tile=None, backend="mma"):
+    """Host work list for one launch."""
+    tile = _tile(dtype, head_dim, v_transposed, backend, tile)
+    return plan_.work_list(q_lens, kv_lens, group=num_q_heads // num_kv_heads,
+                           num_kv_heads=num_kv_heads, tile=tile, causal=causal,
+                           window_left=_window(opts))
+
+
+def _kernel(dtype, head_dim, v_transposed, tile, backend):
+    """(kernel, dynamic smem bytes, threads) of a launch."""
+    tile = _tile(dtype, head_dim, v_transposed, backend, tile)
+    if backend == "wgmma":
+        smem = plan_.wgmma_smem_bytes(head_dim, tile)
+        return (launcher("prefill_sm90", _expr_wgmma(dtype, head_dim, tile), abi.PREFILL,
+                         hopper=True, smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
+    smem = plan_.smem_bytes(dtype, head_dim, v_transposed, tile)
+    return (launcher("prefill", _expr(dtype, head_dim, v_transposed, tile), abi.PREFILL, smem=smem,
+                     carveout=smem > 48 * 1024), smem, tile.threads)
+
+
+def work_capacity(total_q, batch, group, num_kv_heads, block_m):
+    """Work items a launch over ``total_q`` query rows of ``batch`` sequences can need:
+    ``sum(ceil(q_len * group / block_m)) <= ceil(total_q * group / block_m) + batch`` per
+    kv head (the grid of a device-planned launch, which the host sizes without reading the
+    lengths)."""
+    return (-(-total_q * group // block_m) + batch) * num_kv_heads
+
+
+class Launches:
+    """The launches of one prefill call shape, their fixed arguments packed once: the plan
+    kernel (device work lists: checks, padding rows zeroed, items written into per-stream
+    scratch, the list sized by :func:`work_capacity`) and the prefill kernel.
+    ``__call__`` gives the arrays. With ``work`` (a host list) the plan kernel is left out.
+
+    Parameters
+    ----------
+    q : array
+        The call's query (shape, dtype, strides).
+    tables : array or None
+        Block tables (paged) or None (ragged K/V).
+    strides : cupaged.core.layouts.CacheStrides
+    """
+
+    def __init__(self, q, batch, tables, block_size, num_blocks, total_k, num_kv_heads,
+                 strides, opts, causal, v_transposed, backend, tile=None, work=None,
+                 name="prefill"):
+        total_q, hq, d = q.shape
+        self.dtype = q.dtype
+        group = hq // num_kv_heads
+        self.tile = _tile(q.dtype, d, v_transposed, backend, tile)
+        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend)
+        paged = tables is not None
+        self.plan = None
+        if work is None:
+            capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
+            work = scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4)
+            plan_scratch = scratch(f"{name}.plan", 1 + 2 * batch, zero=True)
+            self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN).at(
+                min(max(batch, 1), PLAN_CTAS), 512), abi.PREFILL_PLAN.bind(
+                work=ptr(work), scratch=ptr(plan_scratch),
+                done=ptr(scratch(f"{name}.done", 1, zero=True)), err=ptr(errors.error_word()),
+                row_bytes=hq * d * q.itemsize, batch=batch, total_q=total_q, total_k=total_k,
+                paged=int(paged), width=tables.shape[1] if paged else 0,
+                bt_stride=table_stride(tables), block_size=block_size, num_blocks=num_blocks,
+                group=group, num_kv_heads=num_kv_heads, num_q_heads=hq,
+                block_m=self.tile.block_m, block_n=self.tile.block_n, causal=int(causal),
+                window_left=_window(opts), capacity=capacity))
+        self.work = work
+        self.go = self.kernel.at(work.shape[0], self.threads, self.smem)
+        self.args = abi.PREFILL.bind(
+            work=ptr(work), max_blocks=table_stride(tables), block_size=block_size,
+            paged=int(paged), k_block=strides.k_block, k_head=strides.k_head,
+            k_chunk=strides.k_chunk, k_tok=strides.k_tok, v_block=strides.v_block,
+            v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok, num_q_heads=hq,
+            num_kv_heads=num_kv_heads, sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
+            window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q))
+
+    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream):
+        """Launch on ``stream`` (a raw pointer), without a host sync; every array by its
+        device address (0 for None)."""
+        if self.plan is not None:
+            go, args = self.plan
+            go(args.pack(cu_q=cu_q, kv_info=kv_info, block_tables=tables, out=out, lse=lse),
+               stream)
+        self.go(self.args.pack(q=q, k=k, v=v, out=out, lse=lse, cu_q=cu_q, kv_info=kv_info,
+                               block_tables=tables, alibi=alibi, sinks=sinks), stream)
+
+
+def addresses(*arrays):
+    """The device addresses of CuPy arrays (0 for None)."""
+    return [ptr(a) for a in arrays]
+
+
+def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, total_k,
+                 num_kv_heads, tile, causal, opts, name="prefill"):
+    """The device work list of a call (the plan kernel alone; tests of its output)."""
+    strides = layout_strides("ragged", 1, num_kv_heads, q.shape[2], q.itemsize)
+    run = Launches(q, cu_q.shape[0] - 1, tables, block_size, num_blocks, total_k,
+                   num_kv_heads, strides, opts, causal, False, "mma", tile=tile, name=name)
+    go, args = run.plan
+    go(args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info), block_tables=ptr(tables), out=ptr(out),
+                 lse=ptr(lse)), current_stream())
+    return run.work
+
+
+def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides, opts,
+            causal, v_transposed, num_kv_heads, tile=None, backend="mma"):
+    """Launch one prefill kernel over a host-planned ``work`` (device int32 ``[n, 4]``);
+    no host sync (benchmarks and strict-mode calls)."""
+    Launches(q, cu_q.shape[0] - 1, tables, block_size, 0, 0, num_kv_heads, strides, opts,
+             causal, v_transposed, backend, tile=tile, work=work)(
+        *addresses(q, k, v, out, lse, cu_q, kv_info, tables, opts.alibi_slopes, opts.sinks),
+        current_stream())

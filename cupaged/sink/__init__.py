@@ -1,0 +1,1 @@
+"""Attention with sink logits and the sink softmax (``api``)."""
