@@ -128,6 +128,38 @@ def test_decoder_plan_from_garbage_device_tables(rng, cp):
 
 
 @pytest.mark.gpu
+def test_decoder_plan_from_host_tables_past_the_cache(rng, cp):
+    """Host tables on the device planner: lengths checked on the host, block ids by the
+    plan kernel at run (the plan has no cache); strict mode checks the ids at run before
+    anything is launched."""
+    cupaged.check_errors()
+    case = _decode_case(rng, cp)
+    tables = case["block_tables"].copy()
+    nb = case["k_cache"].shape[0]
+    tables[2, 1] = nb + 5
+    dec = cupaged.PagedDecoder(8, 2, 128, 16, dtype=bfloat16, max_batch=8, layout="NHD",
+                               xp=cp)
+    with pytest.raises(ValueError, match="seq_lens: sequence 0 needs"):
+        dec.plan(tables[:, :1], case["seq_lens"])  # lengths past the table: on the host
+    dec.plan(tables, case["seq_lens"])
+    dev = _dev(cp, case)
+    out = dec.run(dev["q"], dev["k_cache"], dev["v_cache"]).get().astype(np.float32)
+    _expect_error(r"block_tables: expected entries in \[0, %d\), got %d at index \(2, 1\)"
+                  % (nb, nb + 5))
+    assert (out[2] == 0).all()
+    good = [0, 1, 3, 4]
+    want = ref.paged_decode(case["q"][good], case["k_cache"], case["v_cache"],
+                            case["block_tables"][good], case["seq_lens"][good])
+    np.testing.assert_allclose(out[good], np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    dec.plan(tables, case["seq_lens"], validate=True)
+    poisoned = cp.full(case["q"].shape, np.nan, bfloat16)
+    with pytest.raises(ValueError, match="block_tables: expected block ids below"):
+        dec.run(dev["q"], dev["k_cache"], dev["v_cache"], out=poisoned)
+    assert bool(cp.isnan(poisoned.astype(cp.float32)).all())  # nothing ran
+    cupaged.check_errors()
+
+
+@pytest.mark.gpu
 def test_append_skips_bad_sequences(rng, cp):
     cupaged.check_errors()
     case = _decode_case(rng, cp, lens=(40, 7, 100, 5, 33))

@@ -169,9 +169,10 @@ def table_stride(tables):
 
 
 def check_block_tables(block_tables, seq_lens, geometry, xp, *, batch=None, extra_tokens=0,
-                       contents=True):
+                       contents=True, ids=True):
     """Validate a paged batch's block tables and kv lengths; return host copies (``(None,
-    None)`` with ``contents=False``: shapes and dtypes only).
+    None)`` with ``contents=False``: shapes and dtypes only; with ``ids=False`` the lengths
+    are checked but the block ids are left to the kernel that reads them).
 
     Parameters
     ----------
@@ -199,8 +200,9 @@ def check_block_tables(block_tables, seq_lens, geometry, xp, *, batch=None, extr
         i = int(np.argmax(need > max_blocks))
         raise ValueError(f"seq_lens: sequence {i} needs {int(need[i])} blocks of {bs} for "
                          f"{int(sl[i]) + extra_tokens} tokens, but block_tables has {max_blocks} per sequence")
-    used = np.arange(max_blocks)[None, :] < need[:, None]
-    check_range("block_tables", np.where(used, bt, 0), 0, geometry.num_blocks)
+    if ids:
+        used = np.arange(max_blocks)[None, :] < need[:, None]
+        check_range("block_tables", np.where(used, bt, 0), 0, geometry.num_blocks)
     return bt, sl
 
 

@@ -81,9 +81,16 @@ class Uploader:
 
     def upload(self, dst, host):
         """Copy the host array ``host`` into the start of device array ``dst``."""
+        self.upload_rows([(dst.data.ptr, host.nbytes, host)])
+
+    def upload_rows(self, parts):
+        """Copy host arrays into device memory: ``parts`` of ``(address, pitch, host)``,
+        each ``host`` array's rows (its last dimension; 1-D: one row) landing ``pitch``
+        bytes apart from ``address``. One staging slot and one event for all parts."""
         import cupy
         import cupyx
-        n = host.nbytes
+        sizes = [h.nbytes for _, _, h in parts]
+        n = sum(-(-s // 16) * 16 for s in sizes)
         if n == 0:
             return
         i = self._next
@@ -93,10 +100,22 @@ class Uploader:
         buf = self._slots[i]
         if buf is None or buf.nbytes < n:
             buf = self._slots[i] = cupyx.empty_pinned(max(n, 4096), np.uint8)
-        buf[:n] = host.view(np.uint8).ravel()
         stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, buf.ctypes.data, n,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        rt = cupy.cuda.runtime
+        at = 0
+        for (address, pitch, h), size in zip(parts, sizes):
+            if not size:
+                continue
+            rows = 1 if h.ndim < 2 else int(np.prod(h.shape[:-1]))
+            row = size // rows
+            buf[at:at + size].view(h.dtype).reshape(h.shape)[...] = h
+            if rows == 1 or pitch == row:
+                rt.memcpyAsync(address, buf.ctypes.data + at, size, rt.memcpyHostToDevice,
+                               stream.ptr)
+            else:
+                rt.memcpy2DAsync(address, pitch, buf.ctypes.data + at, row, row, rows,
+                                 rt.memcpyHostToDevice, stream.ptr)
+            at += -(-size // 16) * 16
         event = self._events[i] or cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         self._events[i] = event

@@ -290,6 +290,7 @@ class PagedDecoder:
         self._step = None
         self._planned_blocks = None  # num_blocks the device plan last checked against
         self._runs = CallCache()     # run signatures already checked against the plan
+        self._device_steps = CallCache()  # device-planned steps by shape, on the buffers
 
     @accepts_dlpack
     def plan(self, block_tables, seq_lens, *, append=False, num_splits=None, schedule=None,
@@ -333,15 +334,19 @@ class PagedDecoder:
         """
         check_choice("planner", planner, ("device", "host"))
         xp = self._xp or array_module(block_tables, seq_lens)
-        bt, sl, max_block = checks.check_plan(self, block_tables, seq_lens, append,
-                                              num_splits, validate)
         schedule, merge = checks.check_variants(schedule, merge, num_splits)
         host_planned = planner == "host" or schedule == "split"
+        # a device planner's plan kernel checks the block ids it reads
+        bt, sl, max_block = checks.check_plan(self, block_tables, seq_lens, append,
+                                              num_splits, validate,
+                                              ids=xp is np or host_planned)
         if sl is None and host_planned:
             bt, sl = host(block_tables), host(seq_lens)
             max_block = checks.planned_max_block(bt, sl, self.block_size, append)
         if sl is not None and isinstance(block_tables, np.ndarray):
-            bt, sl = np.array(bt, np.int32), np.array(sl, np.int32)  # plans own their arrays
+            # plans own their arrays; a device plan keeps only its uploaded copy of the tables
+            bt = np.array(bt, np.int32) if xp is np or host_planned else None
+            sl = np.array(sl, np.int32)
         self._xp = xp
         batch = block_tables.shape[0]
         work = device = None
@@ -399,14 +404,17 @@ class PagedDecoder:
             size = max(lay.size, plan.DeviceIndex(self.max_batch, launch.columns).size
                        + self.max_batch * (lay.width + 1))
             self._index, self._layout, self._width = cupy.empty(size, np.int32), lay, lay.width
+            self._device_steps.clear()
         if self._part_lse is None or self._part_lse.size < part_rows:
             self._part_out = cupy.empty(part_rows * self.head_dim, np.float32)
             self._part_lse = cupy.empty(part_rows, np.float32)
+            self._device_steps.clear()
         need = 1 + self.max_batch * launch.row_groups
         if self._counters is None or self._counters.size < need:
             # re-armed to zero by the kernels that count on them
             self._counters = cupy.zeros(need, np.int32)
             self._pool = cupy.zeros(2 * launch.row_groups, np.int32)
+            self._device_steps.clear()
         return lay
 
     def _upload(self, launch, bt, sl, work, merge, append):
@@ -429,33 +437,36 @@ class PagedDecoder:
     def _take(self, launch, block_tables, seq_lens, merge, append):
         """A device plan: the tables and lengths copied into the decoder's buffers (after
         the device plan's index; device arrays copied on the device, host ones uploaded),
-        to be cut by the plan kernel at the first run."""
+        to be cut by the plan kernel at the first run. The step's packed arguments depend
+        only on the batch's shape and the buffers, so they are made once per shape."""
         import cupy
         batch, width = block_tables.shape
         device_index = plan.DeviceIndex(self.max_batch, launch.columns)
         lay = self._buffers(launch, 0, width,
                             device_index.pieces * launch.row_groups * launch.heads_per_group)
-        idx = self._index
-        at = device_index.size
-        tables = idx[at:at + batch * lay.width].reshape(batch, lay.width)
-        lens = idx[at + self.max_batch * lay.width:][:batch]
+        key = (batch, width, lay.width, merge, bool(append), launch)
+        step = self._device_steps.get(key)
+        if step is None:
+            idx = self._index
+            at = device_index.size
+            tables = idx[at:at + batch * lay.width].reshape(batch, lay.width)
+            lens = idx[at + self.max_batch * lay.width:][:batch]
+            step = self._device_steps.put(key, planned_on_device(
+                launch, self.dtype, self.num_q_heads, self.head_dim, self._opts, merge,
+                bool(append), batch, width, lay.width, device_index, idx, self._counters,
+                self._part_out, self._part_lse, tables=tables, own_lens=lens))
+        tables, lens = ptr(step.tables), ptr(step.lens)
         if isinstance(block_tables, np.ndarray):
-            image = np.full((self.max_batch * lay.width + batch), -1, np.int32)
-            image[:batch * lay.width].reshape(batch, lay.width)[:, :width] = block_tables
-            image[self.max_batch * lay.width:] = seq_lens
-            self._uploader.upload(idx[at:], image)
+            self._uploader.upload_rows([(tables, lay.width * 4, block_tables),
+                                        (lens, batch * 4, seq_lens)])
         else:
             stream = cupy.cuda.get_current_stream().ptr
             rt = cupy.cuda.runtime
-            rt.memcpy2DAsync(tables.data.ptr, lay.width * 4, block_tables.data.ptr,
+            rt.memcpy2DAsync(tables, lay.width * 4, block_tables.data.ptr,
                              table_stride(block_tables) * 4, width * 4, batch,
                              rt.memcpyDeviceToDevice, stream)
-            rt.memcpyAsync(lens.data.ptr, seq_lens.data.ptr, batch * 4,
-                           rt.memcpyDeviceToDevice, stream)
-        return planned_on_device(launch, self.dtype, self.num_q_heads, self.head_dim, self._opts,
-                                  merge, bool(append), batch, width, lay.width, device_index, idx,
-                                  self._counters, self._part_out, self._part_lse,
-                                  tables=tables, own_lens=lens)
+            rt.memcpyAsync(lens, seq_lens.data.ptr, batch * 4, rt.memcpyDeviceToDevice, stream)
+        return step
 
     @accepts_cache(2, owner=True)
     def run(self, q, k_cache, v_cache=None, *, sinks=None, alibi_slopes=None, k_new=None,

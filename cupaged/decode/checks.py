@@ -106,23 +106,26 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layo
     return Checked(xp, batch, hq, geo, opts, append, sl)
 
 
-def check_plan(dec, block_tables, seq_lens, append, num_splits, validate=None):
+def check_plan(dec, block_tables, seq_lens, append, num_splits, validate=None, ids=True):
     """Checks of ``PagedDecoder.plan``; ``(tables, lengths, max block id)`` on the host, or
     ``(None, None, -1)`` for device arrays outside strict mode (the plan kernel checks them).
 
-    Block ids are range-checked against the cache at ``run`` (the plan has no cache).
+    Block ids are range-checked against the cache at ``run`` (the plan has no cache); with
+    ``ids=False`` (a device planner) the host checks only the lengths of host tables, and
+    the plan kernel checks the ids (the max block id is then -1).
     """
     geo = CacheGeometry(INT32_MAX, dec.block_size, dec.num_kv_heads, dec.head_dim)
     xp = array_module(block_tables, seq_lens)
+    ids = ids or strict(validate)
     bt, sl = check_block_tables(block_tables, seq_lens, geo, xp,
                                 extra_tokens=int(bool(append)),
-                                contents=xp is np or strict(validate))
+                                contents=xp is np or strict(validate), ids=ids)
     if block_tables.shape[0] > dec.max_batch:
         raise ValueError(f"block_tables: expected at most max_batch={dec.max_batch} "
                          f"sequences, got {block_tables.shape[0]}")
     check_num_splits(num_splits)
-    if sl is None:
-        return None, None, -1
+    if sl is None or not ids:
+        return bt, sl, -1
     return bt, sl, planned_max_block(bt, sl, dec.block_size, append)
 
 

@@ -180,10 +180,13 @@ class PagedAttention:
         if key_cache.dtype != dtype:
             raise TypeError(f"key_cache: expected dtype {dtype} like query, got {key_cache.dtype}")
         h = metadata.host
-        if h is not None:
-            check_block_tables(h["block_tables"], h["seq_lens"], geo, np)
-            check_range("slot_mapping", h["slot_mapping"][:rows], 0,
-                        geo.num_blocks * geo.block_size, allow=(-1,))
+        if h is not None:  # once per step and cache geometry, at its first layer
+            def check():
+                check_block_tables(h["block_tables"], h["seq_lens"], geo, np)
+                check_range("slot_mapping", h["slot_mapping"][:rows], 0,
+                            geo.num_blocks * geo.block_size, allow=(-1,))
+                return True
+            metadata.plan(("checked", geo, rows), check)
         return geo
 
     def _attend(self, q, k, v, key_cache, value_cache, metadata, xp):
