@@ -231,11 +231,11 @@ def test_decoder_bad_input(rng):
         cupaged.PagedDecoder(4, 2, 72, 8, layout="NHD")
     with pytest.raises(ValueError, match="block_size"):
         cupaged.PagedDecoder(4, 2, 64, 0, layout="NHD")
-    with pytest.raises(ValueError, match="kv_path"):
-        cupaged.PagedDecoder(4, 2, 64, 8, kv_path="tma", layout="NHD")
-    with pytest.raises(ValueError, match="kv_path"):
+    with pytest.raises(ValueError, match="backend"):
+        cupaged.PagedDecoder(4, 2, 64, 8, backend="tma", layout="NHD")
+    with pytest.raises(ValueError, match="backend"):
         cupaged.paged_decode(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
-                             case["seq_lens"], kv_path="tma", layout="NHD")
+                             case["seq_lens"], backend="tma", layout="NHD")
     dec = cupaged.PagedDecoder(4, 2, 64, 8, max_batch=1, layout="NHD")
     with pytest.raises(ValueError, match="plan"):
         dec.run(case["q"], case["k_cache"], case["v_cache"])
@@ -578,18 +578,18 @@ def test_decoder_schedules_and_merges(rng, cp, monkeypatch, schedule, merge, dty
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_path", ["pages", "staged"])
-def test_short_batches_stay_whole(rng, cp, kv_path):
+@pytest.mark.parametrize("backend", ["pages", "staged"])
+def test_short_batches_stay_whole(rng, cp, backend):
     """More short sequences than CTA columns: the "balanced" plan keeps each whole (no
     partial rows, no merge) and matches the reference, an empty sequence included."""
-    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+    if backend == "pages" and int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("cp.async.bulk needs sm_90")
     lens = rng.integers(1, 256, 500).astype(np.int32)
     lens[[5, 77]] = [0, 255]
     case = make_case(rng, lens=lens, hq=16, hk=4, d=128, bs=16, dtype=bfloat16)
     opts = features(rng, 16, ("sinks", "alibi"))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
-    dec = cupaged.PagedDecoder(16, 4, 128, 16, dtype=bfloat16, max_batch=500, kv_path=kv_path, xp=cp, layout="NHD")
+    dec = cupaged.PagedDecoder(16, 4, 128, 16, dtype=bfloat16, max_batch=500, backend=backend, xp=cp, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"], planner="host")
     assert dec.num_splits == 1 and dec._step.work.num_slots == 0
     got = decoder_run(cp, case, dec, {n: cp.asarray(a) for n, a in opts.items()}, bfloat16)
@@ -611,22 +611,22 @@ def test_fused_and_kernel_merges_agree(rng, cp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_path", ["pages", "staged"])
+@pytest.mark.parametrize("backend", ["pages", "staged"])
 @pytest.mark.parametrize("lens", [[70001], [40000, 0, 9000],
                                   [17, 30000, 513, 2, 20000, 4097, 1, 8193, 65]],
                          ids=["b1", "b3", "b9"])
-def test_kernel_merge_splits_heads_over_warps(rng, cp, kv_path, lens):
+def test_kernel_merge_splits_heads_over_warps(rng, cp, backend, lens):
     """Few long sequences have many pieces each, which the merge kernel splits over several
     warps a head (merge_launch: 16 at B1 on the pages kernel, then fewer), combining their
     shares in shared memory: outputs and LSEs (sinks in) match the reference on both kernel
     paths."""
-    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+    if backend == "pages" and int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("cp.async.bulk needs sm_90")
     case = make_case(rng, lens=lens, hq=32, hk=8, d=128, bs=16, dtype=bfloat16)
     opts = features(rng, 32, ("sinks",))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
     dec = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=len(lens),
-                               kv_path=kv_path, xp=cp, layout="NHD")
+                               backend=backend, xp=cp, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"], merge="kernel", planner="host")
     wph = dp.merge_launch(dec._step.device.launch, len(lens))[2]
     assert (wph > 1 and dec.num_splits > 16) or len(lens) == 9  # B9: 1 or 2 a head
@@ -696,21 +696,21 @@ def test_page_shapes_take_the_pages_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_path", ["pages", "staged"])
+@pytest.mark.parametrize("backend", ["pages", "staged"])
 @pytest.mark.parametrize("feats", [("window", "sinks"), ("alibi", "softcap", "scale")],
                          ids=["window+sinks", "alibi+softcap+scale"])
 @pytest.mark.parametrize("layout,dtype,d,bs,hq,hk,lens", [s[1:] for s in PAGE_CASES],
                          ids=[s[0] for s in PAGE_CASES])
-def test_kernel_paths(rng, cp, kv_path, feats, layout, dtype, d, bs, hq, hk, lens):
+def test_kernel_paths(rng, cp, backend, feats, layout, dtype, d, bs, hq, hk, lens):
     """Both kernels where the pages one applies (sm_90): window edges inside blocks and
     m-tiles, partial groups (3 and 5 heads of 8), an append into a partly filled block,
     every score modifier; in HND the whole-block copies bring in the cache's NaN-poisoned
     rows outside the visible keys, which must be zeroed."""
-    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+    if backend == "pages" and int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("cp.async.bulk needs sm_90")
     case = make_case(rng, lens=lens, hq=hq, hk=hk, d=d, bs=bs, layout=layout, dtype=dtype,
                      append=True)
-    check_gpu(cp, rng, case, layout, feats, kv_path=kv_path)
+    check_gpu(cp, rng, case, layout, feats, backend=backend)
 
 
 @pytest.mark.gpu
@@ -722,7 +722,7 @@ def test_pages_kernel_ring_sizes_share_the_function(rng, cp):
     big = make_case(rng, lens=[40, 513], hq=16, hk=8, d=128, bs=16, dtype=bfloat16)
     small = make_case(rng, lens=[33, 2], hq=4, hk=2, d=128, bs=16, dtype=bfloat16)
     for case in (big, small, big):
-        check_gpu(cp, rng, case, "NHD", kv_path="pages")
+        check_gpu(cp, rng, case, "NHD", backend="pages")
 
 
 @pytest.mark.gpu
@@ -738,9 +738,9 @@ def test_pages_kernel_splits_and_merges(rng, cp, merge, hq, hk):
                      dtype=bfloat16)
     opts = features(rng, hq, ("sinks",))
     (want, want_lse), _ = oracle(case, "NHD", **opts)
-    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=60, kv_path="pages", xp=cp, layout="NHD")
+    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=60, backend="pages", xp=cp, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"], merge=merge, planner="host")
-    assert dec.kv_path == "pages" and dec.num_splits > 1
+    assert dec.backend == "pages" and dec.num_splits > 1
     feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
     first = decoder_run(cp, case, dec, feats_dev, bfloat16)
     assert_matches(*first, want, want_lse, bfloat16)
@@ -764,30 +764,30 @@ def test_default_kernel_path(rng, cp):
             (32, 32, 128, "HND", bfloat16, "pages"), (22, 11, 64, "NHD", bfloat16, "staged")):
         dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, layout=layout, max_batch=16)
         dec.plan(dev["block_tables"], dev["seq_lens"])
-        assert dec.kv_path == (want if hopper else "staged"), (hq, hk, d, layout, dtype)
+        assert dec.backend == (want if hopper else "staged"), (hq, hk, d, layout, dtype)
         dec.plan(dev["block_tables"][:1], dev["seq_lens"][:1])
-        assert dec.kv_path == "staged"
-    with pytest.raises(ValueError, match="kv_path: 'pages' needs"):
-        cupaged.paged_decode(**dev, layout="vllm", kv_path="pages")
+        assert dec.backend == "staged"
+    with pytest.raises(ValueError, match="backend: 'pages' needs"):
+        cupaged.paged_decode(**dev, layout="vllm", backend="pages")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_path,hq,hk", [("pages", 16, 4), ("pages", 16, 16), ("staged", 8, 2)])
+@pytest.mark.parametrize("backend,hq,hk", [("pages", 16, 4), ("pages", 16, 16), ("staged", 8, 2)])
 @pytest.mark.parametrize("merge", ["fused", "kernel"])
-def test_pool_pieces(rng, cp, monkeypatch, kv_path, hq, hk, merge):
+def test_pool_pieces(rng, cp, monkeypatch, backend, hq, hk, merge):
     """Long batches leave each sequence's last tiles to the run-time pool: taken by the CTAs
     in any order, merged with the fixed pieces, the counts re-armed for the next launch
     (run eagerly, then replayed from a CUDA graph after a new plan)."""
-    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+    if backend == "pages" and int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("cp.async.bulk needs sm_90")
     monkeypatch.setattr(dp, "POOL_MIN_SHARE", 32)  # a pool for a test-sized batch
-    low = 5000 if kv_path == "pages" else 12000  # a column's fixed share >= POOL_MIN_SHARE
+    low = 5000 if backend == "pages" else 12000  # a column's fixed share >= POOL_MIN_SHARE
     lens = rng.integers(low, low + 4000, 24).astype(np.int32)
     case = make_case(rng, lens=lens, hq=hq, hk=hk, d=128, bs=16, dtype=bfloat16)
     opts = features(rng, hq, ("sinks",))
     feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
     dev = to_device(cp, case)
-    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=24, kv_path=kv_path,
+    dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=24, backend=backend,
                                xp=cp, layout="NHD")
     q = cp.asarray(case["q"])
     out = cp.empty(case["q"].shape, bfloat16)

@@ -103,12 +103,12 @@ def test_pages_kernel_applies_and_plans():
     or of 16 tokens, a 3-stage ring of tiles."""
     ok = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=32,
               num_kv_heads=8)
-    assert dp.pages_capable("90", **ok) and dp.resolve_kv_path(None, "90", **ok, batch=16)
-    assert not dp.resolve_kv_path(None, "90", **ok, batch=1)            # pages_preferred
-    assert dp.resolve_kv_path(None, "90", **ok, batch=2)
-    assert dp.resolve_kv_path("pages", "90", **ok, batch=1)
+    assert dp.pages_capable("90", **ok) and dp.resolve_backend("auto", "90", **ok, batch=16)
+    assert not dp.resolve_backend("auto", "90", **ok, batch=1)            # pages_preferred
+    assert dp.resolve_backend("auto", "90", **ok, batch=2)
+    assert dp.resolve_backend("pages", "90", **ok, batch=1)
     few = {**ok, "num_q_heads": 8, "num_kv_heads": 2}
-    assert dp.pages_capable("90", **few) and dp.resolve_kv_path(None, "90", **few, batch=64)
+    assert dp.pages_capable("90", **few) and dp.resolve_backend("auto", "90", **few, batch=64)
     for bs in (1, 2, 4, 8):
         assert dp.pages_capable("90", **{**ok, "block_size": bs}), bs
     for bs, hk in ((16, 8), (32, 4), (48, 2)):  # HND: whole blocks of 16k tokens a tile
@@ -121,13 +121,13 @@ def test_pages_kernel_applies_and_plans():
                 dict(block_size=64)):  # 64 x 8 x 128 x 2 B x 2 x 3 stages > 227 KB
         args = {**ok, **bad}
         assert not dp.pages_capable("90", **args), bad
-        assert not dp.resolve_kv_path(None, "90", **args, batch=64)
-        with pytest.raises(ValueError, match="kv_path: 'pages' needs"):
-            dp.resolve_kv_path("pages", "90", **args, batch=64)
+        assert not dp.resolve_backend("auto", "90", **args, batch=64)
+        with pytest.raises(ValueError, match="backend: 'pages' needs"):
+            dp.resolve_backend("pages", "90", **args, batch=64)
     assert not dp.pages_capable("80", **ok)
-    assert not dp.resolve_kv_path("staged", "90", **ok, batch=64)
-    with pytest.raises(ValueError, match="kv_path"):
-        dp.resolve_kv_path("tma", "90", **ok, batch=64)
+    assert not dp.resolve_backend("staged", "90", **ok, batch=64)
+    with pytest.raises(ValueError, match="backend"):
+        dp.resolve_backend("tma", "90", **ok, batch=64)
     lp = launch(pages=True)
     assert lp.pages and lp.row_groups == 1 and lp.threads == dp.PAGE_THREADS
     assert lp.heads_per_group == 32 and lp.tiles.tile == 16 and lp.merge_kv_heads == 1
@@ -171,7 +171,7 @@ def test_pages_kernel_row_groups_of_kv_heads():
                num_kv_heads=32)
     for layout in ("NHD", "HND"):
         assert dp.pages_capable("90", **{**mha, "layout": layout})
-        assert dp.resolve_kv_path(None, "90", **{**mha, "layout": layout}, batch=2)
+        assert dp.resolve_backend("auto", "90", **{**mha, "layout": layout}, batch=2)
     lp = dp.plan_launch(**mha, pages=True)
     assert lp.heads.head_warps == 8 and lp.row_groups == 4 and lp.heads_per_group == 8
     assert lp.merge_kv_heads == 4 and lp.grid == (dp.DEFAULT_SMS // 4, 4)
@@ -180,7 +180,7 @@ def test_pages_kernel_row_groups_of_kv_heads():
     hk12 = dp.plan_launch(**{**mha, "num_q_heads": 24, "num_kv_heads": 12}, pages=True)
     assert hk12.row_groups == 2 and hk12.heads_per_group == 12
     prime = {**mha, "num_q_heads": 22, "num_kv_heads": 11}   # a kv head a CTA: capable only
-    assert dp.pages_capable("90", **prime) and not dp.resolve_kv_path(None, "90", **prime,
+    assert dp.pages_capable("90", **prime) and not dp.resolve_backend("auto", "90", **prime,
                                                                       batch=64)
     assert dp.plan_launch(**prime, pages=True).row_groups == 11
 

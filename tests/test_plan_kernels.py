@@ -27,19 +27,19 @@ def tables_for(rng, lens, bs, append=0, spare=5):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_path", ["pages", "staged"])
+@pytest.mark.parametrize("backend", ["pages", "staged"])
 @pytest.mark.parametrize("lens, append, window", [
     ([2048], False, -1), ([70001], True, -1), ([5, 0, 4097, 63, 1], False, 100),
     (list(range(0, 6000, 37)), True, -1), ([8192] * 64, False, -1), ([1, 1, 1], True, 0)],
     ids=["b1", "b1-long-append", "b5-window", "b163-append", "b64", "b3-window0"])
-def test_decode_plan_matches_host(rng, cp, kv_path, lens, append, window):
-    if kv_path == "pages" and int(cp.cuda.Device().compute_capability) < 90:
+def test_decode_plan_matches_host(rng, cp, backend, lens, append, window):
+    if backend == "pages" and int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("cp.async.bulk needs sm_90")
     hq, hk, d, bs = 32, 8, 128, 16
     lens = np.asarray(lens, np.int32)
     tables, nb = tables_for(rng, lens, bs, int(append))
     dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, window_left=window,
-                               max_batch=len(lens) + 3, kv_path=kv_path, layout="NHD")
+                               max_batch=len(lens) + 3, backend=backend, layout="NHD")
     dec.plan(cp.asarray(tables), cp.asarray(lens), append=append)
     kc = cp.asarray(rng.standard_normal((nb, bs, hk, d), np.float32).astype(bfloat16))
     vc = cp.asarray(rng.standard_normal((nb, bs, hk, d), np.float32).astype(bfloat16))

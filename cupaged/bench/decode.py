@@ -103,9 +103,9 @@ def _graph_time(run_set, sets):
 
 
 def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="NHD",
-                kv_path=None):
+                backend="auto"):
     """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fractions of the copy and
-    read ceilings) with the plan's ``variant = (schedule, merge)`` and ``kv_path`` (default:
+    read ceilings) with the plan's ``variant = (schedule, merge)`` and ``backend`` (default:
     the library's choice)."""
     import cupy
     hq, hk = heads
@@ -120,7 +120,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     q = _random_fill(cupy.empty((batch, hq, HEAD_DIM), DTYPE), 3)
     out = cupy.empty_like(q)
     dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, layout=layout,
-                              max_batch=batch, xp=cupy, kv_path=kv_path)
+                              max_batch=batch, xp=cupy, backend=backend)
     dec.plan(tables, lens, schedule=variant[0], merge=variant[1], planner="host")
     variant = (variant[0] or "balanced", dec.merge)
     cupy.cuda.Device().synchronize()
@@ -132,7 +132,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     err = _check(out, q, *sets[0], tables, lens, hq // hk, layout)
     bw = nbytes / seconds
     return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page, "layout": layout,
-            "variant": "/".join(variant), "path": dec.kv_path, "splits": dec.num_splits, "us": seconds * 1e6,
+            "variant": "/".join(variant), "path": dec.backend, "splits": dec.num_splits, "us": seconds * 1e6,
             "eager_us": eager * 1e6, "TB/s": bw / 1e12, "frac_copy": bw / copy_bandwidth(),
             "frac_read": bw / read_bandwidth(), "err": err, "ok": bool(err < TOLERANCE)}
 
@@ -228,7 +228,7 @@ def run(quick=False):
         rows.append(bench_paged(64, 8192, HEADS["GQA"], page=page, layout=layout))
         _free()
     for b, l in ((1, 2048), (1, 8192), (64, 2048), (64, 8192)):  # the other kernel path
-        rows.append(bench_paged(b, l, HEADS["GQA"], kv_path="staged"))
+        rows.append(bench_paged(b, l, HEADS["GQA"], backend="staged"))
         _free()
     return rows
 

@@ -44,7 +44,7 @@ def check_aligned(**arrays):
     for name, a in arrays.items():
         if a is None or not a.size:
             continue
-        address = a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+        address = a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
         if address % 16:
             raise ValueError(f"{name}: expected a 16-byte aligned data pointer, "
                              f"got {address:#x}")

@@ -54,7 +54,7 @@ def _reference_into(o, lse, out, return_lse):
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                  logits_soft_cap=0.0, layout=None, num_splits=None, out=None,
-                 return_lse=False, kv_path=None, validate=None):
+                 return_lse=False, backend="auto", validate=None):
     """Attention of one query token per sequence over its paged keys and values.
 
     Parameters
@@ -97,13 +97,14 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         ``[batch, num_q_heads, head_dim]`` in q's dtype, written and returned.
     return_lse : bool
         Also return the float32 natural-log LSE ``[batch, num_q_heads]`` (sink included).
-    kv_path : {"pages", "staged"}, optional
-        "pages": one CTA per SM copies whole cache blocks (``block_size`` tokens of up to 8
+    backend : {"auto", "pages", "staged"}
+        The kernel (the one kernel-choice keyword of the attention ops, as ``backend`` of
+        :func:`cupaged.varlen_prefill`). "pages": one CTA per SM copies whole cache blocks (``block_size`` tokens of up to 8
         kv heads: all of them, or a group of a divisor of their number, e.g. 8 of MHA's 32)
         with ``cp.async.bulk`` (sm_90+, 16-bit NHD caches with block_size a multiple or a
         divisor of 16 or HND ones with block_size a multiple of 16, head_dim 64/96/128, up
         to 8 query heads a kv head).
-        "staged": 16-byte cp.async tiles of one kv head per CTA (every case). Default:
+        "staged": 16-byte cp.async tiles of one kv head per CTA (every case). "auto":
         "pages" where it applies to batches of 2 sequences or more and its CTAs serve every
         kv head or 4 of them or more, where it is the faster; else "staged". CuPy path
         only.
@@ -126,7 +127,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     call = None
     if num_splits is None:
         call = hot(errors.strict(validate), arrays, sm_scale, window_left, logits_soft_cap,
-                   layout, bool(return_lse), kv_path)
+                   layout, bool(return_lse), backend)
         hit = _CALLS.get(call.key) if call is not None else None
         if hit is not None:  # checked and set up by an earlier call of this signature
             device, strides, dtype = hit
@@ -139,14 +140,14 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
             launch_decode(device, strides, ptrs, out_ptr, lse_ptr, tables, lens, call.stream)
             return call.done((out, lse) if return_lse else out)
     return _decode_checked(*arrays, num_splits, sm_scale, window_left, logits_soft_cap, layout,
-                           return_lse, kv_path, validate,
+                           return_lse, backend, validate,
                            call.key if call is not None else None)
 
 
 @accepts_dlpack
 def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, block_tables,
                     seq_lens, out, num_splits, sm_scale, window_left, logits_soft_cap, layout,
-                    return_lse, kv_path, validate, cache_key):
+                    return_lse, backend, validate, cache_key):
     """paged_decode's checks, its device step (cached under ``cache_key`` when planned on
     the device) and its launches."""
     layout = resolve_layout(layout, k_cache, q,
@@ -155,8 +156,7 @@ def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, bloc
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
     checked = checks.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new,
                                   layout, num_splits, out, options, validate)
-    if kv_path is not None:
-        check_choice("kv_path", kv_path, plan.KV_PATHS)
+    check_choice("backend", backend, plan.BACKENDS)
     xp = checked.xp
     if xp is np:
         o, lse = ref.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new=k_new,
@@ -171,7 +171,7 @@ def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, bloc
     if checked.batch:
         geo = checked.geometry
         launch = current_geometry(q.dtype, q.shape[2], layout, geo.block_size,
-                                  checked.num_q_heads, geo.num_kv_heads, kv_path, checked.batch)
+                                  checked.num_q_heads, geo.num_kv_heads, backend, checked.batch)
         device = call_step(xp, launch, checked, q.dtype, block_tables, seq_lens, num_splits)
         strides = call_strides(q, k_cache, v_cache, k_new, v_new)
         if checked.seq_lens_host is None:
@@ -257,13 +257,13 @@ class PagedDecoder:
     xp : module, optional
         ``cupy`` (kernels) or ``numpy`` (reference); default: the first plan's module. Give
         ``cupy`` to plan from NumPy metadata and run the kernels.
-    kv_path : {"pages", "staged"}, optional
+    backend : {"auto", "pages", "staged"}
         As in :func:`paged_decode`.
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout=None, window_left=-1, logits_soft_cap=0.0, sm_scale=None,
-                 max_batch=256, max_blocks_per_seq=None, xp=None, kv_path=None):
+                 max_batch=256, max_blocks_per_seq=None, xp=None, backend="auto"):
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("max_batch", max_batch)):
             check_int(name, v)
@@ -274,9 +274,8 @@ class PagedDecoder:
         self.layout_given = layout is not None
         layout = "NHD" if layout is None else layout
         check_choice("layout", layout, LAYOUTS)
-        if kv_path is not None:
-            check_choice("kv_path", kv_path, plan.KV_PATHS)
-        self._kv_path = kv_path
+        check_choice("backend", backend, plan.BACKENDS)
+        self._backend = backend
         self._opts = check_options(np, num_q_heads, head_dim, sm_scale=sm_scale,
                                    window_left=window_left, logits_soft_cap=logits_soft_cap)
         self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
@@ -358,15 +357,15 @@ class PagedDecoder:
                                       schedule, num_splits, merge)
                 device = self._upload(launch, bt, sl, work, merge, append)
             else:
-                device = self._take(launch, block_tables if sl is None else bt,
-                                    seq_lens if sl is None else sl, merge, append)
+                device = self._take(launch, block_tables, seq_lens if sl is None else sl,
+                                    merge, append)
         self._step = plan.Step(batch, bt, sl, bool(append), max_block, work, merge, device)
         self._planned_blocks = None
         self._runs.clear()
         return self
 
     @property
-    def kv_path(self):
+    def backend(self):
         """The current CuPy plan's kernel, "pages" or "staged" (None otherwise)."""
         step = self._step
         if step is None or step.device is None:
@@ -388,7 +387,7 @@ class PagedDecoder:
 
     def _geometry(self, batch):
         return current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
-                                 self.num_q_heads, self.num_kv_heads, self._kv_path, batch)
+                                 self.num_q_heads, self.num_kv_heads, self._backend, batch)
 
     def _buffers(self, launch, rows, width, part_rows):
         """The decoder's index, partial and counter buffers, grown to hold a plan of

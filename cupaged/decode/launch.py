@@ -78,13 +78,13 @@ def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_k
     return launch._replace(columns=max(1, sms * max(1, per_sm) // launch.row_groups))
 
 
-def current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, kv_path,
+def current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, backend,
                       batch):
     """The launch geometry of a ``batch``-sequence step on the current device, its kernel
-    path resolved from ``kv_path`` (``dp.resolve_kv_path``)."""
+    path resolved from ``backend`` (``dp.resolve_backend``)."""
     device = current()
     dtype = np.dtype(dtype)
-    pages = plan.resolve_kv_path(kv_path, device.compute_capability, dtype.itemsize,
+    pages = plan.resolve_backend(backend, device.compute_capability, dtype.itemsize,
                                  int(head_dim), layout, int(block_size), int(num_q_heads),
                                  int(num_kv_heads), int(batch))
     return _geometry(device.id, dtype, int(head_dim), layout, int(block_size), int(num_q_heads),

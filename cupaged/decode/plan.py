@@ -25,7 +25,7 @@ DEFAULT_SMEM_PER_SM = 228 * 1024
 SCHEDULES = ("balanced", "split")  # equal tile shares per column / equal cuts per sequence
 MERGES = ("fused", "kernel")       # split pieces merged by their last CTA / by a second kernel
 DESC_INTS = 8                      # ints per piece descriptor (decode.cu's Piece)
-KV_PATHS = ("pages", "staged")     # whole blocks by cp.async.bulk (sm_90) / cp.async tiles
+BACKENDS = ("auto", "pages", "staged")  # auto; whole blocks by cp.async.bulk (sm_90); cp.async tiles
 PAGE_WARPS = 8                     # paged_decode_pages_kernel: its kv heads x token warps
 PAGE_THREADS = 32 * PAGE_WARPS
 PAGE_STAGES = 3
@@ -111,7 +111,7 @@ def pages_preferred(batch, num_kv_heads):
     serves at least PAGE_MIN_KV_HEADS kv heads (runs of one token's heads: 2 KB for 8 heads
     at d128, but 256 bytes for one). One sequence alone stays on the staged kernel: its
     fused merge saves the merge kernel's launch where the time is latency (ask for the pages
-    kernel with kv_path). Depends on the batch, not the lengths, so that a captured graph
+    kernel with ``backend="pages"``). Depends on the batch, not the lengths, so that a captured graph
     stays valid. The measurements behind the rule: benchmarks/NOTES.md, decode v5, v9c, v9d,
     v10a, v10b.
 
@@ -130,25 +130,25 @@ def pages_preferred(batch, num_kv_heads):
     return batch >= PAGE_MIN_BATCH and (heads == num_kv_heads or heads >= PAGE_MIN_KV_HEADS)
 
 
-def resolve_kv_path(kv_path, compute_capability, itemsize, head_dim, layout, block_size,
+def resolve_backend(backend, compute_capability, itemsize, head_dim, layout, block_size,
                     num_q_heads, num_kv_heads, batch):
-    """``True`` for the pages kernel, ``False`` for the staged one. ``kv_path=None`` takes
-    "pages" where it applies and is the faster (``pages_preferred``); "pages" where it does
-    not apply raises."""
+    """``True`` for the pages kernel, ``False`` for the staged one. ``backend="auto"``
+    takes "pages" where it applies and is the faster (``pages_preferred``); "pages" where it
+    does not apply raises."""
     capable = pages_capable(compute_capability, itemsize, head_dim, layout, block_size,
                             num_q_heads, num_kv_heads)
-    if kv_path is None:
+    if backend == "auto":
         return capable and pages_preferred(batch, num_kv_heads)
-    if kv_path not in KV_PATHS:
-        raise ValueError(f"kv_path: expected one of {KV_PATHS}, got {kv_path!r}")
-    if kv_path == "pages" and not capable:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "pages" and not capable:
         raise ValueError(
-            f"kv_path: 'pages' needs sm_90+, a 16-bit NHD cache with block_size a multiple "
+            f"backend: 'pages' needs sm_90+, a 16-bit NHD cache with block_size a multiple "
             f"or a divisor of 16 or an HND one with block_size a multiple of 16, head_dim in "
             f"{PAGE_HEAD_DIMS}, at most 8 query heads a kv head and a ring that fits in shared "
             f"memory, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
             f"{head_dim}, block_size {block_size}, {num_q_heads}/{num_kv_heads} heads")
-    return kv_path == "pages"
+    return backend == "pages"
 
 
 def resolve_merge(merge, launch):
