@@ -393,61 +393,34 @@ class Hot:
         return result if self._root is None else _convert_out(result, self._root)
 
 
-def hot(strict, arrays, *options):
-    """The :class:`Hot` view of a call on ``arrays`` (its first a CuPy array or a CUDA torch
-    tensor; None entries allowed) with ``options`` (hashable), or None where the call must
-    take the checked path: strict mode, NumPy or other arrays, kinds mixed, or a torch
-    tensor on a device other than CuPy's current one."""
-    if strict:
+def _describe_cupy(a, stream):
+    p = a.data.ptr
+    return (a.shape, a.strides, a.dtype, p & 15), p
+
+
+def _describe_torch(a, stream):
+    dt = _TORCH["dtypes"].get(a.dtype)
+    if dt is None:
         return None
-    first = arrays[0]
-    cp = sys.modules.get("cupy")
-    if cp is not None and type(first) is cp.ndarray:
-        sig, ptrs = [], []
-        for a in arrays:
-            if a is None:
-                sig.append(None)
-                ptrs.append(0)
-            elif type(a) is cp.ndarray:
-                p = a.data.ptr
-                sig.append((a.shape, a.strides, a.dtype, p & 15))
-                ptrs.append(p)
-            else:
-                return None
-        stream = cp.cuda.get_current_stream().ptr
-        return Hot((tuple(sig), options, cp.cuda.runtime.getDevice(), stream), ptrs, stream,
-                   None)
-    if cp is None:
+    p = a.data_ptr()
+    return (tuple(a.shape), _byte_strides(a.stride(), dt.itemsize), dt, p & 15), p
+
+
+def _describe_dlpack(a, stream):
+    """A single-device array of another framework (JAX) by its buffer address; one still
+    being computed is ordered before ``stream`` through ``__dlpack__`` (its producer makes
+    the stream wait for it); a dense (C-order) layout."""
+    if not hasattr(a, "is_ready"):
         return None
-    kind = _kind(first)
-    if kind == "dlpack":
-        return _hot_dlpack(arrays, options, cp)
-    if kind != "torch":
+    try:
+        p = a.unsafe_buffer_pointer()
+        if not a.is_ready():
+            a.__dlpack__(stream=stream)
+    except Exception:  # sharded, deleted or on the host: the checked path says why
         return None
-    device = first.get_device()
-    if device < 0 or device != cp.cuda.runtime.getDevice():
-        return None
-    tables = _torch_tables()
-    dtypes = tables["dtypes"]
-    sig, ptrs = [], []
-    for a in arrays:
-        if a is None:
-            sig.append(None)
-            ptrs.append(0)
-            continue
-        if _KINDS.get(type(a)) != "torch":
-            return None
-        dt = dtypes.get(a.dtype)
-        if dt is None:
-            return None
-        p = a.data_ptr()
-        sig.append((tuple(a.shape), _byte_strides(a.stride(), dt.itemsize), dt, p & 15))
-        ptrs.append(p)
-    tdev = tables["devices"].get(device)
-    if tdev is None:
-        tdev = tables["devices"][device] = first.device
-    stream = sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
-    return Hot((tuple(sig), options, device, stream), ptrs, stream, tdev)
+    dt = np.dtype(a.dtype)
+    shape = tuple(a.shape)
+    return (shape, _contiguous_strides(shape, dt.itemsize), dt, p & 15), p
 
 
 def _contiguous_strides(shape, itemsize):
@@ -462,32 +435,50 @@ def _contiguous_strides(shape, itemsize):
     return b
 
 
-def _hot_dlpack(arrays, options, cp):
-    """:func:`hot` for single-device arrays of another framework (JAX): each is read by
-    its buffer address; one still being computed is ordered before CuPy's current stream
-    through ``__dlpack__`` (its producer makes that stream wait for it); dense (C-order)
-    layouts."""
-    stream = cp.cuda.get_current_stream().ptr
+def hot(strict, arrays, *options):
+    """The :class:`Hot` view of a call on ``arrays`` (its first a CuPy array, a CUDA torch
+    tensor or a JAX GPU array; None entries allowed) with ``options`` (hashable), or None
+    where the call must take the checked path: strict mode, NumPy or other arrays, kinds
+    mixed, or an array on a device other than CuPy's current one."""
+    cp = sys.modules.get("cupy")
+    if strict or cp is None:
+        return None
+    first = arrays[0]
+    cls = type(first)
+    torch_device = root = None
+    if cls is cp.ndarray:
+        kind, describe, stream = "cupy", _describe_cupy, cp.cuda.get_current_stream().ptr
+        device = cp.cuda.runtime.getDevice()
+    else:
+        kind = _kind(first)
+        if kind is None:
+            return None
+        device = cp.cuda.runtime.getDevice()
+        if kind == "torch":
+            if first.get_device() != device:
+                return None
+            _torch_tables()
+            devices = _TORCH["devices"]
+            torch_device = devices.get(device) or devices.setdefault(device, first.device)
+            describe = _describe_torch
+            stream = sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+        else:
+            describe, stream = _describe_dlpack, cp.cuda.get_current_stream().ptr
+            root = _foreign_root(first)
     sig, ptrs = [], []
     for a in arrays:
         if a is None:
             sig.append(None)
             ptrs.append(0)
             continue
-        if _KINDS.get(type(a)) != "dlpack" or not hasattr(a, "is_ready"):
+        if type(a) is not cls and (kind == "cupy" or _kind(a) != kind):
             return None
-        try:
-            p = a.unsafe_buffer_pointer()
-            if not a.is_ready():  # still being computed: ordered before this stream
-                a.__dlpack__(stream=stream)
-        except Exception:  # sharded, deleted or on the host: the checked path says why
+        entry = describe(a, stream)
+        if entry is None:
             return None
-        dt = np.dtype(a.dtype)
-        shape = tuple(a.shape)
-        sig.append((shape, _contiguous_strides(shape, dt.itemsize), dt, p & 15))
-        ptrs.append(p)
-    return Hot((tuple(sig), options, cp.cuda.runtime.getDevice(), stream), ptrs, stream,
-               root=_foreign_root(arrays[0]))
+        sig.append(entry[0])
+        ptrs.append(entry[1])
+    return Hot((tuple(sig), options, device, stream), ptrs, stream, torch_device, root)
 
 
 class CallCache(dict):
