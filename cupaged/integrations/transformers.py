@@ -38,8 +38,6 @@ Examples
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -47,7 +45,6 @@ from transformers.masking_utils import flash_attention_mask
 
 import weakref
 
-from .. import interop
 from ..core.arrays import bfloat16
 from ..cache_ops.api import write_kv_cache
 from ..decode.api import paged_decode
@@ -61,17 +58,13 @@ __all__ = ["NAME", "PAGED_NAME", "register", "attention_forward", "paged_attenti
 
 # ----------------------------------------------------------------------------- tensors
 def _array(t):
-    """A CuPy (CUDA) or NumPy (CPU) array sharing ``t``'s memory."""
+    """What cupaged takes of ``t``: the CUDA tensor itself (read on torch's current stream)
+    or a NumPy array sharing a CPU tensor's memory."""
     if t.device.type == "cuda":
-        return interop.as_cupy(t)
+        return t
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(bfloat16)
     return t.numpy()
-
-
-def _stream(t):
-    """Run CuPy work on torch's current stream of ``t``'s device (nothing for CPU)."""
-    return interop.caller_stream(t) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- options
@@ -116,9 +109,8 @@ def _heads_last(x):
 def _varlen(q, k, v, cu_q, cu_k, out, causal, opts, sinks):
     """``cupaged.varlen_prefill`` on torch tensors (``cu_q``/``cu_k`` int32) into ``out``,
     on torch's current stream."""
-    with _stream(q):
-        varlen_prefill(_array(q), _array(k), _array(v), _array(cu_q), _array(cu_k),
-                       causal=causal, out=_array(out), sinks=_sinks(sinks), **opts)
+    varlen_prefill(_array(q), _array(k), _array(v), _array(cu_q), _array(cu_k),
+                   causal=causal, out=_array(out), sinks=_sinks(sinks), **opts)
     return out
 
 
@@ -215,9 +207,8 @@ def _decode_step(query, key, value, mask, opts, sinks):
         k_cache = key.transpose(1, 2).reshape(b * sk, 1, hk, d)
         v_cache = value.transpose(1, 2).reshape(b * sk, 1, hk, d)
         layout = "NHD"
-    with _stream(q):
-        paged_decode(_array(q), _array(k_cache), _array(v_cache), _array(tables), _array(lens),
-                     layout=layout, out=_array(out), sinks=_sinks(sinks), **opts)
+    paged_decode(_array(q), _array(k_cache), _array(v_cache), _array(tables), _array(lens),
+                 layout=layout, out=_array(out), sinks=_sinks(sinks), **opts)
     return out.view(b, 1, hq, d)
 
 
@@ -324,25 +315,23 @@ def _paged_varlen(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k
     shape = (-1, bs, cache.num_key_value_heads, cache.head_dim)
     k_cache, v_cache = cache.key_cache[index].view(shape), cache.value_cache[index].view(shape)
     k, v = _rows(key), _rows(value)
-    with _stream(q):
-        write_kv_cache(_array(k), _array(v), _array(k_cache), _array(v_cache),
-                       _array(write[:k.shape[0]]))
+    write_kv_cache(_array(k), _array(v), _array(k_cache), _array(v_cache),
+                   _array(write[:k.shape[0]]))
     if read.numel() == 0:  # fresh prompts: their own keys only
         return _varlen(q, k, v, cu_q, cu_k, out, True, opts, sinks)
     longest = max_seqlen_k if isinstance(max_seqlen_k, int) and max_seqlen_k > 0 else read.numel()
     tables, lens = _slot_tables(read, cu_k, bs, -(-longest // bs))
-    with _stream(q):
-        if max_seqlen_q == 1:
-            n = cu_q.shape[0] - 1
-            if n < q.shape[0]:
-                out[n:].zero_()
-            paged_decode(_array(q[:n]), _array(k_cache), _array(v_cache), _array(tables),
-                         _array(lens), layout="NHD", out=_array(out[:n]), sinks=_sinks(sinks),
-                         **opts)
-        else:
-            paged_attention(_array(q), _array(k_cache), _array(v_cache), _array(cu_q),
-                            _array(tables), _array(lens), layout="NHD", out=_array(out),
-                            sinks=_sinks(sinks), **opts)
+    if max_seqlen_q == 1:
+        n = cu_q.shape[0] - 1
+        if n < q.shape[0]:
+            out[n:].zero_()
+        paged_decode(_array(q[:n]), _array(k_cache), _array(v_cache), _array(tables),
+                     _array(lens), layout="NHD", out=_array(out[:n]), sinks=_sinks(sinks),
+                     **opts)
+    else:
+        paged_attention(_array(q), _array(k_cache), _array(v_cache), _array(cu_q),
+                        _array(tables), _array(lens), layout="NHD", out=_array(out),
+                        sinks=_sinks(sinks), **opts)
     return out
 
 
@@ -362,11 +351,10 @@ def _paged_decode(module, query, key, value, cache, cu_seq_lens_k, block_table, 
     blocks = tables.gather(1, torch.div(pos, bs, rounding_mode="floor")[:, None])[:, 0]
     slots = torch.where(lens > 0, blocks.to(torch.int64) * bs + pos % bs, -1)
     out = torch.empty_like(q)
-    with _stream(q):
-        write_kv_cache(_array(k_new), _array(v_new), _array(k_cache), _array(v_cache),
-                       _array(slots))
-        paged_decode(_array(q), _array(k_cache), _array(v_cache), _array(tables), _array(lens),
-                     layout="NHD", out=_array(out), sinks=_sinks(sinks), **opts)
+    write_kv_cache(_array(k_new), _array(v_new), _array(k_cache), _array(v_cache),
+                   _array(slots))
+    paged_decode(_array(q), _array(k_cache), _array(v_cache), _array(tables), _array(lens),
+                 layout="NHD", out=_array(out), sinks=_sinks(sinks), **opts)
     return out
 
 
