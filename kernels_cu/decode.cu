@@ -550,7 +550,7 @@ struct SoftmaxState {
   __device__ __forceinline__ void init() {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      m[nt][0] = m[nt][1] = minus_inf();
+      m[nt][0] = m[nt][1] = neg_inf();
       l[nt][0] = l[nt][1] = 0.f;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt) acc[dt][nt][0] = acc[dt][nt][1] = acc[dt][nt][2] = acc[dt][nt][3] = 0.f;
@@ -569,7 +569,7 @@ struct SoftmaxState {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
         const float m_new = fmaxf(m[nt][j], mx);
-        const float m_use = m_new == minus_inf() ? 0.f : m_new;
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;
         const float alpha = fast_exp2(m[nt][j] - m_use);
         s[nt][j] = fast_exp2(s[nt][j] - m_use);
         s[nt][j + 2] = fast_exp2(s[nt][j + 2] - m_use);
@@ -617,7 +617,7 @@ struct SoftmaxState {
       for (int j = 0; j < 2; ++j) {
         const float m2 = w[(DT * NT * 4 + nt * 4 + j) * 32], l2 = w[(DT * NT * 4 + nt * 4 + 2 + j) * 32];
         const float m_new = fmaxf(m[nt][j], m2);
-        const float m_use = m_new == minus_inf() ? 0.f : m_new;
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;
         const float a = fast_exp2(m[nt][j] - m_use), c = fast_exp2(m2 - m_use);
         l[nt][j] = l[nt][j] * a + l2 * c;
         m[nt][j] = m_new;
@@ -655,7 +655,7 @@ struct ScoreMods {
           if (soft_cap > 0.f) x = soft_cap * tanhf(x * inv_cap);
           x = (x + slope[nt][k & 1] * (float)(tok - pos)) * LOG2E;
         }
-        s[nt][k] = (tok >= lo && tok < kv_len) ? x : minus_inf();
+        s[nt][k] = (tok >= lo && tok < kv_len) ? x : neg_inf();
       }
   }
 };
@@ -681,16 +681,16 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
       const float m = st.m[nt][j], l = st.l[nt][j];
       float scale, row_lse;
       if (whole) {
-        const float sink2 = sinks != nullptr ? sinks[h] * LOG2E : minus_inf();
+        const float sink2 = sinks != nullptr ? sinks[h] * LOG2E : neg_inf();
         const float m_all = fmaxf(m, sink2);
-        const float m_use = m_all == minus_inf() ? 0.f : m_all;
+        const float m_use = m_all == neg_inf() ? 0.f : m_all;
         const float sc = fast_exp2(m - m_use);
         const float den = l * sc + fast_exp2(sink2 - m_use);
         scale = den > 0.f ? sc / den : 0.f;
-        row_lse = den > 0.f ? (m_use + log2f(den)) * LN2 : minus_inf();
+        row_lse = den > 0.f ? (m_use + log2f(den)) * LN2 : neg_inf();
       } else {
         scale = l > 0.f ? 1.f / l : 0.f;
-        row_lse = l > 0.f ? (m + log2f(l)) * LN2 : minus_inf();
+        row_lse = l > 0.f ? (m + log2f(l)) * LN2 : neg_inf();
       }
 #pragma unroll
       for (int dt = 0; dt < D / 16; ++dt)
@@ -1145,7 +1145,7 @@ __global__ void __launch_bounds__(128) merge_states_kernel(CUPAGED_PARAMS_MergeS
   if (row >= num_rows) return;
   const PartRow<TI> o{o_first + row * o_row_stride, o_rest + row * o_row_stride, o_part_stride};
   const PartRow<float> ls{l_first + row * l_row_stride, l_rest + row * l_row_stride, l_part_stride};
-  const float sink = sinks != nullptr ? sinks[row % num_heads] : minus_inf();
+  const float sink = sinks != nullptr ? sinks[row % num_heads] : neg_inf();
   merge_row_warp<TI, TO>(o, ls, num_parts, sink, dim, out + (i64)row * dim,
                          lse_out != nullptr ? lse_out + row : nullptr);
 }
@@ -1181,7 +1181,7 @@ merge_pieces_kernel(CUPAGED_PARAMS_MergePiecesArgs) {
   const int hq = (y / head_chunks) * group + hc * hpc + h;             // query head
   const i64 stride = (i64)gridDim.y * hpc;  // rows from one piece to the next
   const i64 row = ((i64)slot0 * gridDim.y + y) * hpc + h;
-  RowShare<CH> r{minus_inf(), 0.f};
+  RowShare<CH> r{neg_inf(), 0.f};
   if (h < heads)
     r = merge_pieces_share<CH>(part_out + row * dim, stride * dim, part_lse + row, stride,
                                part * np / wph, (part + 1) * np / wph, dim, lane);
@@ -1204,7 +1204,7 @@ merge_pieces_kernel(CUPAGED_PARAMS_MergePiecesArgs) {
     return;
   }
   const i64 orow = (i64)b * num_q_heads + hq;
-  write_merged<TO, CH>(r, sinks != nullptr ? sinks[hq] : minus_inf(), dim, out + orow * dim,
+  write_merged<TO, CH>(r, sinks != nullptr ? sinks[hq] : neg_inf(), dim, out + orow * dim,
                        lse != nullptr ? lse + orow : nullptr, lane);
 }
 

@@ -253,7 +253,7 @@ __device__ __forceinline__ void zero_rows(const PrefillPlanArgs& a, i64 r0, i64 
   if (a.lse != nullptr)
     for (i64 i = r0 * a.num_q_heads + (i64)cta * THREADS + threadIdx.x; i < r1 * a.num_q_heads;
          i += (i64)ctas * THREADS)
-      a.lse[i] = __int_as_float(0xff800000);
+      a.lse[i] = neg_inf();
 }
 
 __device__ __forceinline__ bool prefix_ok(const int* cu, int b, int total, int argument,
