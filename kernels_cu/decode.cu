@@ -33,6 +33,7 @@
 #include "abi.cuh"
 #include "mma.cuh"
 #include "merge.cuh"
+#include "score.cuh"
 #include "bulk_copy.cuh"
 
 namespace cupaged {
@@ -632,11 +633,10 @@ struct SoftmaxState {
   }
 };
 
-// Score epilogue in design.md's order: scale, soft-cap, ALiBi; then the visibility mask.
-// Output in log2 units (exp2-based softmax).
+// The score epilogue (score.cuh), then the visibility mask: keys [lo, kv_len) of the query
+// at position pos. Output in log2 units (exp2-based softmax).
 struct ScoreMods {
-  float scale_log2, sm_scale, soft_cap, inv_cap;
-  bool plain;  // no soft-cap, no ALiBi: one multiply
+  ScoreEpilogue epi;
   int lo, kv_len, pos;
 
   template <int NT>
@@ -647,14 +647,7 @@ struct ScoreMods {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int tok = tok0 + qr + 8 * (k >> 1);
-        float x = s[nt][k];
-        if (plain) {
-          x *= scale_log2;
-        } else {
-          x *= sm_scale;
-          if (soft_cap > 0.f) x = soft_cap * tanhf(x * inv_cap);
-          x = (x + slope[nt][k & 1] * (float)(tok - pos)) * LOG2E;
-        }
+        const float x = epi(s[nt][k], slope[nt][k & 1], tok - pos);
         s[nt][k] = (tok >= lo && tok < kv_len) ? x : neg_inf();
       }
   }
@@ -838,8 +831,8 @@ paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
     Piece p = load_piece(work, pi);
     if (!p.valid()) break;
     const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len, t_end = p.t_end;
-    const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
-                         soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, kv_len - 1};
+    const ScoreMods mods{score_epilogue(sm_scale, soft_cap, alibi_slopes != nullptr, scale_log2),
+                         lo, kv_len, kv_len - 1};
     if (computes) math.load_q(q + (i64)p.b * q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
     state.init();
     for (int tile = p.t_begin; tile < t_end; ++tile, ++it) {
@@ -1053,8 +1046,8 @@ paged_decode_pages_kernel(CUPAGED_PARAMS_DecodeArgs) {
     Piece p = load_piece(work, pi);
     if (!p.valid()) break;
     const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len;
-    const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
-                         soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, kv_len - 1};
+    const ScoreMods mods{score_epilogue(sm_scale, soft_cap, alibi_slopes != nullptr, scale_log2),
+                         lo, kv_len, kv_len - 1};
     if (warp_heads) math.load_q(q + (i64)p.b * q_stride + (i64)hq_warp * D, warp_heads, lane);
     state.init();
     for (int tile = p.t_begin; tile < p.t_end; ++tile, ++it) {
