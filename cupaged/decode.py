@@ -6,7 +6,8 @@ inputs run the float64 reference (``cupaged.reference.attention``); CuPy inputs 
 ``kernels_cu/decode.cu``: the append kernel (with ``k_new``/``v_new``) and the decode
 kernel, a persistent grid (one CTA per resident slot) whose CTAs stream host-planned pieces
 of the sequences' keys; a sequence cut into several pieces is merged (sinks added once) by
-the CTA finishing its last piece, or by a second kernel. Host planning (pieces, head
+the CTA finishing its last piece, or by a second kernel (``kernels_cu/merge.cu``, which
+also holds ``merge_states``' kernel). Host planning (pieces, head
 layout, strides, merge) lives in ``cupaged.decode_plan``, argument checks in
 ``cupaged.decode_checks``.
 """
@@ -51,11 +52,11 @@ def _launch_expr(lp, dtype):
 
 
 def _merge_expr(in_dtype, out_dtype):
-    return f"cupaged::decode::merge_states_kernel<{ctype(in_dtype)}, {ctype(out_dtype)}>"
+    return f"cupaged::merge::merge_states_kernel<{ctype(in_dtype)}, {ctype(out_dtype)}>"
 
 
 def _pieces_expr(dtype, head_dim):
-    return f"cupaged::decode::merge_pieces_kernel<{ctype(dtype)}, {-(-head_dim // 128)}>"
+    return f"cupaged::merge::merge_pieces_kernel<{ctype(dtype)}, {-(-head_dim // 128)}>"
 
 
 def _append_expr(dtype):
@@ -170,7 +171,7 @@ def _device_step(lp, dtype, num_q_heads, head_dim, opts, merge, append, batch, b
             head_chunks=lp.heads.head_chunks, hpc=lp.heads_per_group, dim=head_dim)
     kernels = (launcher("decode", _append_expr(dtype), abi.APPEND) if append else None,
                _decode_kernel(lp, dtype),
-               None if fused else launcher("decode", _pieces_expr(dtype, lp.head_dim),
+               None if fused else launcher("merge", _pieces_expr(dtype, lp.head_dim),
                                            abi.MERGE_PIECES),
                launcher("plan", PLAN_EXPR, abi.DECODE_PLAN) if plan_args is not None else None)
     return _DeviceStep(lp, kernels, plan_args, append_args, decode_args, merge_args,
@@ -233,7 +234,7 @@ def _launch_decode(dev, q, k_cache, v_cache, k_new, v_new, alibi, sinks, out, ls
 def _launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_parts, rows,
                   heads, dim, sinks, out, lse):
     """Merge ``num_parts`` states per row into ``out`` ``[rows, dim]`` (and ``lse``)."""
-    kernel = launcher("decode", _merge_expr(o_first.dtype, out.dtype), abi.MERGE_STATES)
+    kernel = launcher("merge", _merge_expr(o_first.dtype, out.dtype), abi.MERGE_STATES)
     kernel(-(-rows // 4), 128, o_first=ptr(o_first), o_rest=ptr(o_rest),
            o_part_stride=o_strides[0], o_row_stride=o_strides[1], l_first=ptr(l_first),
            l_rest=ptr(l_rest), l_part_stride=l_strides[0], l_row_stride=l_strides[1],
@@ -745,8 +746,8 @@ def kernel_specializations():
     specs = [Spec("plan", PLAN_EXPR)]
     for dt in FLOAT_DTYPES:
         specs.append(Spec("decode", _append_expr(dt)))
-        specs.append(Spec("decode", _merge_expr(dt, dt)))
-        specs += [Spec("decode", _pieces_expr(dt, d)) for d in (128, 256)]
+        specs.append(Spec("merge", _merge_expr(dt, dt)))
+        specs += [Spec("merge", _pieces_expr(dt, d)) for d in (128, 256)]
         for d in HEAD_DIMS:
             for nt in sorted({dp.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
                 specs += [Spec("decode", _decode_expr(dt, d, vt, nt)) for vt in (False, True)]

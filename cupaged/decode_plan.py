@@ -31,7 +31,7 @@ PAGE_TILE_BYTES = 32 * 1024        # a pages-kernel tile of one operand, unless 
 PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
 MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
 PAGE_MIN_BATCH = 2                 # pages_preferred
-MERGE_MAX_WARPS = 16               # decode.cu: warps of a merge_pieces_kernel CTA
+MERGE_MAX_WARPS = 16               # merge.cu: warps of a merge_pieces_kernel CTA
 PAGE_MIN_KV_HEADS = 4
 NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
 # "balanced" plans leave the last POOL_FRACTION of each sequence's tiles to a pool of pieces
