@@ -126,7 +126,7 @@ def _decode_fields(lp, num_q_heads, bt_stride, opts, fused):
                 num_kv_heads=lp.num_kv_heads, head_warps=lp.heads.head_warps,
                 head_chunks=lp.heads.head_chunks, window_left=opts.window_left,
                 fused_merge=int(fused), scale_log2=opts.sm_scale * LOG2E,
-                sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap)
+                sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap, tile_tokens=lp.tiles.tile)
 
 
 def _merge_launch(lp, batch, fused):

@@ -41,18 +41,20 @@ namespace decode {
 
 typedef unsigned long long u64;
 
-constexpr int NTHREADS = 128;
-constexpr int NWARPS = NTHREADS / 32;
-constexpr int STAGES = 3;  // K/V tiles in flight per CTA: STAGES - 1 while one is consumed
+// The kernels' constants come from cupaged.decode_plan (abi.cuh, namespace decode):
+// NTHREADS (NWARPS warps) a staged CTA, STAGES K/V tiles in flight (STAGES - 1 while one is
+// consumed), DESC_INTS ints a piece descriptor, PAGE_WARPS (PAGE_THREADS) a pages CTA,
+// PAGE_STAGES its ring, and stage_tile(row bytes), the tokens of a staged tile.
 
-// Compile-time geometry of one (element type, head dim, n8 head tiles per warp); mirrored by
-// decode_plan.tile_config. NT = 2 (16 heads a warp) serves large groups on 16-bit caches.
+// Compile-time geometry of one (element type, head dim, n8 head tiles per warp); the host
+// side is decode_plan.tile_config. NT = 2 (16 heads a warp) serves large groups on 16-bit
+// caches.
 template <typename T, int D, int NT_ = 1>
 struct Cfg {
   static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte chunk
   static constexpr int CPR = D / VEC;         // chunks per K/V row
   static constexpr int ROW_BYTES = D * (int)sizeof(T);
-  static constexpr int TILE = ROW_BYTES <= 256 ? 64 : ROW_BYTES <= 512 ? 32 : 16;  // tokens/stage
+  static constexpr int TILE = stage_tile(ROW_BYTES);  // tokens a stage
   static constexpr int MTILES = TILE / 16;
   static constexpr int NT = NT_;              // n8 head tiles per warp
   static constexpr int HW = 8 * NT;            // query heads per warp
@@ -428,6 +430,7 @@ struct Piece {
   int b, kv_len, t_begin, t_end, k, npieces, slot, next;
   __device__ __forceinline__ bool valid() const { return b >= 0; }
 };
+static_assert(DESC_INTS == 8, "a descriptor is two int4 (load_piece)");
 
 __device__ __forceinline__ Piece load_piece(const int4* __restrict__ work, int i) {
   if (i < 0) return Piece{-1, 0, 0, 0, 0, 1, -1, -1};
@@ -965,11 +968,6 @@ paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
 }
 
 // ---------------------------------------------------------------------------- page-copy kernel
-constexpr int PAGE_WARPS = 8;  // a CTA's kv heads (up to 8) times their token warps
-constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
-constexpr int PAGE_STAGES = 3;
-constexpr int PAGE_TILE_BYTES = 32 * 1024;  // a tile of one operand, unless a block is larger
-
 // Rows t0 .. t0 + rows - 1 of the sequence in a stage (`stride` elements apart, `chunks`
 // 16-byte chunks each, in K and in V): zeroes those outside the visible keys [lo, kv_len),
 // so that their masked scores and values stay finite (the copies leave them as they were,
@@ -1140,11 +1138,12 @@ struct PageRing {
 // most PAGE_WARPS: every kv head, or a divisor of their number) with all their query heads.
 // Warp w serves kv head y*HG + w % HG on the m-tiles (16 tokens) w / HG, + TW, ... of each
 // tile (TW = PAGE_WARPS / HG token warps a head), for its G query heads (PageMath) with its
-// own online softmax; a tile is whole blocks, at least 16 * TW tokens unless that passes
-// PAGE_TILE_BYTES an operand (page_tile), so that a stage holds about as many bytes however
-// few the heads. CTA (c, y) runs piece_loop over PageRing: column c's pieces, then pool
-// pieces of row group y (PiecePool); its stream of tiles goes through a PAGE_STAGES ring, a
-// stage holding its tile's HG heads as the cache lays them out:
+// own online softmax; a tile is tile_tokens tokens, whole blocks (decode_plan.page_tile: at
+// least 16 * TW tokens unless that passes the bytes a stage holds of an operand, so that a
+// stage holds about as many bytes however few the heads). CTA (c, y) runs piece_loop over
+// PageRing: column c's pieces, then pool pieces of row group y (PiecePool); its stream of
+// tiles goes through a PAGE_STAGES ring, a stage holding its tile's HG heads as the cache
+// lays them out:
 //   NHD  (HEAD_MAJOR false; kv head h's token t at (t * HG + h) * D in the stage): with
 //        HG = Hk a block's visible tokens are one contiguous run [tokens][Hk][D] in the
 //        cache, else each token's HG heads are one; lane j / 8 of warp j % 8 copies run j
@@ -1174,9 +1173,8 @@ paged_decode_pages_kernel(CUPAGED_PARAMS_DecodeArgs) {
   const int tw = PAGE_WARPS / hg;              // token warps a kv head
   const int wh = warp % hg, tg = warp / hg;    // this warp's head in the group, token warp
   const int row = hg * D;                      // elements of a token in a stage (NHD)
-  const int tile_blocks = max(1, min((16 * tw + block_size - 1) / block_size,  // page_tile
-                                    PAGE_TILE_BYTES / (block_size * row * (int)sizeof(T))));
-  const int tile_rows = tile_blocks * block_size;  // tokens a tile (a stage) holds
+  const int tile_rows = tile_tokens;               // tokens a tile (a stage) holds
+  const int tile_blocks = tile_rows / block_size;  // whole blocks (decode_plan.page_tile)
   const u32 bars = smem_addr(full);
   if (tid == 0)
     for (int st = 0; st < PAGE_STAGES; ++st) mbar_init(bars + 8 * st, 1);

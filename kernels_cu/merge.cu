@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(128) merge_states_kernel(CUPAGED_PARAMS_MergeS
 // At most 128 registers a thread (4 CTAs of 4 warps an SM, or one of 16), so that B64 x 32
 // heads merge in one wave: a second wave would double the time the merge adds after the
 // decode kernel.
-constexpr int MERGE_MAX_WARPS = 16;
+using decode::MERGE_MAX_WARPS;  // cupaged.decode_plan (abi.cuh)
 
 template <typename TO, int CH>
 __global__ void __launch_bounds__(32 * MERGE_MAX_WARPS, 1)
