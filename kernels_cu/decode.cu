@@ -636,8 +636,17 @@ struct SoftmaxState {
   }
 };
 
-// The score epilogue (score.cuh), then the visibility mask: keys [lo, kv_len) of the query
-// at position pos. Output in log2 units (exp2-based softmax).
+// The score epilogue of a launch (score.cuh), its scale in log2 units from the host.
+template <typename T>
+__device__ __forceinline__ ScoreEpilogue score_epilogue(const DecodeArgs<T>& a) {
+  ScoreEpilogue e;
+  e.init(a.sm_scale, a.soft_cap);
+  e.scale_log2 = a.scale_log2;
+  return e;
+}
+
+// The score epilogue (score.cuh; slopes in log2 units), then the visibility mask: keys
+// [lo, kv_len) of the query at position pos. Output in log2 units (exp2-based softmax).
 struct ScoreMods {
   ScoreEpilogue epi;
   int lo, kv_len, pos;
@@ -650,7 +659,7 @@ struct ScoreMods {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int tok = tok0 + qr + 8 * (k >> 1);
-        const float x = epi(s[nt][k], slope[nt][k & 1], tok - pos);
+        const float x = epi(s[nt][k]) + slope[nt][k & 1] * (float)(tok - pos);
         s[nt][k] = (tok >= lo && tok < kv_len) ? x : neg_inf();
       }
   }
@@ -784,8 +793,8 @@ __device__ __forceinline__ void piece_loop(const DecodeArgs<T>& a, Src& src, Til
   for (int pi = cur.pool.after(load_piece(a.work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
     Piece p = load_piece(a.work, pi);
     if (!p.valid()) break;
-    const ScoreMods mods{score_epilogue(a.sm_scale, a.soft_cap, a.alibi_slopes != nullptr, a.scale_log2),
-                         first_visible(p.kv_len, a.window_left), p.kv_len, p.kv_len - 1};
+    const ScoreMods mods{score_epilogue(a), first_visible(p.kv_len, a.window_left), p.kv_len,
+                         p.kv_len - 1};
     if (w.computes) src.load_q(p);
     state.init();
     for (int tile = p.t_begin; tile < p.t_end; ++tile, ++it) {
@@ -873,7 +882,8 @@ struct StagedTiles {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int h = nt * 8 + 2 * (lane & 3) + j;
-        slope[nt][j] = (a.alibi_slopes != nullptr && h < warp_heads) ? a.alibi_slopes[hq_warp + h] : 0.f;
+        slope[nt][j] = (a.alibi_slopes != nullptr && h < warp_heads)
+                           ? a.alibi_slopes[hq_warp + h] * LOG2E : 0.f;  // log2 units
       }
   }
   __device__ __forceinline__ void wait(int) const { cp_async_wait<STAGES - 2>(); }
@@ -1081,7 +1091,8 @@ struct PageRing {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int h = 2 * (lane & 3) + j;
-      slope[0][j] = (a.alibi_slopes != nullptr && h < warp_heads) ? a.alibi_slopes[hq_warp + h] : 0.f;
+      slope[0][j] = (a.alibi_slopes != nullptr && h < warp_heads)
+                        ? a.alibi_slopes[hq_warp + h] * LOG2E : 0.f;  // log2 units
     }
   }
   __device__ __forceinline__ void wait(int it) const {

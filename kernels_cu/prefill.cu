@@ -190,7 +190,8 @@ __device__ __forceinline__ void reload_tile(const Problem<T>& P, int block_m, Ti
 template <typename T, int NT_S>
 __device__ __forceinline__ void transform_scores(float (&s)[NT_S][4], const Problem<T>& P, int block_m,
                                                  const int* pos_s, int first, int j0, int lane) {
-  const ScoreEpilogue epi = score_epilogue(P.sm_scale, P.soft_cap, P.alibi != nullptr);
+  ScoreEpilogue epi;
+  epi.init(P.sm_scale, P.soft_cap);
   float slope[2] = {0.f, 0.f};
   int p[2] = {0, 0};
   if (P.alibi != nullptr) {
@@ -200,7 +201,7 @@ __device__ __forceinline__ void transform_scores(float (&s)[NT_S][4], const Prob
     for (int hr = 0; hr < 2; ++hr) {
       const int r = min(first + lane / 4 + 8 * hr, t.rows - 1);  // rows past the tile: any valid row
       p[hr] = pos_s[r];
-      slope[hr] = P.alibi[t.head(r)];
+      slope[hr] = P.alibi[t.head(r)] * LOG2E;
     }
   }
 #pragma unroll
@@ -208,7 +209,7 @@ __device__ __forceinline__ void transform_scores(float (&s)[NT_S][4], const Prob
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int hr = e / 2, j = j0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-      s[nt][e] = epi(s[nt][e], slope[hr], j - p[hr]);  // no ALiBi: slope 0
+      s[nt][e] = epi(s[nt][e]) + slope[hr] * (float)(j - p[hr]);  // no ALiBi: slope 0
     }
 }
 
@@ -400,11 +401,12 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
   Tile t;
   t.init(P, P.work[blockIdx.x], SIMT_BLOCK_M);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const ScoreEpilogue epi = score_epilogue(P.sm_scale, P.soft_cap, P.alibi != nullptr);
+  ScoreEpilogue epi;
+  epi.init(P.sm_scale, P.soft_cap);
   for (int r = warp; r < t.rows; r += SIMT_WARPS) {
     const int p = t.position(r), h = t.head(r);
     const int lo = visible_lo(p, P.window_left), hi = visible_hi(p, t.kv_len, P.causal);
-    const float slope = P.alibi != nullptr ? P.alibi[h] : 0.f;
+    const float slope = P.alibi != nullptr ? P.alibi[h] * LOG2E : 0.f;
     const float* qrow = P.q + t.token_row(r) * P.q_tok + (i64)h * D;
     __syncwarp();
     for (int d = lane; d < D; d += 32) sq[warp][d] = qrow[d];
@@ -424,7 +426,7 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
           const float4 kv = *reinterpret_cast<const float4*>(key + (d / 4) * P.k_chunk);
           dot += sq[warp][d] * kv.x + sq[warp][d + 1] * kv.y + sq[warp][d + 2] * kv.z + sq[warp][d + 3] * kv.w;
         }
-        x = epi(dot, slope, j - p);
+        x = epi(dot) + slope * (float)(j - p);
       }
       const float m_new = fmaxf(m, warp_max(x));  // finite: lane 0's key is visible
       const float alpha = exp2f(m - m_new);
