@@ -13,8 +13,6 @@
 
 namespace cupaged {
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
 // Position of a row past a tile's rows (sees no key).
 constexpr int NO_ROW = -2147483647 - 1;
 

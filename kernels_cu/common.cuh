@@ -112,6 +112,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
+// -inf as a float (NVRTC has no INFINITY macro): the max of an empty set, the score of a
+// masked key, the LSE of a row without keys.
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
 // Record a bad index entry in the device error word (cupaged.errors): the first report
 // after the word is cleared wins, later ones are dropped. err may be null (not checked).
 // code: error_code(argument, check) of abi.cuh; row / col locate the entry (-1: none).

@@ -6,15 +6,15 @@
 //                        through one cp.async pipeline into shared memory and serves every
 //                        query head of the kv head from them (K/V read once per group);
 //                        split sequences leave fp32 partials, merged by the CTA finishing
-//                        the last piece (fused) or by merge_pieces_kernel
+//                        the last piece (fused) or by merge_pieces_kernel (merge.cu)
 //   paged_decode_pages_kernel  sm_90, 16-bit NHD/HND caches, up to 8 query heads a kv head:
 //                        one CTA per SM and group of up to 8 kv heads copies whole blocks
 //                        (the group's heads of their tokens; about 32 KB an operand a
 //                        stage) with cp.async.bulk into a 3-stage ring on mbarriers; its
 //                        8 warps split the heads and their tokens and compute straight
 //                        from the unpadded rows (PageMath)
-//   merge_pieces_kernel  merges split pieces (adding sinks once) when not fused
-//   merge_states_kernel  combines two states (merge_states)
+// Both decode kernels run one loop over a CTA's pieces (piece_loop), templated over where
+// its tiles come from (StagedTiles: cp.async tiles; PageRing: the bulk-copied page ring).
 //
 // Why tensor cores: per token and kv head decode reads 4*D bytes of 16-bit K/V and does
 // 4*G*D flops (q.k and p.v for the G = Hq/Hk query heads sharing them): G flops per byte.
@@ -33,6 +33,7 @@
 #include "abi.cuh"
 #include "mma.cuh"
 #include "merge.cuh"
+#include "score.cuh"
 #include "bulk_copy.cuh"
 
 namespace cupaged {
@@ -40,18 +41,20 @@ namespace decode {
 
 typedef unsigned long long u64;
 
-constexpr int NTHREADS = 128;
-constexpr int NWARPS = NTHREADS / 32;
-constexpr int STAGES = 3;  // K/V tiles in flight per CTA: STAGES - 1 while one is consumed
+// The kernels' constants come from cupaged.decode_plan (abi.cuh, namespace decode):
+// NTHREADS (NWARPS warps) a staged CTA, STAGES K/V tiles in flight (STAGES - 1 while one is
+// consumed), DESC_INTS ints a piece descriptor, PAGE_WARPS (PAGE_THREADS) a pages CTA,
+// PAGE_STAGES its ring, and stage_tile(row bytes), the tokens of a staged tile.
 
-// Compile-time geometry of one (element type, head dim, n8 head tiles per warp); mirrored by
-// decode_plan.tile_config. NT = 2 (16 heads a warp) serves large groups on 16-bit caches.
+// Compile-time geometry of one (element type, head dim, n8 head tiles per warp); the host
+// side is decode_plan.tile_config. NT = 2 (16 heads a warp) serves large groups on 16-bit
+// caches.
 template <typename T, int D, int NT_ = 1>
 struct Cfg {
   static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte chunk
   static constexpr int CPR = D / VEC;         // chunks per K/V row
   static constexpr int ROW_BYTES = D * (int)sizeof(T);
-  static constexpr int TILE = ROW_BYTES <= 256 ? 64 : ROW_BYTES <= 512 ? 32 : 16;  // tokens/stage
+  static constexpr int TILE = stage_tile(ROW_BYTES);  // tokens a stage
   static constexpr int MTILES = TILE / 16;
   static constexpr int NT = NT_;              // n8 head tiles per warp
   static constexpr int HW = 8 * NT;            // query heads per warp
@@ -427,6 +430,7 @@ struct Piece {
   int b, kv_len, t_begin, t_end, k, npieces, slot, next;
   __device__ __forceinline__ bool valid() const { return b >= 0; }
 };
+static_assert(DESC_INTS == 8, "a descriptor is two int4 (load_piece)");
 
 __device__ __forceinline__ Piece load_piece(const int4* __restrict__ work, int i) {
   if (i < 0) return Piece{-1, 0, 0, 0, 0, 1, -1, -1};
@@ -550,7 +554,7 @@ struct SoftmaxState {
   __device__ __forceinline__ void init() {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      m[nt][0] = m[nt][1] = minus_inf();
+      m[nt][0] = m[nt][1] = neg_inf();
       l[nt][0] = l[nt][1] = 0.f;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt) acc[dt][nt][0] = acc[dt][nt][1] = acc[dt][nt][2] = acc[dt][nt][3] = 0.f;
@@ -569,7 +573,7 @@ struct SoftmaxState {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
         const float m_new = fmaxf(m[nt][j], mx);
-        const float m_use = m_new == minus_inf() ? 0.f : m_new;
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;
         const float alpha = fast_exp2(m[nt][j] - m_use);
         s[nt][j] = fast_exp2(s[nt][j] - m_use);
         s[nt][j + 2] = fast_exp2(s[nt][j + 2] - m_use);
@@ -617,7 +621,7 @@ struct SoftmaxState {
       for (int j = 0; j < 2; ++j) {
         const float m2 = w[(DT * NT * 4 + nt * 4 + j) * 32], l2 = w[(DT * NT * 4 + nt * 4 + 2 + j) * 32];
         const float m_new = fmaxf(m[nt][j], m2);
-        const float m_use = m_new == minus_inf() ? 0.f : m_new;
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;
         const float a = fast_exp2(m[nt][j] - m_use), c = fast_exp2(m2 - m_use);
         l[nt][j] = l[nt][j] * a + l2 * c;
         m[nt][j] = m_new;
@@ -632,11 +636,19 @@ struct SoftmaxState {
   }
 };
 
-// Score epilogue in docs/design.md's order: scale, soft-cap, ALiBi; then the visibility mask.
-// Output in log2 units (exp2-based softmax).
+// The score epilogue of a launch (score.cuh), its scale in log2 units from the host.
+template <typename T>
+__device__ __forceinline__ ScoreEpilogue score_epilogue(const DecodeArgs<T>& a) {
+  ScoreEpilogue e;
+  e.init(a.sm_scale, a.soft_cap);
+  e.scale_log2 = a.scale_log2;
+  return e;
+}
+
+// The score epilogue (score.cuh; slopes in log2 units), then the visibility mask: keys
+// [lo, kv_len) of the query at position pos. Output in log2 units (exp2-based softmax).
 struct ScoreMods {
-  float scale_log2, sm_scale, soft_cap, inv_cap;
-  bool plain;  // no soft-cap, no ALiBi: one multiply
+  ScoreEpilogue epi;
   int lo, kv_len, pos;
 
   template <int NT>
@@ -647,15 +659,8 @@ struct ScoreMods {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int tok = tok0 + qr + 8 * (k >> 1);
-        float x = s[nt][k];
-        if (plain) {
-          x *= scale_log2;
-        } else {
-          x *= sm_scale;
-          if (soft_cap > 0.f) x = soft_cap * tanhf(x * inv_cap);
-          x = (x + slope[nt][k & 1] * (float)(tok - pos)) * LOG2E;
-        }
-        s[nt][k] = (tok >= lo && tok < kv_len) ? x : minus_inf();
+        const float x = epi(s[nt][k]) + slope[nt][k & 1] * (float)(tok - pos);
+        s[nt][k] = (tok >= lo && tok < kv_len) ? x : neg_inf();
       }
   }
 };
@@ -681,16 +686,16 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
       const float m = st.m[nt][j], l = st.l[nt][j];
       float scale, row_lse;
       if (whole) {
-        const float sink2 = sinks != nullptr ? sinks[h] * LOG2E : minus_inf();
+        const float sink2 = sinks != nullptr ? sinks[h] * LOG2E : neg_inf();
         const float m_all = fmaxf(m, sink2);
-        const float m_use = m_all == minus_inf() ? 0.f : m_all;
+        const float m_use = m_all == neg_inf() ? 0.f : m_all;
         const float sc = fast_exp2(m - m_use);
         const float den = l * sc + fast_exp2(sink2 - m_use);
         scale = den > 0.f ? sc / den : 0.f;
-        row_lse = den > 0.f ? (m_use + log2f(den)) * LN2 : minus_inf();
+        row_lse = den > 0.f ? (m_use + log2f(den)) * LN2 : neg_inf();
       } else {
         scale = l > 0.f ? 1.f / l : 0.f;
-        row_lse = l > 0.f ? (m + log2f(l)) * LN2 : minus_inf();
+        row_lse = l > 0.f ? (m + log2f(l)) * LN2 : neg_inf();
       }
 #pragma unroll
       for (int dt = 0; dt < D / 16; ++dt)
@@ -739,37 +744,201 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
   }
 }
 
+// ---------------------------------------------------------------------------- piece loop
+// Both decode kernels take the fields of DecodeArgs (abi.cuh; packed by decode.py): outputs,
+// scratch and counts, work, caches and tables, optional per-head arrays, cache strides in
+// elements (Loader), block-size division, heads, options. Query head h of sequence b is read
+// at q + b * q_stride + h * D.
+
+// A warp's part in a CTA: its head set hw of the row group's head_warps sets and its token
+// warp tg of tw (warp = tg * head_warps + hw); computes: it serves heads.
+struct WarpRoles {
+  int head_warps, hw, tg, tw;
+  bool computes;
+};
+
+// The row group a CTA's fused merge covers (merge_if_last): y, its hpc query heads from hq_rg,
+// rg_heads of them real, merged by nwarps warps.
+struct MergeGroup {
+  int y, hq_rg, hpc, rg_heads, nwarps;
+};
+
+// The loop over a CTA's pieces that both decode kernels run, over a tile source Src: the
+// staged cp.async tiles (StagedTiles, paged_decode_kernel) or the bulk-copied page ring
+// (PageRing, paged_decode_pages_kernel). The CTA walks column blockIdx.x's pieces, then pool
+// pieces of its row group (TileCursor), and streams their tiles back to back through Src's
+// RING stages (no drain between pieces): the stream's tile `it` sits in stage it % RING. Per
+// piece: q into the computing warps, then one tile an iteration (wait for tile `it`, one
+// barrier, refill the stage the previous tile freed, the warp's m-tiles with its own online
+// softmax); after the piece's last tile the token warps of each head set combine in the
+// stage that tile used (no copy targets it before the next barrier), the first writes a
+// whole sequence's out / lse (sink included) or the piece's fp32 partial, and with
+// fused_merge the CTA completing a split sequence's pieces merges them.
+// Src supplies: State, RING; prologue(cur) (the first RING - 1 tiles in flight);
+// init_lanes(); wait(it); refill(cur, st); load_q(p); tile(tile, st, mods, state);
+// combine_buffer(st) (this lane's slot of a stage as floats); after_combine();
+// write(state, p, whole); and its roles (WarpRoles).
+template <typename T, int D, typename Src>
+__device__ __forceinline__ void piece_loop(const DecodeArgs<T>& a, Src& src, TileCursor& cur,
+                                           const MergeGroup& mg, int& s_last) {
+  using State = typename Src::State;
+  constexpr int RING = Src::RING;
+  const WarpRoles& w = src.roles;
+  cur.start(blockIdx.x);
+  src.prologue(cur);
+  src.init_lanes();
+  State state;
+
+  int it = 0;
+  for (int pi = cur.pool.after(load_piece(a.work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
+    Piece p = load_piece(a.work, pi);
+    if (!p.valid()) break;
+    const ScoreMods mods{score_epilogue(a), first_visible(p.kv_len, a.window_left), p.kv_len,
+                         p.kv_len - 1};
+    if (w.computes) src.load_q(p);
+    state.init();
+    for (int tile = p.t_begin; tile < p.t_end; ++tile, ++it) {
+      src.wait(it);
+      __syncthreads();  // tile `it` landed for all threads; stage (it - 1) % RING is free
+      src.refill(cur, (it + RING - 1) % RING);
+      if (w.computes) src.tile(tile, it % RING, mods, state);
+    }
+
+    // -- combine the token warps of each head set in stage (it - 1) % RING, then write --
+    p = load_piece(a.work, pi);  // (an L1 hit) rather than registers held through the loop
+    pi = cur.pool.after(p.next);
+    state.reduce_sum();
+    if (w.tw > 1) {
+      float* red = src.combine_buffer((it + RING - 1) % RING);
+      __syncthreads();  // every warp is done with that stage's tile
+      if (w.computes && w.tg > 0)
+        state.store(red + ((w.tg - 1) * w.head_warps + w.hw) * State::FLOATS * 32);
+      __syncthreads();
+      if (w.computes && w.tg == 0)
+        for (int t2 = 1; t2 < w.tw; ++t2)
+          state.absorb(red + ((t2 - 1) * w.head_warps + w.hw) * State::FLOATS * 32);
+      src.after_combine();
+    }
+    const bool whole = p.npieces == 1;
+    if (w.computes && w.tg == 0) src.write(state, p, whole);
+    if (!whole && a.fused_merge)
+      merge_if_last<T, D>(p, a.counters, mg.y, mg.hq_rg, mg.hpc, mg.rg_heads, a.num_q_heads,
+                          a.part_out, a.part_lse, a.sinks, a.out, a.lse, s_last, mg.nwarps);
+  }
+}
+
 // ---------------------------------------------------------------------------- decode kernel
-// Both decode kernels take the fields of DecodeArgs (abi.cuh; packed by decode.py): outputs, scratch
-// and counts, work, caches and tables, optional per-head arrays, cache strides in elements
-// (Loader), block-size division, heads, options. Query head h of sequence b is read at
-// q + b * q_stride + h * D.
-// grid (columns, num_kv_heads * head_chunks); block NTHREADS (4 warps). Row group y =
-// (kv head hk, head chunk hc) owns query heads hk*G + hc*HPC + [0, HPC) (HPC = head_warps *
-// HW). CTA (c, y) walks column c's pieces (see Piece), then pieces it takes from row group
-// y's pool (PiecePool; pool_ctr [2 * row groups]), for its row group: all threads stream
-// the pieces' K/V tiles back to back through one cp.async pipeline (no drain between
-// pieces); warp w serves heads (w % head_warps)*HW.. on m-tiles w / head_warps, +
-// token_warps, ... of each tile with its own online softmax. After a piece's last tile the
-// warps of each head set combine in the stage that tile used (no copy targets it until the
-// next barrier) and write: a whole sequence's final out/lse (sink included), else the
-// piece's fp32 partial. With fused_merge the CTA that completes a row group's pieces (an
-// atomic count per (sequence, row group), re-armed to 0) merges them into out/lse;
-// otherwise merge_pieces_kernel does.
+// The staged tile source: every thread gathers its chunks of a tile (Loader) with cp.async
+// into a STAGES-stage pipeline, block ids one tile ahead; warp (tg, hw) serves heads
+// hw * HW.. of the row group on m-tiles tg, tg + tw, ... of each tile.
 template <typename T, int D, bool VT, int NT>
-__global__ void __launch_bounds__(NTHREADS, 1)
-paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
+struct StagedTiles {
   using C = Cfg<T, D, NT>;
   using Math = typename MathFor<T, D, VT, NT>::type;
   using State = SoftmaxState<NT, C::DT>;
   using Load = Loader<T, D, VT>;
-  constexpr int STAGE = C::K_ELEMS + (VT ? C::V_ELEMS_T : C::V_ELEMS_ROWS);
+  static constexpr int RING = STAGES;
+  static constexpr int STAGE = C::K_ELEMS + (VT ? C::V_ELEMS_T : C::V_ELEMS_ROWS);  // elements
   static_assert((NWARPS - 1) * State::FLOATS * 32 * 4 <= STAGE * (int)sizeof(T),
                 "the combine buffer fits in one stage");
+
+  const DecodeArgs<T>& a;
+  T* tiles;
+  float* q_smem;  // fp32 path: this warp's q rows
+  WarpRoles roles;
+  int lane, y, hpc, warp_heads, nt_used, hq_warp;
+  Load ld;
+  typename Load::Ids next;  // block ids of cur.ref, the tile the next refill issues
+  Math math;
+  float slope[NT][2];
+
+  __device__ __forceinline__ explicit StagedTiles(const DecodeArgs<T>& args) : a(args) {}
+  __device__ __forceinline__ T* k_stage(int st) const { return tiles + st * STAGE; }
+  __device__ __forceinline__ T* v_stage(int st) const { return tiles + st * STAGE + C::K_ELEMS; }
+
+  // The first STAGES - 1 tiles in flight, the ids of the next on their way.
+  __device__ __forceinline__ void prologue(TileCursor& cur) {
+    TileRef pro_ref[STAGES - 1];
+    typename Load::Ids pro[STAGES - 1];
+    int n_pro = 0;
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st)
+      if (cur.has()) {
+        ld.fetch(cur.ref, pro[st]);
+        pro_ref[st] = cur.ref;
+        cur.advance();
+        ++n_pro;
+      }
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+      if (st < n_pro) ld.issue(pro_ref[st], pro[st], k_stage(st), v_stage(st));
+      cp_async_commit();
+    }
+    if (cur.has()) ld.fetch(cur.ref, next);  // cur.ref stays on this tile until it is issued
+  }
+  __device__ __forceinline__ void init_lanes() {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int h = nt * 8 + 2 * (lane & 3) + j;
+        slope[nt][j] = (a.alibi_slopes != nullptr && h < warp_heads)
+                           ? a.alibi_slopes[hq_warp + h] * LOG2E : 0.f;  // log2 units
+      }
+  }
+  __device__ __forceinline__ void wait(int) const { cp_async_wait<STAGES - 2>(); }
+  __device__ __forceinline__ void refill(TileCursor& cur, int st) {
+    if (cur.has()) {
+      ld.issue(cur.ref, next, k_stage(st), v_stage(st));
+      cur.advance();
+      if (cur.has()) ld.fetch(cur.ref, next);
+    }
+    cp_async_commit();
+  }
+  __device__ __forceinline__ void load_q(const Piece& p) {
+    math.load_q(a.q + (i64)p.b * a.q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
+  }
+  __device__ __forceinline__ void tile(int tile, int st, const ScoreMods& mods, State& state) const {
+    const T* k_s = k_stage(st);
+    const T* v_s = v_stage(st);
+    for (int mt = roles.tg; mt < C::MTILES; mt += roles.tw) {
+      const int tok0 = tile * C::TILE + mt * 16;
+      if (tok0 + 16 <= mods.lo || tok0 >= mods.kv_len) continue;  // all masked (warp-uniform)
+      float s[NT][4];
+      math.scores(k_s + mt * 16 * C::KROW, s, nt_used, lane);
+      mods.apply(s, slope, tok0, lane >> 2);
+      state.update(s, nt_used);
+      math.pv(v_s, mt * 16, s, state.acc, nt_used, lane);
+    }
+  }
+  __device__ __forceinline__ float* combine_buffer(int st) const {
+    return reinterpret_cast<float*>(k_stage(st)) + lane;
+  }
+  __device__ __forceinline__ void after_combine() const {}
+  __device__ __forceinline__ void write(const State& state, const Piece& p, bool whole) const {
+    write_rows<T, D, NT>(state, warp_heads, whole, (i64)p.b * a.num_q_heads + hq_warp,
+                         ((i64)p.slot * gridDim.y + y) * hpc + roles.hw * C::HW,
+                         a.sinks != nullptr ? a.sinks + hq_warp : nullptr, a.out, a.lse,
+                         a.part_out, a.part_lse, lane);
+  }
+};
+
+// grid (columns, num_kv_heads * head_chunks); block NTHREADS (4 warps). Row group y =
+// (kv head hk, head chunk hc) owns query heads hk*G + hc*HPC + [0, HPC) (HPC = head_warps *
+// HW). CTA (c, y) runs piece_loop over StagedTiles for its row group: all threads stream the
+// pieces' K/V tiles through one cp.async pipeline (pool_ctr [2 * row groups]); warp w serves
+// heads (w % head_warps)*HW.. on m-tiles w / head_warps, + token_warps, ... of each tile.
+// Split sequences leave fp32 partials; with fused_merge the CTA that completes a row group's
+// pieces merges them into out/lse, otherwise merge_pieces_kernel (merge.cu) does.
+template <typename T, int D, bool VT, int NT>
+__global__ void __launch_bounds__(NTHREADS, 1)
+paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
+  using Src = StagedTiles<T, D, VT, NT>;
+  using C = typename Src::C;
+  const DecodeArgs<T> a{CUPAGED_FIELDS_DecodeArgs};
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;  // this CTA completed its row group's pieces (fused merge)
   __shared__ int s_ring[8];  // pool pieces taken (PiecePool)
-  T* tiles = reinterpret_cast<T*>(smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int y = blockIdx.y, hk = y / head_chunks, hc = y % head_chunks;
@@ -782,122 +951,33 @@ paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
   const int token_warps = NWARPS / head_warps;
   const int hg = warp % head_warps, tg = warp / head_warps;
   const int warp_heads = max(0, min(rg_heads - hg * C::HW, C::HW));
-  const bool computes = tg < token_warps && warp_heads > 0;
-  const int nt_used = (warp_heads + 7) / 8;
-  const int hq_warp = hq_rg + hg * C::HW;
 
-  Load ld;
-  ld.k_head = k_cache + (i64)hk * khs;
-  ld.v_head = v_cache + (i64)hk * vhs;
-  ld.ks = Strides{kbs, khs, kts, kcs, 1};
-  ld.vs = Strides{vbs, vhs, vts, vcs, ves};
-  ld.block_size = block_size;
-  ld.magic = block_magic;
-  ld.shift = block_shift;
-  ld.tid = tid;
-  ld.vt_whole = block_size % C::VEC == 0;
-  auto k_stage = [&](int st) { return tiles + st * STAGE; };
-  auto v_stage = [&](int st) { return tiles + st * STAGE + C::K_ELEMS; };
+  Src src(a);
+  src.tiles = reinterpret_cast<T*>(smem);
+  src.q_smem = reinterpret_cast<float*>(smem + STAGES * Src::STAGE * sizeof(T)) + warp * C::HW * C::QROW;
+  src.roles = WarpRoles{head_warps, hg, tg, token_warps, tg < token_warps && warp_heads > 0};
+  src.lane = lane;
+  src.y = y;
+  src.hpc = hpc;
+  src.warp_heads = warp_heads;
+  src.nt_used = (warp_heads + 7) / 8;
+  src.hq_warp = hq_rg + hg * C::HW;
+  src.ld.k_head = k_cache + (i64)hk * khs;
+  src.ld.v_head = v_cache + (i64)hk * vhs;
+  src.ld.ks = Strides{kbs, khs, kts, kcs, 1};
+  src.ld.vs = Strides{vbs, vhs, vts, vcs, ves};
+  src.ld.block_size = block_size;
+  src.ld.magic = block_magic;
+  src.ld.shift = block_shift;
+  src.ld.tid = tid;
+  src.ld.vt_whole = block_size % C::VEC == 0;
 
-  // -- prologue: the column's first STAGES - 1 tiles in flight, ids of the next on their way --
   TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
-  cur.start(blockIdx.x);
-  TileRef pro_ref[STAGES - 1];
-  typename Load::Ids pro[STAGES - 1], next;
-  int n_pro = 0;
-#pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st)
-    if (cur.has()) {
-      ld.fetch(cur.ref, pro[st]);
-      pro_ref[st] = cur.ref;
-      cur.advance();
-      ++n_pro;
-    }
-#pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < n_pro) ld.issue(pro_ref[st], pro[st], k_stage(st), v_stage(st));
-    cp_async_commit();
-  }
-  if (cur.has()) ld.fetch(cur.ref, next);  // cur.ref stays on this tile until it is issued
-
-  Math math;
-  float* q_smem = reinterpret_cast<float*>(smem + STAGES * STAGE * sizeof(T)) + warp * C::HW * C::QROW;
-  float slope[NT][2];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int h = nt * 8 + 2 * (lane & 3) + j;
-      slope[nt][j] = (alibi_slopes != nullptr && h < warp_heads) ? alibi_slopes[hq_warp + h] : 0.f;
-    }
-  State state;
-
-  // -- pieces: one tile per iteration (one barrier), the stream's tile `it` in stage it % STAGES --
-  int it = 0;
-  for (int pi = cur.pool.after(load_piece(work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
-    Piece p = load_piece(work, pi);
-    if (!p.valid()) break;
-    const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len, t_end = p.t_end;
-    const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
-                         soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, kv_len - 1};
-    if (computes) math.load_q(q + (i64)p.b * q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
-    state.init();
-    for (int tile = p.t_begin; tile < t_end; ++tile, ++it) {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();  // tile `it` landed for all threads; stage (it - 1) % STAGES is free
-      const int free_st = (it + STAGES - 1) % STAGES;
-      if (cur.has()) {
-        ld.issue(cur.ref, next, k_stage(free_st), v_stage(free_st));
-        cur.advance();
-        if (cur.has()) ld.fetch(cur.ref, next);
-      }
-      cp_async_commit();
-      if (!computes) continue;
-
-      const T* k_s = k_stage(it % STAGES);
-      const T* v_s = v_stage(it % STAGES);
-      for (int mt = tg; mt < C::MTILES; mt += token_warps) {
-        const int tok0 = tile * C::TILE + mt * 16;
-        if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
-        float s[NT][4];
-        math.scores(k_s + mt * 16 * C::KROW, s, nt_used, lane);
-        mods.apply(s, slope, tok0, lane >> 2);
-        state.update(s, nt_used);
-        math.pv(v_s, mt * 16, s, state.acc, nt_used, lane);
-      }
-    }
-
-    // -- combine the token warps of each head set in stage (it - 1) % STAGES, then write --
-    __syncthreads();  // every warp is done with that stage's tile (or with the last combine)
-    p = load_piece(work, pi);  // (an L1 hit) rather than registers held through the loop
-    pi = cur.pool.after(p.next);
-    float* red = reinterpret_cast<float*>(k_stage((it + STAGES - 1) % STAGES)) + lane;
-    state.reduce_sum();
-    if (computes && tg > 0) state.store(red + (warp - head_warps) * State::FLOATS * 32);
-    __syncthreads();
-    const bool whole = p.npieces == 1;
-    if (computes && tg == 0) {
-      for (int t2 = 1; t2 < token_warps; ++t2)
-        state.absorb(red + ((t2 - 1) * head_warps + hg) * State::FLOATS * 32);
-      write_rows<T, D, NT>(state, warp_heads, whole, (i64)p.b * num_q_heads + hq_warp,
-                           ((i64)p.slot * gridDim.y + y) * hpc + hg * C::HW,
-                           sinks != nullptr ? sinks + hq_warp : nullptr, out, lse, part_out,
-                           part_lse, lane);
-    }
-
-    if (!whole && fused_merge)
-      merge_if_last<T, D>(p, counters, y, hq_rg, hpc, rg_heads, num_q_heads, part_out, part_lse,
-                          sinks, out, lse, s_last, NWARPS);
-  }
+  piece_loop<T, D>(a, src, cur, MergeGroup{y, hq_rg, hpc, rg_heads, NWARPS}, s_last);
   cp_async_wait<0>();
 }
 
 // ---------------------------------------------------------------------------- page-copy kernel
-constexpr int PAGE_WARPS = 8;  // a CTA's kv heads (up to 8) times their token warps
-constexpr int PAGE_THREADS = 32 * PAGE_WARPS;
-constexpr int PAGE_STAGES = 3;
-constexpr int PAGE_TILE_BYTES = 32 * 1024;  // a tile of one operand, unless a block is larger
-
 // Rows t0 .. t0 + rows - 1 of the sequence in a stage (`stride` elements apart, `chunks`
 // 16-byte chunks each, in K and in V): zeroes those outside the visible keys [lo, kv_len),
 // so that their masked scores and values stay finite (the copies leave them as they were,
@@ -919,17 +999,162 @@ __device__ __forceinline__ void zero_invisible_rows(T* k_rows, T* v_rows, int st
   __syncwarp();
 }
 
+// The page-ring tile source of paged_decode_pages_kernel (see there): whole blocks of the
+// row group's HG kv heads, copied by cp.async.bulk into a PAGE_STAGES ring on mbarriers;
+// warp (tg, wh) serves kv head kv0 + wh on m-tiles tg, tg + TW, ... of each tile.
+template <typename T, int D, bool HEAD_MAJOR>
+struct PageRing {
+  using State = SoftmaxState<1, D / 16>;
+  static constexpr int RING = PAGE_STAGES;
+
+  const DecodeArgs<T>& a;
+  T* ring;
+  u32 bars;        // the stages' mbarriers (8 bytes each)
+  WarpRoles roles;
+  int tid, lane, warp_heads, hq_warp;
+  int row;         // elements of a token in a stage (NHD)
+  int tile_blocks, tile_rows, stage_elems;
+  int head_rows;   // elements between a kv head's tokens
+  int head_first;  // ... and from one head to the next
+  // Run j of a tile (a block's tokens, or with fewer heads than the cache's one token's)
+  // is copied by lane j / 8 of warp j % 8: a cp.async.bulk holds its warp for a while, so
+  // 16 runs a tile from one warp would hold it, and at the next barrier every warp, for
+  // all 32 copies.
+  int run_rows;    // tokens a run
+  int run;         // the run this thread copies
+  bool copier;
+  int run_block;   // its block in the tile
+  int run_in;      // its first token there
+  i64 head_off;    // the row group's first head in a block
+  int blk;         // a copier's cache block of the tile cur.ref (block_id)
+  PageMath<T, D> math;
+  float slope[1][2];
+
+  __device__ __forceinline__ explicit PageRing(const DecodeArgs<T>& args) : a(args) {}
+  __device__ __forceinline__ T* k_stage(int st) const { return ring + 2 * st * stage_elems; }
+  __device__ __forceinline__ T* v_stage(int st) const { return ring + (2 * st + 1) * stage_elems; }
+
+  // Tile r.tile into stage st (a copier holds blk, the cache block of its run): the
+  // visible rows [lo, hi) copied (HND: the whole blocks holding them; their heads' invisible
+  // rows are zeroed once they landed), NHD's invisible rows of partly visible m-tiles
+  // zeroed (the math skips wholly invisible ones).
+  __device__ __forceinline__ void issue(const TileRef& r, int st, int blk) const {
+    const int t0 = r.tile * tile_rows;
+    int lo = max(r.lo - t0, 0), hi = min(r.kv_len - t0, tile_rows);
+    if (HEAD_MAJOR) {
+      lo -= lo % a.block_size;
+      hi = min(hi + (a.block_size - hi % a.block_size) % a.block_size, tile_rows);
+    }
+    T* ks = k_stage(st);
+    T* vs = v_stage(st);
+    if (!HEAD_MAJOR) {  // the m-tiles [m0, m1) hold the visible rows
+      const int m0 = lo / 16 * 16, m1 = min((hi + 15) / 16 * 16, tile_rows);
+      zero_invisible_rows(ks + m0 * row, vs + m0 * row, row, row / Vec16<T>::N, t0 + m0,
+                          m1 - m0, r.lo, r.kv_len, tid, PAGE_THREADS);
+    }
+    const u32 bar = bars + 8 * st;
+    // The one arrival, with every copy's bytes: the phase completes when it has happened and
+    // the copies (landing before or after it) are all in; with no rows to copy, at once.
+    if (tid == 0) mbar_arrive_expect_tx(bar, 2 * (u32)((hi - lo) * row * (int)sizeof(T)));
+    if (copier) {
+      const int r0 = max(lo, run * run_rows), r1 = min(hi, (run + 1) * run_rows);
+      if (r0 < r1) {
+        const u32 bytes = (u32)((r1 - r0) * row * (int)sizeof(T));
+        // the first copied token in the block (HND: whole blocks)
+        const i64 in = head_off + (HEAD_MAJOR ? 0 : (i64)(run_in + r0 - run * run_rows) * a.kts);
+        const unsigned long long once = l2_evict_first_policy();
+        bulk_copy_g2s(smem_addr(ks + r0 * row), a.k_cache + (i64)blk * a.kbs + in, bytes, bar, once);
+        bulk_copy_g2s(smem_addr(vs + r0 * row), a.v_cache + (i64)blk * a.vbs + in, bytes, bar, once);
+      }
+    }
+  }
+
+  // A copier loads the id of its block of the tile after the one it issues, so that the
+  // load's latency passes during a tile's math rather than in front of the next copies
+  // (blocks past the sequence's end are not read: their table entries may be -1).
+  __device__ __forceinline__ int block_id(const TileRef& r) const {
+    const int j = r.tile * tile_blocks + run_block;
+    return copier && r.bt != nullptr && j * a.block_size + run_in < r.kv_len ? __ldg(r.bt + j) : 0;
+  }
+
+  __device__ __forceinline__ void prologue(TileCursor& cur) {
+    blk = block_id(cur.ref);
+#pragma unroll
+    for (int st = 0; st < PAGE_STAGES - 1; ++st)
+      if (cur.has()) {
+        issue(cur.ref, st, blk);
+        cur.advance();
+        blk = block_id(cur.ref);
+      }
+  }
+  __device__ __forceinline__ void init_lanes() {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int h = 2 * (lane & 3) + j;
+      slope[0][j] = (a.alibi_slopes != nullptr && h < warp_heads)
+                        ? a.alibi_slopes[hq_warp + h] * LOG2E : 0.f;  // log2 units
+    }
+  }
+  __device__ __forceinline__ void wait(int it) const {
+    mbar_wait(bars + 8 * (it % PAGE_STAGES), (it / PAGE_STAGES) & 1);
+  }
+  __device__ __forceinline__ void refill(TileCursor& cur, int st) {
+    if (cur.has()) {
+      issue(cur.ref, st, blk);
+      cur.advance();
+      blk = block_id(cur.ref);
+    }
+  }
+  __device__ __forceinline__ void load_q(const Piece& p) {
+    math.load_q(a.q + (i64)p.b * a.q_stride + (i64)hq_warp * D, warp_heads, lane);
+  }
+  __device__ __forceinline__ void tile(int tile, int st, const ScoreMods& mods, State& state) const {
+    T* ks = k_stage(st) + roles.hw * head_first;  // this warp's kv head
+    T* vs = v_stage(st) + roles.hw * head_first;
+    const int lo = mods.lo, kv_len = mods.kv_len;
+    for (int mt = roles.tg; mt < tile_rows / 16; mt += roles.tw) {
+      const int tok0 = tile * tile_rows + mt * 16;
+      if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
+      // the m-tile's rows: HND [block][HG][block_size][D], NHD [token][HG][D]
+      const int off = HEAD_MAJOR ? (mt * 16 / a.block_size) * a.block_size * row +
+                                       (mt * 16 % a.block_size) * D
+                                 : mt * 16 * row;
+      if (HEAD_MAJOR && (tok0 < lo || tok0 + 16 > kv_len))
+        zero_invisible_rows(ks + off, vs + off, D, D / Vec16<T>::N, tok0, 16, lo, kv_len,
+                            lane, 32);
+      float s[1][4];
+      math.scores(ks + off, head_rows, s, lane);
+      mods.apply(s, slope, tok0, lane >> 2);
+      state.update(s, 1);
+      math.pv(vs + off, head_rows, s, state.acc, lane);
+    }
+  }
+  __device__ __forceinline__ float* combine_buffer(int st) const {
+    return reinterpret_cast<float*>(k_stage(st)) + lane;
+  }
+  __device__ __forceinline__ void after_combine() const {
+    fence_proxy_async();  // the stage's next copy comes after these accesses
+  }
+  __device__ __forceinline__ void write(const State& state, const Piece& p, bool whole) const {
+    write_rows<T, D, 1, true>(state, warp_heads, whole, (i64)p.b * a.num_q_heads + hq_warp,
+                              (i64)p.slot * a.num_q_heads + hq_warp,
+                              a.sinks != nullptr ? a.sinks + hq_warp : nullptr, a.out, a.lse,
+                              a.part_out, a.part_lse, lane);
+  }
+};
+
 // grid (columns, row groups); block PAGE_THREADS; sm_90; 16-bit caches, at most 8 query heads
 // a kv head: NHD with block_size a multiple of 16 or a divisor of 16, or HND with block_size
 // a multiple of 16. Row group y is the kv heads y*HG .. y*HG + HG - 1 (HG = head_warps, at
 // most PAGE_WARPS: every kv head, or a divisor of their number) with all their query heads.
 // Warp w serves kv head y*HG + w % HG on the m-tiles (16 tokens) w / HG, + TW, ... of each
 // tile (TW = PAGE_WARPS / HG token warps a head), for its G query heads (PageMath) with its
-// own online softmax; a tile is whole blocks, at least 16 * TW tokens unless that passes
-// PAGE_TILE_BYTES an operand (page_tile), so that a stage holds about as many bytes however
-// few the heads. CTA (c, y) walks column c's pieces, then pool pieces of row group y
-// (PiecePool); its stream of tiles goes through a PAGE_STAGES ring, a stage holding its
-// tile's HG heads as the cache lays them out:
+// own online softmax; a tile is tile_tokens tokens, whole blocks (decode_plan.page_tile: at
+// least 16 * TW tokens unless that passes the bytes a stage holds of an operand, so that a
+// stage holds about as many bytes however few the heads). CTA (c, y) runs piece_loop over
+// PageRing: column c's pieces, then pool pieces of row group y (PiecePool); its stream of
+// tiles goes through a PAGE_STAGES ring, a stage holding its tile's HG heads as the cache
+// lays them out:
 //   NHD  (HEAD_MAJOR false; kv head h's token t at (t * HG + h) * D in the stage): with
 //        HG = Hk a block's visible tokens are one contiguous run [tokens][Hk][D] in the
 //        cache, else each token's HG heads are one; lane j / 8 of warp j % 8 copies run j
@@ -946,12 +1171,12 @@ __device__ __forceinline__ void zero_invisible_rows(T* k_rows, T* v_rows, int st
 template <typename T, int D, bool HEAD_MAJOR>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
 paged_decode_pages_kernel(CUPAGED_PARAMS_DecodeArgs) {
-  using State = SoftmaxState<1, D / 16>;
+  using Src = PageRing<T, D, HEAD_MAJOR>;
+  const DecodeArgs<T> a{CUPAGED_FIELDS_DecodeArgs};
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) u64 full[PAGE_STAGES];  // stage st's block landed
   __shared__ int s_last;
   __shared__ int s_ring[8];  // pool pieces taken (PiecePool)
-  T* ring = reinterpret_cast<T*>(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = num_q_heads / num_kv_heads;
   const int hg = head_warps;                   // kv heads of the row group
@@ -959,157 +1184,38 @@ paged_decode_pages_kernel(CUPAGED_PARAMS_DecodeArgs) {
   const int tw = PAGE_WARPS / hg;              // token warps a kv head
   const int wh = warp % hg, tg = warp / hg;    // this warp's head in the group, token warp
   const int row = hg * D;                      // elements of a token in a stage (NHD)
-  const int tile_blocks = max(1, min((16 * tw + block_size - 1) / block_size,  // page_tile
-                                    PAGE_TILE_BYTES / (block_size * row * (int)sizeof(T))));
-  const int tile_rows = tile_blocks * block_size;  // tokens a tile (a stage) holds
-  const int stage_elems = tile_rows * row;     // one operand of one stage
-  const int head_rows = HEAD_MAJOR ? D : row;  // elements between a kv head's tokens
-  const int head_first = HEAD_MAJOR ? block_size * D : D;  // ... and from one head to the next
-  const int warp_heads = tg < tw ? group : 0;
-  const int hq_warp = (kv0 + wh) * group;
+  const int tile_rows = tile_tokens;               // tokens a tile (a stage) holds
+  const int tile_blocks = tile_rows / block_size;  // whole blocks (decode_plan.page_tile)
   const u32 bars = smem_addr(full);
   if (tid == 0)
     for (int st = 0; st < PAGE_STAGES; ++st) mbar_init(bars + 8 * st, 1);
   fence_mbar_init();
   __syncthreads();
-  auto k_stage = [&](int st) { return ring + 2 * st * stage_elems; };
-  auto v_stage = [&](int st) { return ring + (2 * st + 1) * stage_elems; };
 
-  // Run j of a tile (a block's tokens, or with fewer heads than the cache's one token's)
-  // is copied by lane j / 8 of warp j % 8: a cp.async.bulk holds its warp for a while, so
-  // 16 runs a tile from one warp would hold it, and at the next barrier every warp, for
-  // all 32 copies.
-  const int run_rows = !HEAD_MAJOR && hg < num_kv_heads ? 1 : block_size;  // tokens a run
-  const int run = lane * PAGE_WARPS + warp;  // the run this thread copies
-  const bool copier = run < tile_rows / run_rows;
-  const int run_block = run * run_rows / block_size;     // its block in the tile
-  const int run_in = run * run_rows - run_block * block_size;  // its first token there
-  const i64 head_off = (i64)kv0 * khs;  // the row group's first head in a block
+  Src src(a);
+  src.ring = reinterpret_cast<T*>(smem);
+  src.bars = bars;
+  src.roles = WarpRoles{hg, wh, tg, tw, tg < tw};
+  src.tid = tid;
+  src.lane = lane;
+  src.warp_heads = tg < tw ? group : 0;
+  src.hq_warp = (kv0 + wh) * group;
+  src.row = row;
+  src.tile_blocks = tile_blocks;
+  src.tile_rows = tile_rows;
+  src.stage_elems = tile_rows * row;
+  src.head_rows = HEAD_MAJOR ? D : row;
+  src.head_first = HEAD_MAJOR ? block_size * D : D;
+  src.run_rows = !HEAD_MAJOR && hg < num_kv_heads ? 1 : block_size;
+  src.run = lane * PAGE_WARPS + warp;
+  src.copier = src.run < tile_rows / src.run_rows;
+  src.run_block = src.run * src.run_rows / block_size;
+  src.run_in = src.run * src.run_rows - src.run_block * block_size;
+  src.head_off = (i64)kv0 * khs;
 
-  // Tile r.tile into stage st (a copier holds blk, the cache block of its run): the
-  // visible rows [a, b) copied (HND: the whole blocks holding them; their heads' invisible
-  // rows are zeroed once they landed), NHD's invisible rows of partly visible m-tiles
-  // zeroed (the math skips wholly invisible ones).
-  auto issue = [&](const TileRef& r, int st, int blk) {
-    const int t0 = r.tile * tile_rows;
-    int a = max(r.lo - t0, 0), b = min(r.kv_len - t0, tile_rows);
-    if (HEAD_MAJOR) {
-      a -= a % block_size;
-      b = min(b + (block_size - b % block_size) % block_size, tile_rows);
-    }
-    T* ks = k_stage(st);
-    T* vs = v_stage(st);
-    if (!HEAD_MAJOR) {  // the m-tiles [m0, m1) hold the visible rows
-      const int m0 = a / 16 * 16, m1 = min((b + 15) / 16 * 16, tile_rows);
-      zero_invisible_rows(ks + m0 * row, vs + m0 * row, row, row / Vec16<T>::N, t0 + m0,
-                          m1 - m0, r.lo, r.kv_len, tid, PAGE_THREADS);
-    }
-    const u32 bar = bars + 8 * st;
-    // The one arrival, with every copy's bytes: the phase completes when it has happened and
-    // the copies (landing before or after it) are all in; with no rows to copy, at once.
-    if (tid == 0) mbar_arrive_expect_tx(bar, 2 * (u32)((b - a) * row * (int)sizeof(T)));
-    if (copier) {
-      const int r0 = max(a, run * run_rows), r1 = min(b, (run + 1) * run_rows);
-      if (r0 < r1) {
-        const u32 bytes = (u32)((r1 - r0) * row * (int)sizeof(T));
-        // the first copied token in the block (HND: whole blocks)
-        const i64 in = head_off + (HEAD_MAJOR ? 0 : (i64)(run_in + r0 - run * run_rows) * kts);
-        const unsigned long long once = l2_evict_first_policy();
-        bulk_copy_g2s(smem_addr(ks + r0 * row), k_cache + (i64)blk * kbs + in, bytes, bar, once);
-        bulk_copy_g2s(smem_addr(vs + r0 * row), v_cache + (i64)blk * vbs + in, bytes, bar, once);
-      }
-    }
-  };
-
-  // A copier loads the id of its block of the tile after the one it issues, so that the
-  // load's latency passes during a tile's math rather than in front of the next copies
-  // (blocks past the sequence's end are not read: their table entries may be -1).
-  auto block_id = [&](const TileRef& r) {
-    const int j = r.tile * tile_blocks + run_block;
-    return copier && r.bt != nullptr && j * block_size + run_in < r.kv_len ? __ldg(r.bt + j) : 0;
-  };
   TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
-  cur.start(blockIdx.x);
-  int blk = block_id(cur.ref);
-#pragma unroll
-  for (int st = 0; st < PAGE_STAGES - 1; ++st)
-    if (cur.has()) {
-      issue(cur.ref, st, blk);
-      cur.advance();
-      blk = block_id(cur.ref);
-    }
-
-  PageMath<T, D> math;
-  float slope[1][2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int h = 2 * (lane & 3) + j;
-    slope[0][j] = (alibi_slopes != nullptr && h < warp_heads) ? alibi_slopes[hq_warp + h] : 0.f;
-  }
-  State state;
-
-  int it = 0;  // the stream's block `it` sits in stage it % PAGE_STAGES
-  for (int pi = cur.pool.after(load_piece(work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
-    Piece p = load_piece(work, pi);
-    if (!p.valid()) break;
-    const int lo = first_visible(p.kv_len, window_left), kv_len = p.kv_len;
-    const ScoreMods mods{scale_log2, sm_scale, soft_cap, soft_cap > 0.f ? 1.f / soft_cap : 0.f,
-                         soft_cap <= 0.f && alibi_slopes == nullptr, lo, kv_len, kv_len - 1};
-    if (warp_heads) math.load_q(q + (i64)p.b * q_stride + (i64)hq_warp * D, warp_heads, lane);
-    state.init();
-    for (int tile = p.t_begin; tile < p.t_end; ++tile, ++it) {
-      mbar_wait(bars + 8 * (it % PAGE_STAGES), (it / PAGE_STAGES) & 1);
-      __syncthreads();  // every warp is done with stage (it - 1) % PAGE_STAGES
-      if (cur.has()) {
-        issue(cur.ref, (it + PAGE_STAGES - 1) % PAGE_STAGES, blk);
-        cur.advance();
-        blk = block_id(cur.ref);
-      }
-      if (!warp_heads) continue;
-      T* ks = k_stage(it % PAGE_STAGES) + wh * head_first;  // this warp's kv head
-      T* vs = v_stage(it % PAGE_STAGES) + wh * head_first;
-      for (int mt = tg; mt < tile_rows / 16; mt += tw) {
-        const int tok0 = tile * tile_rows + mt * 16;
-        if (tok0 + 16 <= lo || tok0 >= kv_len) continue;  // all masked (warp-uniform)
-        // the m-tile's rows: HND [block][HG][block_size][D], NHD [token][HG][D]
-        const int off = HEAD_MAJOR ? (mt * 16 / block_size) * block_size * row +
-                                         (mt * 16 % block_size) * D
-                                   : mt * 16 * row;
-        if (HEAD_MAJOR && (tok0 < lo || tok0 + 16 > kv_len))
-          zero_invisible_rows(ks + off, vs + off, D, D / Vec16<T>::N, tok0, 16, lo, kv_len,
-                              lane, 32);
-        float s[1][4];
-        math.scores(ks + off, head_rows, s, lane);
-        mods.apply(s, slope, tok0, lane >> 2);
-        state.update(s, 1);
-        math.pv(vs + off, head_rows, s, state.acc, lane);
-      }
-    }
-
-    p = load_piece(work, pi);
-    pi = cur.pool.after(p.next);
-    state.reduce_sum();
-    if (tw > 1) {  // token warps combine in the stage of the piece's last tile (see above)
-      const int last = (it + PAGE_STAGES - 1) % PAGE_STAGES;
-      float* red = reinterpret_cast<float*>(k_stage(last)) + lane;
-      __syncthreads();  // every warp is done with that tile
-      if (warp_heads && tg > 0) state.store(red + (warp - hg) * State::FLOATS * 32);
-      __syncthreads();
-      if (warp_heads && tg == 0)
-        for (int t2 = 1; t2 < tw; ++t2)
-          state.absorb(red + ((t2 - 1) * hg + wh) * State::FLOATS * 32);
-      fence_proxy_async();  // the stage's next copy comes after these accesses
-    }
-    const bool whole = p.npieces == 1;
-    if (warp_heads && tg == 0)
-      write_rows<T, D, 1, true>(state, warp_heads, whole, (i64)p.b * num_q_heads + hq_warp,
-                                (i64)p.slot * num_q_heads + hq_warp,
-                                sinks != nullptr ? sinks + hq_warp : nullptr, out, lse, part_out,
-                                part_lse, lane);
-    if (!whole && fused_merge)
-      merge_if_last<T, D>(p, counters, blockIdx.y, kv0 * group, hg * group, hg * group,
-                          num_q_heads, part_out, part_lse, sinks, out, lse, s_last, PAGE_WARPS);
-  }
+  const MergeGroup mg{(int)blockIdx.y, kv0 * group, hg * group, hg * group, PAGE_WARPS};
+  piece_loop<T, D>(a, src, cur, mg, s_last);
 }
 
 // ---------------------------------------------------------------------------- append
@@ -1133,79 +1239,6 @@ __global__ void __launch_bounds__(128) append_kv_kernel(CUPAGED_PARAMS_AppendArg
     k_cache[blk * kbs + (h * khs + in * kts + dc * kcs + de)] = k_src[e];
     v_cache[blk * vbs + (h * vhs + in * vts + dc * vcs + de * ves)] = v_src[e];
   }
-}
-
-// ---------------------------------------------------------------------------- merge
-// grid ceil(num_rows / 4); block 128: warp w of CTA c merges row 4c + w (row = token * heads
-// + head) over num_parts states; output rows are contiguous [num_rows][dim].
-// Part s of row i: o_first/o_rest as in PartRow, offset by i * o_row_stride; lse alike.
-template <typename TI, typename TO>
-__global__ void __launch_bounds__(128) merge_states_kernel(CUPAGED_PARAMS_MergeStatesArgs) {
-  const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
-  if (row >= num_rows) return;
-  const PartRow<TI> o{o_first + row * o_row_stride, o_rest + row * o_row_stride, o_part_stride};
-  const PartRow<float> ls{l_first + row * l_row_stride, l_rest + row * l_row_stride, l_part_stride};
-  const float sink = sinks != nullptr ? sinks[row % num_heads] : minus_inf();
-  merge_row_warp<TI, TO>(o, ls, num_parts, sink, dim, out + (i64)row * dim,
-                         lse_out != nullptr ? lse_out + row : nullptr);
-}
-
-// grid (batch, num_kv_heads * head_chunks, ceil(HPC / (W / WPH))); block 32 * W threads,
-// W = max(NWARPS, WPH) warps, WPH (warps per head) a power of two up to MERGE_MAX_WARPS.
-// CTA (b, y, z) merges the pieces of row group y of sequence b when b is split
-// (seq_info[b] = (npieces, first slot), npieces > 1); the decode kernel wrote every other
-// sequence's rows. Its W / WPH heads (z * W / WPH + warp / WPH of the row group) each take
-// WPH warps, which split the head's pieces into equal runs (merge_pieces_share: one L2
-// round trip a run of up to 16 pieces). With WPH > 1 the runs' shares meet in shared memory
-// and the head's first warp combines them and writes the row. Few sequences have many
-// pieces each (B1: one a column), which one warp a head would walk a batch after another.
-// At most 128 registers a thread (4 CTAs of 4 warps an SM, or one of 16), so that B64 x 32
-// heads merge in one wave: a second wave would double the time the merge adds after the
-// decode kernel.
-constexpr int MERGE_MAX_WARPS = 16;
-
-template <typename TO, int CH>
-__global__ void __launch_bounds__(32 * MERGE_MAX_WARPS, 1)
-merge_pieces_kernel(CUPAGED_PARAMS_MergePiecesArgs) {
-  __shared__ float4 s_acc[MERGE_MAX_WARPS][CH][32];  // the runs' shares (WPH > 1)
-  __shared__ float s_m[MERGE_MAX_WARPS], s_den[MERGE_MAX_WARPS];
-  const int b = blockIdx.x, y = blockIdx.y;
-  const int np = seq_info[2 * b], slot0 = seq_info[2 * b + 1];
-  if (np <= 1) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int group = num_q_heads / num_kv_heads;
-  const int hc = y % head_chunks;
-  const int heads = min(group - hc * hpc, hpc);
-  const int h = blockIdx.z * ((blockDim.x >> 5) / wph) + warp / wph;  // head in the row group
-  const int part = warp % wph;                                         // run of its pieces
-  const int hq = (y / head_chunks) * group + hc * hpc + h;             // query head
-  const i64 stride = (i64)gridDim.y * hpc;  // rows from one piece to the next
-  const i64 row = ((i64)slot0 * gridDim.y + y) * hpc + h;
-  RowShare<CH> r{minus_inf(), 0.f};
-  if (h < heads)
-    r = merge_pieces_share<CH>(part_out + row * dim, stride * dim, part_lse + row, stride,
-                               part * np / wph, (part + 1) * np / wph, dim, lane);
-  if (wph > 1) {
-    if (lane == 0) {
-      s_m[warp] = r.m;
-      s_den[warp] = r.den;
-    }
-#pragma unroll
-    for (int ch = 0; ch < CH; ++ch) s_acc[warp][ch][lane] = r.acc[ch];
-    __syncthreads();
-    if (part != 0 || h >= heads) return;
-    for (int w = warp + 1; w < warp + wph; ++w) {
-      RowShare<CH> q{s_m[w], s_den[w]};
-#pragma unroll
-      for (int ch = 0; ch < CH; ++ch) q.acc[ch] = s_acc[w][ch][lane];
-      r.combine(q);
-    }
-  } else if (h >= heads) {
-    return;
-  }
-  const i64 orow = (i64)b * num_q_heads + hq;
-  write_merged<TO, CH>(r, sinks != nullptr ? sinks[hq] : minus_inf(), dim, out + orow * dim,
-                       lse != nullptr ? lse + orow : nullptr, lane);
 }
 
 }  // namespace decode

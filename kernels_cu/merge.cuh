@@ -12,9 +12,6 @@
 
 namespace cupaged {
 
-// -inf as a float (NVRTC has no INFINITY macro).
-__device__ __forceinline__ float minus_inf() { return __int_as_float(0xff800000); }
-
 // The parts of one row: part 0 at `first`, part s >= 1 at `rest + (s - 1) * stride`
 // (elements). Covers split partials at a fixed stride and two unrelated arrays alike.
 template <typename TI>
@@ -37,7 +34,7 @@ __device__ void merge_row_warp(PartRow<TI> o, PartRow<float> lse, int num_parts,
   float m = sink;
   for (int s = lane; s < num_parts; s += 32) m = fmaxf(m, *lse.part(s));
   m = warp_max(m);
-  const float m_use = m == minus_inf() ? 0.f : m;
+  const float m_use = m == neg_inf() ? 0.f : m;
   float den = 0.f;
   for (int s = lane; s < num_parts; s += 32) den += exp2f((*lse.part(s) - m_use) * LOG2E);
   den = warp_sum(den) + exp2f((sink - m_use) * LOG2E);
@@ -57,7 +54,7 @@ __device__ void merge_row_warp(PartRow<TI> o, PartRow<float> lse, int num_parts,
     }
     if (d < dim) out[d] = from_float<TO>(acc);
   }
-  if (lane == 0 && lse_out != nullptr) *lse_out = den > 0.f ? m_use + logf(den) : minus_inf();
+  if (lane == 0 && lse_out != nullptr) *lse_out = den > 0.f ? m_use + logf(den) : neg_inf();
 }
 
 // ---------------------------------------------------------------------------- decode pieces
@@ -122,7 +119,7 @@ struct RowShare {
   // this = this (+) r: both rescaled to the larger max.
   __device__ __forceinline__ void combine(const RowShare& r) {
     const float mx = fmaxf(m, r.m);
-    const float m_use = mx == minus_inf() ? 0.f : mx;
+    const float m_use = mx == neg_inf() ? 0.f : mx;
     const float a = exp2f((m - m_use) * LOG2E), b = exp2f((r.m - m_use) * LOG2E);
     m = mx;
     den = den * a + r.den * b;
@@ -145,14 +142,14 @@ __device__ RowShare<CH> merge_pieces_share(const float* __restrict__ o, i64 o_st
   constexpr int BATCH = 16 / CH;  // divides 32: a batch never straddles two weight chunks
   // -- the LSEs (lane j: pieces s0 + j, s0 + j + 32, ...) and the first batch of rows, in
   // flight together
-  const float l0 = s0 + lane < s1 ? __ldcg(l + (s0 + lane) * l_stride) : minus_inf();
+  const float l0 = s0 + lane < s1 ? __ldcg(l + (s0 + lane) * l_stride) : neg_inf();
   float4 v[BATCH][CH];
   load_pieces<BATCH, CH>(v, o, o_stride, s0, s1, dim, lane);
   RowShare<CH> r;
   float m = l0;
   for (int s = s0 + lane + 32; s < s1; s += 32) m = fmaxf(m, __ldcg(l + s * l_stride));
   r.m = warp_max(m);
-  const float m_use = r.m == minus_inf() ? 0.f : r.m;
+  const float m_use = r.m == neg_inf() ? 0.f : r.m;
   float w_mine = exp2f((l0 - m_use) * LOG2E);
   float den = w_mine;
   for (int s = s0 + lane + 32; s < s1; s += 32)
@@ -165,7 +162,7 @@ __device__ RowShare<CH> merge_pieces_share(const float* __restrict__ o, i64 o_st
   for (int s = s0; s < s1; s += BATCH) {
     if (s > s0) {
       if (((s - s0) & 31) == 0) {  // the weights of pieces s .. s + 31
-        const float ls = s + lane < s1 ? __ldcg(l + (s + lane) * l_stride) : minus_inf();
+        const float ls = s + lane < s1 ? __ldcg(l + (s + lane) * l_stride) : neg_inf();
         w_mine = exp2f((ls - m_use) * LOG2E);
       }
       load_pieces<BATCH, CH>(v, o, o_stride, s, s1, dim, lane);
@@ -191,7 +188,7 @@ __device__ __forceinline__ void write_merged(const RowShare<CH>& r, float sink, 
                                              TO* __restrict__ out, float* __restrict__ lse_out,
                                              int lane) {
   const float mx = fmaxf(r.m, sink);
-  const float m_use = mx == minus_inf() ? 0.f : mx;
+  const float m_use = mx == neg_inf() ? 0.f : mx;
   const float a = exp2f((r.m - m_use) * LOG2E);
   const float den = r.den * a + exp2f((sink - m_use) * LOG2E);
   const float scale = den > 0.f ? a / den : 0.f;
@@ -202,7 +199,7 @@ __device__ __forceinline__ void write_merged(const RowShare<CH>& r, float sink, 
       store4<TO>(out + 4 * (lane + 32 * ch),
                  make_float4(x.x * scale, x.y * scale, x.z * scale, x.w * scale));
     }
-  if (lane == 0 && lse_out != nullptr) *lse_out = den > 0.f ? m_use + logf(den) : minus_inf();
+  if (lane == 0 && lse_out != nullptr) *lse_out = den > 0.f ? m_use + logf(den) : neg_inf();
 }
 
 // One warp merges all `np` pieces of one head into out / lse_out.
@@ -230,7 +227,7 @@ __device__ void merge_group(const float* __restrict__ part_out, const float* __r
   for (int h = warp; h < heads; h += nwarps) {
     const i64 row = ((i64)slot0 * ny + y) * hpc + h;
     merge_pieces_row<TO, CH>(part_out + row * dim, stride * dim, part_lse + row, stride, np,
-                             sinks != nullptr ? sinks[h] : minus_inf(), dim, out + (i64)h * dim,
+                             sinks != nullptr ? sinks[h] : neg_inf(), dim, out + (i64)h * dim,
                              lse != nullptr ? lse + h : nullptr, lane);
   }
 }

@@ -111,6 +111,24 @@ __device__ __forceinline__ bool table_row_ok(const int* row, int need, int num_b
   return !__syncthreads_or(bad);
 }
 
+// Whether sequence b is usable: its length len is not negative, its kv = len + append keys
+// fit its block-table row of `width` blocks, and their block ids are in [0, num_blocks).
+// The first failure is reported: a negative length as a range error, keys past the row as a
+// table error (value kv), a bad block id by table_row_ok. Every thread of the CTA calls.
+__device__ __forceinline__ bool sequence_ok(int len, int append, const int* table_row, int width,
+                                            int block_size, int num_blocks, long long* err, int b) {
+  const i64 kv = (i64)len + append;
+  const i64 need = (kv + block_size - 1) / block_size;
+  const bool len_ok = len >= 0 && need <= width;
+  if (threadIdx.x == 0 && !len_ok) {
+    if (len < 0)
+      report_error(err, error_code(ARG_SEQ_LENS, CHECK_RANGE), b, -1, len, INT32_MAX_);
+    else
+      report_error(err, error_code(ARG_SEQ_LENS, CHECK_TABLE), b, -1, kv, (i64)width * block_size);
+  }
+  return len_ok && table_row_ok(table_row, len_ok ? (int)need : 0, num_blocks, err, b);
+}
+
 // ---------------------------------------------------------------------------- decode
 // Scratch (ints): S, N, F, C, P per sequence (tile offset, tiles, first visible tile, first
 // chunk, piece offset), then R per piece (its descriptor row).
@@ -128,18 +146,8 @@ __global__ void __launch_bounds__(THREADS) decode_plan_kernel(CUPAGED_PARAMS_Dec
   __shared__ int s_flag, s_max;
   for (int b = blockIdx.x; b < a.batch; b += gridDim.x) {
     const int len = __ldg(a.seq_lens + b);
-    const i64 kv = (i64)len + a.append;
-    const i64 need = (kv + a.block_size - 1) / a.block_size;
-    const bool len_ok = len >= 0 && need <= a.width;
-    if (threadIdx.x == 0 && !len_ok) {
-      if (len < 0)
-        report_error(a.err, error_code(ARG_SEQ_LENS, CHECK_RANGE), b, -1, len, INT32_MAX_);
-      else
-        report_error(a.err, error_code(ARG_SEQ_LENS, CHECK_TABLE), b, -1, kv,
-                     (i64)a.width * a.block_size);
-    }
-    const bool ok = len_ok && table_row_ok(a.block_tables + (i64)b * a.bt_stride,
-                                           len_ok ? (int)need : 0, a.num_blocks, a.err, b);
+    const bool ok = sequence_ok(len, a.append, a.block_tables + (i64)b * a.bt_stride, a.width,
+                                a.block_size, a.num_blocks, a.err, b);
     if (threadIdx.x == 0) a.lens_out[b] = ok ? len : -1;
   }
   if (!last_cta(a.done, &s_flag)) return;
@@ -253,7 +261,7 @@ __device__ __forceinline__ void zero_rows(const PrefillPlanArgs& a, i64 r0, i64 
   if (a.lse != nullptr)
     for (i64 i = r0 * a.num_q_heads + (i64)cta * THREADS + threadIdx.x; i < r1 * a.num_q_heads;
          i += (i64)ctas * THREADS)
-      a.lse[i] = __int_as_float(0xff800000);
+      a.lse[i] = neg_inf();
 }
 
 __device__ __forceinline__ bool prefix_ok(const int* cu, int b, int total, int argument,
@@ -292,18 +300,8 @@ __global__ void __launch_bounds__(THREADS) prefill_plan_kernel(CUPAGED_PARAMS_Pr
       if (!prefixes) atomicOr(all_bad, 1);
     }
     if (a.paged) {
-      const int len = __ldg(a.kv_info + b);
-      const i64 need = ((i64)len + a.block_size - 1) / a.block_size;
-      const bool len_ok = len >= 0 && need <= a.width;
-      if (threadIdx.x == 0 && !len_ok) {
-        if (len < 0)
-          report_error(a.err, error_code(ARG_SEQ_LENS, CHECK_RANGE), b, -1, len, INT32_MAX_);
-        else
-          report_error(a.err, error_code(ARG_SEQ_LENS, CHECK_TABLE), b, -1, len,
-                       (i64)a.width * a.block_size);
-      }
-      ok = len_ok && table_row_ok(a.block_tables + (i64)b * a.bt_stride,
-                                  len_ok ? (int)need : 0, a.num_blocks, a.err, b);
+      ok = sequence_ok(__ldg(a.kv_info + b), 0, a.block_tables + (i64)b * a.bt_stride, a.width,
+                       a.block_size, a.num_blocks, a.err, b);
     }
     if (threadIdx.x == 0) V[b] = ok;
   }

@@ -22,6 +22,7 @@
 // simple CUDA-core path (one warp per query row), correct but not tuned.
 #include "attn_common.cuh"
 #include "attn_tile.cuh"
+#include "score.cuh"
 
 namespace cupaged {
 
@@ -67,24 +68,6 @@ struct Tile : WorkItem {
     i64 k_off, v_off;
     kv_offsets(P, j, k_off, v_off);
     return P.v + v_off + hk * P.v_head + d * P.v_dim;
-  }
-};
-
-// Score transform in log2 units: soft-cap, then ALiBi.
-struct ScoreMap {
-  float scale_log2, cap_log2, scale_over_cap;
-  bool softcap;
-  __device__ __forceinline__ void init(float sm_scale, float cap) {
-    softcap = cap > 0.f;
-    scale_log2 = sm_scale * LOG2E;
-    cap_log2 = cap * LOG2E;
-    scale_over_cap = softcap ? sm_scale / cap : 0.f;
-  }
-  // tanh(y) = 1 - 2 / (exp(2y) + 1): absolute error ~1e-7 (what a logit needs), two MUFU ops
-  __device__ __forceinline__ float operator()(float dot) const {
-    if (!softcap) return dot * scale_log2;
-    const float e = exp2f(dot * scale_over_cap * (2.f * LOG2E));
-    return cap_log2 * (1.f - __fdividef(2.f, e + 1.f));
   }
 };
 
@@ -202,14 +185,14 @@ __device__ __forceinline__ void reload_tile(const Problem<T>& P, int block_m, Ti
   t.init(P, item, block_m);
 }
 
-// Scores of the m-tile at tile row `first` -> log2 units (soft-cap or scale, then ALiBi):
+// Scores of the m-tile at tile row `first` -> log2 units (the score epilogue, score.cuh):
 // the general path. The plain path (positive scale, no soft-cap, no ALiBi) keeps raw dots
 // and scales inside the exponential.
 template <typename T, int NT_S>
 __device__ __forceinline__ void transform_scores(float (&s)[NT_S][4], const Problem<T>& P, int block_m,
                                                  const int* pos_s, int first, int j0, int lane) {
-  ScoreMap smap;
-  smap.init(P.sm_scale, P.soft_cap);
+  ScoreEpilogue epi;
+  epi.init(P.sm_scale, P.soft_cap);
   float slope[2] = {0.f, 0.f};
   int p[2] = {0, 0};
   if (P.alibi != nullptr) {
@@ -227,7 +210,7 @@ __device__ __forceinline__ void transform_scores(float (&s)[NT_S][4], const Prob
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int hr = e / 2, j = j0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-      s[nt][e] = smap(s[nt][e]) + slope[hr] * (float)(j - p[hr]);  // no ALiBi: slope 0
+      s[nt][e] = epi(s[nt][e]) + slope[hr] * (float)(j - p[hr]);  // no ALiBi: slope 0
     }
 }
 
@@ -419,8 +402,8 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
   Tile t;
   t.init(P, P.work[blockIdx.x], SIMT_BLOCK_M);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  ScoreMap smap;
-  smap.init(P.sm_scale, P.soft_cap);
+  ScoreEpilogue epi;
+  epi.init(P.sm_scale, P.soft_cap);
   for (int r = warp; r < t.rows; r += SIMT_WARPS) {
     const int p = t.position(r), h = t.head(r);
     const int lo = visible_lo(p, P.window_left), hi = visible_hi(p, t.kv_len, P.causal);
@@ -444,7 +427,7 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
           const float4 kv = *reinterpret_cast<const float4*>(key + (d / 4) * P.k_chunk);
           dot += sq[warp][d] * kv.x + sq[warp][d + 1] * kv.y + sq[warp][d + 2] * kv.z + sq[warp][d + 3] * kv.w;
         }
-        x = smap(dot) + slope * (float)(j - p);
+        x = epi(dot) + slope * (float)(j - p);
       }
       const float m_new = fmaxf(m, warp_max(x));  // finite: lane 0's key is visible
       const float alpha = exp2f(m - m_new);

@@ -12,8 +12,6 @@ namespace cupaged {
 
 // Softmax statistics of a set of logits in log2 units: m = max(x) * LOG2E and
 // s = sum exp2(x * LOG2E - m). The empty set is (-inf, 0).
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
-
 struct MaxSum {
   float m;
   float s;

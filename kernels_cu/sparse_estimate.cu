@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(SP_THREADS) vs_estimate(
   for (int r = 0; r < 2; ++r) {
     row[r] = warp * 16 + g + 8 * r;
     lim[r] = row[r] < n ? p0 + row[r] : -1;
-    m_i[r] = pass == 0 ? sp_neg_inf() : row_max[h * SP_ROWS + row[r]];
+    m_i[r] = pass == 0 ? neg_inf() : row_max[h * SP_ROWS + row[r]];
     l_i[r] = pass == 0 ? 0.f : row_sum[h * SP_ROWS + row[r]];
   }
   const int d_lo = p0 - (j_end - 1);  // smallest diagonal of the chunk (s_diag[0])
@@ -83,18 +83,18 @@ __global__ void __launch_bounds__(SP_THREADS) vs_estimate(
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = j0 + 8 * j + 2 * t + (e & 1);
-        s[j][e] = (key > lim[e >> 1] || key >= j_end) ? sp_neg_inf() : s[j][e] * scale_log2;
+        s[j][e] = (key > lim[e >> 1] || key >= j_end) ? neg_inf() : s[j][e] * scale_log2;
       }
 
     if (pass == 0) {
       // -- running max and sum of exp2 per row --
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = sp_neg_inf();
+        float mx = neg_inf();
 #pragma unroll
         for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
         const float m_new = fmaxf(m_i[r], quad_max(mx));
-        const float m_use = m_new == sp_neg_inf() ? 0.f : m_new;
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(SP_THREADS) vs_estimate(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1;
-          const float p = s[j][e] == sp_neg_inf() ? 0.f : fast_exp2(s[j][e] - m_i[r]) * l_i[r];
+          const float p = s[j][e] == neg_inf() ? 0.f : fast_exp2(s[j][e] - m_i[r]) * l_i[r];
           if (p != 0.f) atomicAdd(&s_diag[lim[r] - (j0 + 8 * j + 2 * t + (e & 1)) - d_lo], p);
           s[j][e] = p;
         }

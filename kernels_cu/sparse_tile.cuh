@@ -16,8 +16,6 @@ constexpr int SP_ROWS = 64;         // query rows per CTA tile
 constexpr int SP_KEYS = 64;         // keys per K/V tile
 constexpr int NO_KEY = 0x7fffffff;  // key index of an empty tile row (masked everywhere)
 
-__device__ __forceinline__ float sp_neg_inf() { return __int_as_float(0xff800000u); }
-
 template <int D> struct SpTile {
   static constexpr int SROW = D + 8;       // shared row stride (elements)
   static constexpr int CHUNKS = D / 8;     // 16-byte chunks per row (16-bit types)

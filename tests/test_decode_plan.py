@@ -1,12 +1,16 @@
 """Paged-decode planning on the CPU: launch geometry, work pieces and their descriptors, the
 packed index, and a mirror of the kernel's tile stream (which stage holds which tile).
 
-The mirrors restate kernels_cu/decode.cu's arithmetic in Python; the GPU tests in
+The kernels' constants and tile sizes come from decode.plan (emitted into abi.cuh), so the
+expectations here are written in its constants, not restated numbers; the GPU tests in
 test_decode.py check the kernel itself against the reference on plans like these.
 """
+import math
+
 import numpy as np
 import pytest
 
+from cupaged.core import abi
 from cupaged.decode import checks as dc, launch as decode, plan as dp
 from cupaged.core.arrays import FLOAT_DTYPES, HEAD_DIMS
 from cupaged.core.layouts import LAYOUTS
@@ -25,8 +29,23 @@ def random_lengths(rng, batch, top=3000):
 
 
 # ----------------------------------------------------------------------------- geometry
+def test_kernel_constants_are_emitted_from_python():
+    """abi.cuh carries decode.plan's constants and its stage_tile rule, the one home of both."""
+    from cupaged.core.compile import source
+    header = source("decode")
+    assert dp.cpp() in header
+    for name in dp.KERNEL_CONSTANTS:
+        assert f"constexpr int {name} = {getattr(dp, name)};" in header
+    assert dp.NWARPS == dp.NTHREADS // 32 and dp.PAGE_THREADS == 32 * dp.PAGE_WARPS
+    assert "constexpr int stage_tile(int row_bytes)" in header  # Cfg::TILE
+    for itemsize in (2, 4):
+        for d in HEAD_DIMS:
+            assert dp.tile_config(itemsize, d, False, 1).tile == dp.stage_tile(d * itemsize)
+
+
 def test_launch_holds_one_cta_per_slot():
-    assert launch().columns == dp.DEFAULT_SMS * 2 // 8   # d128 bf16: two CTAs per SM
+    per_sm = dp.ctas_per_sm(dp.tile_config(2, 128, False, 1).smem_bytes)
+    assert launch().columns == dp.DEFAULT_SMS * per_sm // 8   # d128 bf16, 8 row groups
     assert launch(slots=264).grid == (33, 8)
     assert launch(hq=32, hk=32, slots=264).grid == (8, 32)
     assert launch(hq=8, hk=8, slots=4).grid == (1, 8)     # more row groups than slots
@@ -57,13 +76,17 @@ def test_min_piece_tiles_balances_merge_and_streaming():
     STAGES - 1."""
     mqa, gqa = launch(hq=32, hk=1, slots=264), launch(hq=32, hk=8, slots=264)
     assert mqa.heads_per_group == 32 and gqa.heads_per_group == 8
-    assert [dp.min_piece_tiles(mqa, n) for n in (0, 8, 32, 512, 2048)] == [2, 2, 3, 12, 23]
-    assert [dp.min_piece_tiles(gqa, n) for n in (0, 64, 128, 512)] == [2, 2, 3, 6]
-    work = dp.plan_work(mqa, np.array([512 * 64 - 1], np.int32), True, -1)
-    assert work.max_pieces == -(-512 // 12)
-    assert dp.min_piece_tiles(mqa, 512, "kernel") == 4   # one head a warp: c = 1/32
-    work = dp.plan_work(mqa, np.array([512 * 64 - 1], np.int32), True, -1, merge="kernel")
-    assert work.max_pieces == 512 // 4
+
+    def want(lp, n, heads_a_warp):
+        return max(dp.STAGES - 1, math.ceil(math.sqrt(n * 2 * heads_a_warp / lp.tiles.tile)))
+    for n in (0, 8, 32, 512, 2048):
+        assert dp.min_piece_tiles(mqa, n) == want(mqa, n, 32 // dp.NWARPS), n
+        assert dp.min_piece_tiles(mqa, n, "kernel") == want(mqa, n, 1), n  # one head a warp
+        assert dp.min_piece_tiles(gqa, n) == want(gqa, n, 8 // dp.NWARPS), n
+    length = 512 * mqa.tiles.tile - 1  # 512 tiles, the appended key included
+    for merge in ("fused", "kernel"):
+        work = dp.plan_work(mqa, np.array([length], np.int32), True, -1, merge=merge)
+        assert work.max_pieces == -(-512 // dp.min_piece_tiles(mqa, 512, merge)), merge
 
 
 def test_default_merge_by_heads_per_row_group():
@@ -99,8 +122,8 @@ def test_merge_splits_many_pieces_over_warps():
 def test_pages_kernel_applies_and_plans():
     """pages on sm_90+ for 16-bit NHD caches with blocks of 16k tokens or of a divisor of 16
     and HND ones with blocks of 16k tokens, d 64/96/128, up to 8 query heads a kv head;
-    its launch: one row group of every head up to 8 kv heads, 256 threads, tiles of a block
-    or of 16 tokens, a 3-stage ring of tiles."""
+    its launch: one row group of every head up to 8 kv heads, PAGE_THREADS threads, tiles of
+    whole blocks (page_tile), a PAGE_STAGES ring of tiles."""
     ok = dict(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=32,
               num_kv_heads=8)
     assert dp.pages_capable("90", **ok) and dp.resolve_backend("auto", "90", **ok, batch=16)
@@ -130,36 +153,42 @@ def test_pages_kernel_applies_and_plans():
         dp.resolve_backend("tma", "90", **ok, batch=64)
     lp = launch(pages=True)
     assert lp.pages and lp.row_groups == 1 and lp.threads == dp.PAGE_THREADS
-    assert lp.heads_per_group == 32 and lp.tiles.tile == 16 and lp.merge_kv_heads == 1
-    for bs, tile in ((1, 16), (4, 16), (8, 16), (32, 32), (48, 48)):
+    assert lp.heads_per_group == 32 and lp.merge_kv_heads == 1
+    for bs in (1, 4, 8, 16, 32, 48):
         lp_bs = dp.plan_launch(itemsize=2, head_dim=128, layout="NHD", block_size=bs,
                                num_q_heads=32, num_kv_heads=8, pages=True)
-        assert lp_bs.tiles.tile == tile, bs
-        assert lp_bs.tiles.smem_bytes == 3 * 2 * tile * 8 * 128 * 2, bs
-    assert lp.tiles.smem_bytes == 3 * 2 * 16 * 8 * 128 * 2
+        tile = lp_bs.tiles.tile
+        assert tile == dp.page_tile(bs, 8, 128, 2), bs
+        assert lp_bs.tiles.smem_bytes == dp.PAGE_STAGES * 2 * tile * 8 * 128 * 2, bs
     assert lp.columns == dp.DEFAULT_SMS and lp.grid == (dp.DEFAULT_SMS, 1)
     assert dp.resolve_merge(None, lp) == "kernel"
     assert dp.merge_launch(lp, 64) == ((64, 1, 8), 128, 1)
     work = dp.plan_work(lp, np.array([8192] * 64, np.int32), False, -1, merge="kernel")
-    assert work.desc[:, 3].max() == 8192 // 16  # tiles are blocks
+    assert work.desc[:, 3].max() == 8192 // lp.tiles.tile  # tile indices count page tiles
 
 
 def test_pages_kernel_tiles_grow_as_heads_shrink():
-    """8 warps split a CTA's kv heads and their tokens: a tile is whole blocks of at least 16
-    tokens a token warp (8 kv heads: 16, 4: 32, 2: 64, 1: 128), so a stage keeps its bytes,
-    but no more blocks than 32 KB an operand hold (at least one)."""
-    def tile(bs, hk, d=128):
-        return dp.page_tile(bs, hk, d, 2)
-    assert [tile(16, hk) for hk in (1, 2, 4, 8)] == [128, 64, 32, 16]
-    assert tile(1, 1) == 128 and tile(8, 2) == 64 and tile(48, 8) == 48 and tile(16, 3) == 32
-    assert tile(48, 2) == 48 and tile(48, 2, 64) == 96  # a second block would pass 32 KB
-    assert tile(256, 1) == 256 and tile(64, 8) == 64    # one block, however large
-    assert tile(16, 32) == 16                           # 8 kv heads a CTA
-    for hk in (1, 2, 4, 8):
-        assert dp.page_smem_bytes(16, hk, 128, 2) == 3 * 2 * 16 * 8 * 128 * 2
+    """PAGE_WARPS warps split a CTA's kv heads and their tokens: a tile is the fewest whole
+    blocks holding 16 tokens a token warp, so a stage keeps its bytes however few the heads,
+    but no more blocks than PAGE_TILE_BYTES an operand hold (at least one)."""
+    for d in (64, 128):
+        for hk in (1, 2, 3, 4, 8, 32):
+            heads = dp.page_kv_heads(hk)
+            want = 16 * (dp.PAGE_WARPS // heads)  # tokens of a tile's token warps
+            for bs in (1, 2, 8, 16, 48, 64, 256):
+                tile = dp.page_tile(bs, hk, d, 2)
+                nbytes = lambda tokens: tokens * heads * d * 2  # noqa: E731 - an operand
+                assert tile % bs == 0 and tile >= bs
+                assert tile == bs or nbytes(tile) <= dp.PAGE_TILE_BYTES
+                assert tile - bs < want                           # the fewest blocks
+                assert tile >= want or nbytes(tile + bs) > dp.PAGE_TILE_BYTES
+                assert dp.page_smem_bytes(bs, hk, d, 2) == dp.PAGE_STAGES * 2 * nbytes(tile)
+        tiles = [dp.page_tile(16, hk, d, 2) for hk in (8, 4, 2, 1)]
+        assert tiles == sorted(tiles)
     mqa8 = dp.plan_launch(itemsize=2, head_dim=128, layout="NHD", block_size=16, num_q_heads=8,
                           num_kv_heads=1, pages=True)
-    assert mqa8.tiles.tile == 128 and mqa8.row_groups == 1 and mqa8.heads_per_group == 8
+    assert mqa8.tiles.tile == dp.page_tile(16, 1, 128, 2)
+    assert mqa8.row_groups == 1 and mqa8.heads_per_group == 8
 
 
 def test_pages_kernel_row_groups_of_kv_heads():
@@ -175,7 +204,7 @@ def test_pages_kernel_row_groups_of_kv_heads():
     lp = dp.plan_launch(**mha, pages=True)
     assert lp.heads.head_warps == 8 and lp.row_groups == 4 and lp.heads_per_group == 8
     assert lp.merge_kv_heads == 4 and lp.grid == (dp.DEFAULT_SMS // 4, 4)
-    assert lp.tiles.smem_bytes == 3 * 2 * 16 * 8 * 128 * 2
+    assert lp.tiles.smem_bytes == dp.PAGE_STAGES * 2 * lp.tiles.tile * 8 * 128 * 2
     assert dp.merge_launch(lp, 64)[0] == (64, 4, 2)
     hk12 = dp.plan_launch(**{**mha, "num_q_heads": 24, "num_kv_heads": 12}, pages=True)
     assert hk12.row_groups == 2 and hk12.heads_per_group == 12
@@ -240,8 +269,10 @@ def test_balanced_pieces_examples():
     assert p.per_seq[0] == 32 and (p.count == 1).all()
     p = dp.balanced_pieces(np.array([0, 0]), 4)          # no keys: one empty piece each
     assert list(p.count) == [0, 0] and list(p.column) == [0, 0]
-    work = dp.plan_work(launch(slots=264), np.array([2048], np.int32), False, -1)
-    assert work.max_pieces == 16                         # shares of STAGES - 1 tiles at least
+    lp = launch(slots=264)                               # 33 columns
+    work = dp.plan_work(lp, np.array([32 * lp.tiles.tile], np.int32), False, -1)
+    share = dp.min_piece_tiles(lp, 32)                   # STAGES - 1 tiles at least
+    assert share >= dp.STAGES - 1 and work.max_pieces == -(-32 // share)
 
 
 def test_pool_takes_each_sequence_tail(rng):

@@ -30,6 +30,9 @@ MIN_ARCH = 80  # oldest architecture the kernels compile for (cp.async, bf16 mma
 SPEC_MODULES = ("cupaged.cache_ops.api", "cupaged.decode.launch", "cupaged.prefill.launch",
                 "cupaged.rope.api", "cupaged.sink.api", "cupaged.sparse.launch",
                 "cupaged.engine.model")
+# modules whose cpp() gives kernel constants of their family for the generated header (Python
+# is the one source of them)
+HEADER_MODULES = ("cupaged.decode.plan",)
 
 
 class Spec(NamedTuple):
@@ -93,7 +96,8 @@ def source(stem: str) -> str:
                 if GENERATED_HEADER not in seen:
                     seen.add(GENERATED_HEADER)
                     from . import abi
-                    out.append(abi.header())
+                    out.append(abi.header(*(importlib.import_module(m).cpp()
+                                            for m in HEADER_MODULES)))
                 continue
             if m:
                 inc = KERNEL_DIR / m.group(1)

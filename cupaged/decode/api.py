@@ -5,11 +5,12 @@ layer; no host sync in ``run``, capturable in a CUDA graph) and ``merge_states``
 inputs run the float64 reference (``cupaged.reference.attention``); CuPy inputs run
 ``kernels_cu/decode.cu``: the append kernel (with ``k_new``/``v_new``) and the decode
 kernel, a persistent grid (one CTA per resident slot) whose CTAs stream pieces of the
-sequences' keys (cut on the device by ``kernels_cu/plan.cu``, or on the host); a sequence cut into several pieces is merged (sinks added once) by
-the CTA finishing its last piece, or by a second kernel. Host planning (pieces, head
-layout, strides, merge) lives in ``cupaged.decode.plan``, argument checks in
-``cupaged.decode.checks``, kernel choice, argument records and launches in
-``cupaged.decode.launch``.
+sequences' keys (cut on the device by ``kernels_cu/plan.cu``, or on the host); a sequence
+cut into several pieces is merged (sinks added once) by the CTA finishing its last piece,
+or by a second kernel (``kernels_cu/merge.cu``, which also holds ``merge_states``' kernel).
+Host planning (pieces, head layout, strides, merge) lives in ``cupaged.decode.plan``,
+argument checks in ``cupaged.decode.checks``, kernel choice, argument records and launches
+in ``cupaged.decode.launch``.
 """
 from __future__ import annotations
 
@@ -316,7 +317,7 @@ class PagedDecoder:
         merge : {"fused", "kernel"}, optional
             Who merges the pieces of a cut sequence: the CTA finishing the last one
             ("fused") or a second kernel launched after the decode kernel, one warp or more
-            a query head ("kernel"; ``decode_plan.merge_launch``). Default: "kernel" on the
+            a query head ("kernel"; ``decode.plan.merge_launch``). Default: "kernel" on the
             pages kernel (whose fused merge holds up a CTA's whole stream) and where a CTA
             serves more than 8 query heads (MQA: one CTA would merge many heads one after
             another), else "fused".
@@ -392,8 +393,8 @@ class PagedDecoder:
     def _buffers(self, launch, rows, width, part_rows):
         """The decoder's index, partial and counter buffers, grown to hold a plan of
         ``rows`` descriptors, tables ``width`` wide and ``part_rows`` partial rows. The
-        index buffer holds a host plan (``decode_plan.IndexLayout``) or a device plan
-        (``decode_plan.DeviceIndex`` of ``max_batch`` sequences, then the tables' and the
+        index buffer holds a host plan (``decode.plan.IndexLayout``) or a device plan
+        (``decode.plan.DeviceIndex`` of ``max_batch`` sequences, then the tables' and the
         lengths' copies)."""
         import cupy
         lay = self._layout

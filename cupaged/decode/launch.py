@@ -43,11 +43,11 @@ def _launch_expr(launch, dtype):
 
 
 def _merge_expr(in_dtype, out_dtype):
-    return f"cupaged::decode::merge_states_kernel<{ctype(in_dtype)}, {ctype(out_dtype)}>"
+    return f"cupaged::merge::merge_states_kernel<{ctype(in_dtype)}, {ctype(out_dtype)}>"
 
 
 def _pieces_expr(dtype, head_dim):
-    return f"cupaged::decode::merge_pieces_kernel<{ctype(dtype)}, {-(-head_dim // 128)}>"
+    return f"cupaged::merge::merge_pieces_kernel<{ctype(dtype)}, {-(-head_dim // 128)}>"
 
 
 def _append_expr(dtype):
@@ -124,7 +124,8 @@ def _decode_fields(launch, num_q_heads, bt_stride, opts, fused):
                 num_kv_heads=launch.num_kv_heads, head_warps=launch.heads.head_warps,
                 head_chunks=launch.heads.head_chunks, window_left=opts.window_left,
                 fused_merge=int(fused), scale_log2=opts.sm_scale * LOG2E,
-                sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap)
+                sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
+                tile_tokens=launch.tiles.tile)
 
 
 def _partials(xp, launch, num_slots, name=None):
@@ -164,7 +165,7 @@ def _device_step(launch, dtype, num_q_heads, head_dim, opts, merge, append, batc
     launches = (
         launcher("decode", _append_expr(dtype), abi.APPEND).at(batch, 128) if append else None,
         _decode_kernel(launch, dtype).at(launch.grid, launch.threads, launch.tiles.smem_bytes),
-        None if fused else launcher("decode", _pieces_expr(dtype, launch.head_dim),
+        None if fused else launcher("merge", _pieces_expr(dtype, launch.head_dim),
                                     abi.MERGE_PIECES).at(*merge_dims[:2]),
         launcher("plan", PLAN_EXPR, abi.DECODE_PLAN).at(min(batch, PLAN_CTAS), 512)
         if plan_args is not None else None)
@@ -179,7 +180,7 @@ def planned_on_device(launch, dtype, num_q_heads, head_dim, opts, merge, append,
                        own_lens=None):
     """The device step of a batch whose pieces decode_plan_kernel cuts on the device: its
     descriptors, piece info and checked lengths go into ``index`` (laid out as ``layout``,
-    a ``decode_plan.DeviceIndex`` of at least the batch), its counters into ``counters``
+    a ``decode.plan.DeviceIndex`` of at least the batch), its counters into ``counters``
     (zeros, re-armed by the kernels: the plan's own first, then the fused merge's, one a
     sequence and row group)."""
     stages, num, den = plan.min_piece_terms(launch, merge)
@@ -257,7 +258,7 @@ def launch_decode(device, strides, ptrs, out, lse, tables, lens, stream, plan=Tr
 def launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_parts, rows,
                   heads, dim, sinks, out, lse):
     """Merge ``num_parts`` states per row into ``out`` ``[rows, dim]`` (and ``lse``)."""
-    kernel = launcher("decode", _merge_expr(o_first.dtype, out.dtype), abi.MERGE_STATES)
+    kernel = launcher("merge", _merge_expr(o_first.dtype, out.dtype), abi.MERGE_STATES)
     kernel(-(-rows // 4), 128, o_first=ptr(o_first), o_rest=ptr(o_rest),
            o_part_stride=o_strides[0], o_row_stride=o_strides[1], l_first=ptr(l_first),
            l_rest=ptr(l_rest), l_part_stride=l_strides[0], l_row_stride=l_strides[1],
@@ -302,8 +303,8 @@ def kernel_specializations():
     specs = [Spec("plan", PLAN_EXPR)]
     for dt in FLOAT_DTYPES:
         specs.append(Spec("decode", _append_expr(dt)))
-        specs.append(Spec("decode", _merge_expr(dt, dt)))
-        specs += [Spec("decode", _pieces_expr(dt, d)) for d in (128, 256)]
+        specs.append(Spec("merge", _merge_expr(dt, dt)))
+        specs += [Spec("merge", _pieces_expr(dt, d)) for d in (128, 256)]
         for d in HEAD_DIMS:
             for nt in sorted({plan.head_tiles(dt.itemsize, d, g) for g in (1, 64)}):
                 specs += [Spec("decode", _decode_expr(dt, d, vt, nt)) for vt in (False, True)]

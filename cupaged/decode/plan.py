@@ -2,8 +2,11 @@
 pieces of each CTA column, the merge, and the packed index upload (argument checks are in
 ``decode_checks``).
 
-No GPU work here: the numbers mirror the compile-time constants of ``kernels_cu/decode.cu``
-(``NTHREADS``, ``NWARPS``, ``STAGES``, ``Cfg``, ``Piece``). ``plan_launch`` fixes a launch's
+No GPU work here. This module is the one home of the decode kernels' compile-time constants
+(``NTHREADS``, ``STAGES``, ``PAGE_WARPS``, ... and the staged kernel's tile, ``stage_tile``):
+:func:`cpp` emits them into the generated ``abi.cuh`` that ``kernels_cu/decode.cu`` and
+``merge.cu`` include, and the pages kernel takes its tile (``page_tile``) as an argument.
+``plan_launch`` fixes a launch's
 shape (one persistent CTA per resident slot: ``columns`` x row groups); ``plan_work`` cuts
 the sequences' key tiles into pieces for the columns from host copies of the lengths.
 """
@@ -24,7 +27,7 @@ DEFAULT_SMS = 132     # an H200's SMs; used when no device is asked
 DEFAULT_SMEM_PER_SM = 228 * 1024
 SCHEDULES = ("balanced", "split")  # equal tile shares per column / equal cuts per sequence
 MERGES = ("fused", "kernel")       # split pieces merged by their last CTA / by a second kernel
-DESC_INTS = 8                      # ints per piece descriptor (decode.cu's Piece)
+DESC_INTS = 8                      # ints per piece descriptor (decode.cu's Piece: two int4)
 BACKENDS = ("auto", "pages", "staged")  # auto; whole blocks by cp.async.bulk (sm_90); cp.async tiles
 PAGE_WARPS = 8                     # paged_decode_pages_kernel: its kv heads x token warps
 PAGE_THREADS = 32 * PAGE_WARPS
@@ -33,8 +36,14 @@ PAGE_TILE_BYTES = 32 * 1024        # a pages-kernel tile of one operand, unless 
 PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
 MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
 PAGE_MIN_BATCH = 2                 # pages_preferred
-MERGE_MAX_WARPS = 16               # decode.cu: warps of a merge_pieces_kernel CTA
+MERGE_MAX_WARPS = 16               # merge.cu: warps of a merge_pieces_kernel CTA
 PAGE_MIN_KV_HEADS = 4
+# Tokens a pipeline stage of the staged kernel holds (Cfg::TILE), by the bytes of one K/V
+# row: (most row bytes, tile) in order, None for any longer row.
+STAGE_TILES = ((256, 64), (512, 32), (None, 16))
+# The constants cpp() emits for the kernels (namespace cupaged::decode of abi.cuh).
+KERNEL_CONSTANTS = ("NTHREADS", "NWARPS", "STAGES", "DESC_INTS", "PAGE_WARPS", "PAGE_THREADS",
+                    "PAGE_STAGES", "MERGE_MAX_WARPS")
 NO_PIECE = (-1, 0, 0, 0, 0, 1, -1, -1)
 # "balanced" plans leave the last POOL_FRACTION of each sequence's tiles to a pool of pieces
 # that CTAs take at run time once their own list is done: CTAs stream at slightly different
@@ -51,6 +60,26 @@ POOL_MIN_SHARE = 128
 # (benchmarks/NOTES.md, decode v10c).
 WHOLE_SLACK = 1 / 64
 WHOLE_SLACK_TILES = 2
+
+
+def stage_tile(row_bytes) -> int:
+    """Tokens a stage of the staged kernel holds for K/V rows of ``row_bytes`` bytes."""
+    return next(tile for most, tile in STAGE_TILES if most is None or row_bytes <= most)
+
+
+def cpp() -> str:
+    """C++ of the decode kernels' constants for ``abi.cuh``: KERNEL_CONSTANTS and
+    ``stage_tile(row_bytes)`` from STAGE_TILES, in namespace ``decode``."""
+    g = globals()
+    lines = ["namespace decode {"]
+    lines += [f"constexpr int {name} = {int(g[name])};" for name in KERNEL_CONSTANTS]
+    expr = ""
+    for most, tile in STAGE_TILES:
+        expr += f"{tile}" if most is None else f"row_bytes <= {most} ? {tile} : "
+    lines.append("__host__ __device__ constexpr int stage_tile(int row_bytes) "
+                 f"{{ return {expr}; }}")
+    lines.append("}  // namespace decode")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- plans
@@ -248,8 +277,7 @@ def tile_config(itemsize, head_dim, vllm_v, nt) -> TileConfig:
     value layout keeps tokens contiguous.
     """
     vec = 16 // itemsize
-    row_bytes = head_dim * itemsize
-    tile = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
+    tile = stage_tile(head_dim * itemsize)
     k_elems = tile * (head_dim + vec)
     v_elems = head_dim * (tile + vec) if vllm_v else k_elems
     smem = STAGES * (k_elems + v_elems) * itemsize

@@ -1,0 +1,38 @@
+// The score epilogue of every attention kernel, in docs/design.md's order: s = sm_scale * q.k;
+// with a soft-cap (cap > 0) s = cap * tanh(s / cap); ALiBi adds slope * (j - p) (key j,
+// query position p); the result in log2 units, as the kernels' softmax runs on exp2:
+//   LOG2E * s = epi(q.k) + slope_log2 * (j - p),   slope_log2 = slope * LOG2E (0: no ALiBi)
+//   epi(q.k)  = cap_log2 * tanh(q.k * scale_over_cap)   (cap > 0)
+//             = q.k * scale_log2                        (no cap)
+// with cap_log2 = cap * LOG2E, scale_over_cap = sm_scale / cap, scale_log2 = sm_scale * LOG2E.
+// The ALiBi term is added where the kernel knows j and p (prefill's transform_scores and
+// prefill_simt, decode's ScoreMods), always in that form.
+//
+// Kernels that serve only the plain case (positive scale, no soft-cap, no ALiBi: the wgmma
+// prefill and the sparse kernel, and the plain path of the mma.sync prefill) keep raw dot
+// products and fold scale_log2 into the exponential instead; that is the same score.
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+struct ScoreEpilogue {
+  float scale_log2, cap_log2, scale_over_cap;
+  bool softcap;
+  __device__ __forceinline__ void init(float sm_scale, float cap) {
+    softcap = cap > 0.f;
+    scale_log2 = sm_scale * LOG2E;
+    cap_log2 = cap * LOG2E;
+    scale_over_cap = softcap ? sm_scale / cap : 0.f;
+  }
+  // tanh(y) = 1 - 2 / (exp(2y) + 1) on two MUFU ops: absolute error about 1e-7 at every y
+  // (what a logit needs), and exactly +-1 once exp(2y) overflows to +inf or underflows to 0
+  // (__fdividef(2, inf) is 0), so a large |s| saturates to +-cap.
+  __device__ __forceinline__ float operator()(float dot) const {
+    if (!softcap) return dot * scale_log2;
+    const float e = exp2f(dot * scale_over_cap * (2.f * LOG2E));
+    return cap_log2 * (1.f - __fdividef(2.f, e + 1.f));
+  }
+};
+
+}  // namespace cupaged
