@@ -134,6 +134,7 @@ def _jax_or_none():
         jax.devices("gpu")
     except Exception:
         return None
+    jax.config.update("jax_enable_x64", True)  # int64 slot mappings and positions stay int64
     return jax
 
 
