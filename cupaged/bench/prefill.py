@@ -208,7 +208,7 @@ def bench_wgmma(inputs, causal, paged=False, tiles=WGMMA_VARIANTS[:1]):
                    tile=wgmma_label(tile), shape=_shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal),
                    ms=seconds * 1e3, TFLOPs=flops / seconds / 1e12, vs_default=base_s / seconds, checked=ok)
         if kernel is not None:
-            row.update(regs=kernel.num_regs, local_B=kernel.local_size_bytes)
+            row.update(regs=kernel.raw.num_regs, local_B=kernel.raw.local_size_bytes)
         rows.append(row)
     return rows
 
@@ -226,8 +226,8 @@ def bench_tiles(q_lens, head_dim, causal, tiles, label="tiles", peers=True, publ
         seconds = time_gpu(launch)
         row = dict(op="varlen", variant=label, tile=tile_label(tile) + (" default" if i == 0 else ""),
                    shape=_shape(q_lens, cu_host, head_dim, causal), ms=seconds * 1e3,
-                   TFLOPs=flops / seconds / 1e12, regs=kernel.num_regs,
-                   local_B=kernel.local_size_bytes, checked=ok)
+                   TFLOPs=flops / seconds / 1e12, regs=kernel.raw.num_regs,
+                   local_B=kernel.raw.local_size_bytes, checked=ok)
         if i == 0:
             base_out, base_s = out, seconds
             if public:
