@@ -62,7 +62,10 @@ def bench_write(layout, tokens, check=True):
         cache_ops.write_kv_cache(key, value, k, v, slots_dev, layout=layout)
         ref.write_kv_cache(key.get(), value.get(), k_host, v_host, slots, layout)
         ok = _same(k, k_host) and _same(v, v_host)
-    t = time_gpu(lambda: cache_ops._launch_write(key, value, k, v, slots_dev, geo, layout))
+    setup = cache_ops._write_setup(key, value, k, v, geo, layout)
+    addresses = [a.data.ptr for a in (key, value, k, v, slots_dev)]
+    t = time_gpu(lambda: cache_ops._launch_write(setup, addresses,
+                                                 cupy.cuda.get_current_stream().ptr))
     tp = time_gpu(lambda: cache_ops.write_kv_cache(key, value, k, v, slots_dev, layout=layout),
                   reps=5)
     nbytes = 2 * (key.nbytes + value.nbytes)
