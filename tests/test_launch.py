@@ -1,0 +1,75 @@
+"""Kernel argument records (core.launch): the bytes a launch hands cuLaunchKernel, checked
+against ctypes' layout of the same C struct, and the packing paths that ops use (a plan's
+Bound, the per-call pack) against each other. CPU only: nothing is launched."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from cupaged.core import abi
+from cupaged.core.launch import ArgBuffer, Record, pack
+
+_CTYPES = {"i64": ctypes.c_int64, "long long": ctypes.c_int64, "u64": ctypes.c_uint64,
+           "int": ctypes.c_int32, "unsigned": ctypes.c_uint32, "float": ctypes.c_float}
+
+
+def _ctypes_struct(record):
+    """The C struct of ``record`` as ctypes lays it out (natural alignment)."""
+    fields = [(f.name, ctypes.c_uint64 if "*" in f.ctype else _CTYPES[f.ctype])
+              for f in record.fields]
+    return type(record.name, (ctypes.Structure,), {"_fields_": fields})
+
+
+def _values(record, rng):
+    out = {}
+    for f in record.fields:
+        if "*" in f.ctype:
+            out[f.name] = int(rng.integers(1, 2**47)) * 16
+        elif f.ctype == "float":
+            out[f.name] = float(np.float32(rng.standard_normal()))
+        elif f.ctype in ("unsigned", "u64"):
+            out[f.name] = int(rng.integers(0, 2**31))
+        else:
+            out[f.name] = int(rng.integers(-2**31, 2**31))
+    return out
+
+
+@pytest.mark.parametrize("record", abi.RECORDS, ids=lambda r: r.name)
+def test_record_bytes_match_the_c_struct(record):
+    rng = np.random.default_rng(len(record.name))
+    values = _values(record, rng)
+    want = _ctypes_struct(record)(**values)
+    buf = pack(record, **values)
+    assert record.size == -(-ctypes.sizeof(want) // 8) * 8
+    assert bytes(buf.data[:ctypes.sizeof(want)]) == bytes(want)
+    # one pointer per field into those bytes, at the field's offset
+    params = (ctypes.c_void_p * len(record.fields)).from_address(buf.params)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf.data))
+    for f, p in zip(record.fields, params):
+        assert p - base == getattr(type(want), f.name).offset
+
+
+@pytest.mark.parametrize("record", abi.RECORDS, ids=lambda r: r.name)
+def test_bound_fields_and_call_fields_pack_alike(record):
+    rng = np.random.default_rng(7 + len(record.fields))
+    values = _values(record, rng)
+    names = [f.name for f in record.fields]
+    fixed = {n: values[n] for n in names[::2]}
+    given = {n: values[n] for n in names[1::2]}
+    bound = record.bind(**fixed)
+    first = bytes(bound.pack(**given).data)
+    assert first == bytes(pack(record, **values).data)
+    given2 = {n: v + 16 if isinstance(v, int) else v for n, v in given.items()}
+    again = bytes(bound.pack(**given2).data)  # the cached packer, new values
+    assert again == bytes(pack(record, **{**values, **given2}).data)
+
+
+def test_records_refuse_unknown_and_missing_fields():
+    rec = Record("Probe", [("int", "a"), ("float", "b", 0.0), ("const T*", "p", 0)])
+    with pytest.raises(TypeError, match="unknown fields"):
+        rec.bind(c=1)
+    with pytest.raises(TypeError, match="'a' not given"):
+        rec.bind(b=1.0).pack(p=16)
+    with pytest.raises(ValueError, match="duplicate"):
+        Record("Twice", [("int", "a"), ("int", "a")])
+    assert isinstance(ArgBuffer(rec).params, int)
