@@ -13,7 +13,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from .arrays import FLOAT_DTYPES, check_choice
+from .arrays import check_choice
 
 
 class Fp8Format(NamedTuple):
@@ -64,8 +64,8 @@ def resolve_kv_dtype(kv_dtype, k_cache, v_cache):
     """The fp8 format of a cache pair, or None for a plain (16/32-bit) cache.
 
     ``kv_dtype=None`` means the caches' own dtype: a float8 cache is in its format, a
-    float16/bfloat16/float32 cache is plain, and a uint8 cache (bytes of no stated format)
-    is refused. A named format requires 1-byte caches (:func:`check_fp8_cache`).
+    uint8 cache (bytes of no stated format) is refused, any other cache is plain (its dtype
+    is checked where it is used). A named format requires 1-byte caches (:func:`check_fp8_cache`).
     """
     if kv_dtype is None:
         for fmt in FP8_FORMATS.values():
@@ -75,10 +75,7 @@ def resolve_kv_dtype(kv_dtype, k_cache, v_cache):
         if k_cache.dtype == uint8:
             raise ValueError("kv_dtype: expected one of ('fp8_e4m3', 'fp8_e5m2') for uint8 "
                              "caches, got None")
-        if k_cache.dtype in FLOAT_DTYPES:
-            return None
-        raise TypeError(f"k_cache: expected dtype float16, bfloat16, float32 or a 1-byte fp8 "
-                        f"dtype, got {k_cache.dtype}")
+        return None
     fmt = fp8_format(kv_dtype)
     check_fp8_cache("k_cache", k_cache, fmt)
     check_fp8_cache("v_cache", v_cache, fmt)
