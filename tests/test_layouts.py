@@ -1,10 +1,14 @@
-"""Caches that carry their layout (CacheView, PagedKVCache) and the refusal of raw caches
-whose shape reads as both NHD and HND without a layout (CPU, NumPy backend)."""
+"""Caches that carry their layout (CacheView, PagedKVCache), the refusal of raw caches
+whose shape reads as both NHD and HND without a layout, and the shapes, geometry and strides
+of 1-byte (fp8) caches (CPU, NumPy backend)."""
+import ml_dtypes
 import numpy as np
 import pytest
 
 import cupaged
-from cupaged.core.layouts import LAYOUTS, cache_shapes, key_geometry, resolve_layout
+from cupaged.core.layouts import (CACHE_DTYPES, LAYOUTS, cache_geometry, cache_shapes,
+                                  cache_strides, head_axis, k_as_nhd, key_geometry,
+                                  layout_strides, resolve_layout, v_as_nhd, vllm_x)
 
 D = 64
 
@@ -111,3 +115,66 @@ def test_unambiguous_raw_cache_defaults_to_nhd(rng):
 def test_key_geometry_reads_every_layout(layout):
     ks, _ = cache_shapes(layout, 5, 16, 4, 128, np.float16)
     assert tuple(key_geometry(np.empty(ks, np.float16), layout)) == (5, 16, 4, 128)
+
+
+# ----------------------------------------------------------------------------- 1-byte caches
+BYTE_DTYPES = [np.uint8, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+
+
+def _bytes_in_layout(rng, layout, dtype, nb, bs, hk, d):
+    """Random logical NHD k, v of a 1-byte dtype and the same elements placed in ``layout``."""
+    k, v = (rng.integers(0, 256, (nb, bs, hk, d), dtype=np.uint8).view(dtype) for _ in "kv")
+    if layout == "NHD":
+        return k, v, k, v
+    if layout == "HND":
+        return k, v, k.transpose(0, 2, 1, 3).copy(), v.transpose(0, 2, 1, 3).copy()
+    kc = k.reshape(nb, bs, hk, d // 16, 16).transpose(0, 2, 3, 1, 4).copy()
+    return k, v, kc, v.transpose(0, 2, 3, 1).copy()
+
+
+@pytest.mark.parametrize("dtype", BYTE_DTYPES + ["fp8_e4m3", "fp8_e5m2"])
+def test_vllm_layout_packs_16_one_byte_elements(dtype):
+    assert vllm_x(dtype) == 16
+    ks, vs = cache_shapes("vllm", 7, 16, 3, 80, dtype)
+    assert ks == (7, 3, 5, 16, 16) and vs == (7, 3, 80, 16)
+    with pytest.raises(ValueError, match="head_dim: expected a multiple of 16"):
+        cache_shapes("vllm", 7, 16, 3, 72, dtype)
+    for layout in ("NHD", "HND"):                 # no element-size dependence
+        assert cache_shapes(layout, 7, 16, 3, 72, dtype) == cache_shapes(
+            layout, 7, 16, 3, 72, np.float16)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", BYTE_DTYPES)
+@pytest.mark.parametrize("bs", [1, 16, 128])
+def test_one_byte_caches_geometry_strides_and_views(rng, layout, dtype, bs):
+    nb, hk, d = 3, 3, 48
+    k, v, kc, vc = _bytes_in_layout(rng, layout, dtype, nb, bs, hk, d)
+    assert (kc.shape, vc.shape) == cache_shapes(layout, nb, bs, hk, d, dtype)
+    assert tuple(cache_geometry(kc, vc, layout, CACHE_DTYPES)) == (nb, bs, hk, d)
+    with pytest.raises(TypeError, match="k_cache: expected dtype float16, bfloat16 or float32"):
+        cache_geometry(kc, vc, layout)            # the default stays 16/32-bit only
+    np.testing.assert_array_equal(k_as_nhd(kc, layout).view(np.uint8), k.view(np.uint8))
+    np.testing.assert_array_equal(v_as_nhd(vc, layout).view(np.uint8), v.view(np.uint8))
+    # the strides record locates every element, chunk = 16 one-byte elements
+    s = cache_strides(kc, vc, layout)
+    assert s == layout_strides(layout, bs, hk, d, 1)
+    b, t, h, x = np.meshgrid(*map(np.arange, (nb, bs, hk, d)), indexing="ij")
+    k_off = b * s.k_block + h * s.k_head + t * s.k_tok + (x // 16) * s.k_chunk + x % 16
+    v_off = b * s.v_block + h * s.v_head + t * s.v_tok + (x // 16) * s.v_chunk + (x % 16) * s.v_dim
+    np.testing.assert_array_equal(kc.view(np.uint8).reshape(-1)[k_off], k.view(np.uint8))
+    np.testing.assert_array_equal(vc.view(np.uint8).reshape(-1)[v_off], v.view(np.uint8))
+    assert head_axis(layout) == (2 if layout == "NHD" else 1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_byte_caches_with_strided_blocks(layout):
+    ks, vs = cache_shapes(layout, 5, 16, 2, 32, np.uint8)
+    fused = np.zeros((5, 2) + ks[1:], np.uint8)   # K and V views of one allocation
+    kc = fused[:, 0]
+    vc = fused[:, 1].reshape((5,) + vs[1:])
+    s = cache_strides(kc, vc, layout)
+    assert s.k_block == s.v_block == 2 * int(np.prod(ks[1:]))
+    bad = np.zeros((5,) + ks[1:], np.uint8)[:, ..., ::2]
+    with pytest.raises(ValueError, match="dense blocks"):
+        cache_geometry(bad, vc, layout, CACHE_DTYPES)

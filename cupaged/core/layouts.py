@@ -21,8 +21,11 @@ import numpy as np
 
 from .arrays import FLOAT_DTYPES, check_choice
 from .checks import check_int
+from .fp8 import BYTE_DTYPES, FP8_FORMATS
 
 LAYOUTS = ("NHD", "HND", "vllm")
+CACHE_DTYPES = FLOAT_DTYPES + BYTE_DTYPES
+"""Element dtypes a cache may have: 16/32-bit floats, or 1-byte fp8 (uint8 or float8)."""
 
 
 class CacheGeometry(NamedTuple):
@@ -124,12 +127,23 @@ def accepts_cache(position, owner=False, names=("k_cache", "v_cache")):
 
 
 def vllm_x(dtype) -> int:
-    """Elements per 16 bytes: the innermost key extent of the vllm layout."""
+    """Elements per 16 bytes: the innermost key extent of the vllm layout. ``dtype`` is a
+    NumPy dtype (1-byte ``uint8`` and float8 included) or an fp8 format name
+    (``"fp8_e4m3"``, ``"fp8_e5m2"``: 1-byte elements, so 16)."""
+    if isinstance(dtype, str) and dtype in FP8_FORMATS:
+        return 16
     return 16 // np.dtype(dtype).itemsize
 
 
+def head_axis(layout) -> int:
+    """The kv-head axis of both caches in ``layout`` (where per-head fp8 scales apply)."""
+    check_choice("layout", layout, LAYOUTS)
+    return 2 if layout == "NHD" else 1
+
+
 def cache_shapes(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype):
-    """Shapes ``(k_shape, v_shape)`` of a cache in ``layout``."""
+    """Shapes ``(k_shape, v_shape)`` of a cache in ``layout`` of ``dtype`` elements (any
+    dtype :func:`vllm_x` takes; only the vllm key shape depends on it)."""
     check_choice("layout", layout, LAYOUTS)
     if layout == "NHD":
         s = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -184,8 +198,9 @@ def layout_strides(layout, block_size, num_kv_heads, head_dim, itemsize) -> Cach
 
 def cache_strides(k_cache, v_cache, layout, geometry=None) -> CacheStrides:
     """Strides of a cache pair in ``layout``, its block strides as the arrays have them
-    (strided blocks: :func:`block_stride`); ``geometry`` when already read."""
-    geo = geometry or cache_geometry(k_cache, v_cache, layout)
+    (strided blocks: :func:`block_stride`); ``geometry`` when already read. Any of
+    :data:`CACHE_DTYPES`."""
+    geo = geometry or cache_geometry(k_cache, v_cache, layout, CACHE_DTYPES)
     return layout_strides(layout, *geo[1:], k_cache.itemsize)._replace(
         k_block=block_stride(k_cache), v_block=block_stride(v_cache))
 
@@ -207,11 +222,13 @@ def key_geometry(k_cache, layout) -> CacheGeometry:
     return CacheGeometry(int(nb), int(bs), int(hk), int(d))
 
 
-def cache_geometry(k_cache, v_cache, layout="NHD") -> CacheGeometry:
+def cache_geometry(k_cache, v_cache, layout="NHD", dtypes=FLOAT_DTYPES) -> CacheGeometry:
     """Validate a cache pair in ``layout`` and return its geometry.
 
     Caches may have strided blocks (K and V as views of one ``[num_blocks, 2, ...]``
-    allocation: :func:`block_stride`); within a block they are dense.
+    allocation: :func:`block_stride`); within a block they are dense. ``dtypes`` are the
+    element dtypes accepted (:data:`CACHE_DTYPES` for 1-byte fp8 caches too); K and V
+    must share theirs.
 
     Raises
     ------
@@ -221,8 +238,10 @@ def cache_geometry(k_cache, v_cache, layout="NHD") -> CacheGeometry:
     """
     check_choice("layout", layout, LAYOUTS)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {cache.dtype}")
+        if cache.dtype not in dtypes:
+            names = ("float16, bfloat16 or float32" if dtypes == FLOAT_DTYPES
+                     else ", ".join(str(np.dtype(d)) for d in dtypes))
+            raise TypeError(f"{name}: expected dtype {names}, got {cache.dtype}")
         check_dense_blocks(name, cache)
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"v_cache: expected dtype {k_cache.dtype} like k_cache, got {v_cache.dtype}")

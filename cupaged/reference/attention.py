@@ -17,13 +17,19 @@ With a sink logit ``sink_h`` (raw, not scaled) the softmax denominator gains one
 ``m = max(max_j s_j, sink_h)``, and ``lse = m + log(denominator)``. A row with no visible
 key returns zeros and ``lse = -inf`` (``sink_h`` with sinks). Query head ``h`` reads kv head
 ``h // (Hq // Hk)`` (GQA/MQA).
+
+fp8 caches (``kv_dtype``, ``k_scale``, ``v_scale``) are read back in float64
+(``cupaged.reference.fp8.dequantize``) as they are gathered; everything after the gather is
+the same math on those values.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..core.layouts import cache_geometry, k_as_nhd, v_as_nhd
+from ..core.fp8 import check_kv_scales, resolve_kv_dtype
+from ..core.layouts import CACHE_DTYPES, cache_geometry, k_as_nhd, v_as_nhd
 from .cache import write_kv_cache
+from .fp8 import dequantize
 
 
 # ----------------------------------------------------------------------------- one sequence
@@ -215,7 +221,8 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, sm_scale
 
 
 # ----------------------------------------------------------------------------- paged caches
-def gather_kv(k_cache, v_cache, block_table, kv_len, layout="NHD"):
+def gather_kv(k_cache, v_cache, block_table, kv_len, layout="NHD", *, kv_dtype=None,
+              k_scale=None, v_scale=None):
     """The first ``kv_len`` keys and values of one sequence of a paged cache.
 
     Parameters
@@ -228,13 +235,20 @@ def gather_kv(k_cache, v_cache, block_table, kv_len, layout="NHD"):
     kv_len : int
         Number of tokens to gather.
     layout : {"NHD", "HND", "vllm"}
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
+        The caches' format (``reference.cache.write_kv_cache``); None: their own dtype.
+    k_scale, v_scale : float or numpy.ndarray, optional
+        fp8 only: float32 ``[]`` or ``[Hk]`` (default 1.0).
 
     Returns
     -------
     k, v : numpy.ndarray
-        ``[kv_len, Hk, D]`` in the cache dtype (copies).
+        ``[kv_len, Hk, D]`` copies: in the cache dtype, or float64 ``byte * scale`` for fp8.
     """
-    _, block_size, num_kv_heads, head_dim = cache_geometry(k_cache, v_cache, layout)
+    fmt = resolve_kv_dtype(kv_dtype, k_cache, v_cache)
+    _, block_size, num_kv_heads, head_dim = cache_geometry(k_cache, v_cache, layout,
+                                                           CACHE_DTYPES)
+    k_scale, v_scale = check_kv_scales(fmt, k_scale, v_scale, num_kv_heads)
     num_used = -(-int(kv_len) // block_size)
     blocks = np.asarray(block_table[:num_used], dtype=np.int64)
     if num_used > len(blocks) or (blocks < 0).any():
@@ -243,12 +257,16 @@ def gather_kv(k_cache, v_cache, block_table, kv_len, layout="NHD"):
     shape = (num_used * block_size, num_kv_heads, head_dim)
     k = k_as_nhd(k_cache[blocks], layout).reshape(shape)[:kv_len]
     v = v_as_nhd(v_cache[blocks], layout).reshape(shape)[:kv_len]
+    if fmt is not None:
+        k = dequantize(k, k_scale, fmt.name, head_axis=1, name="k_scale")
+        v = dequantize(v, v_scale, fmt.name, head_axis=1, name="v_scale")
     return k, v
 
 
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                   sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                  logits_soft_cap=0.0, layout="NHD", return_lse=False):
+                  logits_soft_cap=0.0, layout="NHD", return_lse=False, kv_dtype=None,
+                  k_scale=None, v_scale=None):
     """Attention of new query tokens against paged caches (chunked prefill, prefix reuse).
 
     Sequence ``i``'s queries are the last ``q_len_i`` positions of its ``seq_lens[i]``
@@ -272,6 +290,9 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
         As in :func:`attend`.
     layout : {"NHD", "HND", "vllm"}
     return_lse : bool
+    kv_dtype, k_scale, v_scale
+        fp8 caches, as in :func:`gather_kv`: attention runs on the dequantised keys and
+        values.
 
     Returns
     -------
@@ -281,7 +302,8 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
         float32 ``[total_q, Hq]``, only with ``return_lse``.
     """
     def kv_of(i):
-        return gather_kv(k_cache, v_cache, block_tables[i], int(seq_lens[i]), layout)
+        return gather_kv(k_cache, v_cache, block_tables[i], int(seq_lens[i]), layout,
+                         kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
 
     options = dict(causal=causal, sm_scale=sm_scale, window_left=window_left,
                    alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
@@ -304,7 +326,8 @@ def append_slots(block_tables, positions, block_size):
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                 logits_soft_cap=0.0, layout="NHD", return_lse=False):
+                 logits_soft_cap=0.0, layout="NHD", return_lse=False, kv_dtype=None,
+                 k_scale=None, v_scale=None):
     """One query token per sequence against paged caches, optionally appending first.
 
     Parameters
@@ -326,6 +349,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         As in :func:`attend`; the query sits at position ``kv_len - 1``.
     layout : {"NHD", "HND", "vllm"}
     return_lse : bool
+    kv_dtype, k_scale, v_scale
+        fp8 caches, as in :func:`gather_kv`; ``k_new`` and ``v_new`` are quantised as they
+        are appended (``reference.cache.write_kv_cache``) and read back like every other key.
 
     Returns
     -------
@@ -337,17 +363,18 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new, v_new: expected both or neither, got only one")
     lens = np.asarray(seq_lens, dtype=np.int64)
+    fp8 = dict(kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     if k_new is not None:
-        block_size = cache_geometry(k_cache, v_cache, layout).block_size
+        block_size = cache_geometry(k_cache, v_cache, layout, CACHE_DTYPES).block_size
         slots = append_slots(block_tables, lens, block_size)
-        write_kv_cache(k_new, v_new, k_cache, v_cache, slots, layout)
+        write_kv_cache(k_new, v_new, k_cache, v_cache, slots, layout, **fp8)
         lens = lens + 1
     cu_q = np.arange(q.shape[0] + 1, dtype=np.int32)
     return paged_prefill(q, k_cache, v_cache, cu_q, block_tables, lens, causal=True,
                          sm_scale=sm_scale, window_left=window_left,
                          alibi_slopes=alibi_slopes, sinks=sinks,
                          logits_soft_cap=logits_soft_cap, layout=layout,
-                         return_lse=return_lse)
+                         return_lse=return_lse, **fp8)
 
 
 # ----------------------------------------------------------------------------- merging

@@ -1,0 +1,138 @@
+"""fp8 KV-cache formats and their host checks: the facts both backends share.
+
+A cache in an fp8 format is a 1-byte array (``uint8`` raw bytes, or the array module's float8
+dtype where it has one: ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` in NumPy) holding
+``x / scale`` rounded to the format and saturated to its finite range; ``k_scale`` and
+``v_scale`` are float32, one value (per tensor) or one per kv head ``[num_kv_heads]``. The
+quantisation rule itself is written out in ``cupaged.reference.fp8``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from .arrays import check_choice
+
+
+class Fp8Format(NamedTuple):
+    """One fp8 storage format.
+
+    ``dtype`` is its ml_dtypes NumPy dtype; ``max`` the largest finite magnitude (where
+    writes saturate); ``mantissa_bits`` the stored fraction bits; ``min_normal`` and
+    ``min_subnormal`` the smallest normal and subnormal magnitudes.
+    """
+    name: str
+    dtype: np.dtype
+    max: float
+    mantissa_bits: int
+    min_normal: float
+    min_subnormal: float
+
+
+def _format(name, dtype):
+    info = ml_dtypes.finfo(dtype)
+    return Fp8Format(name, np.dtype(dtype), float(info.max), int(info.nmant),
+                     float(info.smallest_normal), float(info.smallest_subnormal))
+
+
+FP8_FORMATS = {
+    "fp8_e4m3": _format("fp8_e4m3", ml_dtypes.float8_e4m3fn),   # no inf; max 448
+    "fp8_e5m2": _format("fp8_e5m2", ml_dtypes.float8_e5m2),     # IEEE-like; max 57344
+}
+KV_DTYPES = tuple(FP8_FORMATS)
+uint8 = np.dtype(np.uint8)
+BYTE_DTYPES = (uint8,) + tuple(f.dtype for f in FP8_FORMATS.values())
+"""Element dtypes of an fp8 cache: raw bytes, or a float8 dtype."""
+
+
+def fp8_format(kv_dtype, name="kv_dtype") -> Fp8Format:
+    """The format called ``kv_dtype`` (one of :data:`KV_DTYPES`); ValueError otherwise."""
+    check_choice(name, kv_dtype, KV_DTYPES)
+    return FP8_FORMATS[kv_dtype]
+
+
+def check_fp8_cache(name, cache, fmt):
+    """An fp8 cache must have a 1-byte dtype: uint8, or ``fmt``'s own float8 dtype."""
+    if cache.dtype not in (uint8, fmt.dtype):
+        raise TypeError(f"{name}: expected dtype uint8 or {fmt.dtype} for kv_dtype "
+                        f"{fmt.name!r}, got {cache.dtype}")
+
+
+def resolve_kv_dtype(kv_dtype, k_cache, v_cache):
+    """The fp8 format of a cache pair, or None for a plain (16/32-bit) cache.
+
+    ``kv_dtype=None`` means the caches' own dtype: a float8 cache is in its format, a
+    uint8 cache (bytes of no stated format) is refused, any other cache is plain (its dtype
+    is checked where it is used). A named format requires 1-byte caches (:func:`check_fp8_cache`).
+    """
+    if kv_dtype is None:
+        for fmt in FP8_FORMATS.values():
+            if k_cache.dtype == fmt.dtype:
+                check_fp8_cache("v_cache", v_cache, fmt)
+                return fmt
+        if k_cache.dtype == uint8:
+            raise ValueError("kv_dtype: expected one of ('fp8_e4m3', 'fp8_e5m2') for uint8 "
+                             "caches, got None")
+        return None
+    fmt = fp8_format(kv_dtype)
+    check_fp8_cache("k_cache", k_cache, fmt)
+    check_fp8_cache("v_cache", v_cache, fmt)
+    return fmt
+
+
+def check_scale(name, scale, num_kv_heads) -> np.ndarray:
+    """Check one fp8 scale and return it as float32 ``[num_kv_heads]``.
+
+    Parameters
+    ----------
+    name : str
+        Argument name used in messages (``"k_scale"``, ``"v_scale"``).
+    scale : float or numpy.ndarray
+        A Python float (rounded to float32), or a float32 array of shape ``[]`` (one value
+        for every head) or ``[num_kv_heads]``. Every value must be finite and positive.
+    num_kv_heads : int
+
+    Raises
+    ------
+    TypeError
+        For None, a non-number, or an array not of dtype float32.
+    ValueError
+        For a wrong shape, or a value that is not finite and positive.
+    """
+    if isinstance(scale, (np.ndarray, np.generic)):
+        if scale.dtype != np.float32:
+            raise TypeError(f"{name}: expected dtype float32, got {scale.dtype}")
+        values = np.asarray(scale)
+    elif isinstance(scale, (float, int)) and not isinstance(scale, bool):
+        values = np.asarray(scale, dtype=np.float32)
+    else:
+        raise TypeError(f"{name}: expected a float or a float32 array, got "
+                        f"{type(scale).__name__}")
+    if values.shape not in ((), (num_kv_heads,)):
+        raise ValueError(f"{name}: expected shape [] or [{num_kv_heads}] (num_kv_heads), "
+                         f"got {list(values.shape)}")
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        where = "" if values.ndim == 0 else f" at index {int(np.argmax(bad))}"
+        raise ValueError(f"{name}: expected finite positive values, got "
+                         f"{values[bad].ravel()[0]}{where}")
+    return np.broadcast_to(values, (num_kv_heads,)).astype(np.float32)
+
+
+def check_kv_scales(fmt, k_scale, v_scale, num_kv_heads):
+    """The scales of a cache pair, float32 ``[num_kv_heads]`` each (None for a plain cache).
+
+    With an fp8 ``fmt`` a missing scale is 1.0 (vLLM's default); a plain cache (``fmt``
+    None) takes no scales.
+    """
+    if fmt is None:
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is not None:
+                raise ValueError(f"{name}: expected None for caches that are not fp8 "
+                                 f"(kv_dtype None), got {scale!r}")
+        return None, None
+    one = np.float32(1.0)
+    return (check_scale("k_scale", one if k_scale is None else k_scale, num_kv_heads),
+            check_scale("v_scale", one if v_scale is None else v_scale, num_kv_heads))
