@@ -740,7 +740,7 @@ def test_pages_kernel_splits_and_merges(rng, cp, merge, hq, hk):
     (want, want_lse), _ = oracle(case, "NHD", **opts)
     dec = cupaged.PagedDecoder(hq, hk, 128, 16, dtype=bfloat16, max_batch=60, backend="pages", xp=cp, layout="NHD")
     dec.plan(case["block_tables"], case["seq_lens"], merge=merge, planner="host")
-    assert dec.backend == "pages" and dec.num_splits > 1
+    assert dec.kernel == "pages" and dec.num_splits > 1
     feats_dev = {n: cp.asarray(a) for n, a in opts.items()}
     first = decoder_run(cp, case, dec, feats_dev, bfloat16)
     assert_matches(*first, want, want_lse, bfloat16)
@@ -764,9 +764,9 @@ def test_default_kernel_path(rng, cp):
             (32, 32, 128, "HND", bfloat16, "pages"), (22, 11, 64, "NHD", bfloat16, "staged")):
         dec = cupaged.PagedDecoder(hq, hk, d, 16, dtype=dtype, layout=layout, max_batch=16)
         dec.plan(dev["block_tables"], dev["seq_lens"])
-        assert dec.backend == (want if hopper else "staged"), (hq, hk, d, layout, dtype)
+        assert dec.kernel == (want if hopper else "staged"), (hq, hk, d, layout, dtype)
         dec.plan(dev["block_tables"][:1], dev["seq_lens"][:1])
-        assert dec.backend == "staged"
+        assert dec.kernel == "staged"
     with pytest.raises(ValueError, match="backend: 'pages' needs"):
         cupaged.paged_decode(**dev, layout="vllm", backend="pages")
 

@@ -132,7 +132,7 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
     err = _check(out, q, *sets[0], tables, lens, hq // hk, layout)
     bw = nbytes / seconds
     return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page, "layout": layout,
-            "variant": "/".join(variant), "path": dec.backend, "splits": dec.num_splits, "us": seconds * 1e6,
+            "variant": "/".join(variant), "path": dec.kernel, "splits": dec.num_splits, "us": seconds * 1e6,
             "eager_us": eager * 1e6, "TB/s": bw / 1e12, "frac_copy": bw / copy_bandwidth(),
             "frac_read": bw / read_bandwidth(), "err": err, "ok": bool(err < TOLERANCE)}
 

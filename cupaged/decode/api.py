@@ -276,7 +276,7 @@ class PagedDecoder:
         layout = "NHD" if layout is None else layout
         check_choice("layout", layout, LAYOUTS)
         check_choice("backend", backend, plan.BACKENDS)
-        self._backend = backend
+        self.backend = backend
         self._opts = check_options(np, num_q_heads, head_dim, sm_scale=sm_scale,
                                    window_left=window_left, logits_soft_cap=logits_soft_cap)
         self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
@@ -366,8 +366,9 @@ class PagedDecoder:
         return self
 
     @property
-    def backend(self):
-        """The current CuPy plan's kernel, "pages" or "staged" (None otherwise)."""
+    def kernel(self):
+        """The kernel the current CuPy plan runs, "pages" or "staged" (None otherwise;
+        ``backend`` is the choice it was resolved from)."""
         step = self._step
         if step is None or step.device is None:
             return None
@@ -388,7 +389,7 @@ class PagedDecoder:
 
     def _geometry(self, batch):
         return current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
-                                 self.num_q_heads, self.num_kv_heads, self._backend, batch)
+                                 self.num_q_heads, self.num_kv_heads, self.backend, batch)
 
     def _buffers(self, launch, rows, width, part_rows):
         """The decoder's index, partial and counter buffers, grown to hold a plan of
