@@ -427,7 +427,10 @@ def test_bad_estimate_arguments(rng):
         sparse.estimate_vertical_slash(q, np.ascontiguousarray(np.repeat(k, 2, axis=1)[:, :3]), **ok)
     with pytest.raises(ValueError, match="block_table"):
         sparse.paged_estimate_vertical_slash(q, np.zeros((2, 4, 2, 64), np.float32),
-                                             np.array([0, 5], np.int32), 8, **ok)
+                                             np.array([0, 5], np.int32), 8, layout="NHD", **ok)
+    with pytest.raises(ValueError, match="k_cache: shape .* reads as NHD .* and as HND"):
+        sparse.paged_estimate_vertical_slash(q, np.zeros((2, 4, 2, 64), np.float32),
+                                             np.array([0, 1], np.int32), 8, **ok)
 
 
 def test_bad_index_arguments():

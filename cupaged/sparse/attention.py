@@ -15,7 +15,7 @@ import numpy as np
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_range, host
 from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
     check_out, check_query)
-from ..core.layouts import cache_geometry
+from ..core.layouts import cache_geometry, resolve_layout
 from ..reference import sparse as ref
 from . import launch as kernels, tiles
 from .index import check_block_size, check_pattern_indices, prepare
@@ -198,7 +198,7 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
 
 @accepts_dlpack
 def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens_q, block_tables,
-                                   seq_lens, *, layout="NHD", sm_scale=None, sinks=None,
+                                   seq_lens, *, layout=None, sm_scale=None, sinks=None,
                                    block_m=64, block_n=64, return_lse=False, out=None):
     """Vertical+slash attention of new queries against a paged KV cache (chunked prefill).
 
@@ -219,7 +219,9 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
         int32 ``[B, max_blocks]``, -1 padded.
     seq_lens : array
         int32 ``[B]`` keys per sequence, ``>= q_len_b``.
-    layout, sm_scale, sinks, block_m, block_n, return_lse, out
+    layout : {"NHD", "HND"}, optional
+        Default "NHD", refused (ValueError) when k_cache's shape also reads validly as HND.
+    sm_scale, sinks, block_m, block_n, return_lse, out
         As in :func:`vertical_slash_attention`.
 
     Returns
@@ -227,6 +229,7 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
     out : array
         ``[total_q, Hq, D]``; ``(out, lse)`` with ``return_lse``.
     """
+    layout = resolve_layout(layout, k_cache, q)
     xp = array_module(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens_q, block_tables, seq_lens,
                       sinks, out)
     _, hq, d = check_query("q", q, xp)

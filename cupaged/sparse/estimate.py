@@ -15,7 +15,7 @@ import numpy as np
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
 from ..core.checks import (INT32_MAX, check_block_tables, check_gqa, check_int, check_options,
     check_query)
-from ..core.layouts import CacheGeometry
+from ..core.layouts import CacheGeometry, resolve_layout
 from ..reference import attention as ref_attention
 from ..reference import sparse as ref
 from . import launch as kernels
@@ -112,7 +112,7 @@ def estimate_vertical_slash(q, k, *, vertical_size, slash_size, last_q=64, num_s
 
 @accepts_dlpack
 def paged_estimate_vertical_slash(q, k_cache, block_table, seq_len, *, vertical_size, slash_size,
-                                  layout="NHD", last_q=64, num_sink_tokens=30,
+                                  layout=None, last_q=64, num_sink_tokens=30,
                                   num_recent_diags=100, adaptive_budget=None, sm_scale=None):
     """:func:`estimate_vertical_slash` with the keys in a paged cache (chunked prefill).
 
@@ -127,7 +127,9 @@ def paged_estimate_vertical_slash(q, k_cache, block_table, seq_len, *, vertical_
         int32 ``[max_blocks]`` the sequence's blocks.
     seq_len : int
         Keys of the sequence in the cache, ``>= q_len``.
-    layout : {"NHD", "HND"}
+    layout : {"NHD", "HND"}, optional
+        Default "NHD", refused (ValueError) when k_cache's shape also reads validly as HND
+        (``cupaged.core.layouts.resolve_layout``).
     vertical_size, slash_size, last_q, num_sink_tokens, num_recent_diags, adaptive_budget, sm_scale
         As in :func:`estimate_vertical_slash`.
 
@@ -136,6 +138,7 @@ def paged_estimate_vertical_slash(q, k_cache, block_table, seq_len, *, vertical_
     v_idx, s_idx : array
         int32 ``[Hq, nv]`` and ``[Hq, ns]``, ascending.
     """
+    layout = resolve_layout(layout, k_cache, q)
     xp = array_module(q, k_cache, block_table)
     check_query("q", q, xp)
     geo = _check_key_cache(k_cache, layout, q, xp)

@@ -95,7 +95,7 @@ class MInferencePolicy(SparsePolicy):
         return vertical_slash_attention(q, k, v, v_idx, s_idx, sm_scale=sm_scale, sinks=sinks)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_table, seq_len, layer_id=0, *,
-                                layout="NHD", sm_scale=None, sinks=None):
+                                layout=None, sm_scale=None, sinks=None):
         """One prefill chunk ``q [q_len, Hq, D]`` of a sequence whose first ``seq_len``
         keys (the chunk's included) are in the paged cache; ``block_table`` int32
         ``[max_blocks]``. Estimates on the cached keys, then attends sparsely."""
