@@ -5,5 +5,6 @@ Submodules: ``attention`` (masked softmax attention, varlen, paged, decode, mixe
 ``cache`` (cache write, copy, swap in every layout, quantising into fp8 caches), ``fp8`` (the
 fp8 quantisation rule: quantise, dequantise, half-ulp bound), ``sink`` (sink softmax and the
 sink-attention contract's unified sink attention), ``rope``, ``sparse`` (vertical+slash
-estimate, index, BSR).
+estimate, index, BSR of one sequence), ``bsr`` (batched BSR attention: ragged and paged,
+per-head patterns).
 """
