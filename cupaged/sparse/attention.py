@@ -12,13 +12,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_range, host
+from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
 from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
     check_out, check_query)
 from ..core.layouts import cache_geometry, resolve_layout
 from ..reference import sparse as ref
 from . import launch as kernels, tiles
-from .index import check_block_size, check_pattern_indices, prepare
+from .index import check_block_size, check_bsr_rows, check_pattern_indices, prepare
 
 
 class Batch(NamedTuple):
@@ -266,22 +266,11 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
 
 def _check_bsr(indptr, indices, q_len, kv_len, block_m, block_n, xp):
     rows, cols = -(-q_len // block_m), -(-kv_len // block_n)
-    ptr = check_cu_seqlens("indptr", indptr, xp)
-    if len(ptr) != rows + 1:
+    check_array("indptr", indptr, ndim=1, dtypes=np.int32, xp=xp)
+    if indptr.shape[0] != rows + 1:
         raise ValueError(f"indptr: expected shape [{rows + 1}] (ceil(q_len / block_m) + 1), "
                          f"got {tuple(indptr.shape)}")
-    check_array("indices", indices, ndim=1, dtypes=np.int32, xp=xp)
-    if int(ptr[-1]) != indices.shape[0]:
-        raise ValueError(f"indptr: expected last entry {indices.shape[0]} (len(indices)), "
-                         f"got {int(ptr[-1])}")
-    idx = host(indices)
-    check_range("indices", idx, 0, cols)
-    row_of = np.repeat(np.arange(rows), np.diff(ptr))
-    bad = (row_of[1:] == row_of[:-1]) & (np.diff(idx.astype(np.int64)) <= 0)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"indices: expected strictly increasing block ids within each row, "
-                         f"got {int(idx[i])} then {int(idx[i + 1])} at index {i}")
+    check_bsr_rows(indptr, indices, np.full(rows, cols), xp)
 
 
 @accepts_dlpack

@@ -1,4 +1,5 @@
-"""Vertical+slash index conversion (MInference) and the checks of index arguments.
+"""Vertical+slash index conversion (MInference) and the checks of index arguments
+(vertical/slash indices, BSR patterns of one sequence or a batch).
 
 ``vertical_slash_index`` turns per-head vertical/slash indices into, for every 64-row (or
 ``block_m``-row) query block, its list of key blocks and its list of extra key columns;
@@ -15,8 +16,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import accepts_dlpack, array_module, check_array, check_range, host
-from ..core.checks import check_int
+from ..core.checks import check_cu_seqlens, check_int
 from ..reference import sparse as ref
+from ..reference.bsr import bsr_row_offsets
 from . import launch as kernels
 
 PAD = ref.PAD
@@ -46,6 +48,83 @@ def check_pattern_indices(name, idx, xp, shape):
     h = host(idx)
     check_range(name, h, 0, 2 ** 31)
     return h
+
+
+def check_bsr_rows(indptr, indices, num_cols, xp, where=None):
+    """Check a BSR pattern's ``indptr``/``indices`` against the block columns of its rows.
+
+    ``num_cols``: int ``[rows]`` block columns of each CSR row (``len(indptr) - 1`` rows,
+    checked by the caller). ``indptr`` starts at 0, never decreases and ends at
+    ``len(indices)``; ``indices`` is int32, row ``t``'s entries lie in ``[0, num_cols[t])``
+    and strictly increase. ``where(t)`` names CSR row ``t`` in messages. Returns the host
+    copies ``(indptr, indices)``.
+    """
+    ptr = check_cu_seqlens("indptr", indptr, xp)
+    check_array("indices", indices, ndim=1, dtypes=np.int32, xp=xp)
+    if int(ptr[-1]) != indices.shape[0]:
+        raise ValueError(f"indptr: expected last entry {indices.shape[0]} (len(indices)), "
+                         f"got {int(ptr[-1])}")
+    idx = host(indices).astype(np.int64)
+    row_of = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
+    limit = np.asarray(num_cols, np.int64)[row_of]
+    bad = (idx < 0) | (idx >= limit)
+    if bad.any():
+        i = int(np.argmax(bad))
+        at = "" if where is None else f" ({where(int(row_of[i]))})"
+        raise ValueError(f"indices: expected entries in [0, {int(limit[i])}), got {int(idx[i])} "
+                         f"at index {i}{at}")
+    bad = (row_of[1:] == row_of[:-1]) & (np.diff(idx) <= 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        at = "" if where is None else f" ({where(int(row_of[i]))})"
+        raise ValueError(f"indices: expected strictly increasing block ids within each row, "
+                         f"got {int(idx[i])} then {int(idx[i + 1])} at index {i}{at}")
+    return ptr, host(indices)
+
+
+def check_bsr_batch(indptr, indices, q_lens, kv_lens, block_m, block_n, pattern_heads,
+                    num_q_heads, num_kv_heads, xp):
+    """Check a batched BSR pattern (``cupaged.reference.bsr``); return the row offsets.
+
+    Parameters
+    ----------
+    indptr, indices : array
+        int32 ``[row_offsets[B] + 1]`` and ``[nnz]``.
+    q_lens, kv_lens : numpy.ndarray
+        int ``[B]`` host query and key counts per sequence.
+    block_m, block_n : int
+        Block shape, ``>= 1``.
+    pattern_heads : int
+        ``H_p`` in ``{num_q_heads, num_kv_heads, 1}``.
+
+    Returns
+    -------
+    numpy.ndarray
+        int32 ``[B + 1]`` ``row_offsets`` (``reference.bsr.bsr_row_offsets``).
+    """
+    block_m = check_block_size("block_m", block_m)
+    block_n = check_block_size("block_n", block_n)
+    heads = check_int("pattern_heads", pattern_heads)
+    if heads not in (num_q_heads, num_kv_heads, 1):
+        raise ValueError(f"pattern_heads: expected {sorted({num_q_heads, num_kv_heads, 1})} "
+                         f"(per query head, per kv head or shared), got {heads}")
+    q_lens, kv_lens = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
+    offsets = bsr_row_offsets(q_lens, block_m, heads).astype(np.int64)
+    check_array("indptr", indptr, ndim=1, dtypes=np.int32, xp=xp)
+    if indptr.shape[0] != offsets[-1] + 1:
+        raise ValueError(f"indptr: expected shape [{offsets[-1] + 1}] (pattern_heads * "
+                         f"sum(ceil(q_len / block_m)) + 1), got {tuple(indptr.shape)}")
+    rows = -(-q_lens // block_m)
+    seq_of = np.repeat(np.arange(len(rows)), rows * heads)
+    num_cols = (-(-kv_lens // block_n))[seq_of]
+
+    def where(t):
+        b = int(seq_of[t])
+        g, r = divmod(t - int(offsets[b]), int(rows[b]))
+        return f"sequence {b}, pattern head {g}, block row {r}"
+
+    check_bsr_rows(indptr, indices, num_cols, xp, where)
+    return offsets.astype(np.int32)
 
 
 def plan_index(seqlens, v_idx, s_idx, context_size, block_m, block_n, kv_seqlens, xp):
