@@ -63,7 +63,8 @@ def _oracle(q, k, v, cu_q, cu_k, indptr, indices, bm, bn, heads, causal=True, sm
                 blocks = kept[h // (hq // heads)][i // bm]
                 s, vs = [], []
                 for j in range(kv_len):
-                    if j // bn not in blocks or (causal and j > p) or (window_left >= 0 and j < p - window_left):
+                    hidden = (causal and j > p) or (window_left >= 0 and j < p - window_left)
+                    if j // bn not in blocks or hidden:
                         continue
                     x = scale * float(q[cu_q[b] + i, h] @ k[cu_k[b] + j, hk])
                     if logits_soft_cap > 0:
@@ -239,6 +240,30 @@ def test_paged_all_kept_is_dense_paged_prefill(rng):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_paged_fp8_and_long_queries(rng, layout):
+    """fp8 caches read back as in paged_prefill; q_len > kv_len leaves leading rows empty."""
+    kv_lens, q_lens = [21, 5], [9, 8]
+    q, k, v, cu_q, _ = _batch(rng, q_lens, kv_lens, HQ, HK, 16, np.float32)
+    page, need = 16, [2, 1]
+    ks, vs = cache_shapes(layout, 5, page, HK, 16, np.uint8)
+    k8, v8 = np.zeros(ks, np.uint8), np.zeros(vs, np.uint8)
+    tables = np.array([[3, 0], [4, -1]], np.int32)
+    slots = np.concatenate([tables[b, np.arange(n) // page].astype(np.int64) * page
+                            + np.arange(n) % page for b, n in enumerate(kv_lens)])
+    fp8 = dict(kv_dtype="fp8_e4m3", k_scale=np.float32(0.5), v_scale=np.full(HK, 0.25, np.float32))
+    write_kv_cache(k, v, k8, v8, slots, layout, **fp8)
+    indptr, indices = _full(q_lens, kv_lens, 4, 4, HK)
+    lens = np.array(kv_lens, np.int32)
+    out, lse = bsr.paged_block_sparse_attention(q, k8, v8, cu_q, tables, lens, indptr, indices,
+                                                4, 4, pattern_heads=HK, layout=layout, **fp8)
+    want, want_lse = ra.paged_prefill(q.astype(np.float64), k8, v8, cu_q, tables, lens,
+                                      layout=layout, return_lse=True, **fp8)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+    assert (out[9:12] == 0).all() and np.isneginf(lse[9:12]).all()
+
+
 # ----------------------------------------------------------------------------- empty rows
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_no_kept_block_gives_zeros(rng, with_sinks):
@@ -249,7 +274,8 @@ def test_no_kept_block_gives_zeros(rng, with_sinks):
                                                  np.zeros(0, np.int32), 4, 4, pattern_heads=HK,
                                                  sinks=sinks)
     assert (out == 0).all()
-    np.testing.assert_array_equal(lse, np.broadcast_to(-np.inf if sinks is None else sinks, lse.shape))
+    empty = -np.inf if sinks is None else sinks
+    np.testing.assert_array_equal(lse, np.broadcast_to(empty, lse.shape))
 
 
 def test_empty_rows_among_kept_ones(rng):
@@ -260,7 +286,8 @@ def test_empty_rows_among_kept_ones(rng):
     indices = np.array([1, 1], np.int32)
     out, lse = bsr.varlen_block_sparse_attention(q, k, v, cu_q, cu_k, indptr, indices, 4, 4,
                                                  pattern_heads=2)
-    assert (out[:4] == 0).all() and np.isneginf(lse[:4]).all()       # row 0 keeps nothing / only future keys
+    # block row 0: head 0 keeps nothing, head 1 only keys after every query of the row
+    assert (out[:4] == 0).all() and np.isneginf(lse[:4]).all()
     assert (out[4:, 1] == 0).all() and np.isneginf(lse[4:, 1]).all()
     want = ra.attend_masked(q[4:, :1], k[4:], v[4:], ra.visible_keys(4, 4))
     np.testing.assert_allclose(out[4:, :1], want[0], rtol=1e-12)
