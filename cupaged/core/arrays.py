@@ -545,12 +545,6 @@ def check_array(name, x, *, shape=None, ndim=None, dtypes=None, xp=None, contigu
     return x
 
 
-def check_same_dtype(names, *arrays):
-    dts = [a.dtype for a in arrays if a is not None]
-    if len(set(dts)) > 1:
-        raise TypeError(f"{', '.join(names)}: expected one dtype, got {', '.join(map(str, dts))}")
-
-
 def check_head_dim(name, head_dim):
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"{name}: head size {head_dim} is not supported; expected one of {HEAD_DIMS}")

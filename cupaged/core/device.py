@@ -119,3 +119,14 @@ class Uploader:
         event = self._events[i] or cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         self._events[i] = event
+
+
+_SHARED = []
+
+
+def uploader():
+    """The process's shared :class:`Uploader` for small per-call or per-step host arrays
+    (objects that plan repeatedly, such as the decoders, own theirs)."""
+    if not _SHARED:
+        _SHARED.append(Uploader(slots=8))
+    return _SHARED[0]

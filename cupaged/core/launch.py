@@ -144,7 +144,6 @@ class Bound:
         unknown = set(fixed) - set(record.index)
         if unknown:
             raise TypeError(f"{record.name}: unknown fields {sorted(unknown)}")
-        self._fixed_names = set(fixed)
         self._fixed = fixed
         self._cache = {}
 

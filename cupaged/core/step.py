@@ -14,7 +14,7 @@ import numpy as np
 
 from .arrays import array_module, check_array, host
 from .checks import INT32_MAX, check_block_tables, check_cu_seqlens
-from .device import Uploader
+from .device import uploader
 from .errors import strict
 from .layouts import CacheGeometry
 
@@ -137,13 +137,9 @@ class BatchStep:
         return p
 
 
-_UPLOADER = None
-
-
 def _upload(xp, arrays):
     """Device copies of the host metadata: one asynchronous copy through pinned memory into
     one new buffer, and views of it."""
-    global _UPLOADER
     parts, views, offset = [], {}, 0
     for name in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping", "positions"):
         a = np.ascontiguousarray(arrays[name])
@@ -154,9 +150,7 @@ def _upload(xp, arrays):
     for _, o, a in parts:
         image[o:o + a.nbytes] = a.view(np.uint8).ravel()
     buf = xp.empty(image.size, np.uint8)
-    if _UPLOADER is None:
-        _UPLOADER = Uploader(slots=8)
-    _UPLOADER.upload(buf, image)
+    uploader().upload(buf, image)
     for name, o, a in parts:
         views[name] = buf[o:o + a.nbytes].view(a.dtype).reshape(a.shape)
     return views

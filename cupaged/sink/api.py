@@ -16,7 +16,7 @@ import numpy as np
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
 from ..core.checks import check_cu_seqlens, check_gqa, check_int
 from ..core.compile import Spec, ctype, get_kernel
-from ..core.device import Uploader, current
+from ..core.device import current, uploader
 from ..core.errors import strict
 from ..reference import sink as ref
 
@@ -298,15 +298,10 @@ def sink_attention(q, k, v, sink, window_left, causal, sm_scale, batch_size=None
                           validate=validate)
 
 
-_UPLOADER = []
-
-
 def _upload(host_array):
     """A device copy of a small host array, made without waiting for the device (pinned
     staging; a new device array each call, as the caller may keep the result)."""
     import cupy
-    if not _UPLOADER:
-        _UPLOADER.append(Uploader())
     dev = cupy.empty(host_array.shape, host_array.dtype)
-    _UPLOADER[0].upload(dev, np.ascontiguousarray(host_array))
+    uploader().upload(dev, np.ascontiguousarray(host_array))
     return dev
