@@ -356,7 +356,9 @@ def _quest_setup(rng, lens, bs=8, hk=2, hq=4, d=64, layout="NHD"):
 def test_quest_bounds_and_upper_bound(rng):
     q, k, _, tables, lens = _quest_setup(rng, [30, 17])
     pol = sparse.QuestPolicy(2)
-    pol.update_bounds(k, tables, lens)
+    with pytest.raises(ValueError, match="reads as NHD .* and as HND"):
+        pol.update_bounds(k, tables, lens)  # [nb, 8, 2, d]: 8 kv heads or a block of 8
+    pol.update_bounds(k, tables, lens, layout="NHD")
     assert pol.supports_decode and not pol.supports_prefill
     blk, n = tables[1, 2], 17 - 16           # a partial last page: only its first key counts
     np.testing.assert_array_equal(pol.k_min[blk], k[blk, :n].min(axis=0))
@@ -375,7 +377,7 @@ def test_quest_bounds_and_upper_bound(rng):
 def test_quest_select_keeps_last_page_in_order(rng):
     q, k, _, tables, lens = _quest_setup(rng, [60, 20])
     pol = sparse.QuestPolicy(3)
-    pol.update_bounds(k, tables, lens)
+    pol.update_bounds(k, tables, lens, layout="NHD")
     pos, counts = pol.select_pages(q, tables, lens)
     assert counts.tolist() == [3, 3]
     for b, pages in enumerate((8, 3)):
@@ -493,4 +495,4 @@ def test_bad_policy_arguments(rng):
     with pytest.raises(ValueError, match="update_bounds"):
         sparse.QuestPolicy(2).page_scores(q, tables, lens)
     with pytest.raises(ValueError, match="block_tables"):
-        sparse.QuestPolicy(2).update_bounds(k, tables + 100, lens)
+        sparse.QuestPolicy(2).update_bounds(k, tables + 100, lens, layout="NHD")

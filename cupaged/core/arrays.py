@@ -342,7 +342,7 @@ def accepts_dlpack(fn):
 # on the caller's stream: torch tensors are read directly (no CuPy view is made) and torch
 # outputs are allocated by torch.
 _TORCH = {}        # "dtypes": torch dtype -> numpy dtype, "np": the reverse, "devices": {i: device}
-_BYTE_STRIDES = {}  # (element strides, itemsize) -> byte strides
+_BYTE_STRIDES = {}  # (shape, -itemsize) -> C-order byte strides
 
 
 def _torch_tables():
@@ -352,23 +352,14 @@ def _torch_tables():
     return _TORCH
 
 
-def _byte_strides(strides, itemsize):
-    key = (strides, itemsize)
-    b = _BYTE_STRIDES.get(key)
-    if b is None:
-        if len(_BYTE_STRIDES) > 4096:
-            _BYTE_STRIDES.clear()
-        b = _BYTE_STRIDES[key] = tuple(s * itemsize for s in strides)
-    return b
-
-
 class Hot:
     """A call that may take a cached launch setup: its cache key, its arrays' device
     addresses (0 for None) and the stream to launch on (a raw pointer), and outputs in the
     caller's kind (:meth:`empty`).
 
-    Built by :func:`hot`; ``key`` equals the key a checked call of the same arguments
-    computes from CuPy views of them, so the setup the checked call caches is found here.
+    Built by :func:`hot`; a call that misses takes the checked path, which caches its
+    setup under this ``key`` (made from the caller's own arrays: CuPy's or torch's shapes,
+    strides and dtypes), where the next call of the same signature finds it.
     """
 
     __slots__ = ("key", "ptrs", "stream", "_torch_device", "_root")
@@ -399,11 +390,10 @@ def _describe_cupy(a, stream):
 
 
 def _describe_torch(a, stream):
-    dt = _TORCH["dtypes"].get(a.dtype)
-    if dt is None:
-        return None
+    """A CUDA tensor by torch's own shape, strides, dtype and device (a checked call caches
+    its setup under the key these make, so they need not be NumPy's)."""
     p = a.data_ptr()
-    return (tuple(a.shape), _byte_strides(a.stride(), dt.itemsize), dt, p & 15), p
+    return (a.shape, a.stride(), a.dtype, a.get_device(), p & 15), p
 
 
 def _describe_dlpack(a, stream):

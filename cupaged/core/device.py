@@ -81,14 +81,16 @@ class Uploader:
 
     def upload(self, dst, host):
         """Copy the host array ``host`` into the start of device array ``dst``."""
-        self.upload_rows([(dst.data.ptr, host.nbytes, host)])
+        flat = host.reshape(-1)
+        self.upload_rows([(dst.data.ptr, flat.nbytes, flat)])
 
     def upload_rows(self, parts):
         """Copy host arrays into device memory: ``parts`` of ``(address, pitch, host)``,
         each ``host`` array's rows (its last dimension; 1-D: one row) landing ``pitch``
-        bytes apart from ``address``. One staging slot and one event for all parts."""
+        bytes apart from ``address``. One staging slot and one event for all parts; parts
+        that land back to back in device memory (rows ``pitch`` apart and each starting
+        where the one before ends) go in one copy."""
         import cupy
-        import cupyx
         sizes = [h.nbytes for _, _, h in parts]
         n = sum(-(-s // 16) * 16 for s in sizes)
         if n == 0:
@@ -97,25 +99,37 @@ class Uploader:
         self._next = (i + 1) % len(self._slots)
         if self._events[i] is not None:
             self._events[i].synchronize()  # its last copy has been read (normally long ago)
-        buf = self._slots[i]
-        if buf is None or buf.nbytes < n:
-            buf = self._slots[i] = cupyx.empty_pinned(max(n, 4096), np.uint8)
-        stream = cupy.cuda.get_current_stream()
-        rt = cupy.cuda.runtime
+        slot = self._slots[i]
+        if slot is None or slot[0].nbytes < n:
+            import cupyx
+            buf = cupyx.empty_pinned(max(n, 4096), np.uint8)
+            slot = self._slots[i] = (buf, buf.ctypes.data)
+        buf, base = slot
+        copies = []  # [device address, staged offset, row bytes, rows, pitch]
         at = 0
         for (address, pitch, h), size in zip(parts, sizes):
             if not size:
                 continue
-            rows = 1 if h.ndim < 2 else int(np.prod(h.shape[:-1]))
+            rows = 1 if h.ndim < 2 else size // (h.shape[-1] * h.itemsize)
             row = size // rows
-            buf[at:at + size].view(h.dtype).reshape(h.shape)[...] = h
-            if rows == 1 or pitch == row:
-                rt.memcpyAsync(address, buf.ctypes.data + at, size, rt.memcpyHostToDevice,
-                               stream.ptr)
+            last = copies[-1] if copies else None
+            if (rows == 1 or pitch == row) and last is not None and last[3] == 1 \
+                    and last[0] + last[2] == address and last[1] + last[2] == at:
+                last[2] += size  # continues the previous copy in both memories
             else:
-                rt.memcpy2DAsync(address, pitch, buf.ctypes.data + at, row, row, rows,
+                at = -(-at // 16) * 16
+                copies.append([address, at, size, 1, size] if rows == 1 or pitch == row
+                              else [address, at, row, rows, pitch])
+            buf[at:at + size].view(h.dtype).reshape(h.shape)[...] = h
+            at += size
+        stream = cupy.cuda.get_current_stream()
+        rt = cupy.cuda.runtime
+        for address, offset, row, rows, pitch in copies:
+            if rows == 1:
+                rt.memcpyAsync(address, base + offset, row, rt.memcpyHostToDevice, stream.ptr)
+            else:
+                rt.memcpy2DAsync(address, pitch, base + offset, row, row, rows,
                                  rt.memcpyHostToDevice, stream.ptr)
-            at += -(-size // 16) * 16
         event = self._events[i] or cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         self._events[i] = event

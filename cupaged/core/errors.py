@@ -34,7 +34,19 @@ def strict(validate=None):
     else the ``CUPAGED_STRICT`` environment variable (``1``: on)."""
     if validate is not None:
         return bool(validate)
+    if _ENV is not None:  # the environment's own mapping: a dict lookup, no str conversions
+        return _ENV.get(_STRICT_KEY, b"0") not in _OFF
     return os.environ.get("CUPAGED_STRICT", "0") not in ("", "0")
+
+
+# os.environ keeps its entries encoded in ``_data`` (POSIX: bytes keys and values), which
+# setenv/putenv and monkeypatching go through; elsewhere strict() reads os.environ.
+_ENV = getattr(os.environ, "_data", None)
+try:
+    _STRICT_KEY = os.environ.encodekey("CUPAGED_STRICT")
+    _OFF = (os.environ.encodevalue(""), os.environ.encodevalue("0"))
+except AttributeError:
+    _ENV = None
 
 
 def error_word():

@@ -21,6 +21,7 @@ import struct
 import threading
 from typing import NamedTuple
 
+_BUFFER_POINTER, _BUFFER_SIZE = 1, 2  # CU_LAUNCH_PARAM_BUFFER_POINTER, _SIZE (END: null)
 _SCALARS = {"i64": ("q", 8), "long long": ("q", 8), "u64": ("Q", 8),
             "int": ("i", 4), "unsigned": ("I", 4), "float": ("f", 4)}
 
@@ -79,7 +80,6 @@ class Record:
         pad = -struct.calcsize(fmt) % 8
         self.struct = struct.Struct(fmt + "x" * pad)
         self.offsets = _offsets(self.fields)
-        self._packers = {}
         self.pack_into = self._keyword_packer()
 
     @property
@@ -108,28 +108,6 @@ class Record:
         exec(src, ns)  # noqa: S102 - field names are identifiers of this module's records
         return ns["pack_into"]
 
-    def packer(self, given):
-        """A function ``pack(buf, fixed, **given)`` writing the record into ``buf``: the
-        fields named in ``given`` by keyword, the others from the tuple ``fixed`` (their
-        values in field order), compiled once per set of names."""
-        key = frozenset(given)
-        fn = self._packers.get(key)
-        if fn is None:
-            unknown = key - set(self.index)
-            if unknown:
-                raise TypeError(f"{self.name}: unknown fields {sorted(unknown)}")
-            rest = [f.name for f in self.fields if f.name not in key]
-            args = []
-            for f in self.fields:
-                args.append(f.name if f.name in key else f"fixed[{rest.index(f.name)}]")
-            kw = ", ".join(sorted(key))
-            src = (f"def pack(buf, fixed{', *, ' + kw if kw else ''}):\n"
-                   f"    _pack(buf, 0, {', '.join(args)})\n")
-            ns = {"_pack": self.struct.pack_into}
-            exec(src, ns)  # noqa: S102 - field names are identifiers of this module's records
-            fn = self._packers[key] = ns["pack"]
-        return fn
-
     def bind(self, **fixed):
         """A :class:`Bound` record: ``fixed`` fields set now, the rest at each launch."""
         return Bound(self, fixed)
@@ -148,29 +126,62 @@ class Bound:
         self._cache = {}
 
     def pack(self, **given):
-        """The record's bytes (a buffer owned by this object, valid until the next pack)."""
-        key = frozenset(given)
-        entry = self._cache.get(key)
-        if entry is None:
-            rest = [f for f in self.record.fields if f.name not in key]
-            fixed = []
-            for f in rest:
-                if f.name in self._fixed:
-                    fixed.append(self._fixed[f.name])
-                elif f.default is not None:
-                    fixed.append(f.default)
-                else:
-                    raise TypeError(f"{self.record.name}: field {f.name!r} not given")
-            entry = (self.record.packer(key), tuple(fixed), ArgBuffer(self.record))
-            self._cache[key] = entry
-        pack, fixed, buf = entry
-        pack(buf.data, fixed, **given)
-        return buf
+        """The record's bytes (a buffer owned by this object, valid until the next pack
+        with the same names): the fields ``given``, the others fixed."""
+        pack = self._cache.get(tuple(given))
+        if pack is None:
+            pack = self._cache[tuple(given)] = self.packer(*given)
+        return pack(*given.values())
+
+    def packer(self, *names):
+        """A function ``pack(*values)`` returning an :class:`ArgBuffer` of its own with the
+        fields ``names`` set from ``values`` (in that order) and the others fixed: packed
+        once, here, so that a pack writes only the runs of consecutive fields it is
+        given."""
+        rec = self.record
+        unknown = set(names) - set(rec.index)
+        if unknown:
+            raise TypeError(f"{rec.name}: unknown fields {sorted(unknown)}")
+        values = {}
+        for f in rec.fields:
+            if f.name in names:
+                values[f.name] = 0
+            elif f.name in self._fixed:
+                values[f.name] = self._fixed[f.name]
+            elif f.default is not None:
+                values[f.name] = f.default
+            else:
+                raise TypeError(f"{rec.name}: field {f.name!r} not given")
+        buf = ArgBuffer(rec)
+        rec.pack_into(buf.data, **values)
+        # runs of consecutive given fields, each one struct at its offset
+        order = sorted(rec.index[n] for n in names)
+        runs, ns = [], {"_buf": buf, "_data": buf.data}
+        for i in order:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        lines = []
+        for r, run in enumerate(runs):
+            fmt, at = "=", rec.offsets[run[0]]
+            for i in run:
+                fmt += "x" * (rec.offsets[i] - at) + rec.fields[i].code[0]
+                at = rec.offsets[i] + rec.fields[i].code[1]
+            ns[f"_s{r}"] = struct.Struct(fmt).pack_into
+            args = ", ".join(f"_{i}" for i in run)
+            lines.append(f"    _s{r}(_data, {rec.offsets[run[0]]}, {args})\n")
+        params = ", ".join(f"_{rec.index[n]}" for n in names)
+        src = f"def pack({params}):\n" + "".join(lines) + "    return _buf\n"
+        exec(src, ns)  # noqa: S102 - generated from this module's records
+        return ns["pack"]
 
 
 class ArgBuffer:
-    """Bytes of one packed record and the ``kernelParams`` array of ``cuLaunchKernel``: a
-    pointer to each field's bytes."""
+    """Bytes of one packed record, and how ``cuLaunchKernel`` takes them: ``extra``, its
+    ``extra`` array pointing at the bytes as one parameter buffer (what launches pass: the
+    driver copies one buffer rather than a parameter at a time), and ``params``, the
+    ``kernelParams`` array of a pointer to each field."""
 
     def __init__(self, record):
         self.data = bytearray(record.size)
@@ -178,6 +189,11 @@ class ArgBuffer:
         base = ctypes.addressof(self._cbuf)
         self._params = (ctypes.c_void_p * len(record.offsets))(*(base + o for o in record.offsets))
         self.params = ctypes.addressof(self._params)
+        last = record.fields[-1].code[1] + record.offsets[-1]  # the kernel's parameter bytes
+        self._size = ctypes.c_size_t(last)
+        self._extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, base, _BUFFER_SIZE,
+                                            ctypes.addressof(self._size), None)
+        self.extra = ctypes.addressof(self._extra)
 
 
 _LOCAL = threading.local()
@@ -230,7 +246,7 @@ class Kernel:
         gx, gy, gz = _dim3(grid)
         bx, by, bz = _dim3(block)
         if gx and gy and gz:
-            self._launch(self.ptr, gx, gy, gz, bx, by, bz, int(smem), stream, args.params, 0)
+            self._launch(self.ptr, gx, gy, gz, bx, by, bz, int(smem), stream, 0, args.extra)
 
     def at(self, grid, block, smem=0):
         """This kernel's launch with its dimensions fixed: ``go(args, stream)`` launches it
@@ -243,7 +259,7 @@ class Kernel:
             return _no_launch
 
         def go(args, stream):
-            launch(fn, gx, gy, gz, bx, by, bz, smem, stream, args.params, 0)
+            launch(fn, gx, gy, gz, bx, by, bz, smem, stream, 0, args.extra)
         return go
 
     def __call__(self, grid, block, smem=0, **fields):

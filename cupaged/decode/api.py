@@ -450,8 +450,9 @@ class PagedDecoder:
         if step is None:
             idx = self._index
             at = device_index.size
+            # the lengths right after the tables: one upload of host metadata
             tables = idx[at:at + batch * lay.width].reshape(batch, lay.width)
-            lens = idx[at + self.max_batch * lay.width:][:batch]
+            lens = idx[at + batch * lay.width:][:batch]
             step = self._device_steps.put(key, planned_on_device(
                 launch, self.dtype, self.num_q_heads, self.head_dim, self._opts, merge,
                 bool(append), batch, width, lay.width, device_index, idx, self._counters,

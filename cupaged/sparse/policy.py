@@ -12,7 +12,7 @@ import numpy as np
 
 from ..core.arrays import array_module, check_array, host
 from ..core.checks import check_block_tables, check_int, check_query
-from ..core.layouts import k_as_nhd, key_geometry
+from ..core.layouts import k_as_nhd, key_geometry, resolve_layout
 from .attention import paged_vertical_slash_attention, vertical_slash_attention
 from .estimate import estimate_vertical_slash, paged_estimate_vertical_slash
 from .index import pad_indices
@@ -138,13 +138,16 @@ class QuestPolicy(SparsePolicy):
         self.k_min = self.k_max = None   # float32 [num_blocks, Hk, D]
         self.block_size = None
 
-    def update_bounds(self, k_cache, block_tables, seq_lens, *, layout="NHD", last_page_only=False):
+    def update_bounds(self, k_cache, block_tables, seq_lens, *, layout=None, last_page_only=False):
         """Recompute the bounds of the pages holding each sequence's keys.
 
         Parameters
         ----------
         k_cache : array
             Key cache in ``layout`` (see ``cupaged.layouts``).
+        layout : {"NHD", "HND", "vllm"}, optional
+            Default "NHD", refused (ValueError) when k_cache's shape also reads as HND, as
+            in :func:`cupaged.paged_decode`.
         block_tables : array
             int32 ``[B, max_blocks]``.
         seq_lens : array
@@ -153,6 +156,7 @@ class QuestPolicy(SparsePolicy):
             Only each sequence's last page (after a decode step appended to it).
         """
         xp = array_module(k_cache, block_tables, seq_lens)
+        layout = resolve_layout(layout, k_cache)
         geo = _key_geometry(k_cache, layout)
         bt, lens = check_block_tables(block_tables, seq_lens, geo, xp)
         bs = geo.block_size
@@ -225,9 +229,10 @@ class QuestPolicy(SparsePolicy):
         keep = sorted(set(host(pos)[0, :, :count[0]].ravel().tolist()))
         return [int(available_blocks[i]) for i in keep]
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, layout="NHD", sm_scale=None,
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, layout=None, sm_scale=None,
                sinks=None):
-        """Decode attention ``[B, Hq, D]`` reading only the selected pages.
+        """Decode attention ``[B, Hq, D]`` reading only the selected pages (``layout`` as in
+        :meth:`update_bounds`).
 
         With ``layout="HND"`` each kv head reads exactly its own pages (the cache is viewed
         as one kv head per (page, head) block). Other layouts read, for every kv head, the
@@ -235,6 +240,7 @@ class QuestPolicy(SparsePolicy):
         """
         import cupaged
         xp = array_module(q, k_cache, v_cache, block_tables, seq_lens)
+        layout = resolve_layout(layout, k_cache, q)
         bs = _key_geometry(k_cache, layout).block_size
         if bs != self.block_size:
             raise ValueError(f"k_cache: expected block size {self.block_size} as in "
