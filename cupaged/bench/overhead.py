@@ -6,7 +6,8 @@ of 16K tokens, ``PagedDecoder.plan`` from host and from device metadata and
 ``PagedDecoder.run``) and each kind of caller array (``cupy``; ``torch`` tensors and ``jax``
 arrays where they are importable), one row gives:
 
-- ``host_us``: host time of one call (``perf_counter`` over a few calls, no sync between);
+- ``host_us``: host time of one call (median of ``perf_counter`` around each call, calls
+  issued in bursts without a sync between them);
 - ``gpu_us``: the time per call of calls issued back to back (CUDA events around many
   calls): what a caller's loop sustains, the larger of host and device time;
 - ``graph_us``: the same call captured once in a CUDA graph and replayed (the kernels
@@ -36,17 +37,21 @@ from .timing import bench_main, copy_bandwidth, torch_or_none
 HQ, HK, D, PAGE = 32, 8, 128, 16
 
 
-def _host_us(call, n=20):
-    """Host microseconds of one call, ``n`` calls without a sync between them."""
+def _host_us(call, n=200, burst=10):
+    """Host microseconds of one call: the median over ``n`` calls, issued in bursts of
+    ``burst`` without a sync between them (the device synchronised between bursts, so that
+    a burst never waits for a full launch queue)."""
     import cupy
     call()  # warm: kernels loaded, the call's setup cached
+    times = []
+    for _ in range(n // burst):
+        cupy.cuda.Device().synchronize()
+        for _ in range(burst):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
     cupy.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    t = (time.perf_counter() - t0) / n
-    cupy.cuda.Device().synchronize()
-    return t * 1e6
+    return float(np.median(times)) * 1e6
 
 
 def _events_us(call, kind, n=50):
