@@ -188,19 +188,27 @@ def check_block_tables(block_tables, seq_lens, geometry, xp, *, batch=None, extr
     check_array("block_tables", block_tables, ndim=2, dtypes=np.int32, xp=xp, contiguous=False)
     check_index_layout("block_tables", block_tables)
     b = block_tables.shape[0] if batch is None else batch
-    check_array("block_tables", block_tables, shape=(b, None), contiguous=False)
+    if block_tables.shape[0] != b:
+        check_array("block_tables", block_tables, shape=(b, None), contiguous=False)
     check_array("seq_lens", seq_lens, shape=(b,), dtypes=np.int32, xp=xp)
     if not contents:
         return None, None
     bt, sl = host(block_tables), host(seq_lens)
-    check_range("seq_lens", sl, 0, np.iinfo(np.int32).max)
+    if not sl.size:
+        return bt, sl
     bs, max_blocks = geometry.block_size, bt.shape[1]
-    need = -(-(sl.astype(np.int64) + extra_tokens) // bs)
-    if (need > max_blocks).any():
+    # two reductions decide the common case (every length fits); the messages name the
+    # first bad sequence
+    lo, hi = int(sl.min()), int(sl.max())
+    if lo < 0:
+        check_range("seq_lens", sl, 0, np.iinfo(np.int32).max)
+    if -(-(hi + extra_tokens) // bs) > max_blocks:
+        need = -(-(sl.astype(np.int64) + extra_tokens) // bs)
         i = int(np.argmax(need > max_blocks))
         raise ValueError(f"seq_lens: sequence {i} needs {int(need[i])} blocks of {bs} for "
                          f"{int(sl[i]) + extra_tokens} tokens, but block_tables has {max_blocks} per sequence")
     if ids:
+        need = -(-(sl.astype(np.int64) + extra_tokens) // bs)
         used = np.arange(max_blocks)[None, :] < need[:, None]
         check_range("block_tables", np.where(used, bt, 0), 0, geometry.num_blocks)
     return bt, sl

@@ -290,7 +290,9 @@ class PagedDecoder:
         self._step = None
         self._planned_blocks = None  # num_blocks the device plan last checked against
         self._runs = CallCache()     # run signatures already checked against the plan
+        self._checked_for = None     # (module, batch, append, max block) of those checks
         self._device_steps = CallCache()  # device-planned steps by shape, on the buffers
+        self._geometries = CallCache()    # launch geometries by (device, batch)
 
     @accepts_dlpack
     def plan(self, block_tables, seq_lens, *, append=False, num_splits=None, schedule=None,
@@ -362,7 +364,10 @@ class PagedDecoder:
                                     merge, append)
         self._step = plan.Step(batch, bt, sl, bool(append), max_block, work, merge, device)
         self._planned_blocks = None
-        self._runs.clear()
+        checked = (xp, batch, bool(append), max_block)  # what runs are checked against
+        if checked != self._checked_for:
+            self._runs.clear()
+            self._checked_for = checked
         return self
 
     @property
@@ -388,8 +393,16 @@ class PagedDecoder:
         return 1 if step is None or step.work is None else step.work.max_pieces
 
     def _geometry(self, batch):
-        return current_geometry(self.dtype, self.head_dim, self.layout, self.block_size,
-                                 self.num_q_heads, self.num_kv_heads, self.backend, batch)
+        """The launch geometry of a ``batch``-sequence step on the current device (kept per
+        device and batch: plans look it up every step)."""
+        import cupy
+        key = (cupy.cuda.runtime.getDevice(), batch)
+        launch = self._geometries.get(key)
+        if launch is None:
+            launch = self._geometries.put(key, current_geometry(
+                self.dtype, self.head_dim, self.layout, self.block_size, self.num_q_heads,
+                self.num_kv_heads, self.backend, batch))
+        return launch
 
     def _buffers(self, launch, rows, width, part_rows):
         """The decoder's index, partial and counter buffers, grown to hold a plan of
