@@ -31,21 +31,25 @@ def _expr(dtype, head_dim, v_transposed, tile):
     return f"cupaged::prefill_mma_kernel<{ctype(dtype)}, {head_dim}, {vt}, {tile.cpp()}>"
 
 
-def _expr_wgmma(dtype, head_dim, tile):
-    """Template name of the sm_90a wgmma kernel."""
+def _expr_wgmma(dtype, head_dim, tile, v_transposed, general):
+    """Template name of the sm_90a wgmma kernel (``general``: the score epilogue path)."""
+    flags = ", ".join("true" if f else "false" for f in (v_transposed, general))
     return (f"cupaged::prefill_wgmma_kernel<{ctype(dtype)}, {head_dim}, {tile.block_n}, "
-            f"{tile.stages}>")
+            f"{tile.stages}, {flags}>")
 
 
 def kernel_specializations():
     """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for the
     vllm value layout) at the default tile of the head size, fp32 x head dims (one
-    CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x
-    (64, 128). The benchmark's other tiles compile on demand."""
+    CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x head
+    dims x (V rows, V^T) x (plain, general scores) at its tile. The benchmark's other
+    tiles compile on demand."""
     specs = [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt)))
              for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
-    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d)), hopper=True)
-              for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS]
+    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d), vt, general),
+                   hopper=True)
+              for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS
+              for vt in (False, True) for general in (False, True)]
     return (specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
             + [Spec("plan", PLAN_EXPR)])
 
@@ -84,12 +88,14 @@ def host_work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_tra
                            window_left=_window(opts))
 
 
-def _kernel(dtype, head_dim, v_transposed, tile, backend):
-    """(kernel, dynamic smem bytes, threads) of a launch."""
+def _kernel(dtype, head_dim, v_transposed, tile, backend, general=False):
+    """(kernel, dynamic smem bytes, threads) of a launch (``general``: the wgmma kernel's
+    score epilogue path, ``plan.general_scores``)."""
     tile = _tile(dtype, head_dim, v_transposed, backend, tile)
     if backend == "wgmma":
         smem = plan_.wgmma_smem_bytes(head_dim, tile)
-        return (launcher("prefill_sm90", _expr_wgmma(dtype, head_dim, tile), abi.PREFILL,
+        expr = _expr_wgmma(dtype, head_dim, tile, v_transposed, general)
+        return (launcher("prefill_sm90", expr, abi.PREFILL,
                          hopper=True, smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
     smem = plan_.smem_bytes(dtype, head_dim, v_transposed, tile)
     return (launcher("prefill", _expr(dtype, head_dim, v_transposed, tile), abi.PREFILL, smem=smem,
@@ -126,7 +132,8 @@ class Launches:
         self.dtype = q.dtype
         group = hq // num_kv_heads
         self.tile = _tile(q.dtype, d, v_transposed, backend, tile)
-        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend)
+        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend,
+                                                       plan_.general_scores(opts))
         paged = tables is not None
         self.plan = None
         if work is None:
