@@ -368,6 +368,27 @@ def test_prefiller_rejects_bad_plan_and_run(rng):
         pre.run(a["q"], a["k_cache"][:1], a["v_cache"][:1])
     with pytest.raises(TypeError, match="sinks"):
         pre.run(a["q"], a["k_cache"], a["v_cache"], sinks=np.zeros(4))
+    with pytest.raises(ValueError, match="planner"):
+        pre.plan(a["cu_seqlens_q"], a["block_tables"], a["seq_lens"], planner="gpu")
+    pre.plan(a["cu_seqlens_q"], a["block_tables"], a["seq_lens"], planner="device")
+    with pytest.raises(ValueError, match="q: expected at least 7 rows"):
+        pre.run(a["q"][:-1], a["k_cache"], a["v_cache"])
+    with pytest.raises(ValueError, match="max_batch"):
+        cupaged.PagedPrefiller(4, 2, 64, 4, layout="NHD", max_batch=0)
+
+
+def test_prefiller_device_planner_of_host_arrays_is_the_reference(rng):
+    """planner="device" on NumPy metadata: the same result, q may carry padding rows."""
+    a = _paged_args(rng)
+    pre = cupaged.PagedPrefiller(4, 2, 64, 4, dtype="float16", layout="NHD", max_batch=8,
+                                 max_blocks_per_seq=16)
+    want = pre.plan(a["cu_seqlens_q"], a["block_tables"], a["seq_lens"]).run(
+        a["q"], a["k_cache"], a["v_cache"])
+    q = np.concatenate([a["q"], _rand(rng, (3,) + a["q"].shape[1:], np.float16)])
+    got = pre.plan(a["cu_seqlens_q"], a["block_tables"], a["seq_lens"], planner="device").run(
+        q, a["k_cache"], a["v_cache"])
+    np.testing.assert_array_equal(got[:len(want)], want)
+    assert (got[len(want):] == 0).all()
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -555,6 +576,80 @@ def test_gpu_prefiller_plan_run_reuse(cp, rng):
             assert_close(got, want, bfloat16)
             q = _rand(rng, q.shape, bfloat16)
             want = ref.paged_prefill(q, kc, vc, cu_q, bt, sl, window_left=200, layout="HND")
+
+
+GRAPH_Q_LENS = ([1, 300, 17, 64], [250, 1, 131])  # equal token and item counts, batch 4 then 3
+GRAPH_KV_LENS = ([1000, 300, 40, 64], [250, 2048, 700])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "mma"])
+@pytest.mark.parametrize("planner", ["device arrays", "host arrays, device planner", "host plan"])
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_gpu_prefiller_graph_replays_after_replan(cp, rng, layout, planner, backend):
+    """plan, run, capture run in a CUDA graph, plan again with other lengths, a smaller batch
+    and narrower tables, replay: the reference of the new plan (padding rows of a device
+    plan zero); then a plain run and a second capture of the new plan."""
+    hq, hk, d, bs = 8, 2, 128, 16
+    q_lens, kv_lens = np.concatenate(GRAPH_Q_LENS), np.concatenate(GRAPH_KV_LENS)
+    q_all, k, v, cu_all, cu_k = ragged(rng, q_lens, kv_lens, hq, hk, d, bfloat16)
+    kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, bs)
+    kc_dev, vc_dev = cp.asarray(kc), cp.asarray(vc)
+    device_plan = planner != "host plan"
+    rows = int(cu_all[4]) + (37 if device_plan else 0)  # a device plan takes spare rows
+    steps = []
+    for seqs in (slice(0, 4), slice(4, 7)):
+        cu = (cu_all[seqs.start:seqs.stop + 1] - cu_all[seqs.start]).astype(np.int32)
+        tables = bt[seqs][:, :int(-(-sl[seqs] // bs).max()) + 1].copy()
+        q = q_all[cu_all[seqs.start]:cu_all[seqs.stop]]
+        q = np.concatenate([q, _rand(rng, (rows - len(q), hq, d), bfloat16)])
+        want, want_lse = ref.paged_prefill(q, kc, vc, cu, tables, sl[seqs], layout=layout,
+                                           return_lse=True)
+        meta = (cu, tables, sl[seqs].copy())
+        steps.append((tuple(cp.asarray(a) for a in meta) if planner == "device arrays" else meta,
+                      q, want, want_lse))
+    assert steps[1][2].shape[0] == rows
+    pre = cupaged.PagedPrefiller(hq, hk, d, bs, dtype=bfloat16, layout=layout, backend=backend)
+    kwargs = dict(planner="device") if planner == "host arrays, device planner" else {}
+    q_buf = cp.empty((rows, hq, d), bfloat16)
+    out = cp.empty((rows, hq, d), bfloat16)
+    lse = cp.empty((rows, hq), np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def check(q, want, want_lse):
+        stream.synchronize()
+        assert_close(out.get(), want, bfloat16)
+        assert_lse(lse.get(), want_lse)
+
+    cp.cuda.Device().synchronize()
+    with stream:
+        meta, q, want, want_lse = steps[0]
+        pre.plan(*meta, **kwargs)
+        q_buf.set(q)
+        pre.run(q_buf, kc_dev, vc_dev, out=out, lse=lse)  # sets the run up outside the capture
+        out.fill(np.nan)
+        lse.fill(np.nan)
+        stream.begin_capture()
+        pre.run(q_buf, kc_dev, vc_dev, out=out, lse=lse)
+        graph = stream.end_capture()
+        graph.launch()
+        check(q, want, want_lse)
+        for _ in range(2):
+            meta, q, want, want_lse = steps[1]
+            pre.plan(*meta, **kwargs)
+            q_buf.set(q)
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            graph.launch()
+            check(q, want, want_lse)
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            pre.run(q_buf, kc_dev, vc_dev, out=out, lse=lse)
+            check(q, want, want_lse)
+            out.fill(np.nan)
+            stream.begin_capture()
+            pre.run(q_buf, kc_dev, vc_dev, out=out, lse=lse)
+            graph = stream.end_capture()
 
 
 @pytest.mark.gpu

@@ -113,7 +113,8 @@ def work_capacity(total_q, batch, group, num_kv_heads, block_m):
 class Launches:
     """The launches of one prefill call shape, their fixed arguments packed once: the plan
     kernel (device work lists: checks, padding rows zeroed, items written into per-stream
-    scratch, the list sized by :func:`work_capacity`) and the prefill kernel.
+    scratch, the list sized by :func:`work_capacity`, or into ``owned`` buffers) and the
+    prefill kernel, one CTA per work item of the list's capacity.
     ``__call__`` gives the arrays. With ``work`` (a host list) the plan kernel is left out.
 
     Parameters
@@ -123,11 +124,16 @@ class Launches:
     tables : array or None
         Block tables (paged) or None (ragged K/V).
     strides : cupaged.core.layouts.CacheStrides
+    owned : tuple of arrays, optional
+        ``(work, plan scratch, done counter)``: int32 device buffers of the caller (a
+        :class:`PagedPrefiller`'s, at fixed addresses) for the plan kernel: ``[capacity, 4]``
+        (at least :func:`work_capacity`), ``1 + 2 * batch`` and 1 elements, the last two
+        zero when first used.
     """
 
     def __init__(self, q, batch, tables, block_size, num_blocks, total_k, num_kv_heads,
                  strides, opts, causal, v_transposed, backend, tile=None, work=None,
-                 name="prefill"):
+                 name="prefill", owned=None):
         total_q, hq, d = q.shape
         self.dtype = q.dtype
         group = hq // num_kv_heads
@@ -137,13 +143,17 @@ class Launches:
         paged = tables is not None
         self.plan = None
         if work is None:
-            capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
-            work = scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4)
-            plan_scratch = scratch(f"{name}.plan", 1 + 2 * batch, zero=True)
+            if owned is None:
+                capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
+                owned = (scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4),
+                         scratch(f"{name}.plan", 1 + 2 * batch, zero=True),
+                         scratch(f"{name}.done", 1, zero=True))
+            work, plan_scratch, done = owned
+            capacity = work.shape[0]
             self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN).at(
                 min(max(batch, 1), PLAN_CTAS), 512), abi.PREFILL_PLAN.bind(
                 work=ptr(work), scratch=ptr(plan_scratch),
-                done=ptr(scratch(f"{name}.done", 1, zero=True)), err=ptr(errors.error_word()),
+                done=ptr(done), err=ptr(errors.error_word()),
                 row_bytes=hq * d * q.itemsize, batch=batch, total_q=total_q, total_k=total_k,
                 paged=int(paged), width=tables.shape[1] if paged else 0,
                 bt_stride=table_stride(tables), block_size=block_size, num_blocks=num_blocks,
