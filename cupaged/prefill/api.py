@@ -10,10 +10,11 @@ host work once per batch step (``plan``) and only launches per layer (``run``).
 NumPy inputs run ``cupaged.reference.attention``; CuPy inputs run ``kernels_cu/prefill.cu``:
 fp16/bf16 on tensor cores (mma.sync m16n8k16, FlashAttention-2 style), fp32 on a simple
 CUDA-core path (correct, not tuned). ``backend="wgmma"`` runs ``kernels_cu/prefill_sm90.cu``
-instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, head sizes 64/128, no soft-cap or
-ALiBi, not the vllm layout); ``"auto"`` picks it where it applies when
-its layout is in ``prefill_plan.WGMMA_AUTO``, else the mma.sync kernel. Kernel choice,
-argument records and launches live in ``cupaged.prefill.launch``.
+instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, every head size, layout and score
+option); ``"auto"`` picks it on sm_90 for fp16/bf16 when the layout is in
+``prefill.plan.WGMMA_AUTO`` (all but HND), else the mma.sync kernel (docs/prefill.md,
+"Kernel choice"). Kernel choice, argument records and launches live in
+``cupaged.prefill.launch``.
 """
 from __future__ import annotations
 
@@ -117,10 +118,10 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         Also return the float32 natural-log LSE ``[total_q, num_q_heads]`` (with the sink).
     backend : {"auto", "mma", "wgmma"}
         Kernel family for CuPy inputs: "mma" the mma.sync kernel (any GPU); "wgmma" the
-        Hopper warpgroup-MMA kernel (sm_90 only; fp16/bf16, head_dim 64 or 128, no
-        logits_soft_cap or alibi_slopes, positive sm_scale; ValueError otherwise); "auto"
-        the wgmma kernel where it applies on sm_90 for the layouts in
-        ``prefill_plan.WGMMA_AUTO`` (measured faster: ragged K/V), else "mma".
+        Hopper warpgroup-MMA kernel (sm_90 only; fp16/bf16, every head size, layout and
+        option; ValueError for float32 or another GPU); "auto" the wgmma kernel on sm_90
+        for fp16/bf16 and the layouts in ``prefill.plan.WGMMA_AUTO`` (ragged K/V, NHD and
+        vllm caches; HND stays on mma.sync, docs/prefill.md), else "mma".
     validate : bool, optional
         Check device prefix sums on the host first (strict mode; default
         ``CUPAGED_STRICT``); otherwise the plan kernel checks them on the device (see
@@ -244,7 +245,8 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     seq_lens : array
         int32 ``[batch_size]`` key counts including the new tokens.
     causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, out, return_lse, backend
-        As in :func:`varlen_prefill` ("wgmma": NHD and HND layouts).
+        As in :func:`varlen_prefill` ("wgmma": every layout; "auto" leaves HND on
+        mma.sync).
     validate : bool, optional
         As in :func:`varlen_prefill`, for the prefix sums, lengths and block tables (a bad
         length or block id gives its sequence's rows as zeros).
