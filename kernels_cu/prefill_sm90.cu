@@ -161,9 +161,9 @@ __device__ __forceinline__ void load_q(const Problem<T>& P, const WorkItem& it, 
 
 // Issue S = Q K^T over one K tile for the warpgroup's 64 rows (raw dots) as one batch;
 // k-step kk reads 16 columns 32 * kk / W column blocks in (W = C::SW).
-template <typename T, int D, int BN, typename C>
-__device__ __forceinline__ void qk(float (&s)[BN / 2], u32 sQg, u32 sK) {
-  constexpr int W = C::SW;
+template <typename T, typename C>
+__device__ __forceinline__ void qk(float (&s)[C::KEYS / 2], u32 sQg, u32 sK) {
+  constexpr int D = C::HEAD, BN = C::KEYS, W = C::SW;
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
@@ -177,13 +177,14 @@ __device__ __forceinline__ void qk(float (&s)[BN / 2], u32 sQg, u32 sK) {
 
 // Issue O += P V over one V tile (P as A fragments) as one batch: V [keys][D] MN-major, or
 // (V_T) V^T [D][keys] K-major.
-template <typename T, int D, int BN, typename C, bool V_T>
-__device__ __forceinline__ void pv(float (&o)[D / 2], const u32 (&pf)[BN / 16][4], u32 sV) {
+template <typename T, typename C>
+__device__ __forceinline__ void pv(float (&o)[C::HEAD / 2], const u32 (&pf)[C::KEYS / 16][4], u32 sV) {
+  constexpr int D = C::HEAD, BN = C::KEYS;
   fence_operands(o);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) {
-    if constexpr (V_T) {
+    if constexpr (C::TRANSPOSED_V) {
       constexpr int W = C::SWT;
       const u32 at = sV + (32 * kk / W) * (D * W) + 32 * kk % W;
       WgmmaRS<T, D>::template run<0>(o, pf[kk], descriptor<W>(at, 16, 8 * W), 1);
@@ -356,13 +357,13 @@ __device__ __forceinline__ void loop_simple(const Problem<T>& P, Pp& pipe, const
     if (rw.gk.sees(n * BN, BN)) {  // uniform over the warpgroup
       float s[BN / 2], alpha[2];
       u32 pf[BN / 16][4];
-      qk<T, D, BN, C>(s, sQg, pipe.k_tile(stage));
+      qk<T, C>(s, sQg, pipe.k_tile(stage));
       wgmma_wait<0>();
       fence_operands(s);
       rw.template scores<C>(s, n * BN);
       softmax<T, BN>(s, m, l, pf, alpha, rw.sc);
       rescale<D>(o, alpha);
-      pv<T, D, BN, C, C::TRANSPOSED_V>(o, pf, pipe.v_tile(stage));
+      pv<T, C>(o, pf, pipe.v_tile(stage));
       wgmma_wait<0>();
       fence_operands(o);
     }
@@ -382,7 +383,7 @@ __device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, cons
   float s[BN / 2], alpha[2];
   u32 pf[BN / 16][4];
   pipe.advance(P, n_last, 0);
-  qk<T, D, BN, C>(s, sQg, pipe.k_tile(0));
+  qk<T, C>(s, sQg, pipe.k_tile(0));
   wgmma_wait<0>();
   fence_operands(s);
   rw.template scores<C>(s, n_last * BN);
@@ -391,8 +392,8 @@ __device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, cons
   for (int n = n_last - 1; n >= pipe.n_first; --n) {
     const int stage = prev + 1 == STAGES ? 0 : prev + 1;
     pipe.advance(P, n, stage);
-    qk<T, D, BN, C>(s, sQg, pipe.k_tile(stage));
-    pv<T, D, BN, C, C::TRANSPOSED_V>(o, pf, pipe.v_tile(prev));
+    qk<T, C>(s, sQg, pipe.k_tile(stage));
+    pv<T, C>(o, pf, pipe.v_tile(prev));
     wgmma_wait<1>();  // S of tile n done; P V of tile n + 1 may still run
     fence_operands(s);
     rw.template scores<C>(s, n * BN);
@@ -406,7 +407,7 @@ __device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, cons
       for (int x = 0; x < 4; ++x) pf[kk][x] = pn[kk][x];
     prev = stage;
   }
-  pv<T, D, BN, C, C::TRANSPOSED_V>(o, pf, pipe.v_tile(prev));
+  pv<T, C>(o, pf, pipe.v_tile(prev));
   drain<D>(o, pf);
 }
 

@@ -600,7 +600,9 @@ def test_gpu_prefiller_graph_replays_after_replan(cp, rng, layout, planner, back
     steps = []
     for seqs in (slice(0, 4), slice(4, 7)):
         cu = (cu_all[seqs.start:seqs.stop + 1] - cu_all[seqs.start]).astype(np.int32)
-        tables = bt[seqs][:, :int(-(-sl[seqs] // bs).max()) + 1].copy()
+        # the first plan's tables as wide as any (the buffers' capacity), the second's narrower
+        width = bt.shape[1] if seqs.start == 0 else int(-(-sl[seqs] // bs).max())
+        tables = bt[seqs][:, :width].copy()
         q = q_all[cu_all[seqs.start]:cu_all[seqs.stop]]
         q = np.concatenate([q, _rand(rng, (rows - len(q), hq, d), bfloat16)])
         want, want_lse = ref.paged_prefill(q, kc, vc, cu, tables, sl[seqs], layout=layout,
@@ -634,9 +636,11 @@ def test_gpu_prefiller_graph_replays_after_replan(cp, rng, layout, planner, back
         graph = stream.end_capture()
         graph.launch()
         check(q, want, want_lse)
+        buffers = [pre._buffers[name].data.ptr for name in ("meta", "work")]
         for _ in range(2):
             meta, q, want, want_lse = steps[1]
             pre.plan(*meta, **kwargs)
+            assert [pre._buffers[name].data.ptr for name in ("meta", "work")] == buffers
             q_buf.set(q)
             out.fill(np.nan)
             lse.fill(np.nan)
