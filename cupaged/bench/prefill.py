@@ -19,6 +19,9 @@ Rows (bf16, H 32 query and kv heads):
   16 with shuffled blocks; ``vs_ragged`` is its speed relative to the ragged row (goal >= 0.9).
 - ``sweep``: default tile, S 512 .. 32K (batch chosen so each row has 16K-32K tokens).
 - ``mixed``: one ragged batch of very different lengths (1 .. 16K).
+- ``mixed decode + chunk``: issue 20's batch of 63 decode rows at 8K and a 2K-token chunk
+  through one ``paged_attention``, beside ``paged_decode`` + ``paged_prefill`` on its parts
+  (``vs_split`` >= 1 is the goal).
 
 Causal flops count the visible (query, key) pairs: 2 * B * H * S * S * D for equal lengths.
 ``ms`` times the kernel launch alone (work list built once); ``public_ms`` the public call
@@ -257,6 +260,48 @@ def bench_wgmma_scores(inputs, causal):
     return rows
 
 
+def bench_mixed_decode(decode_rows=63, context=8192, chunk=2048):
+    """Issue 20's mixed batch: ``decode_rows`` decode rows of ``context`` keys and one
+    prefill chunk of ``chunk`` new tokens (Hq 32, Hk 8, d128 bf16, NHD page 16) through one
+    ``paged_attention`` call, beside ``paged_decode`` on the decode rows plus
+    ``paged_prefill`` on the chunk (``vs_split``: the split pair's time over the mixed
+    call's; goal >= 1). ``checked``: both give the same rows."""
+    import cupy
+    import cupaged
+    hq, hk, d, bs = 32, 8, 128, 16
+    lens = np.array([context] * decode_rows + [chunk], np.int32)
+    need = -(-lens // bs)
+    ids = np.random.default_rng(2).permutation(int(need.sum())).astype(np.int32)
+    tables = np.full((len(lens), int(need.max())), -1, np.int32)
+    for b, first in enumerate(np.cumsum(need) - need):
+        tables[b, :need[b]] = ids[first:first + need[b]]
+    kc = _random((int(need.sum()), bs, hk, d), 3)
+    vc = _random((int(need.sum()), bs, hk, d), 4)
+    q = _random((decode_rows + chunk, hq, d), 5)
+    cu = cupy.asarray(np.concatenate([np.arange(decode_rows + 1), [decode_rows + chunk]]).astype(np.int32))
+    bt, sl = cupy.asarray(tables), cupy.asarray(lens)
+    dec_bt, dec_sl, pre_bt, pre_sl = bt[:decode_rows], sl[:decode_rows], bt[decode_rows:], sl[decode_rows:]
+    pre_cu = cupy.asarray(np.array([0, chunk], np.int32))
+
+    def mixed():
+        return cupaged.paged_attention(q, kc, vc, cu, bt, sl, layout="NHD")
+
+    def split():
+        return (cupaged.paged_decode(q[:decode_rows], kc, vc, dec_bt, dec_sl, layout="NHD"),
+                cupaged.paged_prefill(q[decode_rows:], kc, vc, pre_cu, pre_bt, pre_sl, layout="NHD"))
+
+    got = _bf16_as_f32(mixed())
+    dec, pre = split()
+    want = cupy.concatenate([_bf16_as_f32(dec), _bf16_as_f32(pre)])
+    ok = float(cupy.linalg.norm(got - want)) <= 1e-2 * float(cupy.linalg.norm(want))
+    t_mixed, t_split = time_gpu(mixed), time_gpu(split)
+    shape = f"{decode_rows} x L{context} + chunk {chunk}, Hq{hq} Hk{hk} d{d} page {bs}"
+    return [dict(op="paged_attention", variant="mixed decode + chunk", shape=shape,
+                 ms=t_mixed * 1e3, vs_split=t_split / t_mixed, checked=ok),
+            dict(op="decode + prefill", variant="split pair", shape=shape, ms=t_split * 1e3,
+                 checked=ok)]
+
+
 def bench_tiles(q_lens, head_dim, causal, tiles, label="tiles", peers=True, public=True):
     """One row per tile shape (the first is the reference for ``vs_default``); peers on the first."""
     from ..prefill import api as prefill
@@ -322,12 +367,14 @@ def run(quick=False):
         rows += r + bench_wgmma(inputs, True) + (bench_paged(inputs, True) if s == 2048 else [])
     mixed = [16384, 1, 700, 5000, 33, 3000, 128, 9000, 1, 250] if not quick else [4096, 1, 700, 33]
     r, inputs = bench_tiles(mixed, 128, True, VARIANTS[128][:1], "mixed", peers=False)
-    return rows + r + bench_wgmma(inputs, True)
+    rows += r + bench_wgmma(inputs, True)
+    del inputs
+    return rows + bench_mixed_decode()
 
 
 COLUMNS = ["op", "variant", "tile", "shape", "ms", "public_ms", "TFLOPs", "flash_TFLOPs",
-           "cudnn_TFLOPs", "vs_flash", "vs_cudnn", "vs_default", "vs_ragged", "regs", "local_B",
-           "checked"]
+           "cudnn_TFLOPs", "vs_flash", "vs_cudnn", "vs_default", "vs_ragged", "vs_split", "regs",
+           "local_B", "checked"]
 
 
 def main(argv=None):
