@@ -115,9 +115,11 @@ struct KVRows {
     if constexpr (V_T) load_vt(P, j0, blk[RPT], sV);
   }
   // V^T tile of keys [j0, j0 + BN) from the vllm value layout (paged; keys contiguous:
-  // v_tok 1, v_dim the block size) -> sV, swizzled [D][BN]: thread tid copies keys j0 + 8 (tid % KC) .. + 7 of
-  // dims tid / KC + (THREADS / KC) i, one 16-byte cp.async each (keys past kv_len
-  // zero-filled) when 8 keys never straddle a block, else element by element.
+  // v_tok 1, v_dim the block size) -> sV, swizzled [D][BN]: thread tid copies keys
+  // j0 + 8 (tid % KC) .. + 7 of dims tid / KC + (THREADS / KC) i, one 16-byte cp.async
+  // each (keys past kv_len zero-filled) when 8 keys never straddle a block (block sizes a
+  // multiple of 8), else element by element (st.shared; the fence before the next barrier
+  // orders them for wgmma as it does the copies).
   __device__ __forceinline__ void load_vt(const Problem<T>& P, int j0, int vblk, u32 sV) const {
     constexpr int D = C::CH * 8, D_STEP = C::THREADS / KC;
     const int kc = threadIdx.x % KC, d0 = threadIdx.x / KC, j = j0 + 8 * kc;
