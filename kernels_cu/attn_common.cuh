@@ -16,8 +16,7 @@ namespace cupaged {
 // Position of a row past a tile's rows (sees no key).
 constexpr int NO_ROW = -2147483647 - 1;
 
-// Arguments of both prefill kernels: Problem<T> (abi.cuh, packed by prefill.py). The wgmma
-// kernel never gets ALiBi or a soft-cap (alibi null, soft_cap 0).
+// Arguments of both prefill kernels: Problem<T> (abi.cuh, packed by prefill/launch.py).
 
 // The sequence, kv head and packed rows of one work item, and where its keys live (ragged:
 // rows kv_start.., table null; paged: the sequence's block-table row). An item flagged

@@ -3,41 +3,50 @@
 // Same problem, work list and arguments as kernels_cu/prefill.cu (see there): one CTA per
 // work item (sequence b, kv head hk, first packed row row0) of 128 packed rows, packed row r
 // being query r / group of head hk * group + r % group; query i sits at
-// p = kv_len - q_len + i and sees keys [lo, hi) (window_left, causal). This kernel covers
-// the plain score path (positive sm_scale, no soft-cap, no ALiBi; sinks and LSE included)
-// for fp16/bf16, head sizes 64 and 128, and K/V rows of 16-byte chunks (ragged, NHD, HND;
-// not the vllm value layout): the host sends everything else to the mma.sync kernel.
+// p = kv_len - q_len + i and sees keys [lo, hi) (window_left, causal). fp16/bf16, head sizes
+// 64, 80, 96, 112, 128 and 256, ragged K/V and the NHD, HND and vllm caches (V_T: the vllm
+// value layout, keys contiguous per dim), sinks and LSE; GENERAL scores (soft-cap, ALiBi or
+// a non-positive sm_scale) go through the score epilogue of score.cuh first, the plain ones
+// stay raw dot products with the scale folded into the exponential.
 //
 // Two warpgroups each own 64 of the CTA's rows. Per K/V tile of BN keys, a warpgroup runs
-// S = Q K^T (wgmma, A = Q and B = K from 128-byte-swizzled shared memory, both K-major),
-// the online softmax on the fp32 accumulators (exp2 with one FFMA), converts P in
-// registers to A fragments and runs O += P V (wgmma, B = V [keys][d] in shared memory,
-// MN-major). All 256 threads load K/V tiles with cp.async into STAGES buffers, one tile
+// S = Q K^T (wgmma, A = Q and B = K from swizzled shared memory, both K-major), the online
+// softmax on the fp32 accumulators (exp2 with one FFMA), converts P in registers to A
+// fragments and runs O += P V (wgmma, B = V [keys][d], MN-major, or V^T [d][keys],
+// K-major). All 256 threads load K/V tiles with cp.async into STAGES buffers, one tile
 // ahead of the math (a paged cache's block-table entries one tile further ahead: one
 // lookup per row and tile, shifts for power-of-two block sizes); tiles run from the last
-// visible one down (masked tiles first). With
-// three buffers the P V batch of a tile runs during the softmax of the next one (FA3's
-// intra-warpgroup overlap; loop_overlap), with two each batch is waited for (loop_simple).
+// visible one down (masked tiles first). With three buffers the P V batch of a tile runs
+// during the softmax of the next one (FA3's intra-warpgroup overlap; loop_overlap), with two
+// each batch is waited for (loop_simple).
 #include "attn_common.cuh"
+#include "score.cuh"
 #include "wgmma.cuh"
 
 namespace cupaged {
 namespace sm90 {
 
-// Sizes of one configuration: 2 warpgroups x 64 rows, BN-key K/V tiles, STAGES buffers.
-template <typename T, int D, int BN, int STAGES>
+// One configuration: 2 warpgroups x 64 rows, BN-key K/V tiles, STAGES buffers, V^T tiles
+// (V_T), the general score path (GENERAL). Q, K and V rows are swizzled SW bytes wide
+// (D * 2 bytes a row: 128 for d64/d128/d256, 64 for d96, 32 for d80/d112), V^T rows SWT
+// bytes (BN * 2 bytes a row).
+template <typename T, int D, int BN, int STAGES, bool V_T, bool GENERAL>
 struct Config {
-  static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "fp16/bf16, head size 64 or 128");
-  static_assert(BN % 16 == 0 && BN <= 128 && (STAGES == 2 || STAGES == 3), "tile shape");
-  static constexpr int THREADS = 256, BLOCK_M = 128;
+  static_assert(sizeof(T) == 2 && D % 16 == 0 && D >= 64 && D <= 256, "fp16/bf16, head size 64..256");
+  static_assert(BN % 64 == 0 && BN <= 128 && (STAGES == 2 || STAGES == 3), "tile shape");
+  static constexpr int THREADS = 256, BLOCK_M = 128, HEAD = D, KEYS = BN, BUFFERS = STAGES;
+  static constexpr bool TRANSPOSED_V = V_T, GENERAL_SCORES = GENERAL;
   // three buffers: the P V batch of tile n + 1 runs during the softmax of tile n
   static constexpr bool OVERLAP = STAGES >= 3;
-  static constexpr int CH = D / 8;                 // 16-byte chunks per row
-  static constexpr int ROW_STEP = THREADS / CH;    // rows per load pass
+  static constexpr int SW = swizzle_bytes(2 * D), SWT = swizzle_bytes(2 * BN);
+  static constexpr int CH = D / 8;                                  // 16-byte chunks per row
+  static constexpr int CL = CH <= 8 ? 8 : CH <= 16 ? 16 : 32;       // threads per row in loads
+  static constexpr int ROW_STEP = THREADS / CL;                     // rows per load pass
   static constexpr u32 Q_BYTES = BLOCK_M * D * 2;  // multiples of 1024: tiles stay aligned
   static constexpr u32 KV_BYTES = BN * D * 2;
   static constexpr u32 SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + 1024;  // + alignment slack
   static_assert(BN % ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0, "whole load passes");
+  static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "aligned tiles");
 };
 
 // a * b for non-negative 32-bit values as one 32 x 32 -> 64-bit multiply
@@ -46,52 +55,94 @@ __device__ __forceinline__ i64 wide(u32 a, u32 b) { return (i64)((u64)a * b); }
 // Where the K/V rows of an item come from: the kv head's bases (ragged rows: the
 // sequence's first key folded in), its block-table row (null: ragged), the key count and
 // log2 of a power-of-two block size (-1: any other). Thread tid copies 16-byte chunk
-// tid % CH of tile rows tid / CH + ROW_STEP * i (i < RPT): one key lookup per row and tile
-// serves K and V; rows past kv_len are zero-filled (their lookup clamped to the last key).
-template <typename T, typename C, int BN>
+// tid % CL (< CH) of tile rows tid / CL + ROW_STEP * i (i < RPT): one key lookup per row and
+// tile serves K and V; rows past kv_len are zero-filled (their lookup clamped to the last
+// key). V_T: V^T tiles instead (load_vt).
+template <typename T, typename C, int BN, bool V_T>
 struct KVRows {
   static constexpr int RPT = BN / C::ROW_STEP;  // rows per thread and tile
+  static constexpr int KC = BN / 8;             // V^T: 8-key chunks per dim
   const T* kb;
   const T* vb;
   const int* table;
   int kv_len, bs_shift;
 
   __device__ __forceinline__ int key(int j0, int i) const {
-    return min(j0 + (int)threadIdx.x / C::CH + i * C::ROW_STEP, kv_len - 1);
+    return min(j0 + (int)threadIdx.x / C::CL + i * C::ROW_STEP, kv_len - 1);
   }
-  // Block-table entries of the thread's rows of the tile at key j0, all reads issued
-  // together (used at the next `issue`, so their latency hides behind a tile of math).
-  __device__ __forceinline__ void lookup(const Problem<T>& P, int j0, int (&blk)[RPT]) const {
+  // V^T: the first of the thread's 8 keys j0 + 8 (tid % KC) .. (+ 7), clamped to the chunk
+  // of the last key (so that its in-block offset stays a multiple of 8)
+  __device__ __forceinline__ int vt_key(int j0) const {
+    return min(j0 + 8 * ((int)threadIdx.x % KC), (kv_len - 1) & ~7);
+  }
+  __device__ __forceinline__ int block_of(const Problem<T>& P, int j) const {
+    return __ldg(table + (bs_shift >= 0 ? j >> bs_shift : j / P.block_size));
+  }
+  __device__ __forceinline__ int offset_in_block(const Problem<T>& P, int j) const {
+    return bs_shift >= 0 ? j & (P.block_size - 1) : j % P.block_size;
+  }
+  // Block-table entries of the thread's rows of the tile at key j0 (and, V_T with block
+  // sizes a multiple of 8, of its V^T chunk: vblk), all reads issued together (used at the
+  // next `issue`, so their latency hides behind a tile of math).
+  __device__ __forceinline__ void lookup(const Problem<T>& P, int j0, int (&blk)[RPT + V_T]) const {
     if (table == nullptr) return;
-    if (bs_shift >= 0) {
 #pragma unroll
-      for (int i = 0; i < RPT; ++i) blk[i] = __ldg(table + (key(j0, i) >> bs_shift));
-    } else {
-#pragma unroll
-      for (int i = 0; i < RPT; ++i) blk[i] = __ldg(table + key(j0, i) / P.block_size);
-    }
+    for (int i = 0; i < RPT; ++i) blk[i] = block_of(P, key(j0, i));
+    if (V_T && (P.block_size & 7) == 0) blk[RPT] = block_of(P, vt_key(j0));
   }
-  // cp.async of the tile at key j0 -> sK, sV (swizzled [BN][D]) from the entries `lookup`
-  // gave. Block and token strides fit in 32 bits (the host checks): 32 x 32 -> 64-bit
-  // multiplies; the row offset in a block is a mask for power-of-two block sizes.
-  __device__ __forceinline__ void issue(const Problem<T>& P, int j0, const int (&blk)[RPT], u32 sK, u32 sV) const {
-    const int c = threadIdx.x % C::CH, r0 = threadIdx.x / C::CH;
-    const T* kc = kb + c * (int)P.k_chunk;
-    const T* vc = vb + c * 8 * (int)P.v_dim;
+  // cp.async of the tile at key j0 -> sK, sV (swizzled [BN][D]; V_T: sV [D][BN]) from the
+  // entries `lookup` gave. Block and token strides fit in 32 bits (the host checks): 32 x
+  // 32 -> 64-bit multiplies; the row offset in a block is a mask for power-of-two block sizes.
+  __device__ __forceinline__ void issue(const Problem<T>& P, int j0, const int (&blk)[RPT + V_T], u32 sK, u32 sV) const {
+    const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
+    if (C::CL == C::CH || c < C::CH) {
+      const T* kc = kb + c * (int)P.k_chunk;
+      const T* vc = vb + c * 8 * (int)P.v_dim;
 #pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-      const int r = r0 + i * C::ROW_STEP, jc = key(j0, i);
-      int b = 0, off = jc;
-      if (table != nullptr) {
-        b = blk[i];
-        off = bs_shift >= 0 ? jc & (P.block_size - 1) : jc % P.block_size;
+      for (int i = 0; i < RPT; ++i) {
+        const int r = r0 + i * C::ROW_STEP, jc = key(j0, i);
+        int b = 0, off = jc;
+        if (table != nullptr) {
+          b = blk[i];
+          off = offset_in_block(P, jc);
+        }
+        const u32 at = swizzled<BN, C::SW>(r, c);
+        const int bytes = j0 + r < kv_len ? 16 : 0;
+        cp_async16(sK + at, kc + wide(b, (u32)P.k_block) + wide(off, (u32)P.k_tok), bytes);
+        if (!V_T) cp_async16(sV + at, vc + wide(b, (u32)P.v_block) + wide(off, (u32)P.v_tok), bytes);
       }
-      const i64 k_off = wide(b, (u32)P.k_block) + wide(off, (u32)P.k_tok);
-      const i64 v_off = wide(b, (u32)P.v_block) + wide(off, (u32)P.v_tok);
-      const u32 at = swizzled<BN>(r, c);
-      const int bytes = j0 + r < kv_len ? 16 : 0;
-      cp_async16(sK + at, kc + k_off, bytes);
-      cp_async16(sV + at, vc + v_off, bytes);
+    }
+    if constexpr (V_T) load_vt(P, j0, blk[RPT], sV);
+  }
+  // V^T tile of keys [j0, j0 + BN) from the vllm value layout (paged; keys contiguous:
+  // v_tok 1, v_dim the block size) -> sV, swizzled [D][BN]: thread tid copies keys
+  // j0 + 8 (tid % KC) .. + 7 of dims tid / KC + (THREADS / KC) i, one 16-byte cp.async
+  // each (keys past kv_len zero-filled) when 8 keys never straddle a block (block sizes a
+  // multiple of 8), else element by element (st.shared; the fence before the next barrier
+  // orders them for wgmma as it does the copies).
+  __device__ __forceinline__ void load_vt(const Problem<T>& P, int j0, int vblk, u32 sV) const {
+    constexpr int D = C::CH * 8, D_STEP = C::THREADS / KC;
+    const int kc = threadIdx.x % KC, d0 = threadIdx.x / KC, j = j0 + 8 * kc;
+    const int valid = max(0, min(8, kv_len - j));
+    if ((P.block_size & 7) == 0) {
+      const int jc = vt_key(j0);
+      const T* src = vb + wide(vblk, (u32)P.v_block) + wide(offset_in_block(P, jc), (u32)P.v_tok);
+#pragma unroll
+      for (int i = 0; i < (D + D_STEP - 1) / D_STEP; ++i) {
+        const int d = d0 + i * D_STEP;
+        if (D % D_STEP == 0 || d < D)
+          cp_async16(sV + swizzled<D, C::SWT>(d, kc), src + wide(d, (u32)P.v_dim), 2 * valid);
+      }
+    } else {
+      for (int e = 0; e < 8; ++e) {
+        const T* src = vb;
+        if (e < valid) src += wide(block_of(P, j + e), (u32)P.v_block) + wide(offset_in_block(P, j + e), (u32)P.v_tok);
+        for (int d = d0; d < D; d += D_STEP) {
+          const T x = e < valid ? src[wide(d, (u32)P.v_dim)] : from_float<T>(0.f);
+          asm volatile("st.shared.b16 [%0], %1;\n" :: "r"(sV + swizzled<D, C::SWT>(d, kc) + 2 * e),
+                       "h"(*reinterpret_cast<const unsigned short*>(&x)) : "memory");
+        }
+      }
     }
   }
 };
@@ -99,39 +150,51 @@ struct KVRows {
 // Q tile: packed rows [0, rows) of the item -> sQ (swizzled [128][D]); the rest zero-filled.
 template <typename T, int D, typename C>
 __device__ __forceinline__ void load_q(const Problem<T>& P, const WorkItem& it, u32 sQ) {
-  const int c = threadIdx.x % C::CH, r0 = threadIdx.x / C::CH;
+  const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
+  if (C::CL != C::CH && c >= C::CH) return;
 #pragma unroll
   for (int i = 0; i < C::BLOCK_M / C::ROW_STEP; ++i) {
     const int r = r0 + i * C::ROW_STEP;
-    const u32 dst = sQ + swizzled<C::BLOCK_M>(r, c);
+    const u32 dst = sQ + swizzled<C::BLOCK_M, C::SW>(r, c);
     if (r < it.rows) cp_async16(dst, P.q + it.token_row(r) * P.q_tok + (i64)it.head(r) * D + c * 8);
     else cp_async16(dst, P.q, 0);
   }
 }
 
-// Keys [lo, hi) some / every valid row of one warpgroup sees (all empty without rows).
-// Issue S = Q K^T over one K tile for the warpgroup's 64 rows (raw dots) as one batch.
-template <typename T, int D, int BN, int BLOCK_M>
-__device__ __forceinline__ void qk(float (&s)[BN / 2], u32 sQg, u32 sK) {
+// Issue S = Q K^T over one K tile for the warpgroup's 64 rows (raw dots) as one batch;
+// k-step kk reads 16 columns 32 * kk / W column blocks in (W = C::SW).
+template <typename T, typename C>
+__device__ __forceinline__ void qk(float (&s)[C::KEYS / 2], u32 sQg, u32 sK) {
+  constexpr int D = C::HEAD, BN = C::KEYS, W = C::SW;
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const u32 koff = (kk % 4) * 32;  // k-step within a 64-column block
-    const u64 da = descriptor(sQg + (kk / 4) * (BLOCK_M * 128) + koff, 16, 1024);
-    const u64 db = descriptor(sK + (kk / 4) * (BN * 128) + koff, 16, 1024);
-    Wgmma<T, BN>::ss(s, da, db, kk > 0);
+    const u32 block = 32 * kk / W, koff = 32 * kk % W;
+    const u64 da = descriptor<W>(sQg + block * (C::BLOCK_M * W) + koff, 16, 8 * W);
+    const u64 db = descriptor<W>(sK + block * (BN * W) + koff, 16, 8 * W);
+    WgmmaSS<T, BN>::run(s, da, db, kk > 0);
   }
   wgmma_commit();
 }
 
-// Issue O += P V over one V tile (P as A fragments, V MN-major) as one batch.
-template <typename T, int D, int BN>
-__device__ __forceinline__ void pv(float (&o)[D / 2], const u32 (&pf)[BN / 16][4], u32 sV) {
+// Issue O += P V over one V tile (P as A fragments) as one batch: V [keys][D] MN-major, or
+// (V_T) V^T [D][keys] K-major.
+template <typename T, typename C>
+__device__ __forceinline__ void pv(float (&o)[C::HEAD / 2], const u32 (&pf)[C::KEYS / 16][4], u32 sV) {
+  constexpr int D = C::HEAD, BN = C::KEYS;
   fence_operands(o);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk)
-    Wgmma<T, D>::rs(o, pf[kk], descriptor(sV + kk * 16 * 128, BN * 128, 1024), 1);
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    if constexpr (C::TRANSPOSED_V) {
+      constexpr int W = C::SWT;
+      const u32 at = sV + (32 * kk / W) * (D * W) + 32 * kk % W;
+      WgmmaRS<T, D>::template run<0>(o, pf[kk], descriptor<W>(at, 16, 8 * W), 1);
+    } else {
+      constexpr int W = C::SW;
+      WgmmaRS<T, D>::template run<1>(o, pf[kk], descriptor<W>(sV + kk * 16 * W, BN * W, 8 * W), 1);
+    }
+  }
   wgmma_commit();
 }
 
@@ -199,9 +262,10 @@ __device__ __forceinline__ void drain(float (&o)[D / 2], u32 (&pf)[N][4]) {
 
 // Epilogue of one warp's 16 rows (tile rows first .. first + 15): normalise, write LSE,
 // stage the rows in the (swizzled) Q tile and store them as 16-byte chunks.
-template <typename T, int D, typename C>
-__device__ __forceinline__ void store_rows(const Problem<T>& P, const WorkItem& it, int first, const float (&o)[D / 2],
+template <typename T, typename C>
+__device__ __forceinline__ void store_rows(const Problem<T>& P, const WorkItem& it, int first, const float (&o)[C::HEAD / 2],
                                            const float (&m)[2], float (&l)[2], float sc, u32 sQ, int lane) {
+  constexpr int D = C::HEAD;
   float inv[2];
   const float m2[2] = {m[0] * sc, m[1] * sc};
   finish_warp_rows(it, first, m2, l, P.sinks, P.lse, P.num_q_heads, inv, lane);
@@ -209,7 +273,7 @@ __device__ __forceinline__ void store_rows(const Problem<T>& P, const WorkItem& 
   for (int i = 0; i < D / 8; ++i)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const u32 at = sQ + swizzled<C::BLOCK_M>(first + lane / 4 + 8 * hr, i) + 4 * (lane % 4);
+      const u32 at = sQ + swizzled<C::BLOCK_M, C::SW>(first + lane / 4 + 8 * hr, i) + 4 * (lane % 4);
       const u32 x = pack2<T>(o[4 * i + 2 * hr] * inv[hr], o[4 * i + 2 * hr + 1] * inv[hr]);
       asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at), "r"(x) : "memory");
     }
@@ -220,7 +284,7 @@ __device__ __forceinline__ void store_rows(const Problem<T>& P, const WorkItem& 
     if (r < it.rows) {
       uint4 x;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(sQ + swizzled<C::BLOCK_M>(r, c)) : "memory");
+                   : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(sQ + swizzled<C::BLOCK_M, C::SW>(r, c)) : "memory");
       *reinterpret_cast<uint4*>(P.out + (it.token_row(r) * P.num_q_heads + it.head(r)) * D + c * 8) = x;
     }
   }
@@ -228,12 +292,14 @@ __device__ __forceinline__ void store_rows(const Problem<T>& P, const WorkItem& 
 
 // K/V tiles in flight: tile n sits in buffer stage (n_last - n) % STAGES; blk holds the
 // block-table entries of the next tile to issue (looked up one tile ahead).
-template <typename T, typename C, int BN, int STAGES>
+template <typename T, typename C>
 struct Pipe {
-  KVRows<T, C, BN> src;
+  using Src = KVRows<T, C, C::KEYS, C::TRANSPOSED_V>;
+  static constexpr int BN = C::KEYS, STAGES = C::BUFFERS;
+  Src src;
   int n_first;
   u32 sKV;
-  int blk[KVRows<T, C, BN>::RPT];
+  int blk[Src::RPT + C::TRANSPOSED_V];
 
   __device__ __forceinline__ u32 k_tile(int stage) const { return sKV + 2 * stage * C::KV_BYTES; }
   __device__ __forceinline__ u32 v_tile(int stage) const { return k_tile(stage) + C::KV_BYTES; }
@@ -253,35 +319,53 @@ struct Pipe {
   }
 };
 
-// The thread's two rows: the warpgroup's key ranges, each row's visible keys [lo, hi).
+// The thread's two rows: the warpgroup's key ranges, each row's visible keys [lo, hi), and
+// for the general score path each row's position p and ALiBi slope in log2 units (0: none)
+// with the score epilogue (score.cuh); sc: the factor taking s to log2 units in the softmax
+// (sm_scale * log2(e) for raw dots, 1 for general scores, already in log2 units).
 struct Rows {
   RowKeys gk;
-  int lo[2], hi[2];
+  int lo[2], hi[2], p[2];
+  float slope[2];
+  ScoreEpilogue epi;
   float sc;
   int lane;
-  template <int BN>
-  __device__ __forceinline__ void mask_tile(float (&s)[BN / 2], int j0) const {
+
+  // raw dots of tile j0 -> scores in log2 units (general path), keys the rows do not see -> -inf
+  template <typename C>
+  __device__ __forceinline__ void scores(float (&s)[C::KEYS / 2], int j0) const {
+    constexpr int BN = C::KEYS;
+    if constexpr (C::GENERAL_SCORES) {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hr = e / 2, j = j0 + 8 * i + 2 * (lane % 4) + (e & 1);
+          s[4 * i + e] = epi(s[4 * i + e]) + slope[hr] * (float)(j - p[hr]);
+        }
+    }
     if (gk.needs_mask(j0, BN)) mask<BN>(s, lo, hi, j0, lane);
   }
 };
 
 // STAGES 2: per tile, S = Q K^T, softmax, O += P V, each wgmma batch waited for at once; a
 // warpgroup none of whose rows sees a key of the tile skips it.
-template <typename T, int D, int BN, int STAGES, typename Pp>
-__device__ __forceinline__ void loop_simple(const Problem<T>& P, Pp& pipe, const Rows& rw, u32 sQg,
-                                            int n_last, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+template <typename T, typename C, typename Pp>
+__device__ __forceinline__ void loop_simple(const Problem<T>& P, Pp& pipe, const Rows& rw, u32 sQg, int n_last,
+                                            float (&o)[C::HEAD / 2], float (&m)[2], float (&l)[2]) {
+  constexpr int D = C::HEAD, BN = C::KEYS, STAGES = C::BUFFERS;
   for (int n = n_last, stage = 0; n >= pipe.n_first; --n, stage = stage + 1 == STAGES ? 0 : stage + 1) {
     pipe.advance(P, n, stage);
     if (rw.gk.sees(n * BN, BN)) {  // uniform over the warpgroup
       float s[BN / 2], alpha[2];
       u32 pf[BN / 16][4];
-      qk<T, D, BN, 128>(s, sQg, pipe.k_tile(stage));
+      qk<T, C>(s, sQg, pipe.k_tile(stage));
       wgmma_wait<0>();
       fence_operands(s);
-      rw.template mask_tile<BN>(s, n * BN);
+      rw.template scores<C>(s, n * BN);
       softmax<T, BN>(s, m, l, pf, alpha, rw.sc);
       rescale<D>(o, alpha);
-      pv<T, D, BN>(o, pf, pipe.v_tile(stage));
+      pv<T, C>(o, pf, pipe.v_tile(stage));
       wgmma_wait<0>();
       fence_operands(o);
     }
@@ -293,27 +377,28 @@ __device__ __forceinline__ void loop_simple(const Problem<T>& P, Pp& pipe, const
 // buffer); the accumulators are rescaled once it is done. Every warpgroup computes every
 // tile (masked where its rows see nothing): wgmma waits outside divergent code keep ptxas
 // from serialising the batches.
-template <typename T, int D, int BN, int STAGES, typename Pp>
-__device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, const Rows& rw, u32 sQg,
-                                             int n_last, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+template <typename T, typename C, typename Pp>
+__device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, const Rows& rw, u32 sQg, int n_last,
+                                             float (&o)[C::HEAD / 2], float (&m)[2], float (&l)[2]) {
+  constexpr int D = C::HEAD, BN = C::KEYS, STAGES = C::BUFFERS;
   if (n_last < pipe.n_first) return;
   float s[BN / 2], alpha[2];
   u32 pf[BN / 16][4];
   pipe.advance(P, n_last, 0);
-  qk<T, D, BN, 128>(s, sQg, pipe.k_tile(0));
+  qk<T, C>(s, sQg, pipe.k_tile(0));
   wgmma_wait<0>();
   fence_operands(s);
-  rw.template mask_tile<BN>(s, n_last * BN);
+  rw.template scores<C>(s, n_last * BN);
   softmax<T, BN>(s, m, l, pf, alpha, rw.sc);  // o is still 0: nothing to rescale
   int prev = 0;                               // buffer of the tile whose P is in pf
   for (int n = n_last - 1; n >= pipe.n_first; --n) {
     const int stage = prev + 1 == STAGES ? 0 : prev + 1;
     pipe.advance(P, n, stage);
-    qk<T, D, BN, 128>(s, sQg, pipe.k_tile(stage));
-    pv<T, D, BN>(o, pf, pipe.v_tile(prev));
+    qk<T, C>(s, sQg, pipe.k_tile(stage));
+    pv<T, C>(o, pf, pipe.v_tile(prev));
     wgmma_wait<1>();  // S of tile n done; P V of tile n + 1 may still run
     fence_operands(s);
-    rw.template mask_tile<BN>(s, n * BN);
+    rw.template scores<C>(s, n * BN);
     u32 pn[BN / 16][4];
     softmax<T, BN>(s, m, l, pn, alpha, rw.sc);
     drain<D>(o, pf);
@@ -324,13 +409,13 @@ __device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, cons
       for (int x = 0; x < 4; ++x) pf[kk][x] = pn[kk][x];
     prev = stage;
   }
-  pv<T, D, BN>(o, pf, pipe.v_tile(prev));
+  pv<T, C>(o, pf, pipe.v_tile(prev));
   drain<D>(o, pf);
 }
 
-template <typename T, int D, int BN, int STAGES>
+template <typename T, typename C>
 __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
-  using C = Config<T, D, BN, STAGES>;
+  constexpr int D = C::HEAD, BN = C::KEYS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
   const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
@@ -339,21 +424,25 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
   WorkItem it;
   it.init(P, P.work[blockIdx.x], C::BLOCK_M);
   const int bs = P.block_size;
-  const KVRows<T, C, BN> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
-                             P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table, it.kv_len,
-                             (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1};
-  RowKeys gk;
-  gk.init(it, 64 * wg, 64, P.window_left, P.causal);
+  const typename Pipe<T, C>::Src src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
+                                     P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table, it.kv_len,
+                                     (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1};
+  Rows rows;
+  rows.gk.init(it, 64 * wg, 64, P.window_left, P.causal);
   // the thread's rows: tile rows 64 wg + 16 warp + lane / 4 (+ 8); no row: sees nothing
-  int lo[2], hi[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int r = 64 * wg + 16 * warp + lane / 4 + 8 * hr;
-    const int p = r < it.rows ? it.position(r) : NO_ROW;
-    lo[hr] = p == NO_ROW ? 0 : visible_lo(p, P.window_left);
-    hi[hr] = p == NO_ROW ? 0 : visible_hi(p, it.kv_len, P.causal);
+    const bool valid = r < it.rows;
+    const int p = valid ? it.position(r) : 0;
+    rows.lo[hr] = valid ? visible_lo(p, P.window_left) : 0;
+    rows.hi[hr] = valid ? visible_hi(p, it.kv_len, P.causal) : 0;
+    rows.p[hr] = p;
+    rows.slope[hr] = valid && P.alibi != nullptr ? __ldg(P.alibi + it.head(r)) * LOG2E : 0.f;
   }
-  const float sc = P.sm_scale * LOG2E;
+  rows.epi.init(P.sm_scale, P.soft_cap);
+  rows.sc = C::GENERAL_SCORES ? 1.f : P.sm_scale * LOG2E;
+  rows.lane = lane;
 
   // key tiles n_first .. n_last hold every key a row of the CTA sees
   const int j_begin = visible_lo(it.position(0), P.window_left);
@@ -361,7 +450,7 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
   const int n_first = j_begin / BN;
   const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
 
-  Pipe<T, C, BN, STAGES> pipe{src, n_first, sKV};
+  Pipe<T, C> pipe{src, n_first, sKV};
   load_q<T, D, C>(P, it, sQ);  // with tile n_last (stage 0), in the first batch of copies
   if (n_last >= n_first) {
     src.lookup(P, n_last * BN, pipe.blk);
@@ -373,31 +462,31 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
   float o[D / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  const Rows rows{gk, {lo[0], lo[1]}, {hi[0], hi[1]}, sc, lane};
-  if constexpr (C::OVERLAP) loop_overlap<T, D, BN, STAGES>(P, pipe, rows, sQ + wg * 64 * 128, n_last, o, m, l);
-  else loop_simple<T, D, BN, STAGES>(P, pipe, rows, sQ + wg * 64 * 128, n_last, o, m, l);
+  const u32 sQg = sQ + wg * 64 * C::SW;  // the warpgroup's 64 rows of each column block
+  if constexpr (C::OVERLAP) loop_overlap<T, C>(P, pipe, rows, sQg, n_last, o, m, l);
+  else loop_simple<T, C>(P, pipe, rows, sQg, n_last, o, m, l);
 
   cp_async_wait_all();
   __syncthreads();  // every wgmma done reading sQ; Q's own copy landed
-  store_rows<T, D, C>(P, it, 64 * wg + 16 * warp, o, m, l, sc, sQ, lane);
+  store_rows<T, C>(P, it, 64 * wg + 16 * warp, o, m, l, rows.sc, sQ, lane);
 }
 
 }  // namespace sm90
 
 // Grid: one CTA per work item (int4 {sequence, kv head, first packed row, 0}); block: 256
 // threads = 2 warpgroups; dynamic smem: Config::SMEM bytes (Q [128][D], then STAGES pairs
-// of K [BN][D] and V [BN][D], all 128-byte swizzled, 1024-byte aligned). Warpgroup g owns
-// tile rows 64 g .. 64 g + 63: per K/V tile it runs S = Q K^T and O += P V on wgmma with
-// the online softmax between them (STAGES 3: P V of the previous tile overlapping it); each
-// thread owns rows 16 w + lane / 4 (+ 8) of its warp w's 16. Every thread copies K/V chunks
-// with cp.async one tile ahead and finally normalises and stores its rows' fragments
-// through its warp's rows of the Q tile (16-byte global stores).
+// of K [BN][D] and V [BN][D] (V_T: V^T [D][BN]), all swizzled, 1024-byte aligned).
+// Warpgroup g owns tile rows 64 g .. 64 g + 63: per K/V tile it runs S = Q K^T and O += P V
+// on wgmma with the online softmax between them (STAGES 3: P V of the previous tile
+// overlapping it); each thread owns rows 16 w + lane / 4 (+ 8) of its warp w's 16. Every
+// thread copies K/V chunks with cp.async one tile ahead and finally normalises and stores
+// its rows' fragments through its warp's rows of the Q tile (16-byte global stores).
 // Arguments: one Problem (abi.cuh), as kernels_cu/prefill.cu's kernels.
-template <typename T, int D, int BN, int STAGES>
+template <typename T, int D, int BN, int STAGES, bool V_T, bool GENERAL>
 __global__ void __launch_bounds__(256, 1) prefill_wgmma_kernel(CUPAGED_PARAMS_Problem) {
   const Problem<T> P{CUPAGED_FIELDS_Problem};
   if (item_is_padding(P)) return;
-  sm90::prefill_wgmma<T, D, BN, STAGES>(P);
+  sm90::prefill_wgmma<T, sm90::Config<T, D, BN, STAGES, V_T, GENERAL>>(P);
 }
 
 }  // namespace cupaged

@@ -6,11 +6,11 @@
 //             = q.k * scale_log2                        (no cap)
 // with cap_log2 = cap * LOG2E, scale_over_cap = sm_scale / cap, scale_log2 = sm_scale * LOG2E.
 // The ALiBi term is added where the kernel knows j and p (prefill's transform_scores and
-// prefill_simt, decode's ScoreMods), always in that form.
+// prefill_simt, the wgmma prefill's Rows::scores, decode's ScoreMods), always in that form.
 //
-// Kernels that serve only the plain case (positive scale, no soft-cap, no ALiBi: the wgmma
-// prefill and the sparse kernel, and the plain path of the mma.sync prefill) keep raw dot
-// products and fold scale_log2 into the exponential instead; that is the same score.
+// The plain case (positive scale, no soft-cap, no ALiBi: the sparse kernel, and the plain
+// paths of the mma.sync and wgmma prefills) keeps raw dot products and folds scale_log2
+// into the exponential instead; that is the same score.
 #pragma once
 #include "common.cuh"
 

@@ -368,6 +368,27 @@ def test_prefiller_rejects_bad_plan_and_run(rng):
         pre.run(a["q"], a["k_cache"][:1], a["v_cache"][:1])
     with pytest.raises(TypeError, match="sinks"):
         pre.run(a["q"], a["k_cache"], a["v_cache"], sinks=np.zeros(4))
+    with pytest.raises(ValueError, match="planner"):
+        pre.plan(a["cu_seqlens_q"], a["block_tables"], a["seq_lens"], planner="gpu")
+    pre.plan(a["cu_seqlens_q"], a["block_tables"], a["seq_lens"], planner="device")
+    with pytest.raises(ValueError, match="q: expected at least 7 rows"):
+        pre.run(a["q"][:-1], a["k_cache"], a["v_cache"])
+    with pytest.raises(ValueError, match="max_batch"):
+        cupaged.PagedPrefiller(4, 2, 64, 4, layout="NHD", max_batch=0)
+
+
+def test_prefiller_device_planner_of_host_arrays_is_the_reference(rng):
+    """planner="device" on NumPy metadata: the same result, q may carry padding rows."""
+    a = _paged_args(rng)
+    pre = cupaged.PagedPrefiller(4, 2, 64, 4, dtype="float16", layout="NHD", max_batch=8,
+                                 max_blocks_per_seq=16)
+    want = pre.plan(a["cu_seqlens_q"], a["block_tables"], a["seq_lens"]).run(
+        a["q"], a["k_cache"], a["v_cache"])
+    q = np.concatenate([a["q"], _rand(rng, (3,) + a["q"].shape[1:], np.float16)])
+    got = pre.plan(a["cu_seqlens_q"], a["block_tables"], a["seq_lens"], planner="device").run(
+        q, a["k_cache"], a["v_cache"])
+    np.testing.assert_array_equal(got[:len(want)], want)
+    assert (got[len(want):] == 0).all()
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -394,8 +415,9 @@ def gpu_varlen(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, q_scale=1.0, backend=
 
 
 def gpu_paged(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, layout, block_size, op="paged_prefill",
-              backend="auto", **opts):
+              backend="auto", q_scale=1.0, **opts):
     q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, hq, hk, d, dtype)
+    q = (q.astype(np.float32) * q_scale).astype(dtype)
     kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, block_size)
     out = _poisoned(cp, q.shape, dtype)
     dev_opts = {name: _dev(cp, x) for name, x in opts.items()}
@@ -426,6 +448,9 @@ FEATURES = {
     "soft_cap": dict(logits_soft_cap=3.0, q_scale=4.0),
     "sharp_scores": dict(q_scale=6.0),
     "sm_scale": dict(sm_scale=0.3),
+    "negative_scale": dict(sm_scale=-0.2),
+    "zero_scale": dict(sm_scale=0.0, sinks="sinks"),
+    "alibi_soft_cap": dict(alibi_slopes="slopes", logits_soft_cap=5.0, q_scale=3.0, causal=False),
     "all": dict(window_left=70, alibi_slopes="slopes", sinks="sinks", logits_soft_cap=20.0),
 }
 
@@ -553,6 +578,84 @@ def test_gpu_prefiller_plan_run_reuse(cp, rng):
             want = ref.paged_prefill(q, kc, vc, cu_q, bt, sl, window_left=200, layout="HND")
 
 
+GRAPH_Q_LENS = ([1, 300, 17, 64], [250, 1, 131])  # equal token and item counts, batch 4 then 3
+GRAPH_KV_LENS = ([1000, 300, 40, 64], [250, 2048, 700])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "mma"])
+@pytest.mark.parametrize("planner", ["device arrays", "host arrays, device planner", "host plan"])
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_gpu_prefiller_graph_replays_after_replan(cp, rng, layout, planner, backend):
+    """plan, run, capture run in a CUDA graph, plan again with other lengths, a smaller batch
+    and narrower tables, replay: the reference of the new plan (padding rows of a device
+    plan zero); then a plain run and a second capture of the new plan."""
+    hq, hk, d, bs = 8, 2, 128, 16
+    q_lens, kv_lens = np.concatenate(GRAPH_Q_LENS), np.concatenate(GRAPH_KV_LENS)
+    q_all, k, v, cu_all, cu_k = ragged(rng, q_lens, kv_lens, hq, hk, d, bfloat16)
+    kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, bs)
+    kc_dev, vc_dev = cp.asarray(kc), cp.asarray(vc)
+    device_plan = planner != "host plan"
+    rows = int(cu_all[4]) + (37 if device_plan else 0)  # a device plan takes spare rows
+    steps = []
+    for seqs in (slice(0, 4), slice(4, 7)):
+        cu = (cu_all[seqs.start:seqs.stop + 1] - cu_all[seqs.start]).astype(np.int32)
+        # the first plan's tables as wide as any (the buffers' capacity), the second's narrower
+        width = bt.shape[1] if seqs.start == 0 else int(-(-sl[seqs] // bs).max())
+        tables = bt[seqs][:, :width].copy()
+        q = q_all[cu_all[seqs.start]:cu_all[seqs.stop]]
+        q = np.concatenate([q, _rand(rng, (rows - len(q), hq, d), bfloat16)])
+        want, want_lse = ref.paged_prefill(q, kc, vc, cu, tables, sl[seqs], layout=layout,
+                                           return_lse=True)
+        meta = (cu, tables, sl[seqs].copy())
+        steps.append((tuple(cp.asarray(a) for a in meta) if planner == "device arrays" else meta,
+                      q, want, want_lse))
+    assert steps[1][2].shape[0] == rows
+    pre = cupaged.PagedPrefiller(hq, hk, d, bs, dtype=bfloat16, layout=layout, backend=backend)
+    kwargs = dict(planner="device") if planner == "host arrays, device planner" else {}
+    q_buf = cp.empty((rows, hq, d), bfloat16)
+    out = cp.empty((rows, hq, d), bfloat16)
+    lse = cp.empty((rows, hq), np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def check(q, want, want_lse):
+        stream.synchronize()
+        assert_close(out.get(), want, bfloat16)
+        assert_lse(lse.get(), want_lse)
+
+    cp.cuda.Device().synchronize()
+    with stream:
+        meta, q, want, want_lse = steps[0]
+        pre.plan(*meta, **kwargs)
+        q_buf.set(q)
+        pre.run(q_buf, kc_dev, vc_dev, out=out, lse=lse)  # sets the run up outside the capture
+        out.fill(np.nan)
+        lse.fill(np.nan)
+        stream.begin_capture()
+        pre.run(q_buf, kc_dev, vc_dev, out=out, lse=lse)
+        graph = stream.end_capture()
+        graph.launch()
+        check(q, want, want_lse)
+        buffers = [pre._buffers[name].data.ptr for name in ("meta", "work")]
+        for _ in range(2):
+            meta, q, want, want_lse = steps[1]
+            pre.plan(*meta, **kwargs)
+            assert [pre._buffers[name].data.ptr for name in ("meta", "work")] == buffers
+            q_buf.set(q)
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            graph.launch()
+            check(q, want, want_lse)
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            pre.run(q_buf, kc_dev, vc_dev, out=out, lse=lse)
+            check(q, want, want_lse)
+            out.fill(np.nan)
+            stream.begin_capture()
+            pre.run(q_buf, kc_dev, vc_dev, out=out, lse=lse)
+            graph = stream.end_capture()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "vllm"])
 @pytest.mark.bigmem
@@ -589,65 +692,84 @@ def test_wgmma_backend_resolution(monkeypatch):
     opts = check_options(np, 4, 128)
     ok = plan_.wgmma_unsupported(bfloat16, 128, "NHD", opts)
     assert ok is None
-    assert plan_.resolve_backend("auto", ok, "90") == ("wgmma" if "ragged" in plan_.WGMMA_AUTO else "mma")
-    assert plan_.resolve_backend("auto", ok, "90", "vllm") == "mma"
+    for layout in ("ragged", "NHD", "vllm"):
+        assert plan_.resolve_backend("auto", ok, "90", layout) == "wgmma"
+    assert plan_.resolve_backend("auto", ok, "90", "HND") == "mma"  # docs/prefill.md, Kernel choice
     assert plan_.resolve_backend("mma", ok, "90") == "mma"
-    assert plan_.resolve_backend("wgmma", ok, "90") == "wgmma"
+    assert plan_.resolve_backend("wgmma", ok, "90", "HND") == "wgmma"
     assert plan_.resolve_backend("wgmma", ok, None) == "wgmma"
     with pytest.raises(ValueError, match="sm_80"):
         plan_.resolve_backend("wgmma", ok, "80")
     with pytest.raises(ValueError, match="backend"):
         plan_.resolve_backend("WGMMA", ok, "90")
-    monkeypatch.setattr(plan_, "WGMMA_AUTO", ("ragged", "NHD"))
-    assert plan_.resolve_backend("auto", ok, "90") == "wgmma"
-    assert plan_.resolve_backend("auto", ok, "90", "NHD") == "wgmma"
-    assert plan_.resolve_backend("auto", ok, "90", "HND") == "mma"
+    monkeypatch.setattr(plan_, "WGMMA_AUTO", ("ragged", "NHD", "HND"))
+    assert plan_.resolve_backend("auto", ok, "90", "HND") == "wgmma"
     assert plan_.resolve_backend("auto", ok, "80") == "mma"
-    assert plan_.resolve_backend("auto", "alibi_slopes", "90") == "mma"
-    for args, why in [((np.float32, 128, "NHD", opts), "float32"), ((np.float16, 80, "NHD", opts), "80"),
-                      ((bfloat16, 64, "vllm", opts), "vllm"),
-                      ((bfloat16, 64, "HND", opts._replace(logits_soft_cap=2.0)), "soft_cap"),
-                      ((bfloat16, 64, "ragged", opts._replace(alibi_slopes=np.ones(4, np.float32))), "alibi"),
-                      ((bfloat16, 64, "ragged", opts._replace(sm_scale=-1.0)), "sm_scale")]:
-        assert why in plan_.wgmma_unsupported(*args)
+    assert plan_.resolve_backend("auto", "float32 (fp16/bf16 only)", "90") == "mma"
+    # every head size, layout and score option runs on wgmma; float32 does not
+    for d in HEAD_DIMS:
+        for layout in ("ragged",) + LAYOUTS:
+            for o in (opts, opts._replace(logits_soft_cap=2.0), opts._replace(sm_scale=-1.0),
+                      opts._replace(sm_scale=0.0), opts._replace(alibi_slopes=np.ones(4, np.float32))):
+                assert plan_.wgmma_unsupported(np.float16, d, layout, o) is None
+    assert "float32" in plan_.wgmma_unsupported(np.float32, 128, "NHD", opts)
+
+
+def test_general_scores_flag():
+    from cupaged.core.checks import check_options
+    opts = check_options(np, 4, 128)
+    assert not plan_.general_scores(opts)
+    assert plan_.general_scores(opts._replace(logits_soft_cap=2.0))
+    assert plan_.general_scores(opts._replace(alibi_slopes=np.ones(4, np.float32)))
+    assert plan_.general_scores(opts._replace(sm_scale=0.0))
+    assert plan_.general_scores(opts._replace(sm_scale=-0.1))
 
 
 def test_wgmma_tile_shares_work_list_and_fits():
     from cupaged.prefill.launch import kernel_specializations
     for d in plan_.WGMMA_HEAD_DIMS:
         tile = plan_.wgmma_tile(d)
-        assert tile.block_m == plan_.default_tile(d).block_m  # PagedPrefiller's one work list
-        for t in [tile] + WGMMA_OTHER_TILES:
+        for vt in (False, True):  # PagedPrefiller's one work list
+            assert tile.block_m == plan_.default_tile(d, vt).block_m
+        assert plan_.wgmma_smem_bytes(d, tile) <= 227 * 1024
+    for t in WGMMA_OTHER_TILES:  # the benchmark's tiles, at the head sizes it times them
+        for d in (64, 128):
             assert plan_.wgmma_smem_bytes(d, t) <= 227 * 1024
     hopper = {s.expr for s in kernel_specializations() if s.hopper}
-    assert hopper == {f"cupaged::prefill_wgmma_kernel<{t}, {d}, 128, {2 if d == 128 else 3}>"
-                      for t in ("__half", "__nv_bfloat16") for d in (64, 128)}
+    want = {f"cupaged::prefill_wgmma_kernel<{t}, {d}, {plan_.wgmma_tile(d).block_n}, "
+            f"{plan_.wgmma_tile(d).stages}, {vt}, {g}>"
+            for t in ("__half", "__nv_bfloat16") for d in HEAD_DIMS
+            for vt in ("false", "true") for g in ("false", "true")}
+    assert hopper == want
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(backend="fast"), "backend"),
-    (dict(backend="wgmma", logits_soft_cap=3.0), "logits_soft_cap"),
-    (dict(backend="wgmma", alibi_slopes=np.ones(4, np.float32)), "alibi_slopes"),
-    (dict(backend="wgmma", sm_scale=-0.5), "sm_scale"),
+    (dict(backend="wgmma", dtype=np.float32), "float32"),
 ])
 def test_wgmma_backend_rejects_unsupported_calls(rng, kwargs, match):
-    args = _varlen_args(rng)
-    with pytest.raises(ValueError, match=match):
-        cupaged.varlen_prefill(**args, **kwargs)
-    pargs = _paged_args(rng)
-    with pytest.raises(ValueError, match=match):
-        cupaged.paged_prefill(**pargs, **kwargs)
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", np.float16)
+    for op, args in ((cupaged.varlen_prefill, _varlen_args(rng)),
+                     (cupaged.paged_prefill, _paged_args(rng))):
+        args = {n: a.astype(dtype) if getattr(a, "dtype", None) == np.float16 else a
+                for n, a in args.items()}
+        with pytest.raises(ValueError, match=match):
+            op(**args, **kwargs)
 
 
 def test_wgmma_backend_numpy_path_is_the_reference(rng):
     q, k, v, cu_q, cu_k = ragged(rng, [5, 9], [7, 9], 4, 2, 64, np.float16)
-    want = ref.varlen_prefill(q, k, v, cu_q, cu_k, window_left=3)
-    got = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, window_left=3, backend="wgmma")
+    slopes = _rand(rng, 4, np.float32, 0.1)
+    want = ref.varlen_prefill(q, k, v, cu_q, cu_k, window_left=3, alibi_slopes=slopes,
+                              logits_soft_cap=2.0)
+    got = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, window_left=3, backend="wgmma",
+                                 alibi_slopes=slopes, logits_soft_cap=2.0)
     np.testing.assert_array_equal(got, want)
+    for d, layout in ((80, "NHD"), (256, "vllm"), (96, "HND")):
+        cupaged.PagedPrefiller(4, 2, d, 4, backend="wgmma", layout=layout, logits_soft_cap=1.0)
     with pytest.raises(ValueError, match="backend"):
-        cupaged.PagedPrefiller(4, 2, 80, 4, backend="wgmma", layout="NHD")
-    with pytest.raises(ValueError, match="backend"):
-        cupaged.PagedPrefiller(4, 2, 64, 4, layout="vllm", backend="wgmma")
+        cupaged.PagedPrefiller(4, 2, 64, 4, dtype="float32", layout="NHD", backend="wgmma")
     with pytest.raises(ValueError, match="backend"):
         cupaged.PagedPrefiller(4, 2, 64, 4, backend="mmaa", layout="NHD")
 
@@ -665,33 +787,63 @@ def _wgmma_other_tiles():
 
 
 WGMMA_OTHER_TILES = _wgmma_other_tiles()
-WGMMA_FEATURES = ["plain", "non_causal", "window", "window_0", "sinks", "sharp_scores", "sm_scale"]
+WGMMA_FEATURES = ["plain"] + sorted(FEATURES)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature", WGMMA_FEATURES)
-@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("head_dim", plan_.WGMMA_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16])
-def test_gpu_wgmma_varlen(cp, hopper, rng, dtype, head_dim, heads, feature):
-    opts = {} if feature == "plain" else _feature_opts(rng, feature, heads[0])
-    gpu_varlen(cp, rng, Q_LENS + [257], KV_LENS + [390], *heads, head_dim, dtype, backend="wgmma", **opts)
+def test_gpu_wgmma_varlen(cp, hopper, rng, dtype, head_dim, feature):
+    """Every score option (plain and general paths) at every head size, GQA 4."""
+    opts = {} if feature == "plain" else _feature_opts(rng, feature, 8)
+    gpu_varlen(cp, rng, Q_LENS + [257, 64, 65], KV_LENS + [390, 64, 1000], 8, 2, head_dim, dtype,
+               backend="wgmma", **opts)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("feature", ["plain", "all"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 1), (32, 8)])
+@pytest.mark.parametrize("head_dim", [96, 128, 256])
+def test_gpu_wgmma_gqa_packing(cp, hopper, rng, head_dim, heads, feature):
+    opts = {} if feature == "plain" else _feature_opts(rng, feature, heads[0])
+    gpu_varlen(cp, rng, Q_LENS + [63], KV_LENS + [200], *heads, head_dim, bfloat16,
+               backend="wgmma", **opts)
+
+
+WGMMA_PAGED_OPTIONS = {np.dtype(np.float16): "window_sinks", bfloat16: "all"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("block_size", [16, 6])
 @pytest.mark.parametrize("head_dim", plan_.WGMMA_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16])
 def test_gpu_wgmma_paged(cp, hopper, rng, dtype, head_dim, block_size, layout):
-    gpu_paged(cp, rng, [5, 70, 1, 200], [300, 70, 33, 513], 8, 2, head_dim, dtype, layout, block_size,
-              backend="wgmma", window_left=150, sinks=_rand(rng, 8, np.float32, 2.0))
+    """Every layout (vllm: V^T tiles, 16-byte chunks at page 16, element copies at page 6)
+    and head size; fp16 with a window and sinks, bf16 with every option."""
+    if WGMMA_PAGED_OPTIONS[np.dtype(dtype)] == "all":
+        opts = _feature_opts(rng, "all", 8)
+    else:
+        opts = dict(window_left=150, sinks=_rand(rng, 8, np.float32, 2.0))
+    gpu_paged(cp, rng, [5, 70, 1, 200, 0], [300, 70, 33, 513, 9], 8, 2, head_dim, dtype, layout,
+              block_size, backend="wgmma", **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block_size", [1, 8, 64, 128])
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_gpu_wgmma_page_sizes(cp, hopper, rng, head_dim, block_size, layout):
+    """Page sizes 1 (every key its own page), 8, 64 and 128; odd lengths and an empty row."""
+    gpu_paged(cp, rng, [1, 63, 64, 65, 0, 300], [1, 63, 130, 65, 40, 1000], 8, 2, head_dim,
+              bfloat16, layout, block_size, backend="wgmma", sinks=_rand(rng, 8, np.float32))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", WGMMA_OTHER_TILES)
-@pytest.mark.parametrize("feature", ["plain", "non_causal", "window", "sinks"])
-@pytest.mark.parametrize("head_dim", plan_.WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("feature", ["plain", "non_causal", "window", "sinks", "all"])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16])
 def test_gpu_wgmma_other_tiles(cp, hopper, rng, dtype, head_dim, feature, tile):
     """The wgmma tiles the benchmark times beside the default, against the reference."""
@@ -704,7 +856,7 @@ def test_gpu_wgmma_other_tiles(cp, hopper, rng, dtype, head_dim, feature, tile):
     opts = check_options(np, 8, head_dim, **fo)
     work = prefill.host_work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, causal, opts, tile)
     out, lse = _poisoned(cp, q.shape, dtype), cp.full(q.shape[:2], np.nan, np.float32)
-    dopts = opts._replace(sinks=None if opts.sinks is None else cp.asarray(opts.sinks))
+    dopts = opts._replace(sinks=_dev(cp, opts.sinks), alibi_slopes=_dev(cp, opts.alibi_slopes))
     prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
                     cp.asarray(cu_k), None, 1, layout_strides("ragged", 1, 2, head_dim, q.itemsize),
                     dopts, causal, False, 2, tile=tile, backend="wgmma")
@@ -714,39 +866,48 @@ def test_gpu_wgmma_other_tiles(cp, hopper, rng, dtype, head_dim, feature, tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("feature", ["plain", "all"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", plan_.WGMMA_HEAD_DIMS)
-def test_gpu_wgmma_long_sequences_match_mma(cp, hopper, rng, head_dim, causal):
-    """Many K/V tiles: wgmma vs the reference on a few rows and vs the mma.sync kernel on all."""
-    lens = np.array([2000, 1, 777, 1500])
+def test_gpu_wgmma_long_sequences_match_mma(cp, hopper, rng, head_dim, causal, feature):
+    """Many K/V tiles (lengths to 4097): wgmma vs the reference on a few rows and vs the
+    mma.sync kernel on all."""
+    lens = np.array([4097, 1, 777, 1500])
     q, k, v, cu_q, cu_k = (cp.asarray(a) for a in ragged(rng, lens, lens + 64, 8, 2, head_dim, bfloat16))
+    fo = {} if feature == "plain" else _feature_opts(rng, feature, 8)
+    dev = {n: _dev(cp, x) for n, x in fo.items()}
     out = _poisoned(cp, q.shape, bfloat16)
     got, lse = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, out=out, return_lse=True,
-                                      backend="wgmma")
-    want, want_lse = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, backend="mma")
+                                      backend="wgmma", **dev)
+    want, want_lse = cupaged.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, return_lse=True,
+                                            backend="mma", **dev)
     assert_close(got.get(), want.get(), bfloat16)
     np.testing.assert_allclose(lse.get(), want_lse.get(), rtol=1e-3, atol=1e-3)
-    rows = slice(2000 - 40, 2000)  # the last rows of sequence 0 against the float64 reference
-    kh, vh = k[:2064].get(), v[:2064].get()
+    rows = slice(4097 - 40, 4097)  # the last rows of sequence 0 against the float64 reference
+    kh, vh = k[:4161].get(), v[:4161].get()
     ref_out, _ = ref.varlen_prefill(q[rows].get(), kh, vh, np.array([0, 40], np.int32),
-                                    np.array([0, 2064], np.int32), causal=causal, return_lse=True)
+                                    np.array([0, 4161], np.int32), causal=causal, return_lse=True, **fo)
     assert_close(got[rows].get(), ref_out, bfloat16)
 
 
 @pytest.mark.gpu
-def test_gpu_wgmma_prefiller_and_auto_fallbacks(cp, hopper, rng):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_wgmma_prefiller_and_auto(cp, hopper, rng, layout):
+    """PagedPrefiller on wgmma (host and device plans) with ALiBi and a soft-cap; "auto"
+    takes wgmma for them (every layout but HND) and gives the same result."""
     q, k, v, cu_q, cu_k = ragged(rng, [1, 37, 130], [50, 37, 300], 8, 2, 128, bfloat16)
-    kc, vc, bt, sl = paged(rng, k, v, cu_k, "NHD", 16)
+    kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, 16)
     dq, dkc, dvc = (cp.asarray(a) for a in (q, kc, vc))
-    pre = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, backend="wgmma", layout="NHD").plan(cu_q, bt, sl)
-    want = ref.varlen_prefill(q, k, v, cu_q, cu_k)
-    assert_close(pre.run(dq, dkc, dvc).get(), want, bfloat16)
-    slopes = cp.asarray((2.0 ** -np.arange(1, 9)).astype(np.float32))
-    with pytest.raises(ValueError, match="alibi_slopes"):
-        pre.run(dq, dkc, dvc, alibi_slopes=slopes)
-    auto = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, layout="NHD").plan(cu_q, bt, sl)  # ALiBi: mma.sync
-    want = ref.varlen_prefill(q, k, v, cu_q, cu_k, alibi_slopes=slopes.get())
-    assert_close(auto.run(dq, dkc, dvc, alibi_slopes=slopes).get(), want, bfloat16)
+    slopes = (2.0 ** -np.arange(1, 9)).astype(np.float32)
+    want = ref.varlen_prefill(q, k, v, cu_q, cu_k, alibi_slopes=slopes, logits_soft_cap=10.0)
+    for backend in ("wgmma", "auto"):
+        pre = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, backend=backend, layout=layout,
+                                     logits_soft_cap=10.0)
+        for meta in ((cu_q, bt, sl), tuple(cp.asarray(a) for a in (cu_q, bt, sl))):
+            pre.plan(*meta)
+            out = _poisoned(cp, q.shape, bfloat16)
+            got = pre.run(dq, dkc, dvc, alibi_slopes=cp.asarray(slopes), out=out)
+            assert_close(got.get(), want, bfloat16)
 
 
 @pytest.mark.gpu

@@ -10,13 +10,18 @@ Rows (bf16, H 32 query and kv heads):
   ``flash_TFLOPs`` / ``cudnn_TFLOPs`` are torch SDPA on the same [B, H, S, D] problem (None
   without torch, or when the backend refuses it), ``vs_flash`` / ``vs_cudnn`` the ratios.
 - ``wgmma`` (sm_90 only): the Hopper warpgroup-MMA kernel (``backend="wgmma"``) on the
-  same problem as the default row it follows (B2 S8192 d128 / d64, causal and full; paged
-  NHD page 16; the sweep and mixed rows), ``vs_default`` its speed relative to the mma.sync
-  default.
+  same problem as the default row it follows (B2 S8192 d128 / d64 / d256, causal and full;
+  d80 / d96 / d112 causal; paged NHD, HND and vllm page 16; the sweep and mixed rows),
+  ``vs_default`` its speed relative to the mma.sync default.
+- ``wgmma soft-cap`` / ``alibi`` / ``sinks``: the wgmma kernel with that score option at B2
+  S8192 d128 causal; ``vs_default`` its speed relative to the plain wgmma launch.
 - ``paged``: the default tile through ``PagedPrefiller`` on NHD, HND and vllm caches of page
   16 with shuffled blocks; ``vs_ragged`` is its speed relative to the ragged row (goal >= 0.9).
 - ``sweep``: default tile, S 512 .. 32K (batch chosen so each row has 16K-32K tokens).
 - ``mixed``: one ragged batch of very different lengths (1 .. 16K).
+- ``mixed decode + chunk``: issue 20's batch of 63 decode rows at 8K and a 2K-token chunk
+  through one ``paged_attention``, beside ``paged_decode`` + ``paged_prefill`` on its parts
+  (``vs_split`` >= 1 is the goal).
 
 Causal flops count the visible (query, key) pairs: 2 * B * H * S * S * D for equal lengths.
 ``ms`` times the kernel launch alone (work list built once); ``public_ms`` the public call
@@ -127,14 +132,15 @@ def _ragged_inputs(q_lens, head_dim, seed=0):
     return q, k, v, cu, cupy.asarray(cu)
 
 
-def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma"):
+def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma", options=None):
     """Launch-only closure of varlen_prefill with its work list built once (``tile``: a
-    non-default tile shape; ``backend``: "mma" or "wgmma"). Returns (launch, kernel)."""
+    non-default tile shape; ``backend``: "mma" or "wgmma"; ``options``: score options of
+    ``check_options``). Returns (launch, kernel)."""
     import cupy
     from ..prefill import launch as prefill
     from ..core.checks import check_options
     lens = np.diff(cu_host)
-    opts = check_options(cupy, H, q.shape[2])
+    opts = check_options(cupy, H, q.shape[2], **(options or {}))
     if tile is None:
         tile = plan_.wgmma_tile(q.shape[2]) if backend == "wgmma" else plan_.launch_tile(q.dtype, q.shape[2])
     work = cupy.asarray(prefill.host_work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
@@ -145,7 +151,8 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma")
         prefill._launch(q, k, v, out, None, work, cu_dev, cu_dev, None, 1, strides, opts,
                         causal, False, H, tile=tile, backend=backend)
         return out
-    return launch, prefill._kernel(q.dtype, q.shape[2], False, tile, backend)[0]
+    return launch, prefill._kernel(q.dtype, q.shape[2], False, tile, backend,
+                                   plan_.general_scores(opts))[0]
 
 
 def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16, backend="mma"):
@@ -188,29 +195,111 @@ def wgmma_label(tile):
     return f"2wg x64r n{tile.block_n} s{tile.stages}" + (" overlap" if tile.stages == 3 else "")
 
 
-def bench_wgmma(inputs, causal, paged=False, tiles=WGMMA_VARIANTS[:1]):
-    """The wgmma kernel (each of ``tiles``; paged: the default tile through PagedPrefiller
-    over an NHD cache of page 16) on the inputs of a default row, checked against the
-    reference and the default's output; [] off sm_90."""
+def bench_wgmma(inputs, causal, layouts=(), tiles=None):
+    """The wgmma kernel on the inputs of a default row: each of ``tiles`` (default: the
+    head size's own) on the ragged rows, then the default tile through PagedPrefiller over
+    a cache of page 16 in each of ``layouts``; checked against the reference and the
+    default's output; [] off sm_90."""
     q, k, v, cu_host, base_out, base_s, flops = inputs
     if not _hopper() or q.shape[2] not in plan_.WGMMA_HEAD_DIMS:
         return []
     import cupy
     rows = []
-    for tile in tiles[:1] if paged else tiles:
-        if paged:
-            launch, kernel = _paged_launcher(q, k, v, cu_host, causal, backend="wgmma"), None
+    default = plan_.wgmma_tile(q.shape[2])
+    for tile, layout in [(t, None) for t in tiles or [default]] + [(default, x) for x in layouts]:
+        if layout is not None:
+            launch, kernel = _paged_launcher(q, k, v, cu_host, causal, layout, backend="wgmma"), None
         else:
             launch, kernel = _ragged_launcher(q, k, v, cu_host, cupy.asarray(cu_host), causal, tile, "wgmma")
         ok = _check(launch().copy(), q, k, v, cu_host, causal, base_out)
         seconds = time_gpu(launch)
-        row = dict(op="paged" if paged else "varlen", variant="wgmma" + (" NHD page16" if paged else ""),
+        row = dict(op="varlen" if layout is None else "paged",
+                   variant="wgmma" + ("" if layout is None else f" {layout} page16"),
                    tile=wgmma_label(tile), shape=_shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal),
                    ms=seconds * 1e3, TFLOPs=flops / seconds / 1e12, vs_default=base_s / seconds, checked=ok)
         if kernel is not None:
             row.update(regs=kernel.raw.num_regs, local_B=kernel.raw.local_size_bytes)
         rows.append(row)
     return rows
+
+
+def score_options():
+    """The score options whose cost the ``wgmma scores`` rows time (issue 20: <= 5 %)."""
+    import cupy
+    slopes = cupy.asarray((2.0 ** -np.arange(1, H + 1) / 8).astype(np.float32))
+    return {"soft-cap": dict(logits_soft_cap=30.0), "alibi": dict(alibi_slopes=slopes),
+            "sinks": dict(sinks=cupy.zeros(H, np.float32))}
+
+
+def bench_wgmma_scores(inputs, causal):
+    """The wgmma kernel with each of :func:`score_options` on the inputs of a default row;
+    ``vs_default``: speed relative to the plain wgmma launch, ``checked``: the output
+    against the mma.sync kernel's with the same options; [] off sm_90."""
+    q, k, v, cu_host, _, _, flops = inputs
+    if not _hopper():
+        return []
+    import cupy
+    from ..prefill import api as prefill
+    cu = cupy.asarray(cu_host)
+    plain, _ = _ragged_launcher(q, k, v, cu_host, cu, causal, backend="wgmma")
+    base = time_gpu(plain)
+    rows = []
+    for name, options in score_options().items():
+        launch, kernel = _ragged_launcher(q, k, v, cu_host, cu, causal, backend="wgmma",
+                                          options=options)
+        got = _bf16_as_f32(launch().copy())
+        want = _bf16_as_f32(prefill.varlen_prefill(q, k, v, cu, cu, causal=causal, backend="mma",
+                                                   **options))
+        seconds = time_gpu(launch)
+        rows.append(dict(op="varlen", variant=f"wgmma {name}",
+                         tile=wgmma_label(plan_.wgmma_tile(q.shape[2])),
+                         shape=_shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal),
+                         ms=seconds * 1e3, TFLOPs=flops / seconds / 1e12, vs_default=base / seconds,
+                         regs=kernel.raw.num_regs, local_B=kernel.raw.local_size_bytes,
+                         checked=float(cupy.linalg.norm(got - want)) <= 1e-2 * float(cupy.linalg.norm(want))))
+    return rows
+
+
+def bench_mixed_decode(decode_rows=63, context=8192, chunk=2048):
+    """Issue 20's mixed batch: ``decode_rows`` decode rows of ``context`` keys and one
+    prefill chunk of ``chunk`` new tokens (Hq 32, Hk 8, d128 bf16, NHD page 16) through one
+    ``paged_attention`` call, beside ``paged_decode`` on the decode rows plus
+    ``paged_prefill`` on the chunk (``vs_split``: the split pair's time over the mixed
+    call's; goal >= 1). ``checked``: both give the same rows."""
+    import cupy
+    import cupaged
+    hq, hk, d, bs = 32, 8, 128, 16
+    lens = np.array([context] * decode_rows + [chunk], np.int32)
+    need = -(-lens // bs)
+    ids = np.random.default_rng(2).permutation(int(need.sum())).astype(np.int32)
+    tables = np.full((len(lens), int(need.max())), -1, np.int32)
+    for b, first in enumerate(np.cumsum(need) - need):
+        tables[b, :need[b]] = ids[first:first + need[b]]
+    kc = _random((int(need.sum()), bs, hk, d), 3)
+    vc = _random((int(need.sum()), bs, hk, d), 4)
+    q = _random((decode_rows + chunk, hq, d), 5)
+    cu = cupy.asarray(np.concatenate([np.arange(decode_rows + 1), [decode_rows + chunk]]).astype(np.int32))
+    bt, sl = cupy.asarray(tables), cupy.asarray(lens)
+    dec_bt, dec_sl, pre_bt, pre_sl = bt[:decode_rows], sl[:decode_rows], bt[decode_rows:], sl[decode_rows:]
+    pre_cu = cupy.asarray(np.array([0, chunk], np.int32))
+
+    def mixed():
+        return cupaged.paged_attention(q, kc, vc, cu, bt, sl, layout="NHD")
+
+    def split():
+        return (cupaged.paged_decode(q[:decode_rows], kc, vc, dec_bt, dec_sl, layout="NHD"),
+                cupaged.paged_prefill(q[decode_rows:], kc, vc, pre_cu, pre_bt, pre_sl, layout="NHD"))
+
+    got = _bf16_as_f32(mixed())
+    dec, pre = split()
+    want = cupy.concatenate([_bf16_as_f32(dec), _bf16_as_f32(pre)])
+    ok = float(cupy.linalg.norm(got - want)) <= 1e-2 * float(cupy.linalg.norm(want))
+    t_mixed, t_split = time_gpu(mixed), time_gpu(split)
+    shape = f"{decode_rows} x L{context} + chunk {chunk}, Hq{hq} Hk{hk} d{d} page {bs}"
+    return [dict(op="paged_attention", variant="mixed decode + chunk", shape=shape,
+                 ms=t_mixed * 1e3, vs_split=t_split / t_mixed, checked=ok),
+            dict(op="decode + prefill", variant="split pair", shape=shape, ms=t_split * 1e3,
+                 checked=ok)]
 
 
 def bench_tiles(q_lens, head_dim, causal, tiles, label="tiles", peers=True, public=True):
@@ -257,29 +346,35 @@ def bench_paged(inputs, causal, layouts=("NHD",)):
 
 def run(quick=False):
     """All rows; ``quick`` keeps the tile comparison at d128 and a few others."""
+    paged = ("NHD", "HND") if quick else ("NHD", "HND", "vllm")
     rows, inputs = bench_tiles([8192] * 2, 128, True, VARIANTS[128])
-    rows += bench_wgmma(inputs, True, tiles=WGMMA_VARIANTS) + bench_wgmma(inputs, True, paged=True)
+    rows += bench_wgmma(inputs, True, paged, WGMMA_VARIANTS) + bench_wgmma_scores(inputs, True)
     rows += bench_paged(inputs, True, ("NHD",) if quick else ("NHD", "HND", "vllm"))
     del inputs
     r, inputs = bench_tiles([8192] * 2, 128, False, VARIANTS[128][:1] if quick else VARIANTS[128][:4])
     rows += r + bench_wgmma(inputs, False, tiles=WGMMA_VARIANTS)
     for d in (64, 256):
         r, inputs = bench_tiles([8192] * 2, d, True, VARIANTS[d][:1] if quick else VARIANTS[d])
-        rows += r + bench_wgmma(inputs, True, tiles=WGMMA_VARIANTS)
+        rows += r + bench_wgmma(inputs, True, tiles=WGMMA_VARIANTS if d == 64 else None)
     r, inputs = bench_tiles([8192] * 2, 64, False, VARIANTS[64][:1])
     rows += r + bench_wgmma(inputs, False, tiles=WGMMA_VARIANTS)
+    for d in (96,) if quick else (80, 96, 112):
+        r, inputs = bench_tiles([8192] * 2, d, True, [plan_.default_tile(d)], peers=False)
+        rows += r + bench_wgmma(inputs, True)
     del inputs
     for s in ((512, 4096) if quick else (512, 2048, 32768)):
         r, inputs = bench_tiles([s] * max(1, 16384 // s), 128, True, VARIANTS[128][:1], "sweep")
         rows += r + bench_wgmma(inputs, True) + (bench_paged(inputs, True) if s == 2048 else [])
     mixed = [16384, 1, 700, 5000, 33, 3000, 128, 9000, 1, 250] if not quick else [4096, 1, 700, 33]
     r, inputs = bench_tiles(mixed, 128, True, VARIANTS[128][:1], "mixed", peers=False)
-    return rows + r + bench_wgmma(inputs, True)
+    rows += r + bench_wgmma(inputs, True)
+    del inputs
+    return rows + bench_mixed_decode()
 
 
 COLUMNS = ["op", "variant", "tile", "shape", "ms", "public_ms", "TFLOPs", "flash_TFLOPs",
-           "cudnn_TFLOPs", "vs_flash", "vs_cudnn", "vs_default", "vs_ragged", "regs", "local_B",
-           "checked"]
+           "cudnn_TFLOPs", "vs_flash", "vs_cudnn", "vs_default", "vs_ragged", "vs_split", "regs",
+           "local_B", "checked"]
 
 
 def main(argv=None):

@@ -10,10 +10,11 @@ host work once per batch step (``plan``) and only launches per layer (``run``).
 NumPy inputs run ``cupaged.reference.attention``; CuPy inputs run ``kernels_cu/prefill.cu``:
 fp16/bf16 on tensor cores (mma.sync m16n8k16, FlashAttention-2 style), fp32 on a simple
 CUDA-core path (correct, not tuned). ``backend="wgmma"`` runs ``kernels_cu/prefill_sm90.cu``
-instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, head sizes 64/128, no soft-cap or
-ALiBi, not the vllm layout); ``"auto"`` picks it where it applies when
-its layout is in ``prefill_plan.WGMMA_AUTO``, else the mma.sync kernel. Kernel choice,
-argument records and launches live in ``cupaged.prefill.launch``.
+instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, every head size, layout and score
+option); ``"auto"`` picks it on sm_90 for fp16/bf16 when the layout is in
+``prefill.plan.WGMMA_AUTO`` (all but HND), else the mma.sync kernel (docs/prefill.md,
+"Kernel choice"). Kernel choice, argument records and launches live in
+``cupaged.prefill.launch``.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import numpy as np
 from ..core import errors
 from . import plan as plan_
 from ..core.arrays import (CallCache, accepts_dlpack, array_module, as_dtype, check_array,
-                           check_head_dim, empty, float32, gpu_available, hot)
+                           check_choice, check_head_dim, empty, float32, gpu_available, hot)
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_cu_seqlens,
                            check_gqa, check_int, check_lse, check_options, check_out,
                            token_stride)
@@ -31,7 +32,7 @@ from ..core.launch import current_stream, ptr
 from ..core.layouts import (CacheGeometry, accepts_cache, cache_geometry, cache_strides,
                             layout_strides, resolve_layout)
 from ..reference import attention as ref
-from .launch import Launches, addresses, choose_backend, host_work
+from .launch import Launches, addresses, choose_backend, host_work, work_capacity
 
 __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller"]
 
@@ -117,10 +118,10 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         Also return the float32 natural-log LSE ``[total_q, num_q_heads]`` (with the sink).
     backend : {"auto", "mma", "wgmma"}
         Kernel family for CuPy inputs: "mma" the mma.sync kernel (any GPU); "wgmma" the
-        Hopper warpgroup-MMA kernel (sm_90 only; fp16/bf16, head_dim 64 or 128, no
-        logits_soft_cap or alibi_slopes, positive sm_scale; ValueError otherwise); "auto"
-        the wgmma kernel where it applies on sm_90 for the layouts in
-        ``prefill_plan.WGMMA_AUTO`` (measured faster: ragged K/V), else "mma".
+        Hopper warpgroup-MMA kernel (sm_90 only; fp16/bf16, every head size, layout and
+        option; ValueError for float32 or another GPU); "auto" the wgmma kernel on sm_90
+        for fp16/bf16 and the layouts in ``prefill.plan.WGMMA_AUTO`` (ragged K/V, NHD and
+        vllm caches; HND stays on mma.sync, docs/prefill.md), else "mma".
     validate : bool, optional
         Check device prefix sums on the host first (strict mode; default
         ``CUPAGED_STRICT``); otherwise the plan kernel checks them on the device (see
@@ -244,7 +245,8 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     seq_lens : array
         int32 ``[batch_size]`` key counts including the new tokens.
     causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, out, return_lse, backend
-        As in :func:`varlen_prefill` ("wgmma": NHD and HND layouts).
+        As in :func:`varlen_prefill` ("wgmma": every layout; "auto" leaves HND on
+        mma.sync).
     validate : bool, optional
         As in :func:`varlen_prefill`, for the prefix sums, lengths and block tables (a bad
         length or block id gives its sequence's rows as zeros).
@@ -361,15 +363,25 @@ class PagedPrefiller:
 
     ``plan`` takes a step's prefix sums, lengths and block tables. Host (NumPy) arrays are
     checked and turned into the tile work list on the host, then uploaded asynchronously
-    (pinned memory) into buffers this object owns. Device (CuPy) arrays are copied into
-    those buffers without being read; at each ``run`` (which knows the cache and the output)
-    the plan kernel checks them, zeroes the padding rows and writes the work list on the
-    device, or the host does it all at ``plan`` in strict mode (``validate=True``,
-    ``CUPAGED_STRICT=1``). ``run`` only checks shapes
-    and launches: no host sync, no allocation beyond its outputs, no recompilation when
-    lengths change. The launch covers the buffers' whole work capacity (unused items
-    return at once), so a captured ``run`` stays valid for later plans that fit.
-    ``plan`` returns the prefiller.
+    (pinned memory) into buffers this object owns (``planner="device"``: checked and
+    uploaded, the list written on the device as for device arrays). Device (CuPy) arrays
+    are copied into those buffers without being read; at each ``run`` (which knows the
+    cache and the output) the plan kernel checks them, zeroes the padding rows and writes
+    the work list on the device, or the host does it all at ``plan`` in strict mode
+    (``validate=True``, ``CUPAGED_STRICT=1``). ``run`` only checks shapes and launches: no
+    host sync, no allocation beyond its outputs, no recompilation when lengths change.
+
+    CUDA graphs: the buffers (prefix sums, lengths and tables of ``max_batch`` sequences
+    ``max_blocks_per_seq`` wide, the plan kernel's scratch, the work list) sit at fixed
+    addresses and grow only when a plan needs more; every launch covers their whole
+    capacity (sequences past a plan's batch are empty, work items past its list return at
+    once), so a ``run`` captured after one plan replays correctly after later plans that
+    fit: any lengths, any batch up to ``max_batch``, tables up to ``max_blocks_per_seq``
+    wide, and for a device plan the captured q's rows (rows past a plan's last prefix come
+    out as zeros); a host plan needs q rows equal to its token count and at most as many
+    work items as the list holds. A plan that does not fit grows the buffers, which
+    invalidates captured graphs. Keep plans and runs on one stream (the plan kernel's
+    scratch is the prefiller's own). ``plan`` returns the prefiller.
 
     Parameters
     ----------
@@ -383,12 +395,15 @@ class PagedPrefiller:
         HND is refused at ``run`` (a CacheView or PagedKVCache brings its layout).
     causal, window_left, logits_soft_cap, sm_scale, backend
         As in :func:`paged_prefill` ("wgmma" is checked against these here, against the
-        device and ``alibi_slopes`` in ``run``; one planned work list serves both kernels).
+        device in ``run``; one planned work list serves both kernels).
+    max_batch, max_blocks_per_seq : int, optional
+        Initial capacity of the buffers (sequences, block-table width); default: the first
+        plan's.
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout=None, *, causal=True, window_left=-1, logits_soft_cap=0.0,
-                 sm_scale=None, backend="auto"):
+                 sm_scale=None, backend="auto", max_batch=None, max_blocks_per_seq=None):
         self.num_q_heads = check_int("num_q_heads", num_q_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
         self.block_size = check_int("block_size", block_size)
@@ -407,8 +422,10 @@ class PagedPrefiller:
                                                                self.layout, self._opts))
         self.backend = backend
         self._host = self._device = None
-        self._buf = None
-        self._caps = (0, 0, 0)  # work items, sequences, table width the buffer holds
+        self._buffers = None
+        self._caps = (0 if max_batch is None else check_int("max_batch", max_batch),
+                      0 if max_blocks_per_seq is None
+                      else check_int("max_blocks_per_seq", max_blocks_per_seq), 0)
         self._uploader = Uploader()
         self._runs = CallCache()  # launch setups of this plan by run signature
 
@@ -417,7 +434,7 @@ class PagedPrefiller:
         return plan_.launch_tile(self.dtype, self.head_dim, self._v_transposed)
 
     @accepts_dlpack
-    def plan(self, cu_seqlens_q, block_tables, seq_lens, *, validate=None):
+    def plan(self, cu_seqlens_q, block_tables, seq_lens, *, validate=None, planner=None):
         """Check a batch step and prepare its work list.
 
         Parameters
@@ -430,12 +447,19 @@ class PagedPrefiller:
             int32 ``[batch_size]`` key counts including the new tokens.
         validate : bool, optional
             Strict mode for device arrays (see the class notes).
+        planner : {"host", "device"}, optional
+            Who writes the work list of host arrays: the host at ``plan`` (default) or the
+            plan kernel at each ``run`` (q may then have more rows than the plan's tokens,
+            as for device arrays). Device arrays are planned on the device (on the host in
+            strict mode).
 
         Returns
         -------
         PagedPrefiller
             This prefiller.
         """
+        if planner is not None:
+            check_choice("planner", planner, ("host", "device"))
         xp = array_module(cu_seqlens_q, block_tables, seq_lens)
         self._runs.clear()
         contents = xp is np or errors.strict(validate)
@@ -450,61 +474,103 @@ class PagedPrefiller:
             return self
         cu, bt, sl = (np.array(a, np.int32) for a in (cu, bt, sl))  # the plan's own copies
         used = np.arange(bt.shape[1])[None, :] < -(-sl.astype(np.int64) // self.block_size)[:, None]
+        on_host = planner != "device"
         work = host_work(np.diff(cu), sl, self.dtype, self.num_q_heads, self.num_kv_heads,
-                     self.head_dim, self._v_transposed, self.causal, self._opts)
-        self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]),
+                         self.head_dim, self._v_transposed, self.causal, self._opts) if on_host else None
+        self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]) if on_host else None,
                           max_block=int(bt[used].max()) if used.any() else -1)
         self._device = self._upload(work, cu, sl, bt) if gpu_available() else None
         return self
 
-    def _views(self, items, batch, width):
-        """The owned buffer ``[work | cu | lens | tables]``, grown to hold ``items`` work
-        items, ``batch`` sequences and tables ``width`` wide; views of this step's parts."""
+    def _grow(self, batch, width, items):
+        """The owned buffers, grown (only) to hold ``batch`` sequences, tables ``width`` wide
+        and ``items`` work items: ``meta`` int32 ``[cu (S + 1) | lens (S) | tables (S * W) |
+        plan scratch (1 + 2 S) | done (1)]`` and ``work`` int32 ``[N, 4]``, zeroed when made
+        (the plan kernel's flag and counter start at 0 and are re-armed by it); views of
+        their parts at the capacity ``(S, W, N)``."""
         import cupy
-        caps = tuple(max(a, b) for a, b in zip(self._caps, (items, batch, width)))
-        if self._buf is None or caps != self._caps:
-            n_items, n_seq, n_width = caps
-            self._buf = cupy.empty(4 * n_items + 2 * n_seq + 1 + n_seq * n_width, np.int32)
-            self._caps = caps
-        n_items, n_seq, n_width = self._caps
-        buf, o = self._buf, 4 * n_items
-        views = dict(work=buf[:o].reshape(n_items, 4), cu=buf[o:o + batch + 1],
-                     sl=buf[o + n_seq + 1:o + n_seq + 1 + batch],
-                     bt=buf[o + 2 * n_seq + 1:o + 2 * n_seq + 1 + batch * n_width]
-                     .reshape(batch, n_width)[:, :width], width=n_width)
+        old = self._caps
+        caps = tuple(max(a, b) for a, b in zip(old, (batch, width, items)))
+        n_seq, n_width, n_items = caps
+        b = self._buffers
+        if b is None or caps[:2] != old[:2]:
+            meta = cupy.zeros(2 * n_seq + 1 + n_seq * n_width + 2 * n_seq + 2, np.int32)
+        else:
+            meta = b["meta"]
+        work = b["work"] if b is not None and n_items == old[2] else cupy.zeros((max(n_items, 1), 4), np.int32)
+        self._caps = caps
+        t = 2 * n_seq + 1
+        s = t + n_seq * n_width
+        views = dict(meta=meta, work=work, cu=meta[:n_seq + 1], sl=meta[n_seq + 1:t],
+                     bt=meta[t:s].reshape(n_seq, n_width), scratch=meta[s:s + 1 + 2 * n_seq],
+                     done=meta[s + 1 + 2 * n_seq:s + 2 + 2 * n_seq])
         views.update(cu_ptr=ptr(views["cu"]), sl_ptr=ptr(views["sl"]), bt_ptr=ptr(views["bt"]))
+        self._buffers = views
         return views
 
     def _upload(self, work, cu, sl, bt):
-        """One asynchronous host-to-device copy of the planned arrays; the work list padded
-        with sequence -1 to the buffer's capacity."""
+        """One asynchronous host-to-device copy of the planned arrays, padded to the
+        capacity: prefix sums repeat the last one, lengths 0, tables -1 and (a host work
+        list) items of sequence -1."""
         batch, width = bt.shape
-        d = self._views(len(work), batch, width)
-        n_items, n_seq, n_width = self._caps
-        host = np.full(self._buf.size, -1, np.int32)
-        host[:4 * len(work)] = work.ravel()
-        o = 4 * n_items
-        host[o:o + batch + 1] = cu
-        host[o + n_seq + 1:o + n_seq + 1 + batch] = sl
-        host[o + 2 * n_seq + 1:o + 2 * n_seq + 1 + batch * n_width].reshape(batch, n_width)[
-            :, :width] = bt
-        self._uploader.upload(self._buf, host)
+        d = self._grow(batch, width, 0 if work is None else len(work))
+        n_seq, n_width, n_items = self._caps
+        head = np.full(2 * n_seq + 1 + n_seq * n_width, -1, np.int32)
+        head[:n_seq + 1] = cu[-1]
+        head[:batch + 1] = cu
+        head[n_seq + 1:2 * n_seq + 1] = 0
+        head[n_seq + 1:n_seq + 1 + batch] = sl
+        head[2 * n_seq + 1:].reshape(n_seq, n_width)[:batch, :width] = bt
+        parts = [(ptr(d["meta"]), head.nbytes, head)]
+        if work is not None:
+            items = np.full((d["work"].shape[0], 4), -1, np.int32)
+            items[:len(work)] = work
+            parts.append((ptr(d["work"]), items.nbytes, items.ravel()))
+        self._uploader.upload_rows(parts)
         return d
 
     def _take(self, cu_seqlens_q, block_tables, seq_lens):
-        """Copies of device arrays in the owned buffer (no host read); the work list is
-        written on the device at run."""
+        """Copies of device arrays in the owned buffers (no host read), padded on the
+        device to the capacity as :meth:`_upload` pads (table columns past the plan's
+        width -1, so that a length beyond them fails the plan kernel's id check); the work
+        list is written on the device at run."""
         import cupy
         batch, width = block_tables.shape
-        d = self._views(0, batch, width)
+        d = self._grow(batch, width, 0)
+        n_seq, n_width, _ = self._caps
         rt, stream = cupy.cuda.runtime, cupy.cuda.get_current_stream().ptr
         for dst, src in ((d["cu"], cu_seqlens_q), (d["sl"], seq_lens)):
             rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, stream)
+        if batch < n_seq:
+            d["cu"][batch + 1:] = d["cu"][batch]  # a device-side broadcast: no host read
+            d["sl"][batch:] = 0
         if batch and width:
-            rt.memcpy2DAsync(d["bt"].data.ptr, d["width"] * 4, block_tables.data.ptr,
+            rt.memcpy2DAsync(d["bt"].data.ptr, n_width * 4, block_tables.data.ptr,
                              block_tables.strides[0] if batch > 1 else width * 4, width * 4,
                              batch, rt.memcpyDeviceToDevice, stream)
+        if width < n_width:
+            d["bt"][:batch, width:] = -1
         return d
+
+    def _launches(self, q, geo, k_cache, v_cache, opts, backend):
+        """The launches of a run over the owned buffers: the host work list, or the plan
+        kernel over every sequence of the capacity writing a list of at least
+        :func:`~cupaged.prefill.launch.work_capacity` items (grown here when q has more rows
+        than any earlier run's)."""
+        d = self._buffers
+        n_seq = self._caps[0]
+        host_planned = self._host["total_q"] is not None
+        if not host_planned:
+            need = work_capacity(q.shape[0], n_seq, self.num_q_heads // self.num_kv_heads,
+                                 self.num_kv_heads, self._tile.block_m)
+            if need > self._caps[2]:
+                self._runs.clear()
+                d = self._device = self._grow(0, 0, need)
+        return Launches(q, n_seq, d["bt"], self.block_size, geo.num_blocks, 0,
+                        self.num_kv_heads, cache_strides(k_cache, v_cache, self.layout, geo),
+                        opts, self.causal, self._v_transposed, backend,
+                        work=d["work"] if host_planned else None, name="prefiller",
+                        owned=None if host_planned else (d["work"], d["scratch"], d["done"]))
 
     def _check_run(self, q, k_cache, v_cache, xp):
         if self._host is None:
@@ -517,9 +583,12 @@ class PagedPrefiller:
         if self._host["max_block"] >= geo.num_blocks:
             raise ValueError(f"block_tables: planned block id {self._host['max_block']} is out of "
                              f"range for a cache of {geo.num_blocks} blocks")
-        total_q = self._host["total_q"]
+        total_q, cu = self._host["total_q"], self._host["cu"]
         check_array("q", q, shape=(total_q, self.num_q_heads, self.head_dim), dtypes=self.dtype,
                     xp=xp, contiguous=False)
+        if cu is not None and q.shape[0] < cu[-1]:  # a device planner of host arrays
+            raise ValueError(f"q: expected at least {int(cu[-1])} rows (the plan's tokens), "
+                             f"got {q.shape[0]}")
         plan_.check_paged_query(q, geo, k_cache.dtype, xp)
         return geo
 
@@ -587,14 +656,11 @@ class PagedPrefiller:
                                                layout=self.layout, return_lse=want_lse,
                                                **_ref_options(opts, causal)), out, want_lse)
             return _into_lse(result, lse, return_lse)
-        d = self._device
         out, new_lse = _outputs(q, out, want_lse and lse is None, xp)
         lse = new_lse if lse is None else lse
-        run = self._runs.put(cache_key, Launches(
-            q, d["sl"].shape[0], d["bt"], self.block_size, geo.num_blocks, 0,
-            self.num_kv_heads, cache_strides(k_cache, v_cache, self.layout, geo), opts,
-            causal, self._v_transposed, backend,
-            work=None if h["cu"] is None else d["work"], name="prefiller"))
+        run = self._launches(q, geo, k_cache, v_cache, opts, backend)
+        self._runs.put(cache_key, run)
+        d = self._device
         run(*addresses(q, k_cache, v_cache, out, lse, d["cu"], d["sl"], d["bt"], alibi_slopes,
                        sinks), current_stream())
         return (out, lse) if return_lse else out

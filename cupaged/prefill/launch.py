@@ -31,21 +31,25 @@ def _expr(dtype, head_dim, v_transposed, tile):
     return f"cupaged::prefill_mma_kernel<{ctype(dtype)}, {head_dim}, {vt}, {tile.cpp()}>"
 
 
-def _expr_wgmma(dtype, head_dim, tile):
-    """Template name of the sm_90a wgmma kernel."""
+def _expr_wgmma(dtype, head_dim, tile, v_transposed, general):
+    """Template name of the sm_90a wgmma kernel (``general``: the score epilogue path)."""
+    flags = ", ".join("true" if f else "false" for f in (v_transposed, general))
     return (f"cupaged::prefill_wgmma_kernel<{ctype(dtype)}, {head_dim}, {tile.block_n}, "
-            f"{tile.stages}>")
+            f"{tile.stages}, {flags}>")
 
 
 def kernel_specializations():
     """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for the
     vllm value layout) at the default tile of the head size, fp32 x head dims (one
-    CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x
-    (64, 128). The benchmark's other tiles compile on demand."""
+    CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x head
+    dims x (V rows, V^T) x (plain, general scores) at its tile. The benchmark's other
+    tiles compile on demand."""
     specs = [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt)))
              for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
-    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d)), hopper=True)
-              for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS]
+    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d), vt, general),
+                   hopper=True)
+              for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS
+              for vt in (False, True) for general in (False, True)]
     return (specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
             + [Spec("plan", PLAN_EXPR)])
 
@@ -84,12 +88,14 @@ def host_work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_tra
                            window_left=_window(opts))
 
 
-def _kernel(dtype, head_dim, v_transposed, tile, backend):
-    """(kernel, dynamic smem bytes, threads) of a launch."""
+def _kernel(dtype, head_dim, v_transposed, tile, backend, general=False):
+    """(kernel, dynamic smem bytes, threads) of a launch (``general``: the wgmma kernel's
+    score epilogue path, ``plan.general_scores``)."""
     tile = _tile(dtype, head_dim, v_transposed, backend, tile)
     if backend == "wgmma":
         smem = plan_.wgmma_smem_bytes(head_dim, tile)
-        return (launcher("prefill_sm90", _expr_wgmma(dtype, head_dim, tile), abi.PREFILL,
+        expr = _expr_wgmma(dtype, head_dim, tile, v_transposed, general)
+        return (launcher("prefill_sm90", expr, abi.PREFILL,
                          hopper=True, smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
     smem = plan_.smem_bytes(dtype, head_dim, v_transposed, tile)
     return (launcher("prefill", _expr(dtype, head_dim, v_transposed, tile), abi.PREFILL, smem=smem,
@@ -107,7 +113,8 @@ def work_capacity(total_q, batch, group, num_kv_heads, block_m):
 class Launches:
     """The launches of one prefill call shape, their fixed arguments packed once: the plan
     kernel (device work lists: checks, padding rows zeroed, items written into per-stream
-    scratch, the list sized by :func:`work_capacity`) and the prefill kernel.
+    scratch, the list sized by :func:`work_capacity`, or into ``owned`` buffers) and the
+    prefill kernel, one CTA per work item of the list's capacity.
     ``__call__`` gives the arrays. With ``work`` (a host list) the plan kernel is left out.
 
     Parameters
@@ -117,26 +124,36 @@ class Launches:
     tables : array or None
         Block tables (paged) or None (ragged K/V).
     strides : cupaged.core.layouts.CacheStrides
+    owned : tuple of arrays, optional
+        ``(work, plan scratch, done counter)``: int32 device buffers of the caller (a
+        :class:`PagedPrefiller`'s, at fixed addresses) for the plan kernel: ``[capacity, 4]``
+        (at least :func:`work_capacity`), ``1 + 2 * batch`` and 1 elements, the last two
+        zero when first used.
     """
 
     def __init__(self, q, batch, tables, block_size, num_blocks, total_k, num_kv_heads,
                  strides, opts, causal, v_transposed, backend, tile=None, work=None,
-                 name="prefill"):
+                 name="prefill", owned=None):
         total_q, hq, d = q.shape
         self.dtype = q.dtype
         group = hq // num_kv_heads
         self.tile = _tile(q.dtype, d, v_transposed, backend, tile)
-        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend)
+        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend,
+                                                       plan_.general_scores(opts))
         paged = tables is not None
         self.plan = None
         if work is None:
-            capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
-            work = scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4)
-            plan_scratch = scratch(f"{name}.plan", 1 + 2 * batch, zero=True)
+            if owned is None:
+                capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
+                owned = (scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4),
+                         scratch(f"{name}.plan", 1 + 2 * batch, zero=True),
+                         scratch(f"{name}.done", 1, zero=True))
+            work, plan_scratch, done = owned
+            capacity = work.shape[0]
             self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN).at(
                 min(max(batch, 1), PLAN_CTAS), 512), abi.PREFILL_PLAN.bind(
                 work=ptr(work), scratch=ptr(plan_scratch),
-                done=ptr(scratch(f"{name}.done", 1, zero=True)), err=ptr(errors.error_word()),
+                done=ptr(done), err=ptr(errors.error_word()),
                 row_bytes=hq * d * q.itemsize, batch=batch, total_q=total_q, total_k=total_k,
                 paged=int(paged), width=tables.shape[1] if paged else 0,
                 bt_stride=table_stride(tables), block_size=block_size, num_blocks=num_blocks,

@@ -85,12 +85,14 @@ def smem_bytes(dtype, head_dim, v_transposed, tile):
 
 
 # ----------------------------------------------------------------------------- wgmma (sm_90a)
-# Layouts where "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) on sm_90: ragged K/V
-# and NHD caches, where it beat mma.sync (benchmarks/NOTES.md, prefill wgmma). HND has no
-# measurement of its own and stays on mma.sync.
-WGMMA_AUTO = ("ragged", "NHD")
+# Layouts where "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) on sm_90: ragged
+# K/V and NHD caches, where it beat mma.sync (benchmarks/NOTES.md, prefill wgmma), and the
+# vllm cache, whose mma.sync path runs 32-key tiles at d128. HND caches stay on mma.sync
+# under "auto" until a measurement of their own says otherwise (docs/prefill.md, "Kernel
+# choice").
+WGMMA_AUTO = ("ragged", "NHD", "vllm")
 BACKENDS = ("auto", "mma", "wgmma")
-WGMMA_HEAD_DIMS = (64, 128)
+WGMMA_HEAD_DIMS = (64, 80, 96, 112, 128, 256)
 
 
 class WgmmaTile(NamedTuple):
@@ -111,34 +113,38 @@ class WgmmaTile(NamedTuple):
 
 
 def wgmma_tile(head_dim):
-    """wgmma tile of ``head_dim`` (64 or 128): 128-key tiles; two stages at d128, three
-    (P V of one tile overlapping the next softmax) at d64, the faster of the two at each
-    head size (benchmarks/NOTES.md, prefill wgmma w1 s2 / s3).
+    """wgmma tile of ``head_dim``: 128-key tiles with three stages (P V of one tile
+    overlapping the next softmax) at d64, two at d80..d128 (the faster of the two at d64 and
+    d128, benchmarks/NOTES.md, prefill wgmma w1 s2 / s3; d80..d112 follow d128); d256
+    64-key tiles and two stages (its 128 accumulators a thread leave no room for 128-key
+    scores, and two stages of 128 keys would not fit the shared memory).
     Its ``block_m`` equals ``default_tile(head_dim).block_m``, so either kernel can run one
     work list."""
-    return WgmmaTile(128, 2 if head_dim == 128 else 3)
+    if head_dim == 256:
+        return WgmmaTile(64, 2)
+    return WgmmaTile(128, 3 if head_dim == 64 else 2)
 
 
 def wgmma_smem_bytes(head_dim, tile):
     """Dynamic shared memory of the wgmma kernel: Q ``[128][D]``, ``stages`` K and V tiles
-    ``[block_n][D]`` (16-bit), plus 1024 bytes to align the swizzled tiles."""
+    ``[block_n][D]`` (16-bit; V^T ``[D][block_n]`` takes as much), plus 1024 bytes to align
+    the swizzled tiles."""
     return 2 * (tile.block_m * head_dim + 2 * tile.stages * tile.block_n * head_dim) + 1024
 
 
+def general_scores(opts):
+    """Whether a call's scores take the score epilogue (soft-cap, ALiBi, or a scale that
+    is not positive) rather than raw dot products with the scale folded into exp2."""
+    return opts.logits_soft_cap > 0 or opts.alibi_slopes is not None or not opts.sm_scale > 0
+
+
 def wgmma_unsupported(dtype, head_dim, layout, opts):
-    """Why the wgmma kernel cannot run a call (a phrase), or None when it can."""
+    """Why the wgmma kernel cannot run a call (a phrase), or None when it can: every layout,
+    head size and score option runs on it, float32 does not (no 32-bit wgmma inputs)."""
     if np.dtype(dtype) == float32:
         return "float32 (fp16/bf16 only)"
     if head_dim not in WGMMA_HEAD_DIMS:
         return f"head_dim {head_dim} (only {WGMMA_HEAD_DIMS})"
-    if layout == "vllm":
-        return "the vllm cache layout"
-    if opts.logits_soft_cap > 0:
-        return "logits_soft_cap"
-    if opts.alibi_slopes is not None:
-        return "alibi_slopes"
-    if not opts.sm_scale > 0:
-        return f"sm_scale {opts.sm_scale} (positive only)"
     return None
 
 
