@@ -1,6 +1,6 @@
-// Pattern walking shared by the sparse index and plan kernels: key ranges of one query
-// block from its vertical+slash indices or its BSR row, the union of two blocks' ranges, and
-// the tile lists the attention kernel walks.
+// Pattern walking shared by the sparse index, plan and attention kernels: key ranges of one
+// query block from its vertical+slash indices, the union of two blocks' ranges, the tile
+// lists the attention kernel walks, and the tiles of a BSR row pair walked in place.
 //
 // Everything here is plain serial C++ (__host__ __device__): a kernel thread, or every lane
 // of a warp in step, runs it for one item; the same code compiles on the host for tests.
@@ -90,27 +90,6 @@ struct SlashWalker {
     if (!open) return false;
     open = false;
     return emit(cur, out);
-  }
-};
-
-// Key ranges of one BSR row: runs of consecutive block ids [id * bn, (id' + 1) * bn), cut at clip.
-struct ListWalker {
-  const int* ids;
-  int n, i, bn;
-  i64 clip;
-
-  CP_HD void init(const int* ids_, int n_, int bn_, i64 clip_) {
-    ids = ids_; n = n_; i = 0; bn = bn_; clip = clip_;
-  }
-
-  CP_HD bool next(Range& out) {
-    if (i >= n) return false;
-    const i64 s = (i64)ids[i] * bn;
-    i64 e = s + bn;
-    for (++i; i < n && (i64)ids[i] * bn == e; ++i) e += bn;
-    if (s >= clip) { i = n; return false; }
-    out = Range{s, imin(e, clip)};
-    return true;
   }
 };
 
@@ -288,19 +267,71 @@ CP_HD void vs_cta_tiles(const VsRow& p, int c, int q_len, int kv_len, int bm, in
   cols.flush();
 }
 
-// Tiles of the CTA of 64-row tiles 2c and 2c + 1 of a BSR pattern (rows of bm queries).
-template <typename Out>
-CP_HD void bsr_cta_tiles(const int* indptr, const int* indices, int c, int q_len, int kv_len, int bm,
-                         int bn, bool causal, int tile_n, Out& out) {
-  ListWalker w[2];
-  for (int k = 0; k < 2; ++k) {
-    HalfTile half;
-    half.init(2 * c + k, q_len, kv_len, bm, bm / 64, causal);
-    const int lo = half.valid ? indptr[half.prow] : 0, hi = half.valid ? indptr[half.prow + 1] : 0;
-    w[k].init(indices + lo, hi - lo, bn, half.clip);
+// ----------------------------------------------------------------------------- BSR rows
+// The tiles of a CTA's two halves under a BSR pattern, walked straight from `indices` (no
+// list is built; the attention kernel's thread 0 asks for one tile at a time): half k keeps
+// the block ids ids[lo, hi) of its CSR row, strictly increasing, each block the keys
+// [id * bn, id * bn + bn). Tiles come out with descending keys (the diagonal first), at most
+// tile_n keys each, every key of a tile held by the same halves (TILE_A / TILE_B), none at
+// or past a half's clip; runs of adjacent blocks share tiles. A call reads at most
+// tile_n / bn + 2 ids per half.
+struct BsrHalf {
+  const int* ids;
+  int lo, i;  // blocks ids[lo, i) are still to walk, each starting before clip
+  i64 clip;
+};
+
+struct BsrStream {
+  BsrHalf half[2];
+  i64 x;  // keys at or past x are done
+  int bn, tile_n;
+
+  CP_HD void init(int bn_, int tile_n_) { bn = bn_; tile_n = tile_n_; x = KEY_END; }
+
+  // Half k walks ids[lo, hi) below clip (clip <= 0: nothing).
+  CP_HD void init_half(int k, const int* ids, int lo, int hi, i64 clip) {
+    half[k].ids = ids;
+    half[k].lo = lo;
+    half[k].clip = clip;
+    half[k].i = clip > 0 ? lower_bound(ids, lo, hi, (clip + bn - 1) / bn) : lo;
   }
-  KeyTiles<Out> keys{out, tile_n};
-  sweep(w[0], w[1], keys);
-}
+
+  // The next tile: keys [start, start + width), word = width | flags << 8; false when done.
+  CP_HD bool next(int& start, int& word) {
+    i64 s[2], e[2], y = -1;
+    for (int k = 0; k < 2; ++k) {
+      const BsrHalf& h = half[k];
+      e[k] = -1;
+      if (h.i > h.lo) {
+        s[k] = (i64)h.ids[h.i - 1] * bn;
+        e[k] = imin(imin(s[k] + bn, h.clip), x);
+        y = imax(y, e[k]);
+      }
+    }
+    if (y < 0) return false;
+    i64 z = y - tile_n;
+    int flags = 0;
+    for (int k = 0; k < 2; ++k) {
+      if (e[k] == y) flags |= 1 << k;
+      else z = imax(z, e[k]);  // a half without this tile's keys: none of its keys in the tile
+    }
+    for (int k = 0; k < 2; ++k) {
+      if (!(flags >> k & 1)) continue;
+      const BsrHalf& h = half[k];
+      i64 cov = s[k];  // the half holds [cov, y): its top block and the adjacent ones below
+      for (int j = h.i - 1; cov > z && j > h.lo && h.ids[j - 1] == h.ids[j] - 1; --j) cov -= bn;
+      z = imax(z, cov);
+    }
+    start = (int)z;
+    word = (int)(y - z) | flags << 8;
+    x = z;
+    for (int k = 0; k < 2; ++k) {
+      BsrHalf& h = half[k];
+      if (flags >> k & 1)
+        while (h.i > h.lo && (i64)h.ids[h.i - 1] * bn >= z) --h.i;
+    }
+    return true;
+  }
+};
 
 }  // namespace cupaged
