@@ -129,10 +129,9 @@ struct BsrSource {
     const int row0 = __ldg(P.bsr_meta + 4 * s.b);
     const bool frame = __ldg(P.bsr_meta + 4 * P.batch) != 0;
     const int rows = (s.q_len + P.block_m - 1) / P.block_m;
-    const int cols = (int)(((i64)s.kv_len + P.block_n - 1) / P.block_n);
+    const int cols = (int)(((unsigned)s.kv_len + P.block_n - 1) / (unsigned)P.block_n);
     const i64 first = row0 + (i64)((P.head0 + hh) / P.pattern_group) * rows;
-    int lo[2] = {0, 0}, hi[2] = {0, 0};
-    i64 clip[2] = {0, 0};
+    int lo[2] = {0, 0}, hi[2] = {0, 0}, clip[2] = {0, 0};
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       HalfTile half;
@@ -142,7 +141,7 @@ struct BsrSource {
       if (row_ok(P, t, cols) && half.clip > 0) {
         lo[k] = __ldg(P.indptr + t);
         hi[k] = __ldg(P.indptr + t + 1);
-        clip[k] = half.clip;
+        clip[k] = (int)half.clip;
       }
     }
     if (threadIdx.x == 0) {

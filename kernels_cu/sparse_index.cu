@@ -191,7 +191,7 @@ __device__ __forceinline__ int bsr_kv_len(const BsrPrepareArgs& a, int b) {
 // grid 1, block PREP_THREADS: the schedule of a batched BSR launch of sparse_attention, in
 // meta: int4 [batch] per sequence (first CSR row, keys, first CTA, 0), int4 at [batch] for
 // the pattern (1 if indptr fits the lengths, CSR rows, CTAs, 0), then int [cta_bound]: the
-// sequence of each CTA (128 query rows), -1 past the last. Thread t owns the sequences of
+// sequence of each CTA (cta_rows query rows), -1 past the last. Thread t owns the sequences of
 // chunk t. A bad cu_seqlens_q gives every sequence no CTA (rows unknown); bad key lengths or
 // block ids give the sequence no keys (zeros); an indptr of the wrong size or ends gives no
 // sequence a pattern row (zeros). Rows past cu_seqlens_q[batch] are zeroed (padding). (One
@@ -214,12 +214,12 @@ __global__ void __launch_bounds__(PREP_THREADS, 1) bsr_prepare(CUPAGED_PARAMS_Bs
   for (int b = b0; b < b1; ++b) {
     const int n = bad ? 0 : __ldg(a.cu_q + b + 1) - __ldg(a.cu_q + b);
     rows += (n + a.block_m - 1) / a.block_m;
-    ctas += (n + 127) / 128;
+    ctas += (n + a.cta_rows - 1) / a.cta_rows;
   }
   int row_at = block_scan<false>(rows, 0, buf, total_rows);
   int cta_at = block_scan<false>(ctas, 0, buf, total_ctas);
   for (int b = b0; b < b1; ++b) {
-    const int n = bad ? 0 : __ldg(a.cu_q + b + 1) - __ldg(a.cu_q + b), nc = (n + 127) / 128;
+    const int n = bad ? 0 : __ldg(a.cu_q + b + 1) - __ldg(a.cu_q + b), nc = (n + a.cta_rows - 1) / a.cta_rows;
     seq[b] = make_int4(a.pattern_heads * row_at, bsr_kv_len(a, b), cta_at, 0);
     for (int c = 0; c < nc; ++c) cta_map[cta_at + c] = b;
     row_at += (n + a.block_m - 1) / a.block_m;

@@ -278,58 +278,65 @@ CP_HD void vs_cta_tiles(const VsRow& p, int c, int q_len, int kv_len, int bm, in
 struct BsrHalf {
   const int* ids;
   int lo, i;  // blocks ids[lo, i) are still to walk, each starting before clip
-  i64 clip;
+  int clip;
+
+  // End of the keys left in the top block (x: keys at or past it are done), -1 if none.
+  // Keys are below 2^31, and so is every block start: 32-bit arithmetic throughout.
+  CP_HD int top_end(int bn, int x) const {
+    if (i <= lo) return -1;
+    const int s = ids[i - 1] * bn, e = clip - s <= bn ? clip : s + bn;
+    return e < x ? e : x;
+  }
+  // Start of the run of adjacent blocks below the top one, walked down to z at most.
+  CP_HD int run_start(int bn, int z) const {
+    int cov = ids[i - 1] * bn;
+    for (int j = i - 1; cov > z && j > lo && ids[j - 1] == ids[j] - 1; --j) cov -= bn;
+    return cov;
+  }
+  // Drop the blocks starting at or past z (all their keys are done).
+  CP_HD void pop(int bn, int z) {
+    while (i > lo && ids[i - 1] * bn >= z) --i;
+  }
 };
 
 struct BsrStream {
   BsrHalf half[2];
-  i64 x;  // keys at or past x are done
+  int x;  // keys at or past x are done
   int bn, tile_n;
 
-  CP_HD void init(int bn_, int tile_n_) { bn = bn_; tile_n = tile_n_; x = KEY_END; }
+  CP_HD void init(int bn_, int tile_n_) { bn = bn_; tile_n = tile_n_; x = 0x7fffffff; }
 
-  // Half k walks ids[lo, hi) below clip (clip <= 0: nothing).
-  CP_HD void init_half(int k, const int* ids, int lo, int hi, i64 clip) {
+  // Half k walks ids[lo, hi) below clip (clip <= 0: nothing; clip <= kv_len < 2^31).
+  CP_HD void init_half(int k, const int* ids, int lo, int hi, int clip) {
     half[k].ids = ids;
     half[k].lo = lo;
     half[k].clip = clip;
-    half[k].i = clip > 0 ? lower_bound(ids, lo, hi, (clip + bn - 1) / bn) : lo;
+    // blocks before ceil(clip / bn) start before clip
+    half[k].i = clip > 0 ? lower_bound(ids, lo, hi, ((unsigned)clip + bn - 1) / (unsigned)bn) : lo;
   }
 
   // The next tile: keys [start, start + width), word = width | flags << 8; false when done.
+  // Its top y is the highest key left; the halves whose top block reaches y hold it (flags),
+  // the others bound it below (a tile holds none of their keys), and so do tile_n and the
+  // start of each holding half's run.
   CP_HD bool next(int& start, int& word) {
-    i64 s[2], e[2], y = -1;
-    for (int k = 0; k < 2; ++k) {
-      const BsrHalf& h = half[k];
-      e[k] = -1;
-      if (h.i > h.lo) {
-        s[k] = (i64)h.ids[h.i - 1] * bn;
-        e[k] = imin(imin(s[k] + bn, h.clip), x);
-        y = imax(y, e[k]);
-      }
-    }
+    const int e0 = half[0].top_end(bn, x), e1 = half[1].top_end(bn, x);
+    const int y = e0 > e1 ? e0 : e1;
     if (y < 0) return false;
-    i64 z = y - tile_n;
-    int flags = 0;
-    for (int k = 0; k < 2; ++k) {
-      if (e[k] == y) flags |= 1 << k;
-      else z = imax(z, e[k]);  // a half without this tile's keys: none of its keys in the tile
-    }
-    for (int k = 0; k < 2; ++k) {
-      if (!(flags >> k & 1)) continue;
-      const BsrHalf& h = half[k];
-      i64 cov = s[k];  // the half holds [cov, y): its top block and the adjacent ones below
-      for (int j = h.i - 1; cov > z && j > h.lo && h.ids[j - 1] == h.ids[j] - 1; --j) cov -= bn;
-      z = imax(z, cov);
-    }
-    start = (int)z;
-    word = (int)(y - z) | flags << 8;
+    const int flags = (e0 == y ? 1 : 0) | (e1 == y ? 2 : 0);
+    int z = y - tile_n;
+    if (e0 != y && e0 > z) z = e0;
+    if (e1 != y && e1 > z) z = e1;
+    for (int k = 0; k < 2; ++k)
+      if (flags >> k & 1) {
+        const int r = half[k].run_start(bn, z);
+        if (r > z) z = r;
+      }
+    start = z;
+    word = (y - z) | flags << 8;
     x = z;
-    for (int k = 0; k < 2; ++k) {
-      BsrHalf& h = half[k];
-      if (flags >> k & 1)
-        while (h.i > h.lo && (i64)h.ids[h.i - 1] * bn >= z) --h.i;
-    }
+    for (int k = 0; k < 2; ++k)
+      if (flags >> k & 1) half[k].pop(bn, z);
     return true;
   }
 };

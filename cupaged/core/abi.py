@@ -158,7 +158,8 @@ BSR_PREPARE = Record("BsrPrepareArgs", [
     ("i64", "row_bytes"), ("int", "batch"), ("int", "total_q"), ("int", "total_k", 0),
     ("int", "table_stride", 0), ("int", "table_width", 0), ("int", "page_size", 1),
     ("int", "num_blocks", 0), ("int", "num_q_heads"), ("int", "pattern_heads"),
-    ("int", "block_m"), ("int", "indptr_len"), ("int", "nnz"), ("int", "cta_bound"),
+    ("int", "block_m"), ("int", "cta_rows"), ("int", "indptr_len"), ("int", "nnz"),
+    ("int", "cta_bound"),
 ])
 
 # ----------------------------------------------------------------------------- cache ops

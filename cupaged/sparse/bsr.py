@@ -120,7 +120,7 @@ def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal,
          out=ptr(out), lse=ptr(lse), row_bytes=hq * d * q.itemsize, total_q=total_q,
          total_k=total_k, table_stride=kv.table_stride, page_size=kv.page_size,
          table_width=kv.table.shape[1] if paged else 0,
-         num_blocks=kv.k.shape[0] if paged else 0, num_q_heads=hq,
+         num_blocks=kv.k.shape[0] if paged else 0, num_q_heads=hq, cta_rows=kernels.CTA_ROWS,
          pattern_heads=pattern.heads, **sizes)
     kern = kernels.attention_kernel(q.dtype, d, "bsr_attention")
     kern((hq, cta_bound), kernels.attention_tile(d).threads, kernels.attention_smem(d),
