@@ -74,10 +74,6 @@ def _check_gpu(q, pattern, opts):
         if given:
             raise ValueError(f"{name}: the CUDA BSR kernel does not take it yet (NumPy inputs "
                              f"run the reference), expected {off!r}, got {getattr(opts, name)!r}")
-    cta_bound = -(-q.shape[0] // kernels.CTA_ROWS)
-    if cta_bound > MAX_CTA_ROWS:
-        raise ValueError(f"q: the CUDA kernel takes at most {MAX_CTA_ROWS * kernels.CTA_ROWS} "
-                         f"rows, got {q.shape[0]}")
 
 
 def _outputs(q, out, return_lse, xp):
@@ -109,6 +105,9 @@ def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal,
             lse.fill(-np.inf)
         return
     cta_bound = -(-total_q // kernels.CTA_ROWS) + batch
+    if cta_bound > MAX_CTA_ROWS:
+        raise ValueError(f"q: the CUDA kernel takes at most {MAX_CTA_ROWS} CTA rows "
+                         f"(ceil(total_q / {kernels.CTA_ROWS}) + batch), got {cta_bound}")
     meta = cupy.empty(kernels.bsr_meta_size(batch, cta_bound), np.int32)
     err = error_word()
     sizes = dict(batch=batch, indptr_len=pattern.indptr.shape[0], nnz=pattern.indices.shape[0],
