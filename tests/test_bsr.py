@@ -404,3 +404,78 @@ def test_bad_cu_seqlens_q_is_reported(cp, rng):
     _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, 64, 64, 2)
     with pytest.raises(errors.DeviceIndexError, match="cu_seqlens_q: expected non-decreasing"):
         cupaged.check_errors()
+
+
+# ----------------------------------------------------------------------------- launch wiring
+class _Recorder:
+    """Stands in for a compiled kernel: packs the fields into its record (a missing or
+    misspelt field raises) and keeps the launch."""
+
+    def __init__(self, record, calls):
+        self.record, self.calls = record, calls
+
+    def __call__(self, grid, block, smem=0, **fields):
+        self.record.pack_into(bytearray(self.record.size), **fields)
+        self.calls.append((self.record.name, grid, block, smem, fields))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Launches of bsr.py and attention.py recorded on the host (NumPy arrays for device
+    ones; addresses from id())."""
+    import sys
+    import types
+    from cupaged.sparse import attention, launch, tiles
+    calls = []
+    fake_ptr = lambda a: 0 if a is None else id(a)  # noqa: E731
+    for module in (bsr, launch, attention):
+        monkeypatch.setattr(module, "ptr", fake_ptr)
+    monkeypatch.setattr(tiles, "address", fake_ptr)
+    monkeypatch.setattr(bsr, "launcher", lambda stem, expr, record, **kw: _Recorder(record, calls))
+    monkeypatch.setattr(launch, "attention_kernel",
+                        lambda dtype, d, kind="sparse_attention": _Recorder(abi.SPARSE, calls))
+    monkeypatch.setattr(bsr, "error_word", lambda: np.zeros(8, np.int64))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty))
+    return calls
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_bsr_launches_pack_their_records(rng, recorded, paged):
+    from cupaged.sparse import launch
+    q_lens, kv_lens = [300, 0, 77], [300, 50, 200]
+    q, k, v, cu_q, cu_k = _batch(rng, q_lens, kv_lens, 8, 2, 128, np.float16)
+    indptr, indices = _pattern(rng, q_lens, kv_lens, 64, 64, 2, 0.5)
+    opts = AttentionOptions(0.1, -1, None, np.zeros(8, np.float32), 0.0)
+    pattern = bsr.Pattern(indptr, indices, 64, 64, 2)
+    out, lse = np.empty_like(q), np.empty(q.shape[:2], np.float32)
+    if paged:
+        kc, vc, tables = _to_paged(rng, k, v, kv_lens, "HND", 16)
+        kv = launch.paged_kv(kc, vc, tables, "HND")
+        bsr._launch(q, kv, 2, cu_q, np.array(kv_lens, np.int32), 0, pattern, opts, True, out, lse)
+    else:
+        bsr._launch(q, launch.dense_kv(k, v, cu_k), 2, cu_q, None, k.shape[0], pattern, opts,
+                    True, out, lse)
+    (prep, g0, b0, _, f0), (attn, g1, b1, smem, f1) = recorded
+    assert (prep, attn) == ("BsrPrepareArgs", "SparseArgs")
+    bound = -(-377 // 128) + 3
+    assert g0 == 1 and b0 == launch.PREP_THREADS and g1 == (8, bound)
+    assert b1 == launch.attention_tile(128).threads and smem == launch.attention_smem(128)
+    assert f0["cta_bound"] == f1["cta_bound"] == bound and f0["cta_rows"] == launch.CTA_ROWS
+    assert f0["indptr_len"] == f1["indptr_len"] == len(indptr) and f1["nnz"] == len(indices)
+    assert f1["pattern_group"] == 4 and f1["group"] == 4 and f1["q_tok"] == 8 * 128
+    assert f0["row_bytes"] == 8 * 128 * 2 and f0["table_width"] == (tables.shape[1] if paged else 0)
+    assert (f1["block_tables"] != 0) == paged and (f1["cu_k"] != 0) == (not paged)
+
+
+def test_vertical_slash_launch_packs_its_record(rng, recorded):
+    from cupaged.sparse import attention, launch, tiles
+    q, k, v, cu_q, cu_k = _batch(rng, [130], [130], 4, 2, 64, np.float16)
+    lists = tiles.TileLists(np.zeros(5, np.int64), np.zeros((1, 2), np.int32), 0, 4, 4, 2,
+                            np.zeros((1, 4, 3), np.int32), 4, 3)
+    batch = attention.Batch(4, 2, 64, np.array([130]), np.array([130]))
+    opts = AttentionOptions(0.125, -1, None, None, 0.0)
+    attention.launch(q, launch.dense_kv(k, v, cu_k), np.empty_like(q), None, cu_q,
+                     np.array([130], np.int32), batch, lists, opts)
+    (name, grid, _, _, fields), = recorded
+    assert name == "SparseArgs" and grid == (4, 2, 1)
+    assert fields["plan_heads"] == 4 and fields["cols_width"] == 3 and fields["lse"] == 0

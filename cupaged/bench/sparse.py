@@ -33,8 +33,11 @@ Batched BSR rows (``budget`` "bsr"): ``varlen_block_sparse_attention`` over B 4 
 diagonal block of every block row and random causal blocks besides, beside dense causal
 ``varlen_prefill`` of the same batch: ``kept`` (kept blocks over the causal blocks),
 ``bsr_ms`` (the public op: checks, ``bsr_prepare`` and the kernel), ``dense_ms``, ``mma_ms``,
-``vs_dense`` (dense over ``bsr_ms``) and ``block_ratio`` (kept blocks per second over the
-mma.sync dense kernel's causal blocks per second; issue 22's goal: >= 0.8).
+``vs_dense`` (dense over ``bsr_ms``), ``block_ratio`` (kept blocks per second over the
+mma.sync dense kernel's causal blocks per second; issue 22's goal: >= 0.8) and ``busy``
+(the share of the kernel's (tile, 64-row half) slots that compute: random rows share few
+blocks, so a 128-row CTA's halves often wait for each other; ``block_ratio`` is bounded by
+it).
 Run: ``python -m cupaged.bench.sparse [--quick]``.
 """
 from __future__ import annotations
@@ -210,18 +213,25 @@ BSR_KEEP = (0.1, 0.5)              # target kept fraction of the causal blocks
 
 def bsr_pattern(rng, batch, seqlen, block, heads, keep):
     """int32 ``(indptr, indices)`` keeping, in every (sequence, pattern head) block row ``r``,
-    block ``r`` and each earlier block with probability ``(keep (r + 1) - 1) / r``; and the
-    kept fraction of the causal blocks."""
+    block ``r`` and each earlier block with probability ``(keep (r + 1) - 1) / r``; the kept
+    fraction of the causal blocks; and the share of the kernel's (tile, half) slots that
+    compute (``block`` 64: a CTA's two halves are block rows 2c and 2c + 1, each tile of
+    their union loaded once and computed by the halves that keep it)."""
     rows = -(-seqlen // block)
-    counts, indices = [], []
+    counts, indices, union = [], [], 0
     for _ in range(batch * heads):
+        prev = set()
         for r in range(rows):
             p = (keep * (r + 1) - 1) / r if r else 0.0
             kept = np.flatnonzero(rng.random(r) < p).tolist() + [r]
             indices += kept
             counts.append(len(kept))
+            union += len(prev | set(kept)) if r % 2 else 0
+            prev = set(kept) if r % 2 == 0 else set()
+        union += len(prev)
     indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    return indptr, np.asarray(indices, np.int32), len(indices) / (batch * heads * rows * (rows + 1) / 2)
+    kept = len(indices) / (batch * heads * rows * (rows + 1) / 2)
+    return indptr, np.asarray(indices, np.int32), kept, len(indices) / (2 * union)
 
 
 def bench_bsr(keep, reps):
@@ -234,7 +244,8 @@ def bench_bsr(keep, reps):
     q = rs.standard_normal((total, HQ, D), dtype=cupy.float32).astype(bfloat16)
     k, v = (rs.standard_normal((total, HK, D), dtype=cupy.float32).astype(bfloat16) for _ in range(2))
     cu = cupy.arange(0, total + 1, BSR_LEN, dtype=np.int32)
-    indptr, indices, kept = bsr_pattern(np.random.default_rng(0), BSR_BATCH, BSR_LEN, BSR_BLOCK, HK, keep)
+    indptr, indices, kept, busy = bsr_pattern(np.random.default_rng(0), BSR_BATCH, BSR_LEN,
+                                              BSR_BLOCK, HK, keep)
     indptr, indices = cupy.asarray(indptr), cupy.asarray(indices)
     out = cupy.empty_like(q)
     t_bsr = time_gpu(lambda: cupaged.varlen_block_sparse_attention(
@@ -243,7 +254,7 @@ def bench_bsr(keep, reps):
     t_dense, t_mma = (time_gpu(lambda: cupaged.varlen_prefill(q, k, v, cu, cu, causal=True,
                                                               backend=b), warmup=1, reps=reps)
                       for b in ("auto", "mma"))
-    return dict(S=BSR_LEN, budget="bsr", B=BSR_BATCH, kept=kept, bsr_ms=t_bsr * 1e3,
+    return dict(S=BSR_LEN, budget="bsr", B=BSR_BATCH, kept=kept, busy=busy, bsr_ms=t_bsr * 1e3,
                 dense_ms=t_dense * 1e3, mma_ms=t_mma * 1e3, vs_dense=t_dense / t_bsr,
                 block_ratio=(kept / t_bsr) / (1 / t_mma))
 
@@ -259,7 +270,7 @@ def run(quick=False):
 
 COLUMNS = ["S", "budget", "nv", "ns", "diag_frac", "est_ms", "index_ms", "kernel_ms", "sparse_ms",
            "op_ms", "dense_ms", "vs_dense", "mma_ms", "cudnn_ms", "vs_cudnn", "density", "pair_ratio",
-           "mass", "checked", "B", "kept", "bsr_ms", "block_ratio"]
+           "mass", "checked", "B", "kept", "busy", "bsr_ms", "block_ratio"]
 
 
 def main(argv=None):
