@@ -2,7 +2,7 @@
 // patterns over dense packed or paged K/V, GQA, sinks, fp16/bf16.
 //
 // A CTA computes 128 query rows of one head, the 64-row tiles 2c (half a) and 2c + 1 (half
-// b) of a sequence, with the tile core of the dense kernel (attn_tile.cuh: 4 warps x 32 rows,
+// b) of a sequence (bsr_attention also runs 64-row CTAs of one half, 4 warps x 16 rows), with the tile core of the dense kernel (attn_tile.cuh: 4 warps x 32 rows,
 // 64-key K/V tiles, two stages, one barrier per tile; 8 warps x 16 rows and 32-key tiles at
 // D = 256); the warps of a half own its 64 rows. The CTA walks a stream of K/V tiles from its
 // tile source - contiguous keys of the halves' key blocks, or vertical columns gathered from
@@ -87,8 +87,9 @@ struct ListSource {
     return true;
   }
 
-  template <typename T>
+  template <int HALVES, typename T>
   __device__ __forceinline__ void init(const SparseArgs<T>& P, const CtaSeq& s, int hh, int) {
+    static_assert(HALVES == 2, "tile lists are built for 128-row CTAs");
     if (threadIdx.x != 0) return;
     const i64 prow = ((i64)s.b * P.plan_heads + (P.plan_heads > 1 ? hh : 0)) * P.num_c + s.c;
     const i64 t0 = P.plan_ptr[prow];
@@ -104,8 +105,9 @@ struct ListSource {
 
 // A batched BSR pattern (cupaged/reference/bsr.py) with bsr_prepare's schedule in bsr_meta:
 // CTA (x, y) takes entry cta_bound - 1 - y of the CTA map (the last rows of the last
-// sequences first) and query head head0 + x, whose pattern head is h / pattern_group. Its
-// halves' CSR rows are checked first (every entry it follows: indptr within [0, nnz] and
+// sequences first) and query head head0 + x, whose pattern head is h / pattern_group; it
+// has HALVES 64-row halves (one: half b keeps no block). Its halves' CSR rows are checked
+// first (every entry it follows: indptr within [0, nnz] and
 // ordered, block ids within the sequence's columns and strictly increasing); a bad row is
 // reported and its half keeps no block (its rows come out as zeros).
 struct BsrSource {
@@ -124,7 +126,7 @@ struct BsrSource {
     return true;
   }
 
-  template <typename T>
+  template <int HALVES, typename T>
   __device__ __forceinline__ void init(const SparseArgs<T>& P, const CtaSeq& s, int hh, int tile_n) {
     const int row0 = __ldg(P.bsr_meta + 4 * s.b);
     const bool frame = __ldg(P.bsr_meta + 4 * P.batch) != 0;
@@ -133,9 +135,9 @@ struct BsrSource {
     const i64 first = row0 + (i64)((P.head0 + hh) / P.pattern_group) * rows;
     int lo[2] = {0, 0}, hi[2] = {0, 0}, clip[2] = {0, 0};
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < HALVES; ++k) {
       HalfTile half;
-      half.init(2 * s.c + k, s.q_len, s.kv_len, P.block_m, P.block_m / HALF_ROWS, P.causal != 0);
+      half.init(HALVES * s.c + k, s.q_len, s.kv_len, P.block_m, P.block_m / HALF_ROWS, P.causal != 0);
       if (!frame || !half.valid) continue;  // CTA-uniform
       const i64 t = first + half.prow;
       if (row_ok(P, t, cols) && half.clip > 0) {
@@ -277,7 +279,9 @@ __device__ __forceinline__ void attend_tile(float (&o)[C::MT][D / 8][4], float (
 template <typename T, int D, typename S, typename Src>
 __device__ __forceinline__ void sparse_mma(const SparseArgs<T>& P) {
   using C = MmaConfig<T, D, S, false>;
-  static_assert(C::BLOCK_M == 2 * HALF_ROWS && C::STAGES == 2 && !C::Q_REGS, "two halves, two stages");
+  constexpr int HALVES = C::BLOCK_M / HALF_ROWS;
+  static_assert(C::BLOCK_M % HALF_ROWS == 0 && (HALVES == 1 || HALVES == 2) && C::STAGES == 2 &&
+                !C::Q_REGS, "one or two halves, two stages");
   constexpr int MT = C::MT, BN = C::BLOCK_N;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ SparseLoop<T, BN> st;
@@ -293,7 +297,7 @@ __device__ __forceinline__ void sparse_mma(const SparseArgs<T>& P) {
   if (m0 >= q_len) return;
   const SparseRows rows{(i64)cs.q0 + m0, h, min(C::BLOCK_M, q_len - m0)};
   if (threadIdx.x == 0) st.init(P, cs.b, h);
-  src.init(P, cs, hh, BN);
+  src.template init<HALVES>(P, cs, hh, BN);
 
   // -- prologue: Q and the descriptors of the first two tiles; then all of the first tile --
   load_q_tile<T, D, C>(P.q, P.q_tok, rows, sQ);
@@ -368,8 +372,10 @@ __global__ void __launch_bounds__(32 * S::WARPS, S::CTAS) sparse_attention(CUPAG
   sparse_mma<T, D, S, ListSource>(P);
 }
 
-// grid (num_q_heads, cta_bound), block 32 * S::WARPS, shared memory as sparse_attention: the
-// same loop over a batched BSR pattern (BsrSource), CTAs placed by bsr_prepare's map.
+// grid (num_q_heads, cta_bound), block 32 * S::WARPS, shared memory as sparse_attention (Q
+// [BLOCK_M][D + 8]): the same loop over a batched BSR pattern (BsrSource), CTAs of BLOCK_M =
+// 128 or 64 query rows placed by bsr_prepare's map (64: for block rows of 64 or an odd
+// multiple of it, whose neighbours keep other blocks).
 template <typename T, int D, typename S>
 __global__ void __launch_bounds__(32 * S::WARPS, S::CTAS) bsr_attention(CUPAGED_PARAMS_SparseArgs) {
   const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};

@@ -186,6 +186,27 @@ def test_varlen_matches_reference(cp, rng, dtype, d, bm, bn, heads, causal, sink
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("bm,rows", [(64, 128), (192, 128), (128, 64)])
+def test_either_cta_height_serves_any_block_rows(cp, rng, d, bm, rows):
+    """The CTA height the op does not pick for ``bm`` (128-row CTAs over two block rows of
+    other blocks, or 64-row CTAs inside one block row) gives the reference's result too."""
+    from cupaged.core.checks import check_options
+    from cupaged.sparse import launch
+    case = _gpu_case(rng, Q_LENS, KV_LENS, 4, 2, d, np.float16, bm, 64, 2, 0.4)
+    q, k, v, cu_q, cu_k, indptr, indices = (cp.asarray(x) for x in case)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)
+    lse = cp.full(q.shape[:2], np.nan, dtype=np.float32)
+    opts = check_options(cp, 4, d, sinks=cp.asarray(sinks))
+    bsr._launch(q, launch.dense_kv(k, v, cu_k), 2, cu_q, None, k.shape[0],
+                bsr.Pattern(indptr, indices, bm, 64, 2), opts, True, out, lse, rows=rows)
+    _check((cp.asnumpy(out), cp.asnumpy(lse)), _want_varlen(*case, bm, 64, 2, sinks=sinks),
+           np.float16)
+    cupaged.check_errors()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("density", [0.0, 0.1, 1.0])
 def test_long_rows_and_densities(cp, rng, density):
     """3000 keys: long block rows (many tiles per CTA), runs of adjacent blocks, empty and
@@ -433,7 +454,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(tiles, "address", fake_ptr)
     monkeypatch.setattr(bsr, "launcher", lambda stem, expr, record, **kw: _Recorder(record, calls))
     monkeypatch.setattr(launch, "attention_kernel",
-                        lambda dtype, d, kind="sparse_attention": _Recorder(abi.SPARSE, calls))
+                        lambda dtype, d, kind="sparse_attention", rows=128: _Recorder(abi.SPARSE, calls))
     monkeypatch.setattr(bsr, "error_word", lambda: np.zeros(8, np.int64))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty))
     return calls
@@ -457,14 +478,18 @@ def test_bsr_launches_pack_their_records(rng, recorded, paged):
                     True, out, lse)
     (prep, g0, b0, _, f0), (attn, g1, b1, smem, f1) = recorded
     assert (prep, attn) == ("BsrPrepareArgs", "SparseArgs")
-    bound = -(-377 // 128) + 3
+    bound = -(-377 // 64) + 3                          # block_m 64: 64-row CTAs
     assert g0 == 1 and b0 == launch.PREP_THREADS and g1 == (8, bound)
-    assert b1 == launch.attention_tile(128).threads and smem == launch.attention_smem(128)
-    assert f0["cta_bound"] == f1["cta_bound"] == bound and f0["cta_rows"] == launch.CTA_ROWS
+    assert b1 == launch.attention_tile(128, 64).threads and smem == launch.attention_smem(128, 64)
+    assert f0["cta_bound"] == f1["cta_bound"] == bound and f0["cta_rows"] == 64
     assert f0["indptr_len"] == f1["indptr_len"] == len(indptr) and f1["nnz"] == len(indices)
     assert f1["pattern_group"] == 4 and f1["group"] == 4 and f1["q_tok"] == 8 * 128
     assert f0["row_bytes"] == 8 * 128 * 2 and f0["table_width"] == (tables.shape[1] if paged else 0)
     assert (f1["block_tables"] != 0) == paged and (f1["cu_k"] != 0) == (not paged)
+
+
+def test_cta_rows_follow_the_block_rows():
+    assert [bsr.cta_rows(m) for m in (64, 128, 192, 256, 320)] == [64, 128, 64, 128, 64]
 
 
 def test_vertical_slash_launch_packs_its_record(rng, recorded):

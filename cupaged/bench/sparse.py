@@ -32,12 +32,14 @@ Batched BSR rows (``budget`` "bsr"): ``varlen_block_sparse_attention`` over B 4 
 (random q/k/v, same heads and dtype), 64 x 64 blocks, one pattern per kv head keeping the
 diagonal block of every block row and random causal blocks besides, beside dense causal
 ``varlen_prefill`` of the same batch: ``kept`` (kept blocks over the causal blocks),
-``bsr_ms`` (the public op: checks, ``bsr_prepare`` and the kernel), ``dense_ms``, ``mma_ms``,
+``bsr_ms`` (the public op: checks, ``bsr_prepare`` and the kernel, on 64-row CTAs),
+``bsr128_ms`` (the same launches on 128-row CTAs, whose two halves are two block rows),
+``dense_ms``, ``mma_ms``,
 ``vs_dense`` (dense over ``bsr_ms``), ``block_ratio`` (kept blocks per second over the
 mma.sync dense kernel's causal blocks per second; issue 22's goal: >= 0.8) and ``busy``
-(the share of the kernel's (tile, 64-row half) slots that compute: random rows share few
-blocks, so a 128-row CTA's halves often wait for each other; ``block_ratio`` is bounded by
-it).
+(the share of the (tile, 64-row half) slots that compute on 128-row CTAs: random rows
+share few blocks, so those halves often wait for each other; ``bsr128_ms`` is bounded by
+it, 64-row CTAs are not, at twice the shared-memory reads per computed block).
 Run: ``python -m cupaged.bench.sparse [--quick]``.
 """
 from __future__ import annotations
@@ -251,12 +253,19 @@ def bench_bsr(keep, reps):
     t_bsr = time_gpu(lambda: cupaged.varlen_block_sparse_attention(
         q, k, v, cu, cu, indptr, indices, BSR_BLOCK, BSR_BLOCK, pattern_heads=HK, out=out),
         warmup=1, reps=reps)
+    # the same pattern on 128-row CTAs (two block rows a CTA) instead of the op's 64
+    from ..core.checks import check_options
+    from ..sparse import bsr, launch as kernels
+    pattern = bsr.Pattern(indptr, indices, BSR_BLOCK, BSR_BLOCK, HK)
+    t_128 = time_gpu(lambda: bsr._launch(q, kernels.dense_kv(k, v, cu), HK, cu, None, total,
+                                         pattern, check_options(cupy, HQ, D), True, out, None,
+                                         rows=kernels.CTA_ROWS), warmup=1, reps=reps)
     t_dense, t_mma = (time_gpu(lambda: cupaged.varlen_prefill(q, k, v, cu, cu, causal=True,
                                                               backend=b), warmup=1, reps=reps)
                       for b in ("auto", "mma"))
     return dict(S=BSR_LEN, budget="bsr", B=BSR_BATCH, kept=kept, busy=busy, bsr_ms=t_bsr * 1e3,
-                dense_ms=t_dense * 1e3, mma_ms=t_mma * 1e3, vs_dense=t_dense / t_bsr,
-                block_ratio=(kept / t_bsr) / (1 / t_mma))
+                bsr128_ms=t_128 * 1e3, dense_ms=t_dense * 1e3, mma_ms=t_mma * 1e3,
+                vs_dense=t_dense / t_bsr, block_ratio=(kept / t_bsr) / (1 / t_mma))
 
 
 def run(quick=False):
@@ -270,7 +279,7 @@ def run(quick=False):
 
 COLUMNS = ["S", "budget", "nv", "ns", "diag_frac", "est_ms", "index_ms", "kernel_ms", "sparse_ms",
            "op_ms", "dense_ms", "vs_dense", "mma_ms", "cudnn_ms", "vs_cudnn", "density", "pair_ratio",
-           "mass", "checked", "B", "kept", "busy", "bsr_ms", "block_ratio"]
+           "mass", "checked", "B", "kept", "busy", "bsr_ms", "bsr128_ms", "block_ratio"]
 
 
 def main(argv=None):

@@ -91,11 +91,20 @@ def _finish(result, out, lse):
 
 
 # ----------------------------------------------------------------------------- launch
-def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal, out, lse):
+def cta_rows(block_m):
+    """Query rows per CTA of ``bsr_attention``: 128 (two 64-row halves sharing every K/V tile
+    load) when both halves lie in one block row, else 64 (a CTA's halves would be adjacent
+    block rows keeping other blocks, each half idle while the other computes its tiles)."""
+    return kernels.CTA_ROWS if block_m % kernels.CTA_ROWS == 0 else kernels.ROWS
+
+
+def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal, out, lse,
+            rows=None):
     """``bsr_prepare`` then ``bsr_attention`` over the batch (CuPy arrays; no host read).
 
     ``kv``: ``launch.KVSource`` (dense rows with ``cu_k``, or pages); ``seq_lens``: the paged
-    key counts, or None; ``total_k``: rows of dense keys.
+    key counts, or None; ``total_k``: rows of dense keys; ``rows``: query rows per CTA, 64 or
+    128 (default :func:`cta_rows`; both are right for any ``block_m``).
     """
     import cupy
     batch, (total_q, hq, d) = cu_q.shape[0] - 1, q.shape
@@ -104,10 +113,11 @@ def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal,
         if lse is not None:
             lse.fill(-np.inf)
         return
-    cta_bound = -(-total_q // kernels.CTA_ROWS) + batch
+    rows = rows or cta_rows(pattern.block_m)
+    cta_bound = -(-total_q // rows) + batch
     if cta_bound > MAX_CTA_ROWS:
         raise ValueError(f"q: the CUDA kernel takes at most {MAX_CTA_ROWS} CTA rows "
-                         f"(ceil(total_q / {kernels.CTA_ROWS}) + batch), got {cta_bound}")
+                         f"(ceil(total_q / {rows}) + batch), got {cta_bound}")
     meta = cupy.empty(kernels.bsr_meta_size(batch, cta_bound), np.int32)
     err = error_word()
     sizes = dict(batch=batch, indptr_len=pattern.indptr.shape[0], nnz=pattern.indices.shape[0],
@@ -119,10 +129,10 @@ def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal,
          out=ptr(out), lse=ptr(lse), row_bytes=hq * d * q.itemsize, total_q=total_q,
          total_k=total_k, table_stride=kv.table_stride, page_size=kv.page_size,
          table_width=kv.table.shape[1] if paged else 0,
-         num_blocks=kv.k.shape[0] if paged else 0, num_q_heads=hq, cta_rows=kernels.CTA_ROWS,
+         num_blocks=kv.k.shape[0] if paged else 0, num_q_heads=hq, cta_rows=rows,
          pattern_heads=pattern.heads, **sizes)
-    kern = kernels.attention_kernel(q.dtype, d, "bsr_attention")
-    kern((hq, cta_bound), kernels.attention_tile(d).threads, kernels.attention_smem(d),
+    kern = kernels.attention_kernel(q.dtype, d, "bsr_attention", rows)
+    kern((hq, cta_bound), kernels.attention_tile(d, rows).threads, kernels.attention_smem(d, rows),
          cu_q=ptr(cu_q), indptr=ptr(pattern.indptr), indices=ptr(pattern.indices),
          bsr_meta=ptr(meta), err=ptr(err), pattern_group=hq // pattern.heads,
          block_n=pattern.block_n, **sizes,

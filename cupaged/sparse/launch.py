@@ -35,29 +35,33 @@ BSR_PREPARE_EXPR = "cupaged::bsr_prepare"
 INDEX_EXPRS = (PREPARE_EXPR, INDEX_EXPR, VS_PLAN_EXPR, BSR_PREPARE_EXPR)
 
 
-def attention_tile(head_dim):
+def attention_tile(head_dim, rows=CTA_ROWS):
     """Tile of ``sparse_attention``: the dense kernel's 4 warps x 32 rows, 64-key tiles, two
     stages, 2 CTAs per SM up to d128; 8 warps x 16 rows and 32-key tiles at d256 (two stages
-    within an A100's shared memory)."""
+    within an A100's shared memory). ``rows`` 64 (``bsr_attention`` only): one 64-row half,
+    4 warps x 16 rows."""
+    if rows == ROWS:
+        return TileShape(4, 1, 32 if head_dim == 256 else 64, 2, False, 2)
     if head_dim == 256:
         return TileShape(8, 1, 32, 2, False, 1)
     return TileShape(4, 2, 64, 2, False, 2)
 
 
-def attention_expr(dtype, head_dim, kernel="sparse_attention"):
+def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS):
     """``kernel``: ``"sparse_attention"`` (tile lists) or ``"bsr_attention"`` (batched BSR)."""
-    return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {attention_tile(head_dim).cpp()}>"
+    tile = attention_tile(head_dim, rows)
+    return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {tile.cpp()}>"
 
 
 def estimate_expr(dtype, head_dim):
     return f"cupaged::vs_estimate<{ctype(dtype)}, {head_dim}>"
 
 
-def attention_smem(head_dim):
-    """Dynamic shared memory of ``sparse_attention``: Q [128][D + 8], two K and two V
+def attention_smem(head_dim, rows=CTA_ROWS):
+    """Dynamic shared memory of ``sparse_attention``: Q [rows][D + 8], two K and two V
     stages [block_n][D + 8] (16-bit elements), bytes."""
     ld = head_dim + 8
-    return 2 * (CTA_ROWS * ld + 4 * attention_tile(head_dim).block_n * ld)
+    return 2 * (rows * ld + 4 * attention_tile(head_dim, rows).block_n * ld)
 
 
 def estimate_smem(head_dim):
@@ -110,7 +114,9 @@ def kernel_specializations():
         for d in HEAD_DIMS:
             specs.append(Spec("sparse_estimate", estimate_expr(dtype, d)))
             specs.append(Spec("sparse_attention", attention_expr(dtype, d)))
-            specs.append(Spec("sparse_attention", attention_expr(dtype, d, "bsr_attention")))
+            for rows in (CTA_ROWS, ROWS):
+                specs.append(Spec("sparse_attention",
+                                  attention_expr(dtype, d, "bsr_attention", rows)))
     return specs
 
 
@@ -128,11 +134,12 @@ def bsr_meta_size(batch, cta_bound):
     return 4 * (batch + 1) + cta_bound
 
 
-def attention_kernel(dtype, head_dim, kind="sparse_attention"):
+def attention_kernel(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS):
     """The :class:`cupaged.core.launch.Kernel` of ``sparse_attention.cu`` (``kind``: tile
-    lists or ``"bsr_attention"``), its shared memory reserved; arguments ``abi.SPARSE``."""
-    return launcher("sparse_attention", attention_expr(dtype, head_dim, kind), abi.SPARSE,
-                    smem=attention_smem(head_dim), carveout=True)
+    lists or ``"bsr_attention"``; ``rows`` query rows per CTA), its shared memory reserved;
+    arguments ``abi.SPARSE``."""
+    return launcher("sparse_attention", attention_expr(dtype, head_dim, kind, rows), abi.SPARSE,
+                    smem=attention_smem(head_dim, rows), carveout=True)
 
 
 def kernel(stem, expr, smem=0):
