@@ -13,7 +13,6 @@ from cupaged import sparse
 from cupaged.core import abi, errors
 from cupaged.core.arrays import bfloat16
 from cupaged.core.checks import AttentionOptions
-from cupaged.reference import attention as ra
 from cupaged.reference import bsr as ref
 from cupaged.sparse import bsr
 from test_reference_bsr import _batch, _cu, _full, _pattern, _to_paged

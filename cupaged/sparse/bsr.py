@@ -18,9 +18,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core import abi
-from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
+from ..core.arrays import accepts_dlpack, array_module, check_array
 from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
-    check_out, check_query, table_stride)
+    check_query, table_stride)
 from ..core.compile import launcher
 from ..core.errors import error_word, strict
 from ..core.fp8 import check_kv_scales, resolve_kv_dtype
@@ -28,6 +28,7 @@ from ..core.launch import ptr
 from ..core.layouts import cache_geometry, resolve_layout
 from ..reference import bsr as ref
 from . import launch as kernels
+from .attention import _check_kv, _finish_reference, _outputs
 from .index import check_block_size, check_bsr_batch
 
 MAX_CTA_ROWS = 65535         # grid.y of bsr_attention
@@ -50,17 +51,6 @@ def _check_pattern(indptr, indices, block_m, block_n, pattern_heads, hq, hk, len
     return Pattern(indptr, indices, block_m, block_n, int(pattern_heads))
 
 
-def _check_kv(k, v, q, xp):
-    for name, x in (("k", k), ("v", v)):
-        check_array(name, x, ndim=3, dtypes=FLOAT_DTYPES, xp=xp)
-        if x.dtype != q.dtype or x.shape[2] != q.shape[2]:
-            raise TypeError(f"{name}: expected dtype {q.dtype} and head size {q.shape[2]} like q, "
-                            f"got {x.dtype} and {x.shape[2]}")
-    if v.shape != k.shape:
-        raise ValueError(f"v: expected shape {tuple(k.shape)} like k, got {tuple(v.shape)}")
-    check_gqa(q.shape[1], k.shape[1])
-
-
 def _check_gpu(q, pattern, opts):
     """What the CUDA kernel does not take (the reference does)."""
     if q.dtype not in kernels.KERNEL_DTYPES:
@@ -74,20 +64,6 @@ def _check_gpu(q, pattern, opts):
         if given:
             raise ValueError(f"{name}: the CUDA BSR kernel does not take it yet (NumPy inputs "
                              f"run the reference), expected {off!r}, got {getattr(opts, name)!r}")
-
-
-def _outputs(q, out, return_lse, xp):
-    out = xp.empty(q.shape, q.dtype) if out is None else check_out(out, q.shape, q.dtype, xp)
-    lse = xp.empty(q.shape[:2], np.float32) if return_lse else None
-    return out, lse
-
-
-def _finish(result, out, lse):
-    if result is not None:
-        out[...] = result[0].astype(out.dtype)
-        if lse is not None:
-            lse[...] = result[1].astype(np.float32)
-    return out if lse is None else (out, lse)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -201,14 +177,14 @@ def varlen_block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, indptr, i
                          alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
     out, lse = _outputs(q, out, return_lse, xp)
     if xp is np:
-        return _finish(ref.varlen_block_sparse_attention(
+        return _finish_reference(ref.varlen_block_sparse_attention(
             q, k, v, cu_q, cu_k, indptr, indices, pattern.block_m, pattern.block_n,
             pattern_heads=pattern.heads, causal=bool(causal), **_reference_options(opts)),
             out, lse)
     _check_gpu(q, pattern, opts)
     _launch(q, kernels.dense_kv(k, v, cu_seqlens_k), k.shape[1], cu_seqlens_q, None, k.shape[0],
             pattern, opts, causal, out, lse)
-    return _finish(None, out, lse)
+    return out if lse is None else (out, lse)
 
 
 def _reference_options(opts):
@@ -277,7 +253,7 @@ def paged_block_sparse_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables
                          alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
     out, lse = _outputs(q, out, return_lse, xp)
     if xp is np:
-        return _finish(ref.paged_block_sparse_attention(
+        return _finish_reference(ref.paged_block_sparse_attention(
             q, k_cache, v_cache, cu_q, block_tables, kv_lens, indptr, indices, pattern.block_m,
             pattern.block_n, pattern_heads=pattern.heads, causal=bool(causal), layout=layout,
             kv_dtype=None if fmt is None else fmt.name, k_scale=scales[0], v_scale=scales[1],
@@ -292,7 +268,7 @@ def paged_block_sparse_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables
                          f"{kv.page_stride}")
     kv = kv._replace(table_stride=table_stride(block_tables))
     _launch(q, kv, geo.num_kv_heads, cu_seqlens_q, seq_lens, 0, pattern, opts, causal, out, lse)
-    return _finish(None, out, lse)
+    return out if lse is None else (out, lse)
 
 
 @accepts_dlpack
