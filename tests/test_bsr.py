@@ -282,19 +282,20 @@ def _run_paged(cp, q, kc, vc, cu_q, tables, lens, indptr, indices, bm, bn, heads
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("page", [1, 16, 24, 128])
-def test_paged_equals_ragged(cp, rng, layout, page):
+@pytest.mark.parametrize("bm", [64, 128])
+def test_paged_equals_ragged(cp, rng, layout, page, bm):
     """Every page size (powers of two and not) gives the ragged kernel's result exactly, and
     the reference's; q_len > kv_len rows see nothing when causal."""
     q_lens, kv_lens = [70, 0, 129, 1, 9], [500, 33, 200, 64, 4]
     q, k, v, cu_q, cu_k, indptr, indices = _gpu_case(rng, q_lens, kv_lens, 8, 2, 128,
-                                                     np.float16, 64, 64, 2, 0.4)
+                                                     np.float16, bm, 64, 2, 0.4)
     kc, vc, tables = _to_paged(rng, k, v, kv_lens, layout, page)
     lens = np.array(kv_lens, np.int32)
-    got = _run_paged(cp, q, kc, vc, cu_q, tables, lens, indptr, indices, 64, 64, 2, layout)
-    ragged = _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, 64, 64, 2)
+    got = _run_paged(cp, q, kc, vc, cu_q, tables, lens, indptr, indices, bm, 64, 2, layout)
+    ragged = _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, bm, 64, 2)
     np.testing.assert_array_equal(got[0], ragged[0])
     np.testing.assert_array_equal(got[1], ragged[1])
-    _check(got, _want_varlen(q, k, v, cu_q, cu_k, indptr, indices, 64, 64, 2), np.float16)
+    _check(got, _want_varlen(q, k, v, cu_q, cu_k, indptr, indices, bm, 64, 2), np.float16)
 
 
 @pytest.mark.gpu
