@@ -23,6 +23,8 @@ _EXPORTS = {
     "paged_attention": "prefill.api", "PagedPrefiller": "prefill.api",
     "sink_softmax": "sink.api", "sink_attention": "sink.api",
     "apply_rope": "rope.api",
+    "block_sparse_attention": "sparse.bsr", "varlen_block_sparse_attention": "sparse.bsr",
+    "paged_block_sparse_attention": "sparse.bsr",
     # steps and device errors
     "BatchStep": "core.step", "check_errors": "core.errors", "DeviceIndexError": "core.errors",
     # arrays

@@ -1,14 +1,16 @@
-// Block-sparse attention on tensor cores: vertical+slash (MInference) and BSR patterns over
-// dense packed or paged K/V, GQA, sinks, fp16/bf16.
+// Block-sparse attention on tensor cores: vertical+slash (MInference) and batched BSR
+// patterns over dense packed or paged K/V, GQA, sinks, fp16/bf16.
 //
 // A CTA computes 128 query rows of one head, the 64-row tiles 2c (half a) and 2c + 1 (half
-// b) of a sequence, with the tile core of the dense kernel (attn_tile.cuh: 4 warps x 32 rows,
+// b) of a sequence (bsr_attention also runs 64-row CTAs of one half, 4 warps x 16 rows), with the tile core of the dense kernel (attn_tile.cuh: 4 warps x 32 rows,
 // 64-key K/V tiles, two stages, one barrier per tile; 8 warps x 16 rows and 32-key tiles at
-// D = 256); the warps of a half own its 64 rows. The CTA walks its tile list (sparse_plan.cuh,
-// built by sparse_index.cu) from the end: each K/V tile - contiguous keys of the halves' key
-// blocks, or vertical columns gathered from the head's vertical row - is loaded once and
-// computed by the warps of the halves whose pattern holds it. Only tiles that cross a warp's
-// diagonal (or are not full) are masked; a tile past every row of a warp is skipped.
+// D = 256); the warps of a half own its 64 rows. The CTA walks a stream of K/V tiles from its
+// tile source - contiguous keys of the halves' key blocks, or vertical columns gathered from
+// the head's vertical row - each loaded once and computed by the warps of the halves whose
+// pattern holds it. Two sources share the loop: the tile lists of sparse_index.cu
+// (vertical+slash, ListSource) and a batched BSR pattern walked in place from its `indices`
+// (BsrSource, BsrStream of sparse_plan.cuh). Only tiles that cross a warp's diagonal (or are
+// not full) are masked; a tile past every row of a warp is skipped.
 #include "attn_tile.cuh"
 #include "sparse_plan.cuh"
 
@@ -22,26 +24,11 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(smem_addr(smem)), "l"(gmem) : "memory");
 }
 
-template <typename T>
-struct SparseProblem {
-  const T* __restrict__ q;
-  const T* __restrict__ k;
-  const T* __restrict__ v;
-  T* __restrict__ out;
-  float* __restrict__ lse;
-  const int* __restrict__ cu_q;
-  const int* __restrict__ kv_lens;
-  const int* __restrict__ cu_k;          // dense rows: sequence starts; paged: unused
-  const int* __restrict__ block_tables;  // nullptr: dense rows
-  int table_stride, page_size;
-  i64 page_stride, tok_stride, head_stride;
-  int num_q_heads, group, head0, plan_heads, num_c;
-  const i64* __restrict__ plan_ptr;      // [plan rows + 1] tile list offsets
-  const int2* __restrict__ tiles;
-  const int* __restrict__ cols;          // [batch, cols_heads, cols_width] vertical rows, or nullptr
-  int cols_heads, cols_width, causal;
-  float scale_log2;                      // sm_scale * log2(e)
-  const float* __restrict__ sinks;
+// Arguments: SparseArgs<T> (abi.cuh, packed by cupaged/sparse/launch.py).
+
+// The sequence rows of one CTA, from its tile source: 128-row CTA row c of sequence b.
+struct CtaSeq {
+  int b, c, q0, q_len, kv_len;
 };
 
 // Query rows of a CTA: tile row r is token row0 + r of head h (r < rows).
@@ -59,24 +46,142 @@ struct SparseLoop {
   const T* vb;
   const int* table;     // the sequence's block table; nullptr: dense rows
   const int* cols;      // the head's vertical row (gathered tiles)
-  const int2* tiles;    // this CTA's tile list
   int page_size, page_shift;   // page_shift >= 0: power-of-two pages
   u32 page_stride, tok_stride;
-  int2 desc[3];         // descriptor of tile i in slot i % 3
+  int2 desc[3];         // descriptor of the walk's tile i in slot i % 3 (width 0: the end)
   __align__(8) int keys[2][BN];  // key of each K/V row of a stage (EMPTY_KEY: none)
 
-  __device__ __forceinline__ void init(const SparseProblem<T>& P, int b, int h, i64 t0) {
+  __device__ __forceinline__ void init(const SparseArgs<T>& P, int b, int h) {
     const i64 base = (i64)(h / P.group) * P.head_stride +
                      (P.block_tables == nullptr ? (i64)P.cu_k[b] * P.tok_stride : 0);
     kb = P.k + base;
     vb = P.v + base;
     table = P.block_tables == nullptr ? nullptr : P.block_tables + (i64)b * P.table_stride;
     cols = P.cols == nullptr ? nullptr : P.cols + ((i64)b * P.cols_heads + h) * P.cols_width;
-    tiles = P.tiles + t0;
     page_size = P.page_size;
     page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
     page_stride = (u32)P.page_stride;
     tok_stride = (u32)P.tok_stride;
+  }
+};
+
+// ----------------------------------------------------------------------------- tile sources
+// A source places its CTA (locate, every thread), sets up its walk (init, every thread) and
+// hands thread 0 one descriptor at a time (issue: into a ring slot, visible to the CTA after
+// the next cp.async wait and barrier; width 0 once the walk is over).
+
+// The tile lists of sparse_index.cu: CTA (x, y, z) is sequence z, CTA row num_c - 1 - y
+// (longest rows first); its list is tiles[plan_ptr[r] .. plan_ptr[r + 1]) of plan row
+// r = (z * plan_heads + (plan_heads > 1 ? x : 0)) * num_c + c, issued from the end.
+struct ListSource {
+  const int2* tiles;
+  i64 next;  // list index of the next tile to issue; < 0: none left
+
+  template <typename T>
+  __device__ __forceinline__ static bool locate(const SparseArgs<T>& P, CtaSeq& s) {
+    s.b = blockIdx.z;
+    s.c = P.num_c - 1 - blockIdx.y;
+    s.q0 = P.cu_q[s.b];
+    s.q_len = P.cu_q[s.b + 1] - s.q0;
+    s.kv_len = P.kv_lens[s.b];
+    return true;
+  }
+
+  template <int HALVES, typename T>
+  __device__ __forceinline__ void init(const SparseArgs<T>& P, const CtaSeq& s, int hh, int) {
+    static_assert(HALVES == 2, "tile lists are built for 128-row CTAs");
+    if (threadIdx.x != 0) return;
+    const i64 prow = ((i64)s.b * P.plan_heads + (P.plan_heads > 1 ? hh : 0)) * P.num_c + s.c;
+    const i64 t0 = P.plan_ptr[prow];
+    tiles = P.tiles + t0;
+    next = P.plan_ptr[prow + 1] - t0 - 1;
+  }
+
+  __device__ __forceinline__ void issue(int2* slot) {
+    if (next >= 0) cp_async8(slot, tiles + next--);
+    else *slot = make_int2(0, 0);
+  }
+};
+
+// A batched BSR pattern (cupaged/reference/bsr.py) with bsr_prepare's schedule in bsr_meta:
+// CTA (x, y) takes entry cta_bound - 1 - y of the CTA map (the last rows of the last
+// sequences first) and query head head0 + x, whose pattern head is h / pattern_group; it
+// has HALVES 64-row halves (one: half b keeps no block). Its halves' CSR rows are checked
+// first (every entry it follows: indptr within [0, nnz] and
+// ordered, block ids within the sequence's columns and strictly increasing); a bad row is
+// reported and its half keeps no block (its rows come out as zeros).
+struct BsrSource {
+  BsrStream stream;
+
+  template <typename T>
+  __device__ __forceinline__ static bool locate(const SparseArgs<T>& P, CtaSeq& s) {
+    const int at = P.cta_bound - 1 - (int)blockIdx.y;
+    s.b = __ldg(P.bsr_meta + 4 * (P.batch + 1) + at);
+    if (s.b < 0) return false;
+    const int4 info = __ldg(reinterpret_cast<const int4*>(P.bsr_meta) + s.b);
+    s.c = at - info.z;
+    s.q0 = __ldg(P.cu_q + s.b);
+    s.q_len = __ldg(P.cu_q + s.b + 1) - s.q0;
+    s.kv_len = info.y;
+    return true;
+  }
+
+  template <int HALVES, typename T>
+  __device__ __forceinline__ void init(const SparseArgs<T>& P, const CtaSeq& s, int hh, int tile_n) {
+    const int row0 = __ldg(P.bsr_meta + 4 * s.b);
+    const bool frame = __ldg(P.bsr_meta + 4 * P.batch) != 0;
+    const int rows = (s.q_len + P.block_m - 1) / P.block_m;
+    const int cols = (int)(((unsigned)s.kv_len + P.block_n - 1) / (unsigned)P.block_n);
+    const i64 first = row0 + (i64)((P.head0 + hh) / P.pattern_group) * rows;
+    int lo[2] = {0, 0}, hi[2] = {0, 0}, clip[2] = {0, 0};
+#pragma unroll
+    for (int k = 0; k < HALVES; ++k) {
+      HalfTile half;
+      half.init(HALVES * s.c + k, s.q_len, s.kv_len, P.block_m, P.block_m / HALF_ROWS, P.causal != 0);
+      if (!frame || !half.valid) continue;  // CTA-uniform
+      const i64 t = first + half.prow;
+      if (row_ok(P, t, cols) && half.clip > 0) {
+        lo[k] = __ldg(P.indptr + t);
+        hi[k] = __ldg(P.indptr + t + 1);
+        clip[k] = (int)half.clip;
+      }
+    }
+    if (threadIdx.x == 0) {
+      stream.init(P.block_n, tile_n);
+      for (int k = 0; k < 2; ++k) stream.init_half(k, P.indices, lo[k], hi[k], clip[k]);
+    }
+  }
+
+  // Whether CSR row t can be followed (every thread calls; the first bad entry reported).
+  template <typename T>
+  __device__ __forceinline__ static bool row_ok(const SparseArgs<T>& P, i64 t, int cols) {
+    const int a = __ldg(P.indptr + t), e = __ldg(P.indptr + t + 1);
+    int bad = 1;
+    if (a < 0 || a > P.nnz) {
+      if (threadIdx.x == 0) report_error(P.err, error_code(ARG_INDPTR, CHECK_RANGE), t, -1, a, (i64)P.nnz + 1);
+    } else if (e < a) {
+      if (threadIdx.x == 0) report_error(P.err, error_code(ARG_INDPTR, CHECK_ORDER), t + 1, -1, e, a);
+    } else if (e > P.nnz) {
+      if (threadIdx.x == 0) report_error(P.err, error_code(ARG_INDPTR, CHECK_RANGE), t + 1, -1, e, (i64)P.nnz + 1);
+    } else {
+      bad = 0;
+      for (int j = a + threadIdx.x; j < e; j += blockDim.x) {
+        const int id = __ldg(P.indices + j);
+        if ((unsigned)id >= (unsigned)cols) {
+          report_error(P.err, error_code(ARG_INDICES, CHECK_RANGE), j, -1, id, cols);
+          bad = 1;
+        } else if (j > a && __ldg(P.indices + j - 1) >= id) {
+          report_error(P.err, error_code(ARG_INDICES, CHECK_INCREASING), j, -1, id, __ldg(P.indices + j - 1));
+          bad = 1;
+        }
+      }
+    }
+    return !__syncthreads_or(bad);
+  }
+
+  __device__ __forceinline__ void issue(int2* slot) {
+    int start, word;
+    *slot = stream.next(start, word) ? make_int2(start, word) : make_int2(0, 0);
   }
 };
 
@@ -170,41 +275,44 @@ __device__ __forceinline__ void attend_tile(float (&o)[C::MT][D / 8][4], float (
   compute_pv<T, D, C, false>(o, pf, sV, lane);
 }
 
-// Body of sparse_attention (see the header and the kernel's comment).
-template <typename T, int D, typename S>
-__device__ __forceinline__ void sparse_mma(const SparseProblem<T>& P) {
+// Body of sparse_attention and bsr_attention (see the header and the kernels' comments).
+template <typename T, int D, typename S, typename Src>
+__device__ __forceinline__ void sparse_mma(const SparseArgs<T>& P) {
   using C = MmaConfig<T, D, S, false>;
-  static_assert(C::BLOCK_M == 2 * HALF_ROWS && C::STAGES == 2 && !C::Q_REGS, "two halves, two stages");
+  constexpr int HALVES = C::BLOCK_M / HALF_ROWS;
+  static_assert(C::BLOCK_M % HALF_ROWS == 0 && (HALVES == 1 || HALVES == 2) && C::STAGES == 2 &&
+                !C::Q_REGS, "one or two halves, two stages");
   constexpr int MT = C::MT, BN = C::BLOCK_N;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ SparseLoop<T, BN> st;
+  __shared__ Src src;
   const u32 sQ = smem_addr(smem_raw), sK0 = sQ + C::Q_BYTES, sV0 = sK0 + 2 * C::K_BYTES;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, first = warp * MT * 16;
   const u32 sQw = sQ + first * C::LD * C::E;
 
-  const int hh = blockIdx.x, c = P.num_c - 1 - blockIdx.y, b = blockIdx.z, h = P.head0 + hh;
-  const int q0 = P.cu_q[b], q_len = P.cu_q[b + 1] - q0, m0 = c * C::BLOCK_M;
+  const int hh = blockIdx.x, h = P.head0 + hh;
+  CtaSeq cs;
+  if (!Src::locate(P, cs)) return;
+  const int q_len = cs.q_len, m0 = cs.c * C::BLOCK_M;
   if (m0 >= q_len) return;
-  const SparseRows rows{(i64)q0 + m0, h, min(C::BLOCK_M, q_len - m0)};
-  const i64 prow = ((i64)b * P.plan_heads + (P.plan_heads > 1 ? hh : 0)) * P.num_c + c;
-  const i64 t0 = P.plan_ptr[prow];
-  const int n_tiles = (int)(P.plan_ptr[prow + 1] - t0);
-  if (threadIdx.x == 0) st.init(P, b, h, t0);
+  const SparseRows rows{(i64)cs.q0 + m0, h, min(C::BLOCK_M, q_len - m0)};
+  if (threadIdx.x == 0) st.init(P, cs.b, h);
+  src.template init<HALVES>(P, cs, hh, BN);
 
-  // -- prologue: Q and the descriptors of the last two tiles; then all of the last tile --
-  load_q_tile<T, D, C>(P.q, (i64)P.num_q_heads * D, rows, sQ);
-  if ((int)threadIdx.x < min(2, n_tiles)) {
-    const int i = n_tiles - 1 - threadIdx.x;
-    cp_async8(&st.desc[i % 3], P.tiles + t0 + i);
+  // -- prologue: Q and the descriptors of the first two tiles; then all of the first tile --
+  load_q_tile<T, D, C>(P.q, P.q_tok, rows, sQ);
+  if (threadIdx.x == 0) {
+    src.issue(&st.desc[0]);
+    src.issue(&st.desc[1]);
   }
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  if (n_tiles > 0) issue_tile<T, C>(st, n_tiles - 1, 0, sK0, sV0);
+  if (st.desc[0].y & TILE_WIDTH) issue_tile<T, C>(st, 0, 0, sK0, sV0);
   cp_async_commit();
 
   // the warp's rows: last visible key of its first and of its last valid row
-  const int pos0 = P.kv_lens[b] - q_len + m0 + first;
+  const int pos0 = cs.kv_len - q_len + m0 + first;
   const int my_rows = min(16 * MT, rows.rows - first);
   const int lim_lo = P.causal ? pos0 : EMPTY_KEY - 1;
   const int lim_hi = P.causal ? pos0 + my_rows - 1 : EMPTY_KEY - 1;
@@ -222,14 +330,15 @@ __device__ __forceinline__ void sparse_mma(const SparseProblem<T>& P) {
     l[mt][0] = l[mt][1] = 0.f;
   }
 
-  for (int n = n_tiles - 1, stage = 0; n >= 0; --n, stage ^= 1) {
+  for (int n = 0, stage = 0;; ++n, stage ^= 1) {
     cp_async_wait<0>();
-    __syncthreads();  // tile n and the descriptor of n - 1 visible; every warp is done with n + 1
-    if (n > 0) issue_tile<T, C>(st, n - 1, stage ^ 1, sK0, sV0);
-    if (n > 1 && threadIdx.x == 0) cp_async8(&st.desc[(n - 2) % 3], st.tiles + (n - 2));
+    __syncthreads();  // tile n and the descriptor of n + 1 visible; every warp is done with n - 1
+    const int2 d = st.desc[n % 3];
+    if ((d.y & TILE_WIDTH) == 0) break;  // CTA-uniform
+    if (st.desc[(n + 1) % 3].y & TILE_WIDTH) issue_tile<T, C>(st, n + 1, stage ^ 1, sK0, sV0);
+    if (threadIdx.x == 0) src.issue(&st.desc[(n + 2) % 3]);  // the slot of tile n - 1
     cp_async_commit();
 
-    const int2 d = st.desc[n % 3];
     const int* keys = st.keys[stage];
     const int w = d.y & TILE_WIDTH;
     const bool gather = (d.y & TILE_GATHER) != 0;
@@ -251,31 +360,26 @@ __device__ __forceinline__ void sparse_mma(const SparseProblem<T>& P) {
   }
 }
 
-#define CUPAGED_SPARSE_PARAMS(T)                                                                  \
-  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out, \
-      float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ kv_lens,    \
-      const int* __restrict__ cu_k, const int* __restrict__ block_tables, int table_stride,       \
-      int page_size, i64 page_stride, i64 tok_stride, i64 head_stride, int num_q_heads, int group, \
-      int head0, int plan_heads, int num_c, const i64* __restrict__ plan_ptr,                    \
-      const int2* __restrict__ tiles, const int* __restrict__ cols, int cols_heads, int cols_width, \
-      int causal, float scale_log2, const float* __restrict__ sinks
-
 // grid (heads in this call, ceil(max q_len / 128), batch), block 32 * S::WARPS; dynamic smem:
-// Q [128][D + 8], then two K and two V stages [BLOCK_N][D + 8]; static smem: SparseLoop.
-// CTA (x, y, b) computes query rows [128 c, 128 c + 128) of sequence b, head head0 + x,
-// with c = gridDim.y - 1 - y (longest rows first; the query heads of a kv head are neighbours
-// in x, so they share K/V tiles in L2). Its tile list is tiles[plan_ptr[r] .. plan_ptr[r + 1])
-// of plan row r = (b * plan_heads + (plan_heads > 1 ? x : 0)) * num_c + c. Each warp holds
-// S::MT m-tiles of scores, running max/sum and O accumulators in registers (attn_tile.cuh).
+// Q [128][D + 8], then two K and two V stages [BLOCK_N][D + 8]; static smem: SparseLoop and
+// the source. CTA (x, y, b) computes query rows [128 c, 128 c + 128) of sequence b, head
+// head0 + x, with c = gridDim.y - 1 - y over its tile list (ListSource; the query heads of a
+// kv head are neighbours in x, so they share K/V tiles in L2). Each warp holds S::MT m-tiles
+// of scores, running max/sum and O accumulators in registers (attn_tile.cuh).
 template <typename T, int D, typename S>
-__global__ void __launch_bounds__(32 * S::WARPS, S::CTAS) sparse_attention(CUPAGED_SPARSE_PARAMS(T)) {
-  const SparseProblem<T> P{q, k, v, out, lse, cu_q, kv_lens, cu_k, block_tables, table_stride,
-                           page_size, page_stride, tok_stride, head_stride, num_q_heads, group,
-                           head0, plan_heads, num_c, plan_ptr, tiles, cols, cols_heads, cols_width,
-                           causal, scale_log2, sinks};
-  sparse_mma<T, D, S>(P);
+__global__ void __launch_bounds__(32 * S::WARPS, S::CTAS) sparse_attention(CUPAGED_PARAMS_SparseArgs) {
+  const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};
+  sparse_mma<T, D, S, ListSource>(P);
 }
 
-#undef CUPAGED_SPARSE_PARAMS
+// grid (num_q_heads, cta_bound), block 32 * S::WARPS, shared memory as sparse_attention (Q
+// [BLOCK_M][D + 8]): the same loop over a batched BSR pattern (BsrSource), CTAs of BLOCK_M =
+// 128 or 64 query rows placed by bsr_prepare's map (64: for block rows of 64 or an odd
+// multiple of it, whose neighbours keep other blocks).
+template <typename T, int D, typename S>
+__global__ void __launch_bounds__(32 * S::WARPS, S::CTAS) bsr_attention(CUPAGED_PARAMS_SparseArgs) {
+  const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};
+  sparse_mma<T, D, S, BsrSource>(P);
+}
 
 }  // namespace cupaged

@@ -2,9 +2,11 @@
 //
 // vs_prepare turns sorted index rows into what the walks of sparse_plan.cuh need (unique
 // verticals, the runs of the slash row); vs_index_kernel writes MInference's block_offset /
-// column_index lists; vs_plan_kernel and bsr_plan_kernel write the per-CTA tile lists of
-// sparse_attention.cu (a counting launch sizes them, a second launch fills them).
+// column_index lists; vs_plan_kernel writes the per-CTA tile lists of sparse_attention.cu (a
+// counting launch sizes them, a second launch fills them); bsr_prepare checks a batched BSR
+// launch's lengths and block tables and schedules its CTAs.
 #include "sparse_plan.cuh"
+#include "abi.cuh"
 
 namespace cupaged {
 
@@ -158,23 +160,115 @@ __global__ void __launch_bounds__(128) vs_plan_kernel(
   }
 }
 
-// grid ceil(num_c / 4), block 128: warp -> CTA list c of a one-sequence BSR pattern
-// (bsr_cta_tiles), shared by every head; counts or writes as vs_plan_kernel.
-__global__ void __launch_bounds__(128) bsr_plan_kernel(
-    const int* __restrict__ cu_q, const int* __restrict__ kv_lens, const int* __restrict__ indptr,
-    const int* __restrict__ indices, int num_c, int bm, int bn, int causal, int tile_n,
-    i64* __restrict__ ptr, int2* __restrict__ tiles) {
-  const i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  if (item >= num_c) return;
-  const int q_len = cu_q[1] - cu_q[0], kv_len = kv_lens[0];
-  if (tiles == nullptr) {
-    TileCount n{0};
-    bsr_cta_tiles(indptr, indices, (int)item, q_len, kv_len, bm, bn, causal != 0, tile_n, n);
-    if (threadIdx.x % 32 == 0) ptr[item] = n.n;
-  } else {
-    TileWrite w{tiles + ptr[item]};
-    bsr_cta_tiles(indptr, indices, (int)item, q_len, kv_len, bm, bn, causal != 0, tile_n, w);
+// ----------------------------------------------------------------------------- batched BSR
+// Whether cu[b], cu[b + 1] bound sequence b's rows in [0, total) (cu[0] == 0); the first
+// failure is reported (argument: ARG_CU_SEQLENS_Q or _K).
+__device__ __forceinline__ bool rows_ok(const int* cu, int b, int total, int argument, long long* err) {
+  const int x0 = __ldg(cu + b), x1 = __ldg(cu + b + 1);
+  if (b == 0 && x0 != 0) report_error(err, error_code(argument, CHECK_START), 0, -1, x0, 0);
+  else if (x1 < x0) report_error(err, error_code(argument, CHECK_ORDER), b + 1, -1, x1, x0);
+  else if (x1 > total) report_error(err, error_code(argument, CHECK_END), b + 1, -1, x1, total);
+  else return true;
+  return false;
+}
+
+// Keys of sequence b, 0 when its lengths (or its block-table row, below) are bad.
+__device__ __forceinline__ int bsr_kv_len(const BsrPrepareArgs& a, int b) {
+  if (a.seq_lens == nullptr)
+    return rows_ok(a.cu_k, b, a.total_k, ARG_CU_SEQLENS_K, a.err) ? __ldg(a.cu_k + b + 1) - __ldg(a.cu_k + b) : 0;
+  const int len = __ldg(a.seq_lens + b);
+  if (len < 0) {
+    report_error(a.err, error_code(ARG_SEQ_LENS, CHECK_RANGE), b, -1, len, 0x7fffffff);
+    return 0;
   }
+  if (((unsigned)len + a.page_size - 1) / (unsigned)a.page_size > (unsigned)a.table_width) {
+    report_error(a.err, error_code(ARG_SEQ_LENS, CHECK_TABLE), b, -1, len, (i64)a.table_width * a.page_size);
+    return 0;
+  }
+  return len;
+}
+
+// grid 1, block PREP_THREADS: the schedule of a batched BSR launch of sparse_attention, in
+// meta: int4 [batch] per sequence (first CSR row, keys, first CTA, 0), int4 at [batch] for
+// the pattern (1 if indptr fits the lengths, CSR rows, CTAs, 0), then int [cta_bound]: the
+// sequence of each CTA (cta_rows query rows), -1 past the last. Thread t owns the sequences of
+// chunk t. A bad cu_seqlens_q gives every sequence no CTA (rows unknown); bad key lengths or
+// block ids give the sequence no keys (zeros); an indptr of the wrong size or ends gives no
+// sequence a pattern row (zeros). Rows past cu_seqlens_q[batch] are zeroed (padding). (One
+// CTA: __launch_bounds__ says so, or ptxas would cap its registers for occupancy and spill.)
+__global__ void __launch_bounds__(PREP_THREADS, 1) bsr_prepare(CUPAGED_PARAMS_BsrPrepareArgs) {
+  const BsrPrepareArgs a{CUPAGED_FIELDS_BsrPrepareArgs};
+  __shared__ int buf[PREP_THREADS];
+  int4* seq = reinterpret_cast<int4*>(a.meta);
+  int* cta_map = a.meta + 4 * (a.batch + 1);
+  const int per = (a.batch + PREP_THREADS - 1) / PREP_THREADS;
+  const int b0 = min(a.batch, (int)threadIdx.x * per), b1 = min(a.batch, b0 + per);
+
+  // -- query rows: one bad prefix and no sequence runs --
+  int bad = 0;
+  for (int b = b0; b < b1; ++b) bad |= !rows_ok(a.cu_q, b, a.total_q, ARG_CU_SEQLENS_Q, a.err);
+  bad = __syncthreads_or(bad);
+
+  // -- CSR rows and CTAs of each sequence, scanned over the chunks --
+  int rows = 0, ctas = 0, total_rows, total_ctas;
+  for (int b = b0; b < b1; ++b) {
+    const int n = bad ? 0 : __ldg(a.cu_q + b + 1) - __ldg(a.cu_q + b);
+    rows += (n + a.block_m - 1) / a.block_m;
+    ctas += (n + a.cta_rows - 1) / a.cta_rows;
+  }
+  int row_at = block_scan<false>(rows, 0, buf, total_rows);
+  int cta_at = block_scan<false>(ctas, 0, buf, total_ctas);
+  for (int b = b0; b < b1; ++b) {
+    const int n = bad ? 0 : __ldg(a.cu_q + b + 1) - __ldg(a.cu_q + b), nc = (n + a.cta_rows - 1) / a.cta_rows;
+    seq[b] = make_int4(a.pattern_heads * row_at, bsr_kv_len(a, b), cta_at, 0);
+    for (int c = 0; c < nc; ++c) cta_map[cta_at + c] = b;
+    row_at += (n + a.block_m - 1) / a.block_m;
+    cta_at += nc;
+  }
+  for (int i = total_ctas + threadIdx.x; i < a.cta_bound; i += PREP_THREADS) cta_map[i] = -1;
+  __syncthreads();
+
+  // -- block ids of every page a sequence uses --
+  if (a.block_tables != nullptr) {
+    for (int b = 0; b < a.batch; ++b) {
+      int* kv_len = a.meta + 4 * b + 1;
+      const int need = (int)(((unsigned)*kv_len + a.page_size - 1) / (unsigned)a.page_size);
+      const int* row = a.block_tables + (i64)b * a.table_stride;
+      for (int j = threadIdx.x; j < need; j += PREP_THREADS) {
+        const int id = __ldg(row + j);
+        if ((unsigned)id >= (unsigned)a.num_blocks) {
+          report_error(a.err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, j, id, a.num_blocks);
+          *kv_len = 0;
+        }
+      }
+    }
+  }
+
+  // -- the pattern's frame: indptr sized by the lengths, from 0 to nnz --
+  if (threadIdx.x == 0) {
+    const int n_rows = a.pattern_heads * total_rows;
+    bool ok = !bad;
+    if (ok && n_rows + 1 != a.indptr_len) {
+      report_error(a.err, error_code(ARG_INDPTR, CHECK_SIZE), -1, -1, a.indptr_len, n_rows + 1);
+      ok = false;
+    } else if (ok && __ldg(a.indptr) != 0) {
+      report_error(a.err, error_code(ARG_INDPTR, CHECK_START), 0, -1, __ldg(a.indptr), 0);
+      ok = false;
+    } else if (ok && __ldg(a.indptr + n_rows) != a.nnz) {
+      report_error(a.err, error_code(ARG_INDPTR, CHECK_LAST), n_rows, -1, __ldg(a.indptr + n_rows), a.nnz);
+      ok = false;
+    }
+    seq[a.batch] = make_int4(ok, n_rows, total_ctas, 0);
+  }
+
+  // -- padding rows past the last sequence --
+  const int q_end = bad ? a.total_q : __ldg(a.cu_q + a.batch);
+  uint4* pad = reinterpret_cast<uint4*>(a.out + q_end * a.row_bytes);
+  for (i64 i = threadIdx.x; i < (a.total_q - q_end) * (a.row_bytes / 16); i += PREP_THREADS)
+    pad[i] = make_uint4(0, 0, 0, 0);
+  if (a.lse != nullptr)
+    for (i64 i = (i64)q_end * a.num_q_heads + threadIdx.x; i < (i64)a.total_q * a.num_q_heads; i += PREP_THREADS)
+      a.lse[i] = neg_inf();
 }
 
 }  // namespace cupaged

@@ -1,6 +1,6 @@
-// Pattern walking shared by the sparse index and plan kernels: key ranges of one query
-// block from its vertical+slash indices or its BSR row, the union of two blocks' ranges, and
-// the tile lists the attention kernel walks.
+// Pattern walking shared by the sparse index, plan and attention kernels: key ranges of one
+// query block from its vertical+slash indices, the union of two blocks' ranges, the tile
+// lists the attention kernel walks, and the tiles of a BSR row pair walked in place.
 //
 // Everything here is plain serial C++ (__host__ __device__): a kernel thread, or every lane
 // of a warp in step, runs it for one item; the same code compiles on the host for tests.
@@ -90,27 +90,6 @@ struct SlashWalker {
     if (!open) return false;
     open = false;
     return emit(cur, out);
-  }
-};
-
-// Key ranges of one BSR row: runs of consecutive block ids [id * bn, (id' + 1) * bn), cut at clip.
-struct ListWalker {
-  const int* ids;
-  int n, i, bn;
-  i64 clip;
-
-  CP_HD void init(const int* ids_, int n_, int bn_, i64 clip_) {
-    ids = ids_; n = n_; i = 0; bn = bn_; clip = clip_;
-  }
-
-  CP_HD bool next(Range& out) {
-    if (i >= n) return false;
-    const i64 s = (i64)ids[i] * bn;
-    i64 e = s + bn;
-    for (++i; i < n && (i64)ids[i] * bn == e; ++i) e += bn;
-    if (s >= clip) { i = n; return false; }
-    out = Range{s, imin(e, clip)};
-    return true;
   }
 };
 
@@ -288,19 +267,78 @@ CP_HD void vs_cta_tiles(const VsRow& p, int c, int q_len, int kv_len, int bm, in
   cols.flush();
 }
 
-// Tiles of the CTA of 64-row tiles 2c and 2c + 1 of a BSR pattern (rows of bm queries).
-template <typename Out>
-CP_HD void bsr_cta_tiles(const int* indptr, const int* indices, int c, int q_len, int kv_len, int bm,
-                         int bn, bool causal, int tile_n, Out& out) {
-  ListWalker w[2];
-  for (int k = 0; k < 2; ++k) {
-    HalfTile half;
-    half.init(2 * c + k, q_len, kv_len, bm, bm / 64, causal);
-    const int lo = half.valid ? indptr[half.prow] : 0, hi = half.valid ? indptr[half.prow + 1] : 0;
-    w[k].init(indices + lo, hi - lo, bn, half.clip);
+// ----------------------------------------------------------------------------- BSR rows
+// The tiles of a CTA's two halves under a BSR pattern, walked straight from `indices` (no
+// list is built; the attention kernel's thread 0 asks for one tile at a time): half k keeps
+// the block ids ids[lo, hi) of its CSR row, strictly increasing, each block the keys
+// [id * bn, id * bn + bn). Tiles come out with descending keys (the diagonal first), at most
+// tile_n keys each, every key of a tile held by the same halves (TILE_A / TILE_B), none at
+// or past a half's clip; runs of adjacent blocks share tiles. A call reads at most
+// tile_n / bn + 2 ids per half.
+struct BsrHalf {
+  const int* ids;
+  int lo, i;  // blocks ids[lo, i) are still to walk, each starting before clip
+  int clip;
+
+  // End of the keys left in the top block (x: keys at or past it are done), -1 if none.
+  // Keys are below 2^31, and so is every block start: 32-bit arithmetic throughout.
+  CP_HD int top_end(int bn, int x) const {
+    if (i <= lo) return -1;
+    const int s = ids[i - 1] * bn, e = clip - s <= bn ? clip : s + bn;
+    return e < x ? e : x;
   }
-  KeyTiles<Out> keys{out, tile_n};
-  sweep(w[0], w[1], keys);
-}
+  // Start of the run of adjacent blocks below the top one, walked down to z at most.
+  CP_HD int run_start(int bn, int z) const {
+    int cov = ids[i - 1] * bn;
+    for (int j = i - 1; cov > z && j > lo && ids[j - 1] == ids[j] - 1; --j) cov -= bn;
+    return cov;
+  }
+  // Drop the blocks starting at or past z (all their keys are done).
+  CP_HD void pop(int bn, int z) {
+    while (i > lo && ids[i - 1] * bn >= z) --i;
+  }
+};
+
+struct BsrStream {
+  BsrHalf half[2];
+  int x;  // keys at or past x are done
+  int bn, tile_n;
+
+  CP_HD void init(int bn_, int tile_n_) { bn = bn_; tile_n = tile_n_; x = 0x7fffffff; }
+
+  // Half k walks ids[lo, hi) below clip (clip <= 0: nothing; clip <= kv_len < 2^31).
+  CP_HD void init_half(int k, const int* ids, int lo, int hi, int clip) {
+    half[k].ids = ids;
+    half[k].lo = lo;
+    half[k].clip = clip;
+    // blocks before ceil(clip / bn) start before clip
+    half[k].i = clip > 0 ? lower_bound(ids, lo, hi, ((unsigned)clip + bn - 1) / (unsigned)bn) : lo;
+  }
+
+  // The next tile: keys [start, start + width), word = width | flags << 8; false when done.
+  // Its top y is the highest key left; the halves whose top block reaches y hold it (flags),
+  // the others bound it below (a tile holds none of their keys), and so do tile_n and the
+  // start of each holding half's run.
+  CP_HD bool next(int& start, int& word) {
+    const int e0 = half[0].top_end(bn, x), e1 = half[1].top_end(bn, x);
+    const int y = e0 > e1 ? e0 : e1;
+    if (y < 0) return false;
+    const int flags = (e0 == y ? 1 : 0) | (e1 == y ? 2 : 0);
+    int z = y - tile_n;
+    if (e0 != y && e0 > z) z = e0;
+    if (e1 != y && e1 > z) z = e1;
+    for (int k = 0; k < 2; ++k)
+      if (flags >> k & 1) {
+        const int r = half[k].run_start(bn, z);
+        if (r > z) z = r;
+      }
+    start = z;
+    word = (y - z) | flags << 8;
+    x = z;
+    for (int k = 0; k < 2; ++k)
+      if (flags >> k & 1) half[k].pop(bn, z);
+    return true;
+  }
+};
 
 }  // namespace cupaged

@@ -68,7 +68,10 @@ def _paged(rng, xp, lens=(300, 17, 2048, 0, 513), hq=32, hk=8, d=128, bs=16, dty
                 tables=xp.asarray(tables), lens=xp.asarray(lens), cu=xp.asarray(cu),
                 qp=rnd(int(cu[-1]), hq, d), kn=rnd(len(lens), hk, d),
                 slots=xp.asarray(np.arange(int(cu[-1]), dtype=np.int64)),
-                kv=rnd(int(cu[-1]), hk, d), tables_host=tables, lens_host=lens, cu_host=cu)
+                kv=rnd(int(cu[-1]), hk, d), tables_host=tables, lens_host=lens, cu_host=cu,
+                # BSR: one 64-row block row per sequence and kv head, keeping key block 0
+                bsr_ptr=xp.asarray(np.arange(hk * int((q_lens > 0).sum()) + 1, dtype=np.int32)),
+                bsr_idx=xp.asarray(np.zeros(hk * int((q_lens > 0).sum()), np.int32)))
 
 
 def _calls(c):
@@ -106,6 +109,12 @@ def _calls(c):
                                                          True, None, qo_indptr=c["cu"],
                                                          kv_indptr=c["cu"]),
         "layer_step": lambda: _layer_step(c),
+        "varlen_block_sparse_attention": lambda: cupaged.varlen_block_sparse_attention(
+            c["qp"], c["kv"], c["kv"], c["cu"], c["cu"], c["bsr_ptr"], c["bsr_idx"], 64, 64,
+            pattern_heads=8),
+        "paged_block_sparse_attention": lambda: cupaged.paged_block_sparse_attention(
+            c["qp"], c["kc"], c["vc"], c["cu"], c["tables"], c["lens"], c["bsr_ptr"], c["bsr_idx"],
+            64, 64, pattern_heads=8, layout="NHD"),
     }
 
 
@@ -125,7 +134,8 @@ NAMES = ["paged_decode", "paged_decode_append", "paged_attention", "varlen_prefi
          "write_kv_cache", "apply_rope", "decoder_device_plan_run", "decoder_host_plan_run",
          "prefiller_host_plan_run", "prefiller_device_plan_run", "merge_states",
          "copy_blocks_host_pairs", "copy_blocks_device_pairs", "swap_out_memcpy",
-         "swap_in_kernel", "sink_softmax", "sink_attention", "layer_step"]
+         "swap_in_kernel", "sink_softmax", "sink_attention", "layer_step",
+         "varlen_block_sparse_attention", "paged_block_sparse_attention"]
 
 
 @pytest.mark.gpu

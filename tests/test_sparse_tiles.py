@@ -47,9 +47,18 @@ long vs_tiles(const int* s, const int* rf, int ns, const int* v, int nv, int c, 
 }
 long bsr_tiles(const int* indptr, const int* indices, int c, int q_len, int kv_len, int bm, int bn,
                int causal, int tile_n, int* xy) {
-  Tiles out{xy};
-  bsr_cta_tiles(indptr, indices, c, q_len, kv_len, bm, bn, causal != 0, tile_n, out);
-  return out.n;
+  BsrStream st;  // set up as sparse_attention.cu's BsrSource does
+  st.init(bn, tile_n);
+  for (int k = 0; k < 2; ++k) {
+    HalfTile half;
+    half.init(2 * c + k, q_len, kv_len, bm, bm / 64, causal != 0);
+    const int lo = half.valid ? indptr[half.prow] : 0, hi = half.valid ? indptr[half.prow + 1] : 0;
+    st.init_half(k, indices, lo, hi, half.valid ? half.clip : 0);
+  }
+  long n = 0;
+  int start, word;
+  while (st.next(start, word)) { xy[2 * n] = start; xy[2 * n + 1] = word; ++n; }
+  return n;
 }
 }
 """
@@ -168,15 +177,18 @@ def test_host_walks_match_reference(plan_lib, seed):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_host_bsr_lists_match_reference(plan_lib, rng, causal):
-    for it in range(40):
+def test_host_bsr_stream_matches_reference(plan_lib, rng, causal):
+    """BsrStream (walked in place by sparse_attention.cu) against the reference mask, with
+    rows that keep nothing, everything, or runs of adjacent blocks."""
+    for it in range(60):
         q_len = int(rng.integers(1, 500))
         kv_len = q_len + int(rng.integers(0, 300)) * int(rng.integers(0, 2))
         bm, bn, tile_n = (64, 128, 192)[it % 3], (64, 96, 16, 128)[it % 4], (64, 32)[it % 2]
         cols = -(-kv_len // bn)
         indptr, indices = [0], []
         for _ in range(-(-q_len // bm)):
-            indices += sorted(rng.choice(cols, rng.integers(0, cols + 1), replace=False).tolist())
+            n = (0, cols, int(rng.integers(0, cols + 1)))[int(rng.integers(0, 3))]
+            indices += sorted(rng.choice(cols, n, replace=False).tolist())
             indptr.append(len(indices))
         indptr, indices = np.array(indptr, np.int32), np.array(indices + [0], np.int32)
         mask = ref.bsr_mask(indptr, indices, q_len, kv_len, bm, bn, causal)

@@ -26,7 +26,21 @@ tiles, over the causal pairs), ``pair_ratio`` (pairs per second of the sparse ke
 mma.sync dense kernel's causal pairs per second: its efficiency per computed pair, ~1 when
 the inner loops match), ``mass`` (share of the causal softmax mass
 the pattern keeps, last query block of heads 0-3) and ``checked`` (the kernel's rows there
-against a float32 recomputation). Run: ``python -m cupaged.bench.sparse [--quick]``.
+against a float32 recomputation).
+
+Batched BSR rows (``budget`` "bsr"): ``varlen_block_sparse_attention`` over B 4 x S 8K
+(random q/k/v, same heads and dtype), 64 x 64 blocks, one pattern per kv head keeping the
+diagonal block of every block row and random causal blocks besides, beside dense causal
+``varlen_prefill`` of the same batch: ``kept`` (kept blocks over the causal blocks),
+``bsr_ms`` (the public op: checks, ``bsr_prepare`` and the kernel, on 64-row CTAs),
+``bsr128_ms`` (the same launches on 128-row CTAs, whose two halves are two block rows),
+``dense_ms``, ``mma_ms``,
+``vs_dense`` (dense over ``bsr_ms``), ``block_ratio`` (kept blocks per second over the
+mma.sync dense kernel's causal blocks per second; issue 22's goal: >= 0.8) and ``busy``
+(the share of the (tile, 64-row half) slots that compute on 128-row CTAs: random rows
+share few blocks, so those halves often wait for each other; ``bsr128_ms`` is bounded by
+it, 64-row CTAs are not, at twice the shared-memory reads per computed block).
+Run: ``python -m cupaged.bench.sparse [--quick]``.
 """
 from __future__ import annotations
 
@@ -195,17 +209,77 @@ def bench_length(seqlen, budgets, reps):
     return rows
 
 
+BSR_BATCH, BSR_LEN, BSR_BLOCK = 4, 8192, 64
+BSR_KEEP = (0.1, 0.5)              # target kept fraction of the causal blocks
+
+
+def bsr_pattern(rng, batch, seqlen, block, heads, keep):
+    """int32 ``(indptr, indices)`` keeping, in every (sequence, pattern head) block row ``r``,
+    block ``r`` and each earlier block with probability ``(keep (r + 1) - 1) / r``; the kept
+    fraction of the causal blocks; and the share of the kernel's (tile, half) slots that
+    compute (``block`` 64: a CTA's two halves are block rows 2c and 2c + 1, each tile of
+    their union loaded once and computed by the halves that keep it)."""
+    rows = -(-seqlen // block)
+    counts, indices, union = [], [], 0
+    for _ in range(batch * heads):
+        prev = set()
+        for r in range(rows):
+            p = (keep * (r + 1) - 1) / r if r else 0.0
+            kept = np.flatnonzero(rng.random(r) < p).tolist() + [r]
+            indices += kept
+            counts.append(len(kept))
+            union += len(prev | set(kept)) if r % 2 else 0
+            prev = set(kept) if r % 2 == 0 else set()
+        union += len(prev)
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    kept = len(indices) / (batch * heads * rows * (rows + 1) / 2)
+    return indptr, np.asarray(indices, np.int32), kept, len(indices) / (2 * union)
+
+
+def bench_bsr(keep, reps):
+    """One batched BSR row: B 4 x 8K, per-kv-head pattern keeping ~``keep`` of the causal
+    blocks, beside dense causal prefill of the same batch."""
+    import cupaged
+    import cupy
+    rs = cupy.random.RandomState(1)
+    total = BSR_BATCH * BSR_LEN
+    q = rs.standard_normal((total, HQ, D), dtype=cupy.float32).astype(bfloat16)
+    k, v = (rs.standard_normal((total, HK, D), dtype=cupy.float32).astype(bfloat16) for _ in range(2))
+    cu = cupy.arange(0, total + 1, BSR_LEN, dtype=np.int32)
+    indptr, indices, kept, busy = bsr_pattern(np.random.default_rng(0), BSR_BATCH, BSR_LEN,
+                                              BSR_BLOCK, HK, keep)
+    indptr, indices = cupy.asarray(indptr), cupy.asarray(indices)
+    out = cupy.empty_like(q)
+    t_bsr = time_gpu(lambda: cupaged.varlen_block_sparse_attention(
+        q, k, v, cu, cu, indptr, indices, BSR_BLOCK, BSR_BLOCK, pattern_heads=HK, out=out),
+        warmup=1, reps=reps)
+    # the same pattern on 128-row CTAs (two block rows a CTA) instead of the op's 64
+    from ..core.checks import check_options
+    from ..sparse import bsr, launch as kernels
+    pattern = bsr.Pattern(indptr, indices, BSR_BLOCK, BSR_BLOCK, HK)
+    t_128 = time_gpu(lambda: bsr._launch(q, kernels.dense_kv(k, v, cu), HK, cu, None, total,
+                                         pattern, check_options(cupy, HQ, D), True, out, None,
+                                         rows=kernels.CTA_ROWS), warmup=1, reps=reps)
+    t_dense, t_mma = (time_gpu(lambda: cupaged.varlen_prefill(q, k, v, cu, cu, causal=True,
+                                                              backend=b), warmup=1, reps=reps)
+                      for b in ("auto", "mma"))
+    return dict(S=BSR_LEN, budget="bsr", B=BSR_BATCH, kept=kept, busy=busy, bsr_ms=t_bsr * 1e3,
+                bsr128_ms=t_128 * 1e3, dense_ms=t_dense * 1e3, mma_ms=t_mma * 1e3,
+                vs_dense=t_dense / t_bsr, block_ratio=(kept / t_bsr) / (1 / t_mma))
+
+
 def run(quick=False):
-    """Rows for S 32K (quick) or 32K, 128K, 512K, each budget."""
+    """Rows for S 32K (quick) or 32K, 128K, 512K, each budget; then the batched BSR rows."""
     rows = []
     for seqlen in ((32768,) if quick else (32768, 131072, 524288)):
         rows += bench_length(seqlen, list(BUDGETS), reps=3 if seqlen <= 131072 else 1)
+    rows += [bench_bsr(keep, reps=3 if quick else 10) for keep in BSR_KEEP]
     return rows
 
 
 COLUMNS = ["S", "budget", "nv", "ns", "diag_frac", "est_ms", "index_ms", "kernel_ms", "sparse_ms",
            "op_ms", "dense_ms", "vs_dense", "mma_ms", "cudnn_ms", "vs_cudnn", "density", "pair_ratio",
-           "mass", "checked"]
+           "mass", "checked", "B", "kept", "busy", "bsr_ms", "bsr128_ms", "block_ratio"]
 
 
 def main(argv=None):

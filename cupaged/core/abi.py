@@ -15,8 +15,8 @@ NULL = 0
 # bad entry found is recorded in the device's error word (cupaged.errors), as
 # (code, row, column, value, bound): code = argument << 4 | check.
 ERROR_ARGUMENTS = ("block_tables", "seq_lens", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping",
-                   "positions", "block_mapping")
-ERROR_CHECKS = ("range", "order", "start", "end", "table")
+                   "positions", "block_mapping", "indptr", "indices")
+ERROR_CHECKS = ("range", "order", "start", "end", "table", "increasing", "size", "last")
 ERROR_WORDS = 8  # int64 words of the error record (5 used)
 
 
@@ -120,6 +120,48 @@ PREFILL_PLAN = Record("PrefillPlanArgs", [
     ("int", "block_n"), ("int", "causal"), ("int", "window_left"), ("int", "capacity"),
 ])
 
+# ----------------------------------------------------------------------------- sparse
+# Block-sparse attention (kernels_cu/sparse_attention.cu): a CTA's K/V tiles come from the
+# tile lists of sparse_index.cu (vertical+slash: plan_ptr, tiles, cols) or straight from a
+# batched BSR pattern (indptr, indices, with bsr_meta from bsr_prepare). Keys: dense rows
+# (cu_k; table null) or pages (block_tables); key j of kv head hk at hk * head_stride +
+# j * tok_stride (dense) or table[j / page_size] * page_stride + (j % page_size) * tok_stride.
+SPARSE = Record("SparseArgs", [
+    ("const T* __restrict__", "q"), ("const T* __restrict__", "k"),
+    ("const T* __restrict__", "v"), ("T* __restrict__", "out"),
+    ("float* __restrict__", "lse", NULL), ("const int* __restrict__", "cu_q"),
+    ("const int* __restrict__", "kv_lens", NULL), ("const int* __restrict__", "cu_k", NULL),
+    ("const int* __restrict__", "block_tables", NULL), ("int", "table_stride", 0),
+    ("int", "page_size", 1), ("i64", "page_stride", 0), ("i64", "tok_stride"),
+    ("i64", "head_stride"), ("i64", "q_tok"), ("int", "num_q_heads"), ("int", "group"),
+    ("int", "head0", 0), ("int", "plan_heads", 0), ("int", "num_c", 0),
+    ("const i64* __restrict__", "plan_ptr", NULL), ("const int2* __restrict__", "tiles", NULL),
+    ("const int* __restrict__", "cols", NULL), ("int", "cols_heads", 0),
+    ("int", "cols_width", 0), ("const int* __restrict__", "indptr", NULL),
+    ("const int* __restrict__", "indices", NULL), ("const int* __restrict__", "bsr_meta", NULL),
+    ("long long* __restrict__", "err", NULL), ("int", "batch", 0), ("int", "indptr_len", 0),
+    ("int", "nnz", 0), ("int", "pattern_group", 1), ("int", "block_m", 64),
+    ("int", "block_n", 64), ("int", "cta_bound", 0), ("int", "causal"),
+    ("float", "scale_log2"), ("const float* __restrict__", "sinks", NULL),
+], template="typename T")
+
+# The device schedule of a batched BSR launch (sparse_index.cu, bsr_prepare): lengths and
+# block tables checked, the CSR row and first CTA of each sequence, the CTA map, padding
+# rows zeroed. Its output bsr_meta is int4 [batch + 1] then int [cta_bound]
+# (cupaged.sparse.launch.bsr_meta_size).
+BSR_PREPARE = Record("BsrPrepareArgs", [
+    ("const int* __restrict__", "cu_q"), ("const int* __restrict__", "cu_k", NULL),
+    ("const int* __restrict__", "seq_lens", NULL),
+    ("const int* __restrict__", "block_tables", NULL), ("const int* __restrict__", "indptr"),
+    ("int* __restrict__", "meta"), ("long long* __restrict__", "err", NULL),
+    ("unsigned char* __restrict__", "out"), ("float* __restrict__", "lse", NULL),
+    ("i64", "row_bytes"), ("int", "batch"), ("int", "total_q"), ("int", "total_k", 0),
+    ("int", "table_stride", 0), ("int", "table_width", 0), ("int", "page_size", 1),
+    ("int", "num_blocks", 0), ("int", "num_q_heads"), ("int", "pattern_heads"),
+    ("int", "block_m"), ("int", "cta_rows"), ("int", "indptr_len"), ("int", "nnz"),
+    ("int", "cta_bound"),
+])
+
 # ----------------------------------------------------------------------------- cache ops
 # Strides in 16-byte vectors: key[t, h] at t * key_tok + h * key_head, a cache block every
 # k_block (v_block) vectors.
@@ -159,7 +201,7 @@ GEMM = Record("GemmArgs", [
 ])
 
 RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_PLAN,
-           CACHE_WRITE, COPY_BLOCKS, ROPE, GEMM)
+           SPARSE, BSR_PREPARE, CACHE_WRITE, COPY_BLOCKS, ROPE, GEMM)
 
 
 def header(*parts):

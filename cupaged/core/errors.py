@@ -75,6 +75,14 @@ def message(words):
                 f"index {row}{found}")
     if check == "start":
         return f"{argument}: expected {argument}[0] == 0, got {value}{found}"
+    if check == "increasing":
+        return (f"{argument}: expected strictly increasing entries within each CSR row, got "
+                f"{bound} then {value} at index {row}{found}")
+    if check == "size":
+        return (f"{argument}: expected {bound} entries (pattern_heads * sum(ceil(q_len / "
+                f"block_m)) + 1, from cu_seqlens_q), got {value}{found}")
+    if check == "last":
+        return f"{argument}: expected the last entry {bound}, got {value} at index {row}{found}"
     if check == "end":
         return (f"{argument}: expected entries at most {bound} (the rows of the packed "
                 f"tensor), got {value} at index {row}{found}")

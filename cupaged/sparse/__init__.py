@@ -4,20 +4,23 @@
   sequence from its last queries (docs/design.md, MInference contract).
 - :func:`vertical_slash_index`: MInference's index conversion to key blocks and columns.
 - :func:`vertical_slash_attention` (one sequence or a packed batch),
-  :func:`paged_vertical_slash_attention` (paged cache, chunked prefill),
-  :func:`block_sparse_attention` (BSR).
+  :func:`paged_vertical_slash_attention` (paged cache, chunked prefill).
+- :func:`varlen_block_sparse_attention`, :func:`paged_block_sparse_attention` (batched BSR,
+  FlashInfer's ``indptr``/``indices``), :func:`block_sparse_attention` (one sequence).
 - :class:`SparsePolicy`, :class:`MInferencePolicy`, :class:`QuestPolicy`.
 
 NumPy inputs run the float64 reference (``cupaged.reference.sparse``); CuPy inputs run the
 kernels of ``kernels_cu/sparse_*.cu``. Importing this package imports no CuPy.
 """
-from .attention import block_sparse_attention, paged_vertical_slash_attention, \
-    vertical_slash_attention
+from .attention import paged_vertical_slash_attention, vertical_slash_attention
+from .bsr import block_sparse_attention, paged_block_sparse_attention, \
+    varlen_block_sparse_attention
 from .estimate import estimate_vertical_slash, paged_estimate_vertical_slash
 from .index import PAD, pad_indices, vertical_slash_index
 from .policy import MInferencePolicy, PolicyContext, QuestPolicy, SparsePolicy
 
 __all__ = ["PAD", "MInferencePolicy", "PolicyContext", "QuestPolicy", "SparsePolicy",
            "block_sparse_attention", "estimate_vertical_slash", "pad_indices",
-           "paged_estimate_vertical_slash", "paged_vertical_slash_attention",
+           "paged_block_sparse_attention", "paged_estimate_vertical_slash",
+           "paged_vertical_slash_attention", "varlen_block_sparse_attention",
            "vertical_slash_attention", "vertical_slash_index"]

@@ -1,4 +1,4 @@
-"""Block-sparse attention: vertical+slash (dense, packed batches, paged caches) and BSR.
+"""Vertical+slash sparse attention (dense, packed batches, paged caches); BSR is in ``bsr.py``.
 
 Every op validates its arguments, then runs the NumPy reference (``cupaged.reference.sparse``)
 or, on CuPy, the tensor-core kernel of ``kernels_cu/sparse_attention.cu``: each CTA computes
@@ -15,10 +15,11 @@ import numpy as np
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
 from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
     check_out, check_query)
+from ..core.launch import ptr
 from ..core.layouts import cache_geometry, resolve_layout
 from ..reference import sparse as ref
 from . import launch as kernels, tiles
-from .index import check_block_size, check_bsr_rows, check_pattern_indices, prepare
+from .index import check_block_size, check_pattern_indices, prepare
 
 
 class Batch(NamedTuple):
@@ -88,18 +89,11 @@ def launch(q, kv, out, lse, cu_q, kv_lens, batch, lists, opts, causal=True):
     if int(batch.q_lens.max(initial=0)) == 0 or lists.heads == 0:
         return
     d = batch.head_dim
-    smem = kernels.attention_smem(d)
-    kern = kernels.kernel("sparse_attention", kernels.attention_expr(q.dtype, d), smem)
-    tile = kernels.attention_tile(d)
-    kern((lists.heads, lists.num_c, batch.size), (tile.threads,),
-         (q, kv.k, kv.v, out, kernels.NULL if lse is None else lse, cu_q, kv_lens, kv.cu_k)
-         + kv.args()
-         + (np.int32(batch.num_q_heads), np.int32(batch.num_q_heads // batch.num_kv_heads),
-            np.int32(lists.head0))
-         + lists.args()
-         + (np.int32(causal), np.float32(opts.sm_scale * kernels.LOG2E),
-            kernels.NULL if opts.sinks is None else opts.sinks),
-         shared_mem=smem)
+    kern = kernels.attention_kernel(q.dtype, d)
+    kern((lists.heads, lists.num_c, batch.size), kernels.attention_tile(d).threads,
+         kernels.attention_smem(d), cu_q=ptr(cu_q), kv_lens=ptr(kv_lens),
+         **kernels.common_fields(q, out, lse, kv, batch.num_kv_heads, opts, causal),
+         **lists.fields())
 
 
 def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, kv_lens, batch, opts, out, lse, block_m,
@@ -261,64 +255,4 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
                          f"{kv.page_stride}")
     run_vertical_slash(q, kv, v_idx, s_idx, cu_seqlens_q, seq_lens, batch, opts, out, lse,
                        block_m, block_n)
-    return out if lse is None else (out, lse)
-
-
-def _check_bsr(indptr, indices, q_len, kv_len, block_m, block_n, xp):
-    rows, cols = -(-q_len // block_m), -(-kv_len // block_n)
-    check_array("indptr", indptr, ndim=1, dtypes=np.int32, xp=xp)
-    if indptr.shape[0] != rows + 1:
-        raise ValueError(f"indptr: expected shape [{rows + 1}] (ceil(q_len / block_m) + 1), "
-                         f"got {tuple(indptr.shape)}")
-    check_bsr_rows(indptr, indices, np.full(rows, cols), xp)
-
-
-@accepts_dlpack
-def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal=True,
-                           sm_scale=None, sinks=None, return_lse=False, out=None):
-    """Attention of one sequence restricted to a block-sparse-row (BSR) pattern.
-
-    Parameters
-    ----------
-    q : array
-        ``[q_len, Hq, D]``.
-    k, v : array
-        ``[kv_len, Hk, D]``; query ``i`` at position ``kv_len - q_len + i``.
-    indptr : array
-        int32 ``[ceil(q_len / block_m) + 1]``: row block ``r`` (queries
-        ``[r block_m, (r + 1) block_m)``) owns ``indices[indptr[r]:indptr[r + 1]]``.
-    indices : array
-        int32 ``[nnz]`` key block ids (keys ``[c block_n, (c + 1) block_n)``), strictly
-        increasing within a row, shared by all heads.
-    block_m, block_n : int
-        Block shape (the CUDA kernel needs ``block_m`` a multiple of 64).
-    causal : bool
-        Also hide keys after each query's position.
-    sm_scale, sinks, return_lse, out
-        As in :func:`vertical_slash_attention`.
-
-    Returns
-    -------
-    out : array
-        ``[q_len, Hq, D]``; ``(out, lse)`` with ``return_lse``.
-    """
-    xp = array_module(q, k, v, indptr, indices, sinks, out)
-    _, hq, d = check_query("q", q, xp)
-    _check_kv(k, v, q, xp)
-    block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
-    q_len, kv_len = q.shape[0], k.shape[0]
-    _check_bsr(indptr, indices, q_len, kv_len, block_m, block_n, xp)
-    opts = check_options(xp, hq, d, sm_scale=sm_scale, sinks=sinks)
-    out, lse = _outputs(q, out, return_lse, xp)
-    if xp is np:
-        result = ref.block_sparse_attention(q, k, v, indptr, indices, block_m, block_n,
-                                            causal=bool(causal), sm_scale=opts.sm_scale, sinks=sinks)
-        return _finish_reference(result, out, lse)
-    _check_gpu(q, block_m)
-    cu_q, kv_lens, cu_k = _device_lengths(xp, q_len, kv_len)
-    batch = Batch(hq, k.shape[1], d, np.array([q_len]), np.array([kv_len]))
-    lists = tiles.bsr_lists(indptr, indices, cu_q, kv_lens, q_len, hq, block_m, block_n,
-                            bool(causal), kernels.attention_tile(d).block_n)
-    launch(q, kernels.dense_kv(k, v, cu_k), out, lse, cu_q, kv_lens, batch, lists, opts,
-           bool(causal))
     return out if lse is None else (out, lse)

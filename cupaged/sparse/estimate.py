@@ -187,8 +187,8 @@ def _estimate_gpu(q, kv, plan):
     smem = kernels.estimate_smem(plan.head_dim)
     kern = kernels.kernel("sparse_estimate", kernels.estimate_expr(q.dtype, plan.head_dim), smem)
     common = (q, np.int64(plan.q_len - plan.n), np.int32(plan.n), np.int32(plan.num_q_heads),
-              kv.k, kv.table, np.int32(kv.page_size), np.int64(kv.page_stride),
-              np.int64(kv.tok_stride), np.int64(kv.head_stride),
+              kv.k, kernels.NULL if kv.table is None else kv.table, np.int32(kv.page_size),
+              np.int64(kv.page_stride), np.int64(kv.tok_stride), np.int64(kv.head_stride),
               np.int32(plan.num_q_heads // plan.num_kv_heads), np.int32(plan.kv_len),
               np.int32(tpc), np.float32(plan.sm_scale * kernels.LOG2E))
     grid, block = (plan.num_q_heads, chunks), (kernels.THREADS,)

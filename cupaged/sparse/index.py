@@ -90,8 +90,10 @@ def check_bsr_batch(indptr, indices, q_lens, kv_lens, block_m, block_n, pattern_
     ----------
     indptr, indices : array
         int32 ``[row_offsets[B] + 1]`` and ``[nnz]``.
-    q_lens, kv_lens : numpy.ndarray
-        int ``[B]`` host query and key counts per sequence.
+    q_lens, kv_lens : numpy.ndarray or None
+        int ``[B]`` host query and key counts per sequence; None (the lengths live on the
+        device): only the block shape, ``pattern_heads`` and the arrays' dtypes are checked,
+        and None is returned.
     block_m, block_n : int
         Block shape, ``>= 1``.
     pattern_heads : int
@@ -108,9 +110,12 @@ def check_bsr_batch(indptr, indices, q_lens, kv_lens, block_m, block_n, pattern_
     if heads not in (num_q_heads, num_kv_heads, 1):
         raise ValueError(f"pattern_heads: expected {sorted({num_q_heads, num_kv_heads, 1})} "
                          f"(per query head, per kv head or shared), got {heads}")
+    check_array("indptr", indptr, ndim=1, dtypes=np.int32, xp=xp)
+    if q_lens is None:
+        check_array("indices", indices, ndim=1, dtypes=np.int32, xp=xp)
+        return None
     q_lens, kv_lens = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
     offsets = bsr_row_offsets(q_lens, block_m, heads).astype(np.int64)
-    check_array("indptr", indptr, ndim=1, dtypes=np.int32, xp=xp)
     if indptr.shape[0] != offsets[-1] + 1:
         raise ValueError(f"indptr: expected shape [{offsets[-1] + 1}] (pattern_heads * "
                          f"sum(ceil(q_len / block_m)) + 1), got {tuple(indptr.shape)}")

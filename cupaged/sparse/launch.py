@@ -13,9 +13,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core import abi
 from ..core.arrays import HEAD_DIMS, bfloat16, float16
 from ..core.layouts import key_geometry, layout_strides
-from ..core.compile import Spec, ctype, get_kernel
+from ..core.compile import Spec, ctype, get_kernel, launcher
+from ..core.launch import ptr
 from ..prefill.plan import TileShape
 
 KERNEL_DTYPES = (float16, bfloat16)
@@ -29,33 +31,37 @@ LOG2E = 1.4426950408889634
 PREPARE_EXPR = "cupaged::vs_prepare"
 INDEX_EXPR = "cupaged::vs_index_kernel"
 VS_PLAN_EXPR = "cupaged::vs_plan_kernel"
-BSR_PLAN_EXPR = "cupaged::bsr_plan_kernel"
-INDEX_EXPRS = (PREPARE_EXPR, INDEX_EXPR, VS_PLAN_EXPR, BSR_PLAN_EXPR)
+BSR_PREPARE_EXPR = "cupaged::bsr_prepare"
+INDEX_EXPRS = (PREPARE_EXPR, INDEX_EXPR, VS_PLAN_EXPR, BSR_PREPARE_EXPR)
 
 
-def attention_tile(head_dim):
+def attention_tile(head_dim, rows=CTA_ROWS):
     """Tile of ``sparse_attention``: the dense kernel's 4 warps x 32 rows, 64-key tiles, two
     stages, 2 CTAs per SM up to d128; 8 warps x 16 rows and 32-key tiles at d256 (two stages
-    within an A100's shared memory)."""
+    within an A100's shared memory). ``rows`` 64 (``bsr_attention`` only): one 64-row half,
+    4 warps x 16 rows."""
+    if rows == ROWS:
+        return TileShape(4, 1, 32 if head_dim == 256 else 64, 2, False, 2)
     if head_dim == 256:
         return TileShape(8, 1, 32, 2, False, 1)
     return TileShape(4, 2, 64, 2, False, 2)
 
 
-def attention_expr(dtype, head_dim):
-    return (f"cupaged::sparse_attention<{ctype(dtype)}, {head_dim}, "
-            f"{attention_tile(head_dim).cpp()}>")
+def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS):
+    """``kernel``: ``"sparse_attention"`` (tile lists) or ``"bsr_attention"`` (batched BSR)."""
+    tile = attention_tile(head_dim, rows)
+    return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {tile.cpp()}>"
 
 
 def estimate_expr(dtype, head_dim):
     return f"cupaged::vs_estimate<{ctype(dtype)}, {head_dim}>"
 
 
-def attention_smem(head_dim):
-    """Dynamic shared memory of ``sparse_attention``: Q [128][D + 8], two K and two V
+def attention_smem(head_dim, rows=CTA_ROWS):
+    """Dynamic shared memory of ``sparse_attention``: Q [rows][D + 8], two K and two V
     stages [block_n][D + 8] (16-bit elements), bytes."""
     ld = head_dim + 8
-    return 2 * (CTA_ROWS * ld + 4 * attention_tile(head_dim).block_n * ld)
+    return 2 * (rows * ld + 4 * attention_tile(head_dim, rows).block_n * ld)
 
 
 def estimate_smem(head_dim):
@@ -67,24 +73,27 @@ class KVSource(NamedTuple):
     """Kernel arguments locating keys and values: dense packed rows or a paged cache."""
     k: object
     v: object
-    cu_k: object          # int32 [B + 1] dense row starts, or NULL
-    table: object         # int32 block tables, or NULL
+    cu_k: object          # int32 [B + 1] dense row starts, or None
+    table: object         # int32 block tables, or None
     table_stride: int
     page_size: int
     page_stride: int      # elements
     tok_stride: int
     head_stride: int
 
-    def args(self):
-        return (self.table, np.int32(self.table_stride), np.int32(self.page_size),
-                np.int64(self.page_stride), np.int64(self.tok_stride), np.int64(self.head_stride))
+    def fields(self):
+        """Their ``abi.SPARSE`` fields."""
+        return dict(k=ptr(self.k), v=ptr(self.v), cu_k=ptr(self.cu_k),
+                    block_tables=ptr(self.table), table_stride=self.table_stride,
+                    page_size=self.page_size, page_stride=self.page_stride,
+                    tok_stride=self.tok_stride, head_stride=self.head_stride)
 
 
-def dense_kv(k, v, cu_k=NULL):
+def dense_kv(k, v, cu_k=None):
     """Source of packed ``[tokens, Hk, D]`` keys and values."""
     _, hk, d = k.shape
     s = layout_strides("ragged", 1, hk, d, k.itemsize)
-    return KVSource(k, v, cu_k, NULL, 0, 1, 0, s.k_tok, s.k_head)
+    return KVSource(k, v, cu_k, None, 0, 1, 0, s.k_tok, s.k_head)
 
 
 def paged_kv(k_cache, v_cache, block_tables, layout):
@@ -93,7 +102,7 @@ def paged_kv(k_cache, v_cache, block_tables, layout):
     geo = key_geometry(k_cache, layout)
     s = layout_strides(layout, *geo[1:], k_cache.itemsize)
     stride = block_tables.shape[-1] if block_tables.ndim == 2 else 0
-    return KVSource(k_cache, v_cache, NULL, block_tables, stride, geo.block_size, s.k_block,
+    return KVSource(k_cache, v_cache, None, block_tables, stride, geo.block_size, s.k_block,
                     s.k_tok, s.k_head)
 
 
@@ -105,7 +114,32 @@ def kernel_specializations():
         for d in HEAD_DIMS:
             specs.append(Spec("sparse_estimate", estimate_expr(dtype, d)))
             specs.append(Spec("sparse_attention", attention_expr(dtype, d)))
+            for rows in (CTA_ROWS, ROWS):
+                specs.append(Spec("sparse_attention",
+                                  attention_expr(dtype, d, "bsr_attention", rows)))
     return specs
+
+
+def common_fields(q, out, lse, kv, num_kv_heads, opts, causal):
+    """The ``abi.SPARSE`` fields every attention launch sets: arrays, K/V source, scale."""
+    from ..core.checks import token_stride
+    return dict(q=ptr(q), out=ptr(out), lse=ptr(lse), q_tok=token_stride("q", q),
+                num_q_heads=q.shape[1], group=q.shape[1] // num_kv_heads, causal=int(causal),
+                scale_log2=opts.sm_scale * LOG2E, sinks=ptr(opts.sinks), **kv.fields())
+
+
+def bsr_meta_size(batch, cta_bound):
+    """int32 words of ``bsr_prepare``'s schedule: int4 per sequence and one for the pattern,
+    then the CTA map (``abi.BSR_PREPARE``)."""
+    return 4 * (batch + 1) + cta_bound
+
+
+def attention_kernel(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS):
+    """The :class:`cupaged.core.launch.Kernel` of ``sparse_attention.cu`` (``kind``: tile
+    lists or ``"bsr_attention"``; ``rows`` query rows per CTA), its shared memory reserved;
+    arguments ``abi.SPARSE``."""
+    return launcher("sparse_attention", attention_expr(dtype, head_dim, kind, rows), abi.SPARSE,
+                    smem=attention_smem(head_dim, rows), carveout=True)
 
 
 def kernel(stem, expr, smem=0):

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.launch import ptr as address
 from . import launch as kernels
 
 LIST_BUDGET = 1 << 30        # bytes of tile lists per launch group
@@ -29,13 +30,15 @@ class TileLists(NamedTuple):
     heads: int           # query heads of the launch
     plan_heads: int      # lists per (sequence, CTA row): heads, or 1 when shared by every head
     num_c: int           # CTA rows per sequence: ceil(max q_len / 128)
-    cols: object         # int32 [B, H, nv] unique vertical rows, or NULL
+    cols: object         # int32 [B, H, nv] unique vertical rows
     cols_heads: int
     cols_width: int
 
-    def args(self):
-        return (np.int32(self.plan_heads), np.int32(self.num_c), self.ptr, self.tiles, self.cols,
-                np.int32(self.cols_heads), np.int32(self.cols_width))
+    def fields(self):
+        """Their ``abi.SPARSE`` fields."""
+        return dict(head0=self.head0, plan_heads=self.plan_heads, num_c=self.num_c,
+                    plan_ptr=address(self.ptr), tiles=address(self.tiles), cols=address(self.cols),
+                    cols_heads=self.cols_heads, cols_width=self.cols_width)
 
 
 def num_ctas(max_q):
@@ -96,25 +99,6 @@ def vs_lists(prep, cu_q, kv_lens, batch, max_q, block_n, tile_n):
         tiles = cupy.empty((max(total, 1), 2), np.int32)
         run(h0, hs, ptr, tiles)
         yield TileLists(ptr, tiles, h0, hs, hs, nc, prep.v, heads, prep.v.shape[2])
-
-
-def bsr_lists(indptr, indices, cu_q, kv_lens, q_len, num_q_heads, block_m, block_n, causal, tile_n):
-    """Tile lists of a one-sequence BSR pattern shared by every head (device arrays in)."""
-    import cupy
-    nc = num_ctas(q_len)
-    kern = kernels.kernel("sparse_index", kernels.BSR_PLAN_EXPR)
-
-    def run(ptr, tiles):
-        kern((-(-nc // 4),), (128,),
-             (cu_q, kv_lens, indptr, indices, np.int32(nc), np.int32(block_m), np.int32(block_n),
-              np.int32(causal), np.int32(tile_n), ptr, tiles))
-
-    counts = cupy.zeros(nc, np.int64)
-    run(counts, kernels.NULL)
-    ptr, total = _offsets(counts)
-    tiles = cupy.empty((max(total, 1), 2), np.int32)
-    run(ptr, tiles)
-    return TileLists(ptr, tiles, 0, num_q_heads, 1, nc, kernels.NULL, 0, 0)
 
 
 def computed_pairs(lists):
