@@ -341,14 +341,14 @@ def accepts_dlpack(fn):
 # "hot" call of an engine's loop) takes only its arrays' addresses, packs them and launches,
 # on the caller's stream: torch tensors are read directly (no CuPy view is made) and torch
 # outputs are allocated by torch.
-_TORCH = {}        # "dtypes": torch dtype -> numpy dtype, "np": the reverse, "devices": {i: device}
+_TORCH = {}        # "dtypes": torch dtype -> numpy dtype, "np": the reverse
 _BYTE_STRIDES = {}  # (shape, -itemsize) -> C-order byte strides
 
 
 def _torch_tables():
     if not _TORCH:
         pairs, back = _torch_dtypes()
-        _TORCH.update(dtypes=pairs, np=back, devices={})
+        _TORCH.update(dtypes=pairs, np=back)
     return _TORCH
 
 
@@ -362,20 +362,19 @@ class Hot:
     strides and dtypes), where the next call of the same signature finds it.
     """
 
-    __slots__ = ("key", "ptrs", "stream", "_torch_device", "_root")
+    __slots__ = ("key", "ptrs", "stream", "_tensor", "_root")
 
-    def __init__(self, key, ptrs, stream, torch_device=None, root=None):
+    def __init__(self, key, ptrs, stream, tensor=None, root=None):
         self.key, self.ptrs, self.stream = key, ptrs, stream
-        self._torch_device, self._root = torch_device, root
+        self._tensor, self._root = tensor, root
 
     def empty(self, shape, dtype):
         """``(array, address)`` of a new uninitialised output (a torch tensor for torch
-        callers)."""
-        if self._torch_device is None:
+        callers: ``new_empty`` of the call's first tensor, on its device)."""
+        if self._tensor is None:
             a = sys.modules["cupy"].empty(shape, dtype)
             return a, a.data.ptr
-        t = sys.modules["torch"].empty(shape, dtype=_TORCH["np"][dtype],
-                                       device=self._torch_device)
+        t = self._tensor.new_empty(shape, dtype=_TORCH["np"][dtype])
         return t, t.data_ptr()
 
     def done(self, result):
@@ -435,7 +434,7 @@ def hot(strict, arrays, *options):
         return None
     first = arrays[0]
     cls = type(first)
-    torch_device = root = None
+    tensor = root = None
     if cls is cp.ndarray:
         kind, describe, stream = "cupy", _describe_cupy, cp.cuda.get_current_stream().ptr
         device = cp.cuda.runtime.getDevice()
@@ -448,9 +447,7 @@ def hot(strict, arrays, *options):
             if first.get_device() != device:
                 return None
             _torch_tables()
-            devices = _TORCH["devices"]
-            torch_device = devices.get(device) or devices.setdefault(device, first.device)
-            describe = _describe_torch
+            tensor, describe = first, _describe_torch
             stream = sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
         else:
             describe, stream = _describe_dlpack, cp.cuda.get_current_stream().ptr
@@ -468,7 +465,7 @@ def hot(strict, arrays, *options):
             return None
         sig.append(entry[0])
         ptrs.append(entry[1])
-    return Hot((tuple(sig), options, device, stream), ptrs, stream, torch_device, root)
+    return Hot((tuple(sig), options, device, stream), ptrs, stream, tensor, root)
 
 
 class CallCache(dict):
