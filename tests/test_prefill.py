@@ -601,7 +601,7 @@ def test_gpu_prefiller_graph_replays_after_replan(cp, rng, layout, planner, back
     for seqs in (slice(0, 4), slice(4, 7)):
         cu = (cu_all[seqs.start:seqs.stop + 1] - cu_all[seqs.start]).astype(np.int32)
         # the first plan's tables as wide as any (the buffers' capacity), the second's narrower
-        width = bt.shape[1] if seqs.start == 0 else int(-(-sl[seqs] // bs).max())
+        width = bt.shape[1] if seqs.start == 0 else int((-(-sl[seqs] // bs)).max())
         tables = bt[seqs][:, :width].copy()
         q = q_all[cu_all[seqs.start]:cu_all[seqs.stop]]
         q = np.concatenate([q, _rand(rng, (rows - len(q), hq, d), bfloat16)])
