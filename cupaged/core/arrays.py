@@ -515,12 +515,15 @@ def check_array(name, x, *, shape=None, ndim=None, dtypes=None, xp=None, contigu
         raise TypeError(f"{name}: expected a {where} array like the other arguments, "
                         f"got {type(x).__module__}.{type(x).__name__}")
     if dtypes is not None:
-        allowed = tuple(np.dtype(d) for d in (dtypes if isinstance(dtypes, (tuple, list)) else (dtypes,)))
+        allowed = _allowed_dtypes(dtypes)
         if x.dtype not in allowed:
             names = ", ".join(str(d) for d in allowed)
             raise TypeError(f"{name}: expected dtype {names}, got {x.dtype}")
     if shape is not None:
-        ndim = len(shape)
+        if x.shape == shape:  # the common case: no extent to compare one by one
+            shape = ndim = None
+        else:
+            ndim = len(shape)
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions"
                          + (f" {_shape_str(shape)}" if shape is not None else "")
@@ -530,6 +533,18 @@ def check_array(name, x, *, shape=None, ndim=None, dtypes=None, xp=None, contigu
     if contiguous and not x.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
     return x
+
+
+_ALLOWED = {}  # a check's dtypes argument -> tuple of NumPy dtypes
+
+
+def _allowed_dtypes(dtypes):
+    key = tuple(dtypes) if isinstance(dtypes, list) else dtypes
+    allowed = _ALLOWED.get(key)
+    if allowed is None:
+        allowed = _ALLOWED[key] = tuple(
+            np.dtype(d) for d in (dtypes if isinstance(dtypes, (tuple, list)) else (dtypes,)))
+    return allowed
 
 
 def check_head_dim(name, head_dim):

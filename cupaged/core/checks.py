@@ -197,11 +197,11 @@ def check_block_tables(block_tables, seq_lens, geometry, xp, *, batch=None, extr
     if not sl.size:
         return bt, sl
     bs, max_blocks = geometry.block_size, bt.shape[1]
-    # two reductions decide the common case (every length fits); the messages name the
+    # one reduction decides the common case (every length fits); the messages name the
     # first bad sequence
-    lo, hi = int(sl.min()), int(sl.max())
-    if lo < 0:
-        check_range("seq_lens", sl, 0, np.iinfo(np.int32).max)
+    hi = int(sl.view(np.uint32).max())  # a negative length reads as 2^31 or more
+    if hi >= INT32_MAX:
+        check_range("seq_lens", sl, 0, INT32_MAX)
     if -(-(hi + extra_tokens) // bs) > max_blocks:
         need = -(-(sl.astype(np.int64) + extra_tokens) // bs)
         i = int(np.argmax(need > max_blocks))
