@@ -21,7 +21,6 @@ import struct
 import threading
 from typing import NamedTuple
 
-_BUFFER_POINTER, _BUFFER_SIZE = 1, 2  # CU_LAUNCH_PARAM_BUFFER_POINTER, _SIZE (END: null)
 _SCALARS = {"i64": ("q", 8), "long long": ("q", 8), "u64": ("Q", 8),
             "int": ("i", 4), "unsigned": ("I", 4), "float": ("f", 4)}
 
@@ -178,10 +177,8 @@ class Bound:
 
 
 class ArgBuffer:
-    """Bytes of one packed record, and how ``cuLaunchKernel`` takes them: ``extra``, its
-    ``extra`` array pointing at the bytes as one parameter buffer (what launches pass: the
-    driver copies one buffer rather than a parameter at a time), and ``params``, the
-    ``kernelParams`` array of a pointer to each field."""
+    """Bytes of one packed record and the ``kernelParams`` array of ``cuLaunchKernel``: a
+    pointer to each field's bytes."""
 
     def __init__(self, record):
         self.data = bytearray(record.size)
@@ -189,11 +186,6 @@ class ArgBuffer:
         base = ctypes.addressof(self._cbuf)
         self._params = (ctypes.c_void_p * len(record.offsets))(*(base + o for o in record.offsets))
         self.params = ctypes.addressof(self._params)
-        last = record.fields[-1].code[1] + record.offsets[-1]  # the kernel's parameter bytes
-        self._size = ctypes.c_size_t(last)
-        self._extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, base, _BUFFER_SIZE,
-                                            ctypes.addressof(self._size), None)
-        self.extra = ctypes.addressof(self._extra)
 
 
 _LOCAL = threading.local()
@@ -246,7 +238,7 @@ class Kernel:
         gx, gy, gz = _dim3(grid)
         bx, by, bz = _dim3(block)
         if gx and gy and gz:
-            self._launch(self.ptr, gx, gy, gz, bx, by, bz, int(smem), stream, 0, args.extra)
+            self._launch(self.ptr, gx, gy, gz, bx, by, bz, int(smem), stream, args.params, 0)
 
     def at(self, grid, block, smem=0):
         """This kernel's launch with its dimensions fixed: ``go(args, stream)`` launches it
@@ -259,7 +251,7 @@ class Kernel:
             return _no_launch
 
         def go(args, stream):
-            launch(fn, gx, gy, gz, bx, by, bz, smem, stream, 0, args.extra)
+            launch(fn, gx, gy, gz, bx, by, bz, smem, stream, args.params, 0)
         return go
 
     def __call__(self, grid, block, smem=0, **fields):
