@@ -1,13 +1,17 @@
 // Cache kernels: scatter new key/value rows into a paged cache, copy whole blocks.
 //
-// These kernels move bits and never convert them, so element types matter only through
-// their size: rows are moved as 16-byte vectors (uint4) and the vllm value layout as
-// 2- or 4-byte elements. Every offset into a cache is 64-bit (i64), counted in vectors
-// (or elements) from the cache's base pointer, which the host checks is 16-byte aligned.
-// Slots and block ids come from device arrays and are checked here: a slot outside
+// Into a 16/32-bit cache the writes move bits and never convert them, so element types
+// matter only through their size: rows are moved as 16-byte vectors (uint4) and the vllm
+// value layout as 2- or 4-byte elements. Into an fp8 cache each 16-byte vector of input
+// elements is quantised (fp8.cuh: x / scale of its kv head, saturated) to its image, a
+// vector of 1-byte codes (Fp8Vec), written where the copy would write it. Every offset into a
+// cache is 64-bit (i64), counted in cache vectors (an input vector's image; 16 bytes for the
+// vllm layout, or elements) from the cache's base pointer, which the host checks is 16-byte
+// aligned. Slots and block ids come from device arrays and are checked here: a slot outside
 // [0, num_slots) or a block outside the cache is reported (report_error) and skipped.
 #include "common.cuh"
 #include "abi.cuh"
+#include "fp8.cuh"
 
 namespace cupaged {
 
@@ -16,13 +20,50 @@ constexpr int ROWS_UNROLL = 2;  // tokens per thread group in write_rows
 constexpr int VLLM_TILE = 32;   // tokens per CTA in write_vllm: one per lane
 constexpr int COPY_UNROLL = 4;  // vectors in flight per thread in copy_blocks_kernel
 
+// The cache's image of one 16-byte input vector. Bits: the vector itself.
+struct Bits {
+  typedef uint4 Out;
+  __device__ static __forceinline__ Out put(const uint4& in, float) { return in; }
+};
+
+// N 1-byte codes as one vector (uint2 or a 4-byte word) from N / 4 words.
+template <int N> struct CodesOf;
+template <> struct CodesOf<8> {
+  typedef uint2 Out;
+  __device__ static __forceinline__ Out make(const u32 (&w)[2]) { return make_uint2(w[0], w[1]); }
+};
+template <> struct CodesOf<4> {
+  typedef u32 Out;
+  __device__ static __forceinline__ Out make(const u32 (&w)[1]) { return w[0]; }
+};
+
+// fp8 codes of the 16 / sizeof(In) elements of an input vector (In: __half,
+// __nv_bfloat16 or float), each x / scale quantised to format KV.
+template <typename In, typename KV>
+struct Fp8Vec {
+  static constexpr int N = 16 / sizeof(In);
+  typedef typename CodesOf<N>::Out Out;
+  __device__ static __forceinline__ Out put(const uint4& in, float scale) {
+    const In* e = reinterpret_cast<const In*>(&in);
+    u32 w[N / 4];
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      w[i] = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) w[i] |= fp8_encode<KV>(to_float<In>(e[4 * i + b]), scale) << (8 * b);
+    }
+    return CodesOf<N>::make(w);
+  }
+};
+
 // -- write_rows: NHD ([b, o, h, :]) and HND ([b, h, o, :]) layouts --------------------------
 // Grid:  x = ceil(num_tokens / (ROWS_UNROLL * (THREADS >> tpt_log2))).
 // Block: THREADS threads in groups of tpt = 1 << tpt_log2 threads; a group owns ROWS_UNROLL
 // tokens, THREADS >> tpt_log2 apart. Each thread copies the 16-byte vectors v = lane,
 // lane + tpt, ... < row_vecs of its tokens' key and value rows ([num_kv_heads, head_dim] =
 // row_vecs vectors, head_vecs per head; key[t, h] at t * key_tok + h * key_head vectors) to
-// the tokens' slots: all loads of a step before its stores. Tokens with slot -1 are skipped.
+// the tokens' slots as Q puts them (Bits, or Fp8Vec with head h's scales): all loads of a
+// step before its stores. Tokens with slot -1 are skipped.
 __device__ __forceinline__ i64 checked_block(i64 slot, i64 num_slots, int block_size,
                                              long long* err, int t) {
   if (slot < 0) return -1;
@@ -33,9 +74,11 @@ __device__ __forceinline__ i64 checked_block(i64 slot, i64 num_slots, int block_
   return slot / block_size;
 }
 
-template <bool HND>
+template <bool HND, typename Q>
 __global__ void __launch_bounds__(THREADS) write_rows(CUPAGED_PARAMS_CacheWriteArgs) {
-  uint4* v_rows = static_cast<uint4*>(v_cache);
+  typedef typename Q::Out Out;
+  Out* k_rows = static_cast<Out*>(k_cache);
+  Out* v_rows = static_cast<Out*>(v_cache);
   const int tokens_per_pass = THREADS >> tpt_log2;
   const int t0 = blockIdx.x * tokens_per_pass * ROWS_UNROLL + (threadIdx.x >> tpt_log2);
   const int tpt = 1 << tpt_log2;
@@ -73,8 +116,8 @@ __global__ void __launch_bounds__(THREADS) write_rows(CUPAGED_PARAMS_CacheWriteA
         kd = blk[u] * k_block + in;
         vd = blk[u] * v_block + in;
       }
-      k_cache[kd] = kk[u];
-      v_rows[vd] = vv[u];
+      k_rows[kd] = Q::put(kk[u], kv_scale(k_scale, k_scale_stride, k_scale_value, h));
+      v_rows[vd] = Q::put(vv[u], kv_scale(v_scale, v_scale_stride, v_scale_value, h));
     }
   }
 }
@@ -82,20 +125,26 @@ __global__ void __launch_bounds__(THREADS) write_rows(CUPAGED_PARAMS_CacheWriteA
 // -- write_vllm: key [b, h, d / X, o, X] (X elements = 16 bytes), value [b, h, d, o] -------
 // Grid:  x = ceil(num_tokens / VLLM_TILE) token tiles, y = num_kv_heads (head h).
 // Block: THREADS threads.
-// Stage 1: the tile's key and value rows of head h (head_vecs 16-byte vectors each) are
-// loaded, coalesced along each row, into shared memory; rows are padded to an odd number of
-// vectors so that 8 lanes reading one vector of 8 different rows hit distinct banks.
+// Stage 1: the tile's key and value rows of head h (head_vecs 16-byte input vectors each)
+// are loaded, coalesced along each row, and put (Q: Bits, or Fp8Vec with head h's scales)
+// into shared memory as cache rows of cache_vecs 16-byte vectors; rows are padded to an odd
+// number of vectors so that 8 lanes reading one vector of 8 different rows hit distinct
+// banks.
 // Stage 2: lanes run over the tile's tokens (lane = token) and vectors over warps: a thread
 // stores key vector j of its token as one 16 bytes and value vector j as X elements, so
 // tokens in consecutive slots of a block make contiguous stores. Slot -1 tokens are skipped.
-template <typename E>  // an unsigned integer type of the element size (2 or 4 bytes)
+template <typename E, typename Q>  // E: an unsigned type of the cache element's size (1, 2, 4)
 __global__ void __launch_bounds__(THREADS) write_vllm(CUPAGED_PARAMS_CacheWriteArgs) {
+  typedef typename Q::Out Out;
   constexpr int X = 16 / sizeof(E);
+  constexpr int R = 16 / sizeof(Out);  // input vectors a cache vector holds
+  uint4* k_vecs = static_cast<uint4*>(k_cache);
   E* v_elems = static_cast<E*>(v_cache);
   extern __shared__ uint4 smem[];  // [2][VLLM_TILE][row_stride]
   __shared__ i64 s_blk[VLLM_TILE];
   __shared__ int s_off[VLLM_TILE];
-  const int row_stride = head_vecs | 1;
+  const int cache_vecs = head_vecs / R;
+  const int row_stride = cache_vecs | 1;
   uint4* s_key = smem;
   uint4* s_val = smem + VLLM_TILE * row_stride;
   const int t0 = blockIdx.x * VLLM_TILE;
@@ -111,22 +160,26 @@ __global__ void __launch_bounds__(THREADS) write_vllm(CUPAGED_PARAMS_CacheWriteA
     s_off[threadIdx.x] = (int)(slot - blk * block_size);
   }
   // -- stage 1: rows of head h into shared memory --
+  const float ks = kv_scale(k_scale, k_scale_stride, k_scale_value, h);
+  const float vs = kv_scale(v_scale, v_scale_stride, v_scale_value, h);
+  Out* s_key_out = reinterpret_cast<Out*>(s_key);
+  Out* s_val_out = reinterpret_cast<Out*>(s_val);
   for (int i = threadIdx.x; i < tile * head_vecs; i += THREADS) {
     const int tok = i / head_vecs, j = i - tok * head_vecs;
     const i64 t = t0 + tok;
-    s_key[tok * row_stride + j] = __ldg(key + t * key_tok + (i64)h * key_head + j);
-    s_val[tok * row_stride + j] = __ldg(value + t * value_tok + (i64)h * value_head + j);
+    s_key_out[tok * row_stride * R + j] = Q::put(__ldg(key + t * key_tok + (i64)h * key_head + j), ks);
+    s_val_out[tok * row_stride * R + j] = Q::put(__ldg(value + t * value_tok + (i64)h * value_head + j), vs);
   }
   __syncthreads();
 
   // -- stage 2: lane = token; key vectors whole, value vectors element by element --
-  const int head_dim = head_vecs * X;
-  for (int i = threadIdx.x; i < VLLM_TILE * head_vecs; i += THREADS) {
+  const int head_dim = cache_vecs * X;
+  for (int i = threadIdx.x; i < VLLM_TILE * cache_vecs; i += THREADS) {
     const int tok = i % VLLM_TILE, j = i / VLLM_TILE;
     const i64 blk = s_blk[tok];
     if (blk < 0) continue;
     const int off = s_off[tok];
-    k_cache[blk * k_block + ((i64)h * head_vecs + j) * block_size + off] =
+    k_vecs[blk * k_block + ((i64)h * cache_vecs + j) * block_size + off] =
         s_key[tok * row_stride + j];
     const uint4 vv = s_val[tok * row_stride + j];
     const E* e = reinterpret_cast<const E*>(&vv);

@@ -137,8 +137,8 @@ def test_float8_arrays_read_like_their_bytes(rng):
 
 # ----------------------------------------------------------------------------- scale checks
 BAD_SCALES = [
-    (np.ones(HK + 1, np.float32), ValueError, r"expected shape \[\] or \[3\]"),
-    (np.ones((1, HK), np.float32), ValueError, r"expected shape \[\] or \[3\]"),
+    (np.ones(HK + 1, np.float32), ValueError, r"expected shape \[\], \[1\] or \[3\]"),
+    (np.ones((1, HK), np.float32), ValueError, r"expected shape \[\], \[1\] or \[3\]"),
     (np.float32(0.0), ValueError, "expected finite positive values, got 0.0"),
     (np.float32([1, -2, 1]), ValueError, "expected finite positive values, got -2.0 at index 1"),
     (np.float32([1, 1, np.inf]), ValueError, "expected finite positive values, got inf at index 2"),

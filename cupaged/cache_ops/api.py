@@ -25,12 +25,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import abi, errors
-from ..core.arrays import (CallCache, accepts_dlpack, array_module, check_array, check_choice,
-                           check_range, host, hot, is_cupy)
+from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module, check_array,
+                           check_choice, check_range, host, hot, is_cupy)
 from ..core.checks import check_aligned, token_stride
-from ..core.compile import Spec, launcher
+from ..core.compile import Spec, ctype, launcher
+from ..core.fp8 import KV_DTYPES, kernel_scales, resolve_kv_dtype, scale_parts
 from ..core.launch import current_stream, ptr
-from ..core.layouts import LAYOUTS, accepts_cache, block_stride, cache_geometry
+from ..core.layouts import CACHE_DTYPES, LAYOUTS, accepts_cache, block_stride, cache_geometry
 from ..reference import cache as ref
 
 THREADS = 256
@@ -39,15 +40,34 @@ VLLM_TILE = 32
 COPY_UNROLL = 4
 MEMCPY_MIN_RUN_BYTES = 1 << 20
 SWAP_METHODS = ("auto", "memcpy", "kernel")
-_ELEMENT_TYPES = {2: "unsigned short", 4: "unsigned int"}
+_ELEMENT_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
+BITS = "cupaged::Bits"
+
+
+def quantiser(in_dtype, kv_dtype):
+    """The write kernels' Q of rows of ``in_dtype`` into a cache of format ``kv_dtype``
+    (None: a plain cache, whose rows are copied as bits)."""
+    if kv_dtype is None:
+        return BITS
+    return f"cupaged::Fp8Vec<{ctype(in_dtype)}, cupaged::{kv_dtype}>"
+
+
+def write_expr(layout, cache_itemsize, q):
+    """The write kernel of a layout, cache element size and quantiser ``q``."""
+    if layout == "vllm":
+        return f"cupaged::write_vllm<{_ELEMENT_TYPES[cache_itemsize]}, {q}>"
+    return f"cupaged::write_rows<{'true' if layout == 'HND' else 'false'}, {q}>"
 
 
 def kernel_specializations():
-    """Every kernel specialisation this module can launch."""
-    exprs = (["cupaged::write_rows<false>", "cupaged::write_rows<true>"]
-             + [f"cupaged::write_vllm<{e}>" for e in _ELEMENT_TYPES.values()]
-             + ["cupaged::copy_blocks_kernel"])
-    return [Spec("cache_ops", e) for e in exprs]
+    """Every kernel specialisation this module can launch: the writes per layout, for
+    plain caches (bits of 2- or 4-byte elements) and for each fp8 format from each input
+    dtype, and the block copy."""
+    exprs = [write_expr(layout, size, BITS) for layout in LAYOUTS
+             for size in ((2, 4) if layout == "vllm" else (2,))]
+    exprs += [write_expr(layout, 1, quantiser(dt, kv)) for layout in LAYOUTS
+              for kv in KV_DTYPES for dt in FLOAT_DTYPES]
+    return [Spec("cache_ops", e) for e in exprs + ["cupaged::copy_blocks_kernel"]]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -57,24 +77,33 @@ def _check_row_bytes(name, head_dim, dtype):
                          f"got head_dim {head_dim} of {np.dtype(dtype)}")
 
 
-def _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate=None):
+def _check_write(key, value, k_cache, v_cache, slot_mapping, layout, kv_dtype, k_scale,
+                 v_scale, validate=None):
     """Validate write_kv_cache's arguments (the slots' contents on the host for a host
-    mapping or in strict mode); return (array module, geometry)."""
+    mapping or in strict mode); return (array module, geometry, fp8 format or None, the
+    kernels' scale fields or None on the NumPy path)."""
     check_choice("layout", layout, LAYOUTS)
     xp = array_module(key, value, k_cache, v_cache, slot_mapping)
-    geo = cache_geometry(k_cache, v_cache, layout)
+    geo = cache_geometry(k_cache, v_cache, layout, CACHE_DTYPES)
+    fmt = resolve_kv_dtype(kv_dtype, k_cache, v_cache)
     _check_row_bytes("k_cache", geo.head_dim, k_cache.dtype)
     hk, d = geo.num_kv_heads, geo.head_dim
-    check_array("key", key, shape=(None, hk, d), dtypes=k_cache.dtype, contiguous=False)
+    rows = FLOAT_DTYPES if fmt is not None else k_cache.dtype
+    check_array("key", key, shape=(None, hk, d), dtypes=rows, contiguous=False)
     tokens = key.shape[0]
-    check_array("value", value, shape=(tokens, hk, d), dtypes=k_cache.dtype, contiguous=False)
+    check_array("value", value, shape=(tokens, hk, d), dtypes=key.dtype, contiguous=False)
     token_stride("key", key)
     token_stride("value", value)
     check_array("slot_mapping", slot_mapping, shape=(tokens,), dtypes=np.int64)
+    scales = None
     if xp is not np:
         check_aligned(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+        scales = kernel_scales(fmt, k_scale, v_scale, hk, errors.strict(validate))
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is not None and hasattr(scale, "dtype"):
+                check_array(name, scale, xp=xp, contiguous=False)
     if xp is not np and not errors.strict(validate):
-        return xp, geo
+        return xp, geo, fmt, scales
     slots = host(slot_mapping)
     check_range("slot_mapping", slots, 0, geo.num_blocks * geo.block_size, allow=(-1,))
     if errors.strict(validate):
@@ -83,7 +112,7 @@ def _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate=No
         if dup.any():
             raise ValueError(f"slot_mapping: expected distinct slots (or -1), slot "
                              f"{used[1:][dup][0]} appears more than once")
-    return xp, geo
+    return xp, geo, fmt, scales
 
 
 def _check_pairs(block_mapping, num_src, num_dst, disjoint, validate=None):
@@ -177,20 +206,23 @@ def _pinned_pointer(name, a):
 
 
 # ----------------------------------------------------------------------------- planning
-def write_launch_config(num_tokens, geo, itemsize, layout):
-    """(kernel expression, grid, dynamic shared bytes, CACHE_WRITE fields) of a cache write."""
+def write_launch_config(num_tokens, geo, itemsize, layout, cache_itemsize=None, q=BITS):
+    """(kernel expression, grid, dynamic shared bytes, CACHE_WRITE fields) of a cache write
+    of rows of ``itemsize``-byte elements into a cache of ``cache_itemsize``-byte ones
+    (default the same) by quantiser ``q``."""
+    cache_itemsize = cache_itemsize or itemsize
     head_vecs = geo.head_dim * itemsize // 16
     if layout == "vllm":
-        smem = 2 * VLLM_TILE * (head_vecs | 1) * 16
+        smem = 2 * VLLM_TILE * ((geo.head_dim * cache_itemsize // 16) | 1) * 16
         grid = (-(-num_tokens // VLLM_TILE), geo.num_kv_heads)
-        return (f"cupaged::write_vllm<{_ELEMENT_TYPES[itemsize]}>", grid, smem,
+        return (write_expr(layout, cache_itemsize, q), grid, smem,
                 dict(num_tokens=num_tokens, num_kv_heads=geo.num_kv_heads, head_vecs=head_vecs,
                      block_size=geo.block_size, tpt_log2=0,
                      row_vecs=geo.num_kv_heads * head_vecs))
     row_vecs = geo.num_kv_heads * head_vecs
     tpt_log2 = min(8, (row_vecs - 1).bit_length())
     grid = (-(-num_tokens // (ROWS_UNROLL * (THREADS >> tpt_log2))),)
-    return (f"cupaged::write_rows<{'true' if layout == 'HND' else 'false'}>", grid, 0,
+    return (write_expr(layout, cache_itemsize, q), grid, 0,
             dict(num_tokens=num_tokens, tpt_log2=tpt_log2, row_vecs=row_vecs,
                  head_vecs=head_vecs, num_kv_heads=geo.num_kv_heads, block_size=geo.block_size))
 
@@ -224,28 +256,31 @@ def swap_method(pairs, block_bytes):
 
 
 # ----------------------------------------------------------------------------- launches
-def _write_setup(key, value, k_cache, v_cache, geo, layout):
-    """(launch, Bound) of a cache write of this shape: everything but the arrays'
-    addresses."""
-    expr, grid, smem, fields = write_launch_config(key.shape[0], geo, k_cache.dtype.itemsize,
-                                                   layout)
-    vec = 16 // k_cache.itemsize  # elements of a 16-byte vector
+def _write_setup(key, value, k_cache, v_cache, geo, layout, fmt, scales):
+    """(launch, Bound) of a cache write of this shape, format and scale fields: everything
+    but the arrays' addresses."""
+    q = quantiser(key.dtype, None if fmt is None else fmt.name)
+    expr, grid, smem, fields = write_launch_config(key.shape[0], geo, key.dtype.itemsize,
+                                                   layout, k_cache.itemsize, q)
+    vec = 16 // key.itemsize  # elements of a 16-byte input vector (of its image in the cache)
+    block_vec = 16 // k_cache.itemsize if layout == "vllm" else vec
     head_vecs = fields["head_vecs"]
     args = abi.CACHE_WRITE.bind(
         err=ptr(errors.error_word()), num_slots=geo.num_blocks * geo.block_size,
-        k_block=block_stride(k_cache) // vec, v_block=block_stride(v_cache) // vec,
+        k_block=block_stride(k_cache) // block_vec, v_block=block_stride(v_cache) // block_vec,
         key_tok=token_stride("key", key) // vec, key_head=head_vecs,
-        value_tok=token_stride("value", value) // vec, value_head=head_vecs, **fields)
+        value_tok=token_stride("value", value) // vec, value_head=head_vecs, **scales,
+        **fields)
     return launcher("cache_ops", expr, abi.CACHE_WRITE, smem=smem).at(grid, THREADS, smem), args
 
 
 def _launch_write(setup, ptrs, stream):
-    """The write of a setup; ``ptrs``: addresses of key, value, k_cache, v_cache and
-    slot_mapping."""
+    """The write of a setup; ``ptrs``: addresses of key, value, k_cache, v_cache,
+    slot_mapping, k_scale and v_scale (0: none)."""
     go, args = setup
-    key, value, k_cache, v_cache, slots = ptrs
-    go(args.pack(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots),
-       stream)
+    key, value, k_cache, v_cache, slots, k_scale, v_scale = ptrs
+    go(args.pack(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                 k_scale=k_scale, v_scale=v_scale), stream)
 
 
 _WRITES = CallCache()  # cache-write setups by signature
@@ -280,52 +315,72 @@ def _address(a):
 
 # ----------------------------------------------------------------------------- public ops
 @accepts_cache(2)
-def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, validate=None):
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, kv_dtype=None,
+                   k_scale=None, v_scale=None, validate=None):
     """Write one key and one value row per token into its cache slot, in place.
 
     Parameters
     ----------
     key, value : array
         ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype (float16, bfloat16,
-        float32), heads dense, token rows 16-byte multiples apart (views of a fused qkv
-        tensor go in without a copy); ``head_dim * itemsize`` a multiple of 16 bytes.
+        float32; any of them, one for both, into an fp8 cache), heads dense, token rows
+        16-byte multiples apart (views of a fused qkv tensor go in without a copy);
+        ``head_dim * itemsize`` a multiple of 16 bytes.
     k_cache, v_cache : array
         Paged caches in ``layout`` (shapes from ``cupaged.layouts.cache_shapes``); or
         ``k_cache`` a CacheView or PagedKVCache, with its layout (``v_cache`` left out).
+        fp8 caches are 1-byte arrays: uint8, or the format's float8 dtype.
     slot_mapping : array
         int64 ``[num_tokens]``: slot ``block * block_size + offset`` of each token, in
         ``[0, num_blocks * block_size)``, or ``-1`` to skip the token. Tokens sharing a slot
         write one of their rows (vLLM's rule; refused in strict mode).
     layout : {"NHD", "HND", "vllm"}
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
+        The caches' format; None: their own dtype (a float8 cache is in its format; a uint8
+        cache needs a name). Rows written into an fp8 cache are quantised: the cache holds
+        ``key / k_scale`` rounded to the format, saturated to its finite range (docs/design.md,
+        fp8 caches; bit for bit as ``cupaged.reference.fp8.quantize``).
+    k_scale, v_scale : float or array, optional
+        fp8 only (default 1.0): a Python float, or a float32 array of shape ``[]`` or ``[1]``
+        (one scale for every head) or ``[num_kv_heads]``, on the caches' device (its values,
+        which must be finite and positive, are checked only in strict mode).
     validate : bool, optional
-        Check a device slot mapping on the host first (range and duplicates; strict mode,
-        default ``CUPAGED_STRICT``); otherwise the kernel skips and reports bad slots.
+        Check a device slot mapping (and device scales) on the host first (range and
+        duplicates; strict mode, default ``CUPAGED_STRICT``); otherwise the kernel skips and
+        reports bad slots.
 
     Returns
     -------
     (k_cache, v_cache)
         The caches, modified in place (same memory; torch tensors for torch inputs).
     """
-    arrays = (key, value, k_cache, v_cache, slot_mapping)
-    call = hot(errors.strict(validate), arrays, layout)
+    scale_arrays, scale_values = scale_parts(k_scale, v_scale)
+    arrays = (key, value, k_cache, v_cache, slot_mapping) + scale_arrays
+    call = hot(errors.strict(validate), arrays, layout, kv_dtype, scale_values)
     if call is not None:
         setup = _WRITES.get(call.key)
         if setup is not None:  # checked and set up by an earlier call of this signature
             _launch_write(setup, call.ptrs, call.stream)
             return k_cache, v_cache
-    return _write_checked(*arrays, layout, validate, call.key if call is not None else None)
+    return _write_checked(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
+                          kv_dtype, validate, call.key if call is not None else None)
 
 
 @accepts_dlpack
-def _write_checked(key, value, k_cache, v_cache, slot_mapping, layout, validate, cache_key):
+def _write_checked(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout,
+                   kv_dtype, validate, cache_key):
     """write_kv_cache's checks, its setup (cached under ``cache_key``) and its launch."""
-    xp, geo = _check_write(key, value, k_cache, v_cache, slot_mapping, layout, validate)
+    xp, geo, fmt, scales = _check_write(key, value, k_cache, v_cache, slot_mapping, layout,
+                                        kv_dtype, k_scale, v_scale, validate)
     if xp is np:
-        ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout)
+        ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout,
+                           kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     elif key.shape[0]:
-        setup = _WRITES.put(cache_key, _write_setup(key, value, k_cache, v_cache, geo, layout))
-        _launch_write(setup, [ptr(a) for a in (key, value, k_cache, v_cache, slot_mapping)],
-                      current_stream())
+        setup = _WRITES.put(cache_key, _write_setup(key, value, k_cache, v_cache, geo, layout,
+                                                    fmt, scales))
+        scale_arrays = scale_parts(k_scale, v_scale)[0]
+        _launch_write(setup, [ptr(a) for a in (key, value, k_cache, v_cache, slot_mapping,
+                                               *scale_arrays)], current_stream())
     return k_cache, v_cache
 
 

@@ -30,15 +30,25 @@ def decode_error(code):
     return ERROR_ARGUMENTS[(code >> 4) - 1], ERROR_CHECKS[(code & 15) - 1]
 
 
+# ----------------------------------------------------------------------------- fp8 scales
+# The fp8 scales of the cache write, decode and append records: kv head h's scale is
+# k_scale[k_scale_stride * h] (stride 0: one value for every head, 1: one per head), or
+# k_scale_value where k_scale is null (cupaged.core.fp8.kernel_scale); v_scale alike.
+SCALES = [("const float* __restrict__", "k_scale", NULL),
+          ("const float* __restrict__", "v_scale", NULL), ("int", "k_scale_stride", 0),
+          ("int", "v_scale_stride", 0), ("float", "k_scale_value", 1.0),
+          ("float", "v_scale_value", 1.0)]
+
 # ----------------------------------------------------------------------------- decode
+# Caches of element type KV: T itself, or an fp8 format (kernels_cu/fp8.cuh).
 DECODE = Record("DecodeArgs", [
     ("const T* __restrict__", "q"), ("T* __restrict__", "out"),
     ("float* __restrict__", "lse", NULL), ("float* __restrict__", "part_out", NULL),
     ("float* __restrict__", "part_lse", NULL), ("int* __restrict__", "counters", NULL),
     ("int* __restrict__", "pool_ctr", NULL), ("const int4* __restrict__", "work"),
-    ("const T* __restrict__", "k_cache"), ("const T* __restrict__", "v_cache"),
+    ("const KV* __restrict__", "k_cache"), ("const KV* __restrict__", "v_cache"),
     ("const int* __restrict__", "block_tables"),
-    ("const float* __restrict__", "alibi_slopes", NULL),
+    ("const float* __restrict__", "alibi_slopes", NULL), *SCALES,
     ("const float* __restrict__", "sinks", NULL),
     ("int", "kbs"), ("int", "khs"), ("int", "kts"), ("int", "kcs"), ("int", "vbs"),
     ("int", "vhs"), ("int", "vts"), ("int", "vcs"), ("int", "ves"), ("int", "block_size"),
@@ -47,17 +57,18 @@ DECODE = Record("DecodeArgs", [
     ("int", "head_warps"), ("int", "head_chunks"), ("int", "window_left"),
     ("int", "fused_merge"), ("float", "scale_log2"), ("float", "sm_scale"),
     ("float", "soft_cap"), ("int", "tile_tokens"),
-], template="typename T")
+], template="typename T, typename KV")
 
 APPEND = Record("AppendArgs", [
     ("const T* __restrict__", "k_new"), ("const T* __restrict__", "v_new"),
-    ("T* __restrict__", "k_cache"), ("T* __restrict__", "v_cache"),
+    ("KV* __restrict__", "k_cache"), ("KV* __restrict__", "v_cache"),
     ("const int* __restrict__", "block_tables"), ("const int* __restrict__", "seq_lens"),
-    ("int", "bt_stride"), ("int", "block_size"), ("int", "num_kv_heads"), ("int", "head_dim"),
+    *SCALES, ("int", "bt_stride"), ("int", "block_size"), ("int", "num_kv_heads"),
+    ("int", "head_dim"),
     ("int", "k_new_stride"), ("int", "v_new_stride"),
     ("int", "kbs"), ("int", "khs"), ("int", "kts"), ("int", "kcs"), ("int", "vbs"),
     ("int", "vhs"), ("int", "vts"), ("int", "vcs"), ("int", "ves"),
-], template="typename T")
+], template="typename T, typename KV")
 
 MERGE_PIECES = Record("MergePiecesArgs", [
     ("const float* __restrict__", "part_out"), ("const float* __restrict__", "part_lse"),
@@ -163,12 +174,14 @@ BSR_PREPARE = Record("BsrPrepareArgs", [
 ])
 
 # ----------------------------------------------------------------------------- cache ops
-# Strides in 16-byte vectors: key[t, h] at t * key_tok + h * key_head, a cache block every
-# k_block (v_block) vectors.
+# Strides in 16-byte input vectors: key[t, h] at t * key_tok + h * key_head; a cache block
+# every k_block (v_block) cache vectors (a 16-byte input vector's image in the cache: 16
+# bytes, or its fp8 codes, 4 or 8 bytes; 16 bytes in the vllm layout).
 CACHE_WRITE = Record("CacheWriteArgs", [
     ("const uint4* __restrict__", "key"), ("const uint4* __restrict__", "value"),
-    ("uint4* __restrict__", "k_cache"), ("void* __restrict__", "v_cache"),
+    ("void* __restrict__", "k_cache"), ("void* __restrict__", "v_cache"),
     ("const i64* __restrict__", "slot_mapping"), ("long long* __restrict__", "err", NULL),
+    *SCALES,
     ("i64", "num_slots"), ("i64", "k_block"), ("i64", "v_block"),
     ("int", "num_tokens"), ("int", "tpt_log2"), ("int", "row_vecs"), ("int", "head_vecs"),
     ("int", "num_kv_heads"), ("int", "block_size"), ("int", "key_tok"), ("int", "key_head"),

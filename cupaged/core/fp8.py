@@ -90,8 +90,9 @@ def check_scale(name, scale, num_kv_heads) -> np.ndarray:
     name : str
         Argument name used in messages (``"k_scale"``, ``"v_scale"``).
     scale : float or numpy.ndarray
-        A Python float (rounded to float32), or a float32 array of shape ``[]`` (one value
-        for every head) or ``[num_kv_heads]``. Every value must be finite and positive.
+        A Python float (rounded to float32), or a float32 array of shape ``[]`` or ``[1]``
+        (one value for every head) or ``[num_kv_heads]``. Every value must be finite and
+        positive.
     num_kv_heads : int
 
     Raises
@@ -110,15 +111,16 @@ def check_scale(name, scale, num_kv_heads) -> np.ndarray:
     else:
         raise TypeError(f"{name}: expected a float or a float32 array, got "
                         f"{type(scale).__name__}")
-    if values.shape not in ((), (num_kv_heads,)):
-        raise ValueError(f"{name}: expected shape [] or [{num_kv_heads}] (num_kv_heads), "
+    if values.shape not in ((), (1,), (num_kv_heads,)):
+        raise ValueError(f"{name}: expected shape [], [1] or [{num_kv_heads}] (num_kv_heads), "
                          f"got {list(values.shape)}")
     bad = ~(np.isfinite(values) & (values > 0))
     if bad.any():
         where = "" if values.ndim == 0 else f" at index {int(np.argmax(bad))}"
         raise ValueError(f"{name}: expected finite positive values, got "
                          f"{values[bad].ravel()[0]}{where}")
-    return np.broadcast_to(values, (num_kv_heads,)).astype(np.float32)
+    return np.broadcast_to(values.reshape(-1)[:1] if values.size == 1 else values,
+                           (num_kv_heads,)).astype(np.float32)
 
 
 def check_kv_scales(fmt, k_scale, v_scale, num_kv_heads):
@@ -136,3 +138,72 @@ def check_kv_scales(fmt, k_scale, v_scale, num_kv_heads):
     one = np.float32(1.0)
     return (check_scale("k_scale", one if k_scale is None else k_scale, num_kv_heads),
             check_scale("v_scale", one if v_scale is None else v_scale, num_kv_heads))
+
+
+def is_host_scale(scale):
+    """A scale the host holds (a Python float or int), as opposed to an array."""
+    return isinstance(scale, (float, int, np.floating)) and not isinstance(scale, bool)
+
+
+def scale_parts(k_scale, v_scale):
+    """``(arrays, values)`` of a call's scales for its hot-path key: each scale an array
+    (whose address a launch takes; None otherwise) or a host number (None otherwise)."""
+    k_host, v_host = is_host_scale(k_scale), is_host_scale(v_scale)
+    return ((None if k_host else k_scale, None if v_host else v_scale),
+            (float(k_scale) if k_host else None, float(v_scale) if v_host else None))
+
+
+def kernel_scales(fmt, k_scale, v_scale, num_kv_heads, check_values):
+    """Check a device call's scales and return the kernels' scale fields
+    (``cupaged.core.abi.SCALES``) but the pointers: ``k_scale_stride``, ``v_scale_stride``
+    (0: one value for every head, 1: one per head), ``k_scale_value``, ``v_scale_value``
+    (the value where no array is passed: 1.0 for a missing scale, a host number's float32).
+
+    Parameters
+    ----------
+    fmt : Fp8Format or None
+        The caches' format; a plain cache takes no scales (ValueError otherwise).
+    k_scale, v_scale : None, float or array
+        A host number, or a float32 device array of shape ``[]``, ``[1]`` or
+        ``[num_kv_heads]`` (its values are not read: that would sync the device).
+    num_kv_heads : int
+    check_values : bool
+        Read device arrays back and check their values too (strict mode).
+
+    Raises
+    ------
+    TypeError
+        A scale that is neither a number nor a float32 device array (NumPy arrays
+        included: a launch cannot take their address).
+    ValueError
+        A wrong shape, or a host value (or, with ``check_values``, a device value) that is
+        not finite and positive.
+    """
+    if fmt is None:
+        check_kv_scales(None, k_scale, v_scale, num_kv_heads)  # raises for a given scale
+    fields = {}
+    for op, name, scale in (("k", "k_scale", k_scale), ("v", "v_scale", v_scale)):
+        stride, value = 0, 1.0
+        if scale is None:
+            pass
+        elif is_host_scale(scale):
+            value = float(check_scale(name, scale, num_kv_heads)[0])
+        elif isinstance(scale, np.ndarray) or not hasattr(scale, "dtype"):
+            raise TypeError(f"{name}: expected a float or a float32 device array like the "
+                            f"caches, got {type(scale).__module__}.{type(scale).__name__}")
+        else:
+            if scale.dtype != np.float32:
+                raise TypeError(f"{name}: expected dtype float32, got {scale.dtype}")
+            shape = tuple(scale.shape)
+            if shape not in ((), (1,), (num_kv_heads,)):
+                raise ValueError(f"{name}: expected shape [], [1] or [{num_kv_heads}] "
+                                 f"(num_kv_heads), got {list(shape)}")
+            if scale.size > 1 and scale.strides[0] != 4:
+                raise ValueError(f"{name}: expected a contiguous array, got strides "
+                                 f"{scale.strides}")
+            stride = int(scale.size > 1)
+            if check_values:
+                check_scale(name, scale.get(), num_kv_heads)
+        fields[f"{op}_scale_stride"] = stride
+        fields[f"{op}_scale_value"] = value
+    return fields

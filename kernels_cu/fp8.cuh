@@ -1,0 +1,134 @@
+// fp8 KV-cache elements: the two formats as 1-byte types, the write's quantisation and the
+// read's widening to 16-bit tensor-core operands.
+//
+// The rule is cupaged/reference/fp8.py's, bit for bit: y = float32(x) / scale (one IEEE
+// division: the kernels build without fast math), clamped to [-max, max], rounded to the
+// format to nearest with ties to even; NaN stays NaN (sign | 0x7F for e4m3, sign | 0x7E for
+// e5m2, as ml_dtypes' cast gives, the sign taken from x). The conversion is written out in
+// integer and float operations rather than cuda_fp8.h (not includable by every NVRTC here)
+// or cvt.satfinite (sm_89+), so that sm_80 builds the same code.
+//
+// Reading: every e4m3 and e5m2 value is exact in float16 and in bfloat16, so a code is
+// widened by placing its bits in a 16-bit word and multiplying by a power of two (one
+// mul.f16x2 / bf16x2, subnormals included); the scale is applied in fp32 by the kernels
+// (scores and outputs), never to the elements. NaN and infinity codes (never written for
+// non-NaN input) do not read back as NaN or infinity.
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+// The formats as element types of a cache (1 byte each, distinct for templates).
+struct fp8_e4m3 { unsigned char bits; };
+struct fp8_e5m2 { unsigned char bits; };
+
+template <typename KV> struct Fp8Traits { static constexpr bool FP8 = false; };
+template <> struct Fp8Traits<fp8_e4m3> {
+  static constexpr bool FP8 = true;
+  static constexpr int M = 3, BIAS = 7;  // mantissa bits, exponent bias
+  static constexpr u32 NAN_CODE = 0x7F;
+  __device__ static float max_finite() { return 448.f; }
+};
+template <> struct Fp8Traits<fp8_e5m2> {
+  static constexpr bool FP8 = true;
+  static constexpr int M = 2, BIAS = 15;
+  static constexpr u32 NAN_CODE = 0x7E;
+  __device__ static float max_finite() { return 57344.f; }
+};
+
+// One operand's scale: a device float32 array (kv head h at p[stride * h]; stride 0: one
+// value for every head) or, with p null, the host's value.
+__device__ __forceinline__ float kv_scale(const float* __restrict__ p, int stride, float value,
+                                          int h) {
+  return p != nullptr ? __ldg(p + (i64)stride * h) : value;
+}
+
+// The code of x / scale (the rule above).
+template <typename KV>
+__device__ __forceinline__ u32 fp8_encode(float x, float scale) {
+  using F = Fp8Traits<KV>;
+  const float y = x / scale;
+  const u32 sign = (__float_as_uint(x) >> 24) & 0x80u;
+  if (y != y) return sign | F::NAN_CODE;
+  const float a = fminf(fabsf(y), F::max_finite());
+  u32 mag;
+  if (a < __uint_as_float((u32)(127 + 1 - F::BIAS) << 23)) {  // subnormal: a / min_subnormal
+    mag = (u32)__float2int_rn(a * __uint_as_float((u32)(127 + F::BIAS - 1 + F::M) << 23));
+  } else {  // round float32's mantissa to M bits (a carry moves into the exponent), rebias
+    constexpr int S = 23 - F::M;
+    const u32 u = __float_as_uint(a);
+    mag = ((u + ((1u << (S - 1)) - 1u) + ((u >> S) & 1u)) >> S) - ((u32)(127 - F::BIAS) << F::M);
+  }
+  return sign | mag;
+}
+
+// A cache element from a value of type T: the value itself for a 16/32-bit cache, its code
+// for an fp8 one.
+template <typename KV, typename T>
+__device__ __forceinline__ KV to_cache(T x, float scale) {
+  if constexpr (Fp8Traits<KV>::FP8) return KV{(unsigned char)fp8_encode<KV>(to_float<T>(x), scale)};
+  else return x;
+}
+
+// Bit patterns of the 16-bit types (for the widening multipliers).
+template <typename T> struct Bits16;
+template <> struct Bits16<__half> { static constexpr int MANT = 10, BIAS = 15; };
+template <> struct Bits16<__nv_bfloat16> { static constexpr int MANT = 7, BIAS = 127; };
+
+template <typename T> __device__ __forceinline__ u32 mul2(u32 a, u32 b);
+template <> __device__ __forceinline__ u32 mul2<__half>(u32 a, u32 b) {
+  u32 d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+template <> __device__ __forceinline__ u32 mul2<__nv_bfloat16>(u32 a, u32 b) {
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// Two fp8 codes held as x = [0, c0, 0, c1] (each in the high byte of a 16-bit half) -> two
+// T values (c0 low), exact: sign to bit 15, exponent and mantissa moved under T's, then
+// times 2^(bias_T - bias_8).
+template <typename T, typename KV>
+__device__ __forceinline__ u32 widen_fp8x2(u32 x) {
+  using F = Fp8Traits<KV>;
+  using B = Bits16<T>;
+  constexpr int S = 8 - (B::MANT - F::M);  // right shift of the high byte's magnitude bits
+  constexpr u32 MAG = (0x7F00u >> S) * 0x10001u;
+  const u32 w = (x & 0x80008000u) | ((x >> S) & MAG);
+  constexpr u32 POW = (u32)(B::BIAS - F::BIAS + B::BIAS) << B::MANT;  // 2^(bias_T - bias_8)
+  if constexpr (POW == ((u32)B::BIAS << B::MANT)) return w;           // a factor of 1
+  else return mul2<T>(w, POW * 0x10001u);
+}
+
+// Four codes (bytes of v) -> words lo (codes 0, 1) and hi (codes 2, 3) of T pairs.
+template <typename T, typename KV>
+__device__ __forceinline__ void widen_fp8x4(u32 v, u32& lo, u32& hi) {
+  lo = widen_fp8x2<T, KV>(__byte_perm(v, 0u, 0x1404));
+  hi = widen_fp8x2<T, KV>(__byte_perm(v, 0u, 0x3424));
+}
+
+// Two codes in the low 16 bits of v -> one word of two T values.
+template <typename T, typename KV>
+__device__ __forceinline__ u32 widen_fp8x2_low(u32 v) {
+  return widen_fp8x2<T, KV>(__byte_perm(v, 0u, 0x1404));
+}
+
+// A 16-byte chunk of cache elements as tensor-core words of T pairs: W = 4 words as read
+// for a 16-bit cache, 8 words widened for an fp8 one (codes 2i, 2i + 1 in word i).
+template <typename T, typename KV>
+struct ChunkWords {
+  static constexpr int W = Fp8Traits<KV>::FP8 ? 8 : 4;
+  __device__ static __forceinline__ void get(const u32 (&raw)[4], u32 (&w)[W]) {
+    if constexpr (Fp8Traits<KV>::FP8) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) widen_fp8x4<T, KV>(raw[i], w[2 * i], w[2 * i + 1]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = raw[i];
+    }
+  }
+};
+
+}  // namespace cupaged
