@@ -7,7 +7,7 @@
 //                        query head of the kv head from them (K/V read once per group);
 //                        split sequences leave fp32 partials, merged by the CTA finishing
 //                        the last piece (fused) or by merge_pieces_kernel (merge.cu)
-//   paged_decode_pages_kernel  sm_90, 16-bit NHD/HND caches, up to 8 query heads a kv head:
+//   paged_decode_pages_kernel  sm_90, 16-bit or fp8 NHD/HND caches, up to 8 query heads a kv head:
 //                        one CTA per SM and group of up to 8 kv heads copies whole blocks
 //                        (the group's heads of their tokens; about 32 KB an operand a
 //                        stage) with cp.async.bulk into a 3-stage ring on mbarriers; its
@@ -15,6 +15,11 @@
 //                        from the unpadded rows (PageMath)
 // Both decode kernels run one loop over a CTA's pieces (piece_loop), templated over where
 // its tiles come from (StagedTiles: cp.async tiles; PageRing: the bulk-copied page ring).
+//
+// Caches hold elements of type KV: q's type T, or an fp8 format (fp8.cuh) with 16-bit q.
+// fp8 tiles are copied as they are (a 16-byte chunk holds 16 elements: half the bytes of a
+// 16-bit tile) and widened to T in registers as the products read them (PageMath); the
+// kv head's k_scale multiplies the score scale and its v_scale the output, in fp32.
 //
 // Why tensor cores: per token and kv head decode reads 4*D bytes of 16-bit K/V and does
 // 4*G*D flops (q.k and p.v for the G = Hq/Hk query heads sharing them): G flops per byte.
@@ -35,6 +40,7 @@
 #include "merge.cuh"
 #include "score.cuh"
 #include "bulk_copy.cuh"
+#include "fp8.cuh"
 
 namespace cupaged {
 namespace decode {
@@ -46,9 +52,9 @@ typedef unsigned long long u64;
 // consumed), DESC_INTS ints a piece descriptor, PAGE_WARPS (PAGE_THREADS) a pages CTA,
 // PAGE_STAGES its ring, and stage_tile(row bytes), the tokens of a staged tile.
 
-// Compile-time geometry of one (element type, head dim, n8 head tiles per warp); the host
-// side is decode_plan.tile_config. NT = 2 (16 heads a warp) serves large groups on 16-bit
-// caches.
+// Compile-time geometry of one (cache element type, head dim, n8 head tiles per warp); the
+// host side is decode_plan.tile_config. NT = 2 (16 heads a warp) serves large groups on
+// 16-bit caches.
 template <typename T, int D, int NT_ = 1>
 struct Cfg {
   static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte chunk
@@ -59,7 +65,7 @@ struct Cfg {
   static constexpr int NT = NT_;              // n8 head tiles per warp
   static constexpr int HW = 8 * NT;            // query heads per warp
   static constexpr int DT = D / 16;
-  static constexpr int KROW = D + VEC;         // padded smem row: ldmatrix rows hit 8 bank quads
+  static constexpr int KROW = D + stage_row_pad((int)sizeof(T), D);  // padded smem row
   static constexpr int VTROW = TILE + VEC;     // padded row of a transposed (vllm) V tile
   static constexpr int GPT = TILE / VEC;       // 16-byte token groups per transposed V row
   static constexpr int ITEMS = TILE * CPR / NTHREADS;  // 16-byte chunks per thread, tile, operand
@@ -83,11 +89,17 @@ template <> __device__ __forceinline__ u32 bits16<__nv_bfloat16>(__nv_bfloat16 x
   return __bfloat16_as_ushort(x);
 }
 
+template <typename E> __device__ __forceinline__ E zero_of() {
+  if constexpr (Fp8Traits<E>::FP8) return E{0};
+  else return from_float<E>(0.f);
+}
+
 // ---------------------------------------------------------------------------- tile math
 // 16-bit K/V: both products on tensor cores. Q^T stays in registers as B fragments.
 template <typename T, int D, bool VT, int NT>
 struct MmaMath {
   using C = Cfg<T, D, NT>;
+  static constexpr int PERM = 0;  // accumulator dims in order
   u32 qf[C::DT][C::NT][2];
 
   // q_rows: this warp's first query head [heads][D] in global memory.
@@ -148,6 +160,7 @@ struct MmaMath {
 template <int D, bool VT, int NT>
 struct SimtMath {
   using C = Cfg<float, D, NT>;
+  static constexpr int PERM = 0;
   const float* qs;  // [HW][QROW]
 
   __device__ void load_q(const float* __restrict__ q_rows, int heads, float* q_smem, int lane) {
@@ -217,23 +230,27 @@ struct SimtMath {
   }
 };
 
-template <typename T, int D, bool VT, int NT> struct MathFor { using type = MmaMath<T, D, VT, NT>; };
-template <int D, bool VT, int NT> struct MathFor<float, D, VT, NT> { using type = SimtMath<D, VT, NT>; };
 
 // ---------------------------------------------------------------------------- page math
-// Fragments from unpadded 16-bit rows (a block as the cache stores it, rows D elements apart
-// or further): ldmatrix would hit one bank group with all 8 rows, so each lane reads 16-byte
-// chunks of its own rows with ld.shared and the head dim is permuted inside the products so
-// that the chunks are mma fragments as read (2-way bank conflicts instead of 8-way):
-//   lane (qr, r) reads chunk j (dims 32j + 8r + [0, 8), b32 words w0..w3) of rows qr, qr + 8.
-//   S^T = K Q^T  k-step 2j + u takes A = (w[2u] of rows qr, qr + 8; w[2u + 1] of rows qr,
-//                qr + 8) and as B the same words of q's chunk j for head qr.
+// Fragments from unpadded rows (a block as the cache stores it, rows D elements apart or
+// further): ldmatrix would hit one bank group with all 8 rows, so each lane reads 16-byte
+// chunks of its own rows with ld.shared (CH = 16 / sizeof(KV) elements: 8 of a 16-bit
+// cache, 16 of an fp8 one, widened to W = CH / 2 words of T pairs, ChunkWords) and the head
+// dim is permuted inside the products so that the chunks are mma fragments as read (2-way
+// bank conflicts instead of 8-way):
+//   lane (qr, r) reads chunk j (dims 4CH j + CH r + [0, CH), words w0..w(W-1)) of rows qr,
+//                qr + 8.
+//   S^T = K Q^T  k-step (W / 2) j + u takes A = (w[2u] of rows qr, qr + 8; w[2u + 1] of
+//                rows qr, qr + 8) and as B the same words of q's chunk j for head qr.
 //   O^T = V^T P^T  word m of chunk j is the lane's share of an 8x8 block (tokens x dims
-//                32j + 8(c >> 1) + 2m + (c & 1) at column c = 2r + e) in the accumulator
-//                layout; movmatrix.trans makes it a V^T fragment. D-tile 2j + p takes blocks
-//                m = 2p (rows 0-7) and 2p + 1 (rows 8-15): its row g holds perm_dim(2j + p, g).
+//                4CH j + CH (c >> 1) + 2m + (c & 1) at column c = 2r + e) in the
+//                accumulator layout; movmatrix.trans makes it a V^T fragment. D-tile
+//                (W / 2) j + p takes blocks m = 2p (rows 0-7) and 2p + 1 (rows 8-15): its
+//                row g holds perm_dim<CH>(dt, g).
+template <int CH>
 __device__ __forceinline__ int perm_dim(int dt, int g) {
-  return 32 * (dt >> 1) + 8 * ((g & 7) >> 1) + 2 * (2 * (dt & 1) + (g >> 3)) + (g & 1);
+  constexpr int TILES = CH / 4;  // d-tiles a chunk round holds
+  return 4 * CH * (dt / TILES) + CH * ((g & 7) >> 1) + 2 * (2 * (dt % TILES) + (g >> 3)) + (g & 1);
 }
 
 __device__ __forceinline__ void lds16(u32 (&w)[4], const void* p) {
@@ -241,41 +258,50 @@ __device__ __forceinline__ void lds16(u32 (&w)[4], const void* p) {
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(smem_addr(p)));
 }
 
-template <typename T, int D>
+template <typename T, typename KV, int D>
 struct PageMath {
-  static_assert(D % 32 == 0, "whole 16-byte chunks per lane");
-  static constexpr int J = D / 32;  // chunks per lane and row
-  u32 qf[J][4];
+  using Words = ChunkWords<T, KV>;
+  static constexpr int CH = 16 / sizeof(KV);  // dims a chunk holds
+  static constexpr int W = Words::W;          // its words of T pairs
+  static_assert(D % (4 * CH) == 0, "whole 16-byte chunks per lane");
+  static constexpr int J = D / (4 * CH);      // chunks per lane and row
+  u32 qf[J][W];
 
   // q_rows: the warp's first query head [heads][D] in global memory.
   __device__ void load_q(const T* __restrict__ q_rows, int heads, int lane) {
     const int qr = lane >> 2, r = lane & 3;
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const uint4 w = qr < heads ? *reinterpret_cast<const uint4*>(q_rows + qr * D + 32 * j + 8 * r)
-                                 : make_uint4(0, 0, 0, 0);
-      qf[j][0] = w.x; qf[j][1] = w.y; qf[j][2] = w.z; qf[j][3] = w.w;
-    }
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int i = 0; i < W / 4; ++i) {
+        const uint4 w = qr < heads
+            ? reinterpret_cast<const uint4*>(q_rows + qr * D + 4 * CH * j + CH * r)[i]
+            : make_uint4(0, 0, 0, 0);
+        qf[j][4 * i] = w.x; qf[j][4 * i + 1] = w.y; qf[j][4 * i + 2] = w.z; qf[j][4 * i + 3] = w.w;
+      }
   }
 
   // Chunk j of the lane's rows qr (lo) and qr + 8 (hi) of the 16 rows at `rows`, `stride`
-  // elements apart.
-  __device__ __forceinline__ void chunk(const T* rows, int stride, int j, u32 (&lo)[4],
-                                        u32 (&hi)[4], int lane) const {
-    const T* a = rows + (lane >> 2) * stride + 8 * (lane & 3) + 32 * j;
-    lds16(lo, a);
-    lds16(hi, a + 8 * stride);
+  // elements apart, as words of T pairs.
+  __device__ __forceinline__ void chunk(const KV* rows, int stride, int j, u32 (&lo)[W],
+                                        u32 (&hi)[W], int lane) const {
+    const KV* a = rows + (lane >> 2) * stride + CH * (lane & 3) + 4 * CH * j;
+    u32 raw_lo[4], raw_hi[4];
+    lds16(raw_lo, a);
+    lds16(raw_hi, a + 8 * stride);
+    Words::get(raw_lo, lo);
+    Words::get(raw_hi, hi);
   }
 
   // s = K Q^T for the 16 rows at k_rows.
-  __device__ void scores(const T* k_rows, int stride, float (&s)[1][4], int lane) const {
+  __device__ void scores(const KV* k_rows, int stride, float (&s)[1][4], int lane) const {
     s[0][0] = s[0][1] = s[0][2] = s[0][3] = 0.f;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-      u32 lo[4], hi[4];
+      u32 lo[W], hi[W];
       chunk(k_rows, stride, j, lo, hi, lane);
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < W / 2; ++u) {
         const u32 f[4] = {lo[2 * u], hi[2 * u], lo[2 * u + 1], hi[2 * u + 1]};
         mma_16816<T>(s[0], f, qf[j][2 * u], qf[j][2 * u + 1]);
       }
@@ -283,22 +309,74 @@ struct PageMath {
   }
 
   // acc += V^T P^T over the 16 rows at v_rows; p holds probabilities in the s layout.
-  __device__ void pv(const T* v_rows, int stride, const float (&p)[1][4],
+  __device__ void pv(const KV* v_rows, int stride, const float (&p)[1][4],
                      float (&acc)[D / 16][1][4], int lane) const {
     const u32 pb0 = movmatrix_trans(pack2<T>(p[0][0], p[0][1]));  // tokens 0-7
     const u32 pb1 = movmatrix_trans(pack2<T>(p[0][2], p[0][3]));  // tokens 8-15
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-      u32 lo[4], hi[4];
+      u32 lo[W], hi[W];
       chunk(v_rows, stride, j, lo, hi, lane);
 #pragma unroll
-      for (int q2 = 0; q2 < 2; ++q2) {
+      for (int q2 = 0; q2 < W / 2; ++q2) {
         const u32 f[4] = {movmatrix_trans(lo[2 * q2]), movmatrix_trans(lo[2 * q2 + 1]),
                           movmatrix_trans(hi[2 * q2]), movmatrix_trans(hi[2 * q2 + 1])};
-        mma_16816<T>(acc[2 * j + q2][0], f, pb0, pb1);
+        mma_16816<T>(acc[(W / 2) * j + q2][0], f, pb0, pb1);
       }
     }
   }
+};
+
+// fp8 K/V in staged tiles: K rows and V rows (KROW apart) through PageMath's chunks (its
+// permuted head dims: PERM); a transposed vllm V tile ([D][VTROW], tokens contiguous) by
+// pairs of codes, each lane's A fragments read directly (natural head dims). One head tile
+// a warp (NT = 1).
+template <typename T, typename KV, int D, bool VT, int NT>
+struct Fp8Math {
+  static_assert(NT == 1, "fp8 caches take one n8 head tile a warp");
+  using C = Cfg<KV, D, NT>;
+  using Chunks = PageMath<T, KV, D>;
+  static constexpr int PERM = VT ? 0 : Chunks::CH;  // accumulator dims: natural or chunk-permuted
+  Chunks chunks;
+
+  __device__ void load_q(const T* __restrict__ q_rows, int heads, float*, int lane) {
+    chunks.load_q(q_rows, heads, lane);
+  }
+  __device__ void scores(const KV* k_rows, float (&s)[NT][4], int, int lane) const {
+    chunks.scores(k_rows, C::KROW, s, lane);
+  }
+  __device__ void pv(const KV* v_tile, int row0, const float (&p)[NT][4],
+                     float (&acc)[C::DT][NT][4], int, int lane) const {
+    if constexpr (VT) {
+      const u32 pb0 = movmatrix_trans(pack2<T>(p[0][0], p[0][1]));  // tokens 0-7
+      const u32 pb1 = movmatrix_trans(pack2<T>(p[0][2], p[0][3]));  // tokens 8-15
+      const KV* lane_row = v_tile + (lane >> 2) * C::VTROW + row0 + 2 * (lane & 3);
+#pragma unroll
+      for (int dt = 0; dt < C::DT; ++dt) {
+        const KV* a = lane_row + dt * 16 * C::VTROW;  // dim dt * 16 + qr, tokens 2r, 2r + 1
+        const u32 f[4] = {widen_fp8x2_low<T, KV>(lds_pair(a)),
+                          widen_fp8x2_low<T, KV>(lds_pair(a + 8 * C::VTROW)),
+                          widen_fp8x2_low<T, KV>(lds_pair(a + 8)),
+                          widen_fp8x2_low<T, KV>(lds_pair(a + 8 * C::VTROW + 8))};
+        mma_16816<T>(acc[dt][0], f, pb0, pb1);
+      }
+    } else {
+      chunks.pv(v_tile + row0 * C::KROW, C::KROW, p, acc, lane);
+    }
+  }
+  __device__ static __forceinline__ u32 lds_pair(const KV* p) {
+    return *reinterpret_cast<const unsigned short*>(p);
+  }
+};
+
+template <typename T, typename KV, int D, bool VT, int NT> struct MathFor {
+  using type = Fp8Math<T, KV, D, VT, NT>;
+};
+template <typename T, int D, bool VT, int NT> struct MathFor<T, T, D, VT, NT> {
+  using type = MmaMath<T, D, VT, NT>;
+};
+template <int D, bool VT, int NT> struct MathFor<float, float, D, VT, NT> {
+  using type = SimtMath<D, VT, NT>;
 };
 
 // ---------------------------------------------------------------------------- tile loader
@@ -321,7 +399,7 @@ struct TileRef {
 // [lo, kv_len) are zero-filled so that their (masked) scores and values stay finite. Block
 // ids of a tile are fetched one pipeline step before its copies are issued, so the id
 // loads' latency hides behind a tile's math; fetch and issue take the same TileRef.
-template <typename T, int D, bool VT>
+template <typename T, int D, bool VT>  // T: the cache's element type
 struct Loader {
   using C = Cfg<T, D>;
   struct Ids { int k[C::ITEMS]; int v; };
@@ -407,7 +485,7 @@ struct Loader {
         const int tok = tok_g + e;
         const int slot = block_of(tok);
         e16[e] = r.visible(tok) ? v_head[(i64)r.bt[slot] * vs.block + (tok - slot * block_size) * vs.tok + v_dim(d)]
-                                : from_float<T>(0.f);
+                                : zero_of<T>();
       }
       *reinterpret_cast<uint4*>(dst + d * C::VTROW) = raw;
     }
@@ -636,12 +714,14 @@ struct SoftmaxState {
   }
 };
 
-// The score epilogue of a launch (score.cuh), its scale in log2 units from the host.
-template <typename T>
-__device__ __forceinline__ ScoreEpilogue score_epilogue(const DecodeArgs<T>& a) {
+// The score epilogue of a launch (score.cuh), its scale in log2 units from the host, times
+// the kv head's k_scale (1 for a 16/32-bit cache): s = sm_scale * q.(k_scale * code).
+template <typename T, typename KV>
+__device__ __forceinline__ ScoreEpilogue score_epilogue(const DecodeArgs<T, KV>& a,
+                                                        float k_scale) {
   ScoreEpilogue e;
-  e.init(a.sm_scale, a.soft_cap);
-  e.scale_log2 = a.scale_log2;
+  e.init(a.sm_scale * k_scale, a.soft_cap);
+  e.scale_log2 = a.scale_log2 * k_scale;
   return e;
 }
 
@@ -668,10 +748,12 @@ struct ScoreMods {
 // Final rows of one warp: for a whole sequence (one piece), out (q's dtype, sink in the
 // denominator) and lse at rows out_row + h; for one piece of several, the fp32 partial
 // (normalised over the piece's keys, kept in L2 for the merge) and natural-log lse at rows
-// part_row + h, for the merge. sinks points at the warp's first head (or is null).
-template <typename T, int D, int NT, bool PERM = false>
+// part_row + h, for the merge; the output times v_scale (the kv head's fp8 scale, else 1).
+// sinks points at the warp's first head (or is null). PERM: the accumulator's head dims
+// are PageMath's permutation for chunks of PERM elements (0: in order).
+template <typename T, int D, int NT, int PERM = 0>
 __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, int warp_heads,
-                                           bool whole, i64 out_row, i64 part_row,
+                                           float v_scale, bool whole, i64 out_row, i64 part_row,
                                            const float* __restrict__ sinks, T* __restrict__ out,
                                            float* __restrict__ lse, float* __restrict__ part_out,
                                            float* __restrict__ part_lse, int lane) {
@@ -697,11 +779,13 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
         scale = l > 0.f ? 1.f / l : 0.f;
         row_lse = l > 0.f ? (m + log2f(l)) * LN2 : neg_inf();
       }
+      scale *= v_scale;
 #pragma unroll
       for (int dt = 0; dt < D / 16; ++dt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int d = PERM ? perm_dim(dt, qr + 8 * hh) : dt * 16 + qr + 8 * hh;
+          int d = dt * 16 + qr + 8 * hh;
+          if constexpr (PERM > 0) d = perm_dim<PERM>(dt, qr + 8 * hh);
           const float v = st.acc[dt][nt][2 * hh + j] * scale;
           if (whole) out[(out_row + h) * D + d] = from_float<T>(v);
           else store_l2_hint(part_out + (part_row + h) * D + d, v, keep);
@@ -775,11 +859,12 @@ struct MergeGroup {
 // whole sequence's out / lse (sink included) or the piece's fp32 partial, and with
 // fused_merge the CTA completing a split sequence's pieces merges them.
 // Src supplies: State, RING; prologue(cur) (the first RING - 1 tiles in flight);
-// init_lanes(); wait(it); refill(cur, st); load_q(p); tile(tile, st, mods, state);
+// init_lanes(); k_scale (the warp's kv head's); wait(it); refill(cur, st); load_q(p);
+// tile(tile, st, mods, state);
 // combine_buffer(st) (this lane's slot of a stage as floats); after_combine();
 // write(state, p, whole); and its roles (WarpRoles).
-template <typename T, int D, typename Src>
-__device__ __forceinline__ void piece_loop(const DecodeArgs<T>& a, Src& src, TileCursor& cur,
+template <typename T, typename KV, int D, typename Src>
+__device__ __forceinline__ void piece_loop(const DecodeArgs<T, KV>& a, Src& src, TileCursor& cur,
                                            const MergeGroup& mg, int& s_last) {
   using State = typename Src::State;
   constexpr int RING = Src::RING;
@@ -793,8 +878,8 @@ __device__ __forceinline__ void piece_loop(const DecodeArgs<T>& a, Src& src, Til
   for (int pi = cur.pool.after(load_piece(a.work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
     Piece p = load_piece(a.work, pi);
     if (!p.valid()) break;
-    const ScoreMods mods{score_epilogue(a), first_visible(p.kv_len, a.window_left), p.kv_len,
-                         p.kv_len - 1};
+    const ScoreMods mods{score_epilogue(a, src.k_scale), first_visible(p.kv_len, a.window_left),
+                         p.kv_len, p.kv_len - 1};
     if (w.computes) src.load_q(p);
     state.init();
     for (int tile = p.t_begin; tile < p.t_end; ++tile, ++it) {
@@ -831,30 +916,31 @@ __device__ __forceinline__ void piece_loop(const DecodeArgs<T>& a, Src& src, Til
 // The staged tile source: every thread gathers its chunks of a tile (Loader) with cp.async
 // into a STAGES-stage pipeline, block ids one tile ahead; warp (tg, hw) serves heads
 // hw * HW.. of the row group on m-tiles tg, tg + tw, ... of each tile.
-template <typename T, int D, bool VT, int NT>
+template <typename T, typename KV, int D, bool VT, int NT>
 struct StagedTiles {
-  using C = Cfg<T, D, NT>;
-  using Math = typename MathFor<T, D, VT, NT>::type;
+  using C = Cfg<KV, D, NT>;
+  using Math = typename MathFor<T, KV, D, VT, NT>::type;
   using State = SoftmaxState<NT, C::DT>;
-  using Load = Loader<T, D, VT>;
+  using Load = Loader<KV, D, VT>;
   static constexpr int RING = STAGES;
   static constexpr int STAGE = C::K_ELEMS + (VT ? C::V_ELEMS_T : C::V_ELEMS_ROWS);  // elements
-  static_assert((NWARPS - 1) * State::FLOATS * 32 * 4 <= STAGE * (int)sizeof(T),
+  static_assert((NWARPS - 1) * State::FLOATS * 32 * 4 <= STAGE * (int)sizeof(KV),
                 "the combine buffer fits in one stage");
 
-  const DecodeArgs<T>& a;
-  T* tiles;
+  const DecodeArgs<T, KV>& a;
+  KV* tiles;
   float* q_smem;  // fp32 path: this warp's q rows
   WarpRoles roles;
   int lane, y, hpc, warp_heads, nt_used, hq_warp;
+  float k_scale, v_scale;  // the kv head's (fp8; 1 otherwise)
   Load ld;
   typename Load::Ids next;  // block ids of cur.ref, the tile the next refill issues
   Math math;
   float slope[NT][2];
 
-  __device__ __forceinline__ explicit StagedTiles(const DecodeArgs<T>& args) : a(args) {}
-  __device__ __forceinline__ T* k_stage(int st) const { return tiles + st * STAGE; }
-  __device__ __forceinline__ T* v_stage(int st) const { return tiles + st * STAGE + C::K_ELEMS; }
+  __device__ __forceinline__ explicit StagedTiles(const DecodeArgs<T, KV>& args) : a(args) {}
+  __device__ __forceinline__ KV* k_stage(int st) const { return tiles + st * STAGE; }
+  __device__ __forceinline__ KV* v_stage(int st) const { return tiles + st * STAGE + C::K_ELEMS; }
 
   // The first STAGES - 1 tiles in flight, the ids of the next on their way.
   __device__ __forceinline__ void prologue(TileCursor& cur) {
@@ -899,8 +985,8 @@ struct StagedTiles {
     math.load_q(a.q + (i64)p.b * a.q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
   }
   __device__ __forceinline__ void tile(int tile, int st, const ScoreMods& mods, State& state) const {
-    const T* k_s = k_stage(st);
-    const T* v_s = v_stage(st);
+    const KV* k_s = k_stage(st);
+    const KV* v_s = v_stage(st);
     for (int mt = roles.tg; mt < C::MTILES; mt += roles.tw) {
       const int tok0 = tile * C::TILE + mt * 16;
       if (tok0 + 16 <= mods.lo || tok0 >= mods.kv_len) continue;  // all masked (warp-uniform)
@@ -916,7 +1002,8 @@ struct StagedTiles {
   }
   __device__ __forceinline__ void after_combine() const {}
   __device__ __forceinline__ void write(const State& state, const Piece& p, bool whole) const {
-    write_rows<T, D, NT>(state, warp_heads, whole, (i64)p.b * a.num_q_heads + hq_warp,
+    write_rows<T, D, NT, Math::PERM>(state, warp_heads, v_scale, whole,
+                         (i64)p.b * a.num_q_heads + hq_warp,
                          ((i64)p.slot * gridDim.y + y) * hpc + roles.hw * C::HW,
                          a.sinks != nullptr ? a.sinks + hq_warp : nullptr, a.out, a.lse,
                          a.part_out, a.part_lse, lane);
@@ -929,13 +1016,14 @@ struct StagedTiles {
 // pieces' K/V tiles through one cp.async pipeline (pool_ctr [2 * row groups]); warp w serves
 // heads (w % head_warps)*HW.. on m-tiles w / head_warps, + token_warps, ... of each tile.
 // Split sequences leave fp32 partials; with fused_merge the CTA that completes a row group's
-// pieces merges them into out/lse, otherwise merge_pieces_kernel (merge.cu) does.
-template <typename T, int D, bool VT, int NT>
+// pieces merges them into out/lse, otherwise merge_pieces_kernel (merge.cu) does. KV: the
+// caches' element type (T, or an fp8 format with 16-bit T and NT = 1).
+template <typename T, typename KV, int D, bool VT, int NT>
 __global__ void __launch_bounds__(NTHREADS, 1)
 paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
-  using Src = StagedTiles<T, D, VT, NT>;
+  using Src = StagedTiles<T, KV, D, VT, NT>;
   using C = typename Src::C;
-  const DecodeArgs<T> a{CUPAGED_FIELDS_DecodeArgs};
+  const DecodeArgs<T, KV> a{CUPAGED_FIELDS_DecodeArgs};
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;  // this CTA completed its row group's pieces (fused merge)
   __shared__ int s_ring[8];  // pool pieces taken (PiecePool)
@@ -953,8 +1041,8 @@ paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
   const int warp_heads = max(0, min(rg_heads - hg * C::HW, C::HW));
 
   Src src(a);
-  src.tiles = reinterpret_cast<T*>(smem);
-  src.q_smem = reinterpret_cast<float*>(smem + STAGES * Src::STAGE * sizeof(T)) + warp * C::HW * C::QROW;
+  src.tiles = reinterpret_cast<KV*>(smem);
+  src.q_smem = reinterpret_cast<float*>(smem + STAGES * Src::STAGE * sizeof(KV)) + warp * C::HW * C::QROW;
   src.roles = WarpRoles{head_warps, hg, tg, token_warps, tg < token_warps && warp_heads > 0};
   src.lane = lane;
   src.y = y;
@@ -962,6 +1050,8 @@ paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
   src.warp_heads = warp_heads;
   src.nt_used = (warp_heads + 7) / 8;
   src.hq_warp = hq_rg + hg * C::HW;
+  src.k_scale = kv_scale(k_scale, k_scale_stride, k_scale_value, hk);
+  src.v_scale = kv_scale(v_scale, v_scale_stride, v_scale_value, hk);
   src.ld.k_head = k_cache + (i64)hk * khs;
   src.ld.v_head = v_cache + (i64)hk * vhs;
   src.ld.ks = Strides{kbs, khs, kts, kcs, 1};
@@ -973,7 +1063,7 @@ paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
   src.ld.vt_whole = block_size % C::VEC == 0;
 
   TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
-  piece_loop<T, D>(a, src, cur, MergeGroup{y, hq_rg, hpc, rg_heads, NWARPS}, s_last);
+  piece_loop<T, KV, D>(a, src, cur, MergeGroup{y, hq_rg, hpc, rg_heads, NWARPS}, s_last);
   cp_async_wait<0>();
 }
 
@@ -1002,13 +1092,14 @@ __device__ __forceinline__ void zero_invisible_rows(T* k_rows, T* v_rows, int st
 // The page-ring tile source of paged_decode_pages_kernel (see there): whole blocks of the
 // row group's HG kv heads, copied by cp.async.bulk into a PAGE_STAGES ring on mbarriers;
 // warp (tg, wh) serves kv head kv0 + wh on m-tiles tg, tg + TW, ... of each tile.
-template <typename T, int D, bool HEAD_MAJOR>
+template <typename T, typename KV, int D, bool HEAD_MAJOR>
 struct PageRing {
   using State = SoftmaxState<1, D / 16>;
+  using Math = PageMath<T, KV, D>;
   static constexpr int RING = PAGE_STAGES;
 
-  const DecodeArgs<T>& a;
-  T* ring;
+  const DecodeArgs<T, KV>& a;
+  KV* ring;
   u32 bars;        // the stages' mbarriers (8 bytes each)
   WarpRoles roles;
   int tid, lane, warp_heads, hq_warp;
@@ -1027,12 +1118,13 @@ struct PageRing {
   int run_in;      // its first token there
   i64 head_off;    // the row group's first head in a block
   int blk;         // a copier's cache block of the tile cur.ref (block_id)
-  PageMath<T, D> math;
+  Math math;
   float slope[1][2];
+  float k_scale, v_scale;  // the warp's kv head's (fp8; 1 otherwise)
 
-  __device__ __forceinline__ explicit PageRing(const DecodeArgs<T>& args) : a(args) {}
-  __device__ __forceinline__ T* k_stage(int st) const { return ring + 2 * st * stage_elems; }
-  __device__ __forceinline__ T* v_stage(int st) const { return ring + (2 * st + 1) * stage_elems; }
+  __device__ __forceinline__ explicit PageRing(const DecodeArgs<T, KV>& args) : a(args) {}
+  __device__ __forceinline__ KV* k_stage(int st) const { return ring + 2 * st * stage_elems; }
+  __device__ __forceinline__ KV* v_stage(int st) const { return ring + (2 * st + 1) * stage_elems; }
 
   // Tile r.tile into stage st (a copier holds blk, the cache block of its run): the
   // visible rows [lo, hi) copied (HND: the whole blocks holding them; their heads' invisible
@@ -1045,21 +1137,21 @@ struct PageRing {
       lo -= lo % a.block_size;
       hi = min(hi + (a.block_size - hi % a.block_size) % a.block_size, tile_rows);
     }
-    T* ks = k_stage(st);
-    T* vs = v_stage(st);
+    KV* ks = k_stage(st);
+    KV* vs = v_stage(st);
     if (!HEAD_MAJOR) {  // the m-tiles [m0, m1) hold the visible rows
       const int m0 = lo / 16 * 16, m1 = min((hi + 15) / 16 * 16, tile_rows);
-      zero_invisible_rows(ks + m0 * row, vs + m0 * row, row, row / Vec16<T>::N, t0 + m0,
+      zero_invisible_rows(ks + m0 * row, vs + m0 * row, row, row / Vec16<KV>::N, t0 + m0,
                           m1 - m0, r.lo, r.kv_len, tid, PAGE_THREADS);
     }
     const u32 bar = bars + 8 * st;
     // The one arrival, with every copy's bytes: the phase completes when it has happened and
     // the copies (landing before or after it) are all in; with no rows to copy, at once.
-    if (tid == 0) mbar_arrive_expect_tx(bar, 2 * (u32)((hi - lo) * row * (int)sizeof(T)));
+    if (tid == 0) mbar_arrive_expect_tx(bar, 2 * (u32)((hi - lo) * row * (int)sizeof(KV)));
     if (copier) {
       const int r0 = max(lo, run * run_rows), r1 = min(hi, (run + 1) * run_rows);
       if (r0 < r1) {
-        const u32 bytes = (u32)((r1 - r0) * row * (int)sizeof(T));
+        const u32 bytes = (u32)((r1 - r0) * row * (int)sizeof(KV));
         // the first copied token in the block (HND: whole blocks)
         const i64 in = head_off + (HEAD_MAJOR ? 0 : (i64)(run_in + r0 - run * run_rows) * a.kts);
         const unsigned long long once = l2_evict_first_policy();
@@ -1109,8 +1201,8 @@ struct PageRing {
     math.load_q(a.q + (i64)p.b * a.q_stride + (i64)hq_warp * D, warp_heads, lane);
   }
   __device__ __forceinline__ void tile(int tile, int st, const ScoreMods& mods, State& state) const {
-    T* ks = k_stage(st) + roles.hw * head_first;  // this warp's kv head
-    T* vs = v_stage(st) + roles.hw * head_first;
+    KV* ks = k_stage(st) + roles.hw * head_first;  // this warp's kv head
+    KV* vs = v_stage(st) + roles.hw * head_first;
     const int lo = mods.lo, kv_len = mods.kv_len;
     for (int mt = roles.tg; mt < tile_rows / 16; mt += roles.tw) {
       const int tok0 = tile * tile_rows + mt * 16;
@@ -1120,7 +1212,7 @@ struct PageRing {
                                        (mt * 16 % a.block_size) * D
                                  : mt * 16 * row;
       if (HEAD_MAJOR && (tok0 < lo || tok0 + 16 > kv_len))
-        zero_invisible_rows(ks + off, vs + off, D, D / Vec16<T>::N, tok0, 16, lo, kv_len,
+        zero_invisible_rows(ks + off, vs + off, D, D / Vec16<KV>::N, tok0, 16, lo, kv_len,
                             lane, 32);
       float s[1][4];
       math.scores(ks + off, head_rows, s, lane);
@@ -1136,15 +1228,16 @@ struct PageRing {
     fence_proxy_async();  // the stage's next copy comes after these accesses
   }
   __device__ __forceinline__ void write(const State& state, const Piece& p, bool whole) const {
-    write_rows<T, D, 1, true>(state, warp_heads, whole, (i64)p.b * a.num_q_heads + hq_warp,
+    write_rows<T, D, 1, Math::CH>(state, warp_heads, v_scale, whole,
+                              (i64)p.b * a.num_q_heads + hq_warp,
                               (i64)p.slot * a.num_q_heads + hq_warp,
                               a.sinks != nullptr ? a.sinks + hq_warp : nullptr, a.out, a.lse,
                               a.part_out, a.part_lse, lane);
   }
 };
 
-// grid (columns, row groups); block PAGE_THREADS; sm_90; 16-bit caches, at most 8 query heads
-// a kv head: NHD with block_size a multiple of 16 or a divisor of 16, or HND with block_size
+// grid (columns, row groups); block PAGE_THREADS; sm_90; 16-bit or fp8 caches (KV, with
+// 16-bit T), at most 8 query heads a kv head: NHD with block_size a multiple of 16 or a divisor of 16, or HND with block_size
 // a multiple of 16. Row group y is the kv heads y*HG .. y*HG + HG - 1 (HG = head_warps, at
 // most PAGE_WARPS: every kv head, or a divisor of their number) with all their query heads.
 // Warp w serves kv head y*HG + w % HG on the m-tiles (16 tokens) w / HG, + TW, ... of each
@@ -1168,11 +1261,11 @@ struct PageRing {
 // After a piece's last tile the token warps of each head combine in the stage that tile
 // used (the PAGE_WARPS - HG stored states fit in its K and V at every head dim), and its
 // first writes. Pieces end as in paged_decode_kernel.
-template <typename T, int D, bool HEAD_MAJOR>
+template <typename T, typename KV, int D, bool HEAD_MAJOR>
 __global__ void __launch_bounds__(PAGE_THREADS, 1)
 paged_decode_pages_kernel(CUPAGED_PARAMS_DecodeArgs) {
-  using Src = PageRing<T, D, HEAD_MAJOR>;
-  const DecodeArgs<T> a{CUPAGED_FIELDS_DecodeArgs};
+  using Src = PageRing<T, KV, D, HEAD_MAJOR>;
+  const DecodeArgs<T, KV> a{CUPAGED_FIELDS_DecodeArgs};
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) u64 full[PAGE_STAGES];  // stage st's block landed
   __shared__ int s_last;
@@ -1193,13 +1286,15 @@ paged_decode_pages_kernel(CUPAGED_PARAMS_DecodeArgs) {
   __syncthreads();
 
   Src src(a);
-  src.ring = reinterpret_cast<T*>(smem);
+  src.ring = reinterpret_cast<KV*>(smem);
   src.bars = bars;
   src.roles = WarpRoles{hg, wh, tg, tw, tg < tw};
   src.tid = tid;
   src.lane = lane;
   src.warp_heads = tg < tw ? group : 0;
   src.hq_warp = (kv0 + wh) * group;
+  src.k_scale = kv_scale(k_scale, k_scale_stride, k_scale_value, kv0 + wh);
+  src.v_scale = kv_scale(v_scale, v_scale_stride, v_scale_value, kv0 + wh);
   src.row = row;
   src.tile_blocks = tile_blocks;
   src.tile_rows = tile_rows;
@@ -1215,17 +1310,18 @@ paged_decode_pages_kernel(CUPAGED_PARAMS_DecodeArgs) {
 
   TileCursor cur{work, block_tables, bt_stride, window_left, piece_pool(work, pool_ctr, s_ring)};
   const MergeGroup mg{(int)blockIdx.y, kv0 * group, hg * group, hg * group, PAGE_WARPS};
-  piece_loop<T, D>(a, src, cur, mg, s_last);
+  piece_loop<T, KV, D>(a, src, cur, mg, s_last);
 }
 
 // ---------------------------------------------------------------------------- append
 // grid (batch); block 128. CTA b writes k_new[b], v_new[b] ([Hk, D] each, k_new_stride and
 // v_new_stride elements from one sequence to the next) into the cache slot of position
-// seq_lens[b]; thread i copies elements i, i + 128, ... of the Hk*D. A sequence whose length
-// is negative (a bad one, found by decode_plan_kernel) is skipped.
-template <typename T>
+// seq_lens[b]; thread i copies elements i, i + 128, ... of the Hk*D (into an fp8 cache
+// quantised with their kv head's scales, fp8.cuh). A sequence whose length is negative (a
+// bad one, found by decode_plan_kernel) is skipped.
+template <typename T, typename KV>
 __global__ void __launch_bounds__(128) append_kv_kernel(CUPAGED_PARAMS_AppendArgs) {
-  constexpr int VEC = Vec16<T>::N;
+  constexpr int VEC = Vec16<KV>::N;
   const int b = blockIdx.x;
   const int p = seq_lens[b];
   if (p < 0) return;
@@ -1236,8 +1332,10 @@ __global__ void __launch_bounds__(128) append_kv_kernel(CUPAGED_PARAMS_AppendArg
   for (int e = threadIdx.x; e < num_kv_heads * head_dim; e += blockDim.x) {
     const int h = e / head_dim, d = e - h * head_dim;
     const int dc = d / VEC, de = d % VEC;
-    k_cache[blk * kbs + (h * khs + in * kts + dc * kcs + de)] = k_src[e];
-    v_cache[blk * vbs + (h * vhs + in * vts + dc * vcs + de * ves)] = v_src[e];
+    k_cache[blk * kbs + (h * khs + in * kts + dc * kcs + de)] =
+        to_cache<KV>(k_src[e], kv_scale(k_scale, k_scale_stride, k_scale_value, h));
+    v_cache[blk * vbs + (h * vhs + in * vts + dc * vcs + de * ves)] =
+        to_cache<KV>(v_src[e], kv_scale(v_scale, v_scale_stride, v_scale_value, h));
   }
 }
 

@@ -17,6 +17,7 @@ from ..core.arrays import FLOAT_DTYPES, HEAD_DIMS, host
 from ..core.checks import table_stride, token_stride
 from ..core.compile import Spec, ctype, launcher
 from ..core.device import current, scratch
+from ..core.fp8 import KV_DTYPES
 from ..core.launch import ptr
 from ..core.layouts import block_stride
 
@@ -25,21 +26,29 @@ PLAN_CTAS = 64  # CTAs of decode_plan_kernel: sequences are checked a CTA at a t
 
 
 # ----------------------------------------------------------------------------- kernels
-def _decode_expr(dtype, head_dim, vllm_v, head_tiles):
-    return (f"cupaged::decode::paged_decode_kernel<{ctype(dtype)}, {head_dim}, "
+def _types(dtype, kv):
+    """Template arguments ``T, KV`` of q's dtype and the caches' elements (fp8 format ``kv``,
+    or None: q's dtype)."""
+    t = ctype(dtype)
+    return f"{t}, {t if kv is None else 'cupaged::' + kv}"
+
+
+def _decode_expr(dtype, head_dim, vllm_v, head_tiles, kv=None):
+    return (f"cupaged::decode::paged_decode_kernel<{_types(dtype, kv)}, {head_dim}, "
             f"{'true' if vllm_v else 'false'}, {head_tiles}>")
 
 
-def _pages_expr(dtype, head_dim, head_major=False):
-    return (f"cupaged::decode::paged_decode_pages_kernel<{ctype(dtype)}, {head_dim}, "
+def _pages_expr(dtype, head_dim, head_major=False, kv=None):
+    return (f"cupaged::decode::paged_decode_pages_kernel<{_types(dtype, kv)}, {head_dim}, "
             f"{'true' if head_major else 'false'}>")
 
 
 def _launch_expr(launch, dtype):
     """The decode kernel of ``launch``."""
     if launch.pages:
-        return _pages_expr(dtype, launch.head_dim, launch.head_major)
-    return _decode_expr(dtype, launch.head_dim, launch.vllm_v, launch.tiles.head_tiles)
+        return _pages_expr(dtype, launch.head_dim, launch.head_major, launch.kv)
+    return _decode_expr(dtype, launch.head_dim, launch.vllm_v, launch.tiles.head_tiles,
+                        launch.kv)
 
 
 def _merge_expr(in_dtype, out_dtype):
@@ -50,8 +59,8 @@ def _pieces_expr(dtype, head_dim):
     return f"cupaged::merge::merge_pieces_kernel<{ctype(dtype)}, {-(-head_dim // 128)}>"
 
 
-def _append_expr(dtype):
-    return f"cupaged::decode::append_kv_kernel<{ctype(dtype)}>"
+def _append_expr(dtype, kv=None):
+    return f"cupaged::decode::append_kv_kernel<{_types(dtype, kv)}>"
 
 
 PLAN_EXPR = "cupaged::plan::decode_plan_kernel"
@@ -63,13 +72,14 @@ def _decode_kernel(launch, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, pages):
+def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, pages,
+              kv):
     """The launch geometry on a device: one CTA per slot its decode kernel can hold."""
     import cupy
     from cupy_backends.cuda.api import driver
-    launch = plan.plan_launch(itemsize=dtype.itemsize, head_dim=head_dim, layout=layout,
-                              block_size=block_size, num_q_heads=num_q_heads,
-                              num_kv_heads=num_kv_heads, pages=pages)
+    launch = plan.plan_launch(itemsize=1 if kv else dtype.itemsize, head_dim=head_dim,
+                              layout=layout, block_size=block_size, num_q_heads=num_q_heads,
+                              num_kv_heads=num_kv_heads, pages=pages, kv=kv)
     with cupy.cuda.Device(device_id):
         kernel = _decode_kernel(launch, dtype)
     smem = launch.tiles.smem_bytes
@@ -79,16 +89,17 @@ def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_k
 
 
 def current_geometry(dtype, head_dim, layout, block_size, num_q_heads, num_kv_heads, backend,
-                      batch):
-    """The launch geometry of a ``batch``-sequence step on the current device, its kernel
-    path resolved from ``backend`` (``dp.resolve_backend``)."""
+                      batch, kv=None):
+    """The launch geometry of a ``batch``-sequence step on the current device for q of
+    ``dtype`` and caches of fp8 format ``kv`` (None: of ``dtype``), its kernel path resolved
+    from ``backend`` (``dp.resolve_backend``)."""
     device = current()
     dtype = np.dtype(dtype)
-    pages = plan.resolve_backend(backend, device.compute_capability, dtype.itemsize,
+    pages = plan.resolve_backend(backend, device.compute_capability, 1 if kv else dtype.itemsize,
                                  int(head_dim), layout, int(block_size), int(num_q_heads),
                                  int(num_kv_heads), int(batch))
     return _geometry(device.id, dtype, int(head_dim), layout, int(block_size), int(num_q_heads),
-                     int(num_kv_heads), pages)
+                     int(num_kv_heads), pages, kv)
 
 
 # ----------------------------------------------------------------------------- device steps
@@ -163,7 +174,8 @@ def _device_step(launch, dtype, num_q_heads, head_dim, opts, merge, append, batc
             head_chunks=launch.heads.head_chunks, hpc=launch.heads_per_group, dim=head_dim)
     merge_dims = None if fused else plan.merge_launch(launch, batch)  # (grid, threads, wph)
     launches = (
-        launcher("decode", _append_expr(dtype), abi.APPEND).at(batch, 128) if append else None,
+        launcher("decode", _append_expr(dtype, launch.kv), abi.APPEND).at(batch, 128)
+        if append else None,
         _decode_kernel(launch, dtype).at(launch.grid, launch.threads, launch.tiles.smem_bytes),
         None if fused else launcher("merge", _pieces_expr(dtype, launch.head_dim),
                                     abi.MERGE_PIECES).at(*merge_dims[:2]),
@@ -210,34 +222,42 @@ def planned_on_host(launch, dtype, num_q_heads, head_dim, opts, merge, append, b
 
 class Strides(NamedTuple):
     """What a step's launches take of a call's arrays besides their addresses (fixed by
-    the call's signature)."""
+    the call's signature, host scale values included)."""
     kbs: int          # block strides of the caches (elements)
     vbs: int
     q_stride: int     # q's row stride (elements)
     k_new_stride: int
     v_new_stride: int
     num_blocks: int
+    k_scale_stride: int = 0    # fp8 scales (abi.SCALES; core.fp8.kernel_scales)
+    v_scale_stride: int = 0
+    k_scale_value: float = 1.0
+    v_scale_value: float = 1.0
 
 
-def call_strides(q, k_cache, v_cache, k_new, v_new):
-    """The :class:`Strides` of a call's arrays."""
+def call_strides(q, k_cache, v_cache, k_new, v_new, scales=None):
+    """The :class:`Strides` of a call's arrays and scale fields (``core.fp8.kernel_scales``;
+    None: a plain cache's)."""
     batch, hq, d = q.shape
     return Strides(block_stride(k_cache), block_stride(v_cache),
                    q.strides[0] // q.itemsize if batch > 1 else hq * d,
                    token_stride("k_new", k_new) if k_new is not None else 0,
                    token_stride("v_new", v_new) if v_new is not None else 0,
-                   k_cache.shape[0])
+                   k_cache.shape[0], **(scales or {}))
 
 
 def launch_decode(device, strides, ptrs, out, lse, tables, lens, stream, plan=True):
     """Plan (when planned on the device and ``plan``), append (with ``k_new``), decode and,
     with a merge kernel, merge split pieces by a second kernel; on ``stream`` (a raw
     pointer), without a host sync. ``strides``: the call's :class:`Strides`; ``ptrs``: the
-    addresses of q, k_cache, v_cache, k_new, v_new, alibi_slopes and sinks; ``out``,
-    ``lse``, ``tables``, ``lens``: addresses of the outputs and of the block tables and
-    lengths the step reads."""
-    q, kc, vc, k_new, v_new, alibi, sinks = ptrs
+    addresses of q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, k_scale and
+    v_scale (0: none); ``out``, ``lse``, ``tables``, ``lens``: addresses of the outputs and
+    of the block tables and lengths the step reads."""
+    q, kc, vc, k_new, v_new, alibi, sinks, k_scale, v_scale = ptrs
     append, decode, merge, plan_go = device.launches
+    scales = dict(k_scale=k_scale, v_scale=v_scale, k_scale_stride=strides.k_scale_stride,
+                  v_scale_stride=strides.v_scale_stride, k_scale_value=strides.k_scale_value,
+                  v_scale_value=strides.v_scale_value)
     if plan and plan_go is not None:
         plan_go(device.plan_args.pack(block_tables=tables, seq_lens=lens,
                                       num_blocks=strides.num_blocks), stream)
@@ -245,11 +265,11 @@ def launch_decode(device, strides, ptrs, out, lse, tables, lens, stream, plan=Tr
         append(device.append_args.pack(
             k_new=k_new, v_new=v_new, k_cache=kc, v_cache=vc, block_tables=tables,
             kbs=strides.kbs, vbs=strides.vbs, k_new_stride=strides.k_new_stride,
-            v_new_stride=strides.v_new_stride), stream)
+            v_new_stride=strides.v_new_stride, **scales), stream)
     decode(device.decode_args.pack(
         q=q, out=out, lse=lse, k_cache=kc, v_cache=vc, block_tables=tables,
         alibi_slopes=alibi, sinks=sinks, kbs=strides.kbs, vbs=strides.vbs,
-        q_stride=strides.q_stride), stream)
+        q_stride=strides.q_stride, **scales), stream)
     if merge is not None:
         merge(device.merge_args.pack(out=out, lse=lse, sinks=sinks, wph=device.merge_wph),
               stream)
@@ -299,7 +319,9 @@ def call_step(xp, launch, checked, dtype, block_tables, seq_lens, num_splits):
 def kernel_specializations():
     """Every kernel this module can launch: append, the two merges, decode per dtype, head
     dim, value layout (rows or vllm's transposed) and heads per warp, the pages kernel
-    (sm_90) per 16-bit dtype, head dim and block layout (NHD or HND), and the device plan."""
+    (sm_90) per 16-bit dtype, head dim and block layout (NHD or HND), the same for fp8
+    caches of each format under 16-bit q (head dims ``plan.FP8_HEAD_DIMS``: whole 64-dim
+    chunk rounds), and the device plan."""
     specs = [Spec("plan", PLAN_EXPR)]
     for dt in FLOAT_DTYPES:
         specs.append(Spec("decode", _append_expr(dt)))
@@ -311,4 +333,13 @@ def kernel_specializations():
             if dt.itemsize == 2 and d in plan.PAGE_HEAD_DIMS:
                 specs += [Spec("decode", _pages_expr(dt, d, hm), hopper=True)
                           for hm in (False, True)]
+        if dt.itemsize != 2:
+            continue
+        for kv in KV_DTYPES:
+            specs.append(Spec("decode", _append_expr(dt, kv)))
+            for d in plan.FP8_HEAD_DIMS:
+                specs += [Spec("decode", _decode_expr(dt, d, vt, 1, kv)) for vt in (False, True)]
+                if d in plan.PAGE_HEAD_DIMS:
+                    specs += [Spec("decode", _pages_expr(dt, d, hm, kv), hopper=True)
+                              for hm in (False, True)]
     return specs

@@ -34,6 +34,7 @@ PAGE_THREADS = 32 * PAGE_WARPS
 PAGE_STAGES = 3
 PAGE_TILE_BYTES = 32 * 1024        # a pages-kernel tile of one operand, unless a block is larger
 PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageMath)
+FP8_HEAD_DIMS = (64, 128, 256)     # fp8 caches: whole 64-dim chunk rounds (PageMath)
 MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
 PAGE_MIN_BATCH = 2                 # pages_preferred
 MERGE_MAX_WARPS = 16               # merge.cu: warps of a merge_pieces_kernel CTA
@@ -67,9 +68,18 @@ def stage_tile(row_bytes) -> int:
     return next(tile for most, tile in STAGE_TILES if most is None or row_bytes <= most)
 
 
+def stage_row_pad(itemsize, head_dim) -> int:
+    """Elements padding a K/V row of the staged kernel's tiles (Cfg::KROW = head_dim + pad):
+    one 16-byte chunk for 16/32-bit caches (ldmatrix's 8 rows then hit 8 bank quads); for
+    fp8 caches up to a row of 64 bytes past a multiple of 128, so that the 8 lanes of a
+    quarter warp reading 16-byte chunks of two rows (PageMath) hit 8 distinct bank quads."""
+    return (192 - head_dim % 128) % 128 if itemsize == 1 else 16 // itemsize
+
+
 def cpp() -> str:
-    """C++ of the decode kernels' constants for ``abi.cuh``: KERNEL_CONSTANTS and
-    ``stage_tile(row_bytes)`` from STAGE_TILES, in namespace ``decode``."""
+    """C++ of the decode kernels' constants for ``abi.cuh``: KERNEL_CONSTANTS,
+    ``stage_tile(row_bytes)`` from STAGE_TILES and :func:`stage_row_pad`, in namespace
+    ``decode``."""
     g = globals()
     lines = ["namespace decode {"]
     lines += [f"constexpr int {name} = {int(g[name])};" for name in KERNEL_CONSTANTS]
@@ -78,6 +88,8 @@ def cpp() -> str:
         expr += f"{tile}" if most is None else f"row_bytes <= {most} ? {tile} : "
     lines.append("__host__ __device__ constexpr int stage_tile(int row_bytes) "
                  f"{{ return {expr}; }}")
+    lines.append("__host__ __device__ constexpr int stage_row_pad(int itemsize, int head_dim) "
+                 "{ return itemsize == 1 ? (192 - head_dim % 128) % 128 : 16 / itemsize; }")
     lines.append("}  // namespace decode")
     return "\n".join(lines)
 
@@ -104,12 +116,15 @@ def page_kv_heads(num_kv_heads):
 def page_tile(block_size, num_kv_heads, head_dim, itemsize):
     """Tokens of a pages-kernel tile: whole blocks, at least 16 (an m-tile) for each of the
     ``PAGE_WARPS // page_kv_heads`` warps that split a kv head's tokens (16 with 8 kv heads
-    a CTA, 128 with one), so that a stage holds about as many bytes however few the heads;
-    but no more blocks than PAGE_TILE_BYTES of an operand hold (at least one)."""
+    a CTA, 128 with one), twice that for 1-byte (fp8) elements, so that a stage holds about
+    as many bytes however few the heads and whatever the element size (the token warps'
+    combine needs them); but no more blocks than PAGE_TILE_BYTES of an operand hold (at
+    least one)."""
     heads = page_kv_heads(num_kv_heads)
     bs, token_warps = int(block_size), PAGE_WARPS // heads
     cap = PAGE_TILE_BYTES // (bs * heads * head_dim * itemsize)
-    return max(1, min(-(-16 * token_warps // bs), cap)) * bs
+    rows = 16 * token_warps * max(1, 2 // itemsize)
+    return max(1, min(-(-rows // bs), cap)) * bs
 
 
 def page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize):
@@ -121,15 +136,16 @@ def page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize):
 
 def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, num_q_heads,
                   num_kv_heads):
-    """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit NHD cache (a block's
-    tokens x kv heads contiguous) with blocks of a multiple or a divisor of 16 tokens, or an
-    HND one (kv heads x tokens) with blocks of a multiple of 16 (an m-tile of 16 tokens
-    then lies in one block, its rows evenly spaced); head_dim 64/96/128, up to 8 query
-    heads a kv head, and a ring of a CTA's kv heads (``page_kv_heads``) that fits in shared
-    memory."""
+    """True where paged_decode_pages_kernel applies: sm_90+, a 16-bit or fp8 (``itemsize``
+    1) NHD cache (a block's tokens x kv heads contiguous) with blocks of a multiple or a
+    divisor of 16 tokens, or an HND one (kv heads x tokens) with blocks of a multiple of 16
+    (an m-tile of 16 tokens then lies in one block, its rows evenly spaced); head_dim
+    64/96/128 (fp8: 64/128, whole 64-dim chunk rounds), up to 8 query heads a kv head, and a
+    ring of a CTA's kv heads (``page_kv_heads``) that fits in shared memory."""
     blocks_ok = (block_size % 16 == 0 or (layout == "NHD" and 16 % block_size == 0))
-    return (int(compute_capability) >= 90 and itemsize == 2 and layout in ("NHD", "HND")
-            and blocks_ok and head_dim in PAGE_HEAD_DIMS and num_q_heads // num_kv_heads <= 8
+    dims_ok = head_dim in PAGE_HEAD_DIMS and (itemsize == 2 or head_dim % 64 == 0)
+    return (int(compute_capability) >= 90 and itemsize in (1, 2) and layout in ("NHD", "HND")
+            and blocks_ok and dims_ok and num_q_heads // num_kv_heads <= 8
             and page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize) + 1024
             <= MAX_SMEM_PER_CTA)
 
@@ -172,10 +188,11 @@ def resolve_backend(backend, compute_capability, itemsize, head_dim, layout, blo
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "pages" and not capable:
         raise ValueError(
-            f"backend: 'pages' needs sm_90+, a 16-bit NHD cache with block_size a multiple "
-            f"or a divisor of 16 or an HND one with block_size a multiple of 16, head_dim in "
-            f"{PAGE_HEAD_DIMS}, at most 8 query heads a kv head and a ring that fits in shared "
-            f"memory, got sm_{compute_capability}, {8 * itemsize}-bit {layout}, head_dim "
+            f"backend: 'pages' needs sm_90+, a 16-bit or fp8 NHD cache with block_size a "
+            f"multiple or a divisor of 16 or an HND one with block_size a multiple of 16, "
+            f"head_dim in {PAGE_HEAD_DIMS} (fp8: a multiple of 64), at most 8 query heads a kv "
+            f"head and a ring that fits in shared memory, got sm_{compute_capability}, "
+            f"{8 * itemsize}-bit {layout}, head_dim "
             f"{head_dim}, block_size {block_size}, {num_q_heads}/{num_kv_heads} heads")
     return backend == "pages"
 
@@ -271,14 +288,15 @@ def head_tiles(itemsize, head_dim, group) -> int:
 
 
 def tile_config(itemsize, head_dim, vllm_v, nt) -> TileConfig:
-    """Mirror of ``Cfg<T, D, NT>`` and the kernel's shared-memory carve-up.
+    """Mirror of ``Cfg<KV, D, NT>`` and the kernel's shared-memory carve-up for caches of
+    ``itemsize``-byte elements (1: fp8).
 
     ``vllm_v``: the value tile is stored transposed (``[D][TILE + VEC]``), as the vllm
     value layout keeps tokens contiguous.
     """
     vec = 16 // itemsize
     tile = stage_tile(head_dim * itemsize)
-    k_elems = tile * (head_dim + vec)
+    k_elems = tile * (head_dim + stage_row_pad(itemsize, head_dim))
     v_elems = head_dim * (tile + vec) if vllm_v else k_elems
     smem = STAGES * (k_elems + v_elems) * itemsize
     if itemsize == 4:  # the CUDA-core path stages each warp's q rows in shared memory
@@ -346,6 +364,7 @@ class DecodeLaunch(NamedTuple):
     block_magic: int
     block_shift: int
     pages: bool = False  # paged_decode_pages_kernel: tiles are blocks, groups of <= 8 kv heads
+    kv: object = None    # the caches' fp8 format ("fp8_e4m3", "fp8_e5m2"), None: q's dtype
 
     @property
     def row_groups(self):
@@ -382,8 +401,10 @@ class DecodeLaunch(NamedTuple):
 
 
 def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_heads,
-                slots=None, pages=False) -> DecodeLaunch:
+                slots=None, pages=False, kv=None) -> DecodeLaunch:
     """Choose the kernel specialisation, head layout and grid of a decoder's launches.
+
+    ``itemsize``: bytes of a cache element (1 for an fp8 cache, format ``kv``).
 
     ``slots``: CTAs resident at once on the device (SMs x CTAs per SM, from the occupancy
     of the specialisation; default an estimate for DEFAULT_SMS SMs from shared memory). The
@@ -407,7 +428,7 @@ def plan_launch(*, itemsize, head_dim, layout, block_size, num_q_heads, num_kv_h
     strides = layout_strides(layout, block_size, num_kv_heads, head_dim, itemsize)
     magic, shift = block_division(block_size)
     launch = DecodeLaunch(head_dim, num_kv_heads, vllm_v, tiles, heads, 1, strides,
-                          int(block_size), magic, shift, bool(pages))
+                          int(block_size), magic, shift, bool(pages), kv)
     return launch._replace(columns=max(1, slots // launch.row_groups))
 
 
