@@ -15,13 +15,14 @@ Layouts (``layout=``):
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import NamedTuple
 
 import numpy as np
 
 from .arrays import FLOAT_DTYPES, check_choice
 from .checks import check_int
-from .fp8 import BYTE_DTYPES, FP8_FORMATS
+from .fp8 import BYTE_DTYPES, FP8_FORMATS, fp8_format
 
 LAYOUTS = ("NHD", "HND", "vllm")
 CACHE_DTYPES = FLOAT_DTYPES + BYTE_DTYPES
@@ -42,7 +43,9 @@ class CacheView:
 
     ``paged_decode(q, CacheView(k, v, layout="HND"), block_tables, seq_lens)`` is
     ``paged_decode(q, k, v, block_tables, seq_lens, layout="HND")``; a
-    :class:`cupaged.PagedKVCache` is a CacheView too.
+    :class:`cupaged.PagedKVCache` is a CacheView too. An fp8 view brings its format and
+    scales the same way (``kv_dtype=``, ``k_scale=``, ``v_scale=``; a call then gives none
+    of them), and ops without fp8 support refuse it.
 
     Parameters
     ----------
@@ -51,19 +54,31 @@ class CacheView:
     layout : {"NHD", "HND", "vllm"}
     block_size : int, optional
         Checked against k's shape read in ``layout`` when given.
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
+        The caches' fp8 format (None: their own dtype).
+    k_scale, v_scale : float or array, optional
+        fp8 scales (as ``cupaged.paged_decode`` takes them; None: 1.0).
     """
-    __slots__ = ("k", "v", "layout", "block_size")
+    __slots__ = ("k", "v", "layout", "block_size", "kv_dtype", "k_scale", "v_scale")
 
-    def __init__(self, k, v, *, layout="NHD", block_size=None):
+    def __init__(self, k, v, *, layout="NHD", block_size=None, kv_dtype=None, k_scale=None,
+                 v_scale=None):
         geo = key_geometry(k, layout)
         if block_size is not None and check_int("block_size", block_size) != geo.block_size:
             raise ValueError(f"block_size: expected {geo.block_size} (k's shape "
                              f"{tuple(k.shape)} read as {layout}), got {block_size}")
+        if kv_dtype is not None:
+            kv_dtype = fp8_format(kv_dtype).name
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale, v_scale: expected None for a view without kv_dtype, "
+                             "got a scale")
         self.k, self.v, self.layout, self.block_size = k, v, layout, geo.block_size
+        self.kv_dtype, self.k_scale, self.v_scale = kv_dtype, k_scale, v_scale
 
     def __repr__(self):
+        fp8 = f", kv_dtype={self.kv_dtype!r}" if self.kv_dtype else ""
         return (f"CacheView(k={tuple(self.k.shape)}, v={tuple(self.v.shape)}, "
-                f"layout={self.layout!r}, block_size={self.block_size})")
+                f"layout={self.layout!r}, block_size={self.block_size}{fp8})")
 
 
 def resolve_layout(layout, k_cache, q=None, num_kv_heads=None, name="k_cache"):
@@ -91,14 +106,48 @@ def resolve_layout(layout, k_cache, q=None, num_kv_heads=None, name="k_cache"):
     return "NHD"
 
 
+def _view_fp8(fn, owner, takes_fp8, cache, args, kwargs):
+    """An fp8 view's format and scales into ``kwargs`` (an owner's format must be the
+    view's; an op without ``kv_dtype`` refuses the view)."""
+    if cache.kv_dtype is None:
+        return
+    name = f"{type(args[0]).__name__}.{fn.__name__}" if owner else fn.__name__
+    if owner:
+        want = getattr(args[0], "kv_dtype", None)
+        if want != cache.kv_dtype:
+            raise ValueError(f"kv_dtype: expected a cache of the {type(args[0]).__name__}'s "
+                             f"kv_dtype {want!r}, got a {cache.kv_dtype!r} "
+                             f"{type(cache).__name__}")
+    elif not takes_fp8:
+        raise ValueError(f"kv_dtype: {cache.kv_dtype!r} caches are not supported by {name} "
+                         f"yet, got a {type(cache).__name__} of them")
+    elif kwargs.get("kv_dtype") not in (None, cache.kv_dtype):
+        raise ValueError(f"kv_dtype: expected {cache.kv_dtype!r} like the "
+                         f"{type(cache).__name__}, got {kwargs['kv_dtype']!r}")
+    else:
+        kwargs["kv_dtype"] = cache.kv_dtype
+    for key in ("k_scale", "v_scale"):
+        view_scale = getattr(cache, key)
+        if view_scale is None:
+            continue
+        if kwargs.get(key) is not None:
+            raise ValueError(f"{key}: expected None with a {type(cache).__name__} that has "
+                             f"its own, got {kwargs[key]!r}")
+        kwargs[key] = view_scale
+
+
 def accepts_cache(position, owner=False, names=("k_cache", "v_cache")):
     """Decorate an op whose ``k_cache, v_cache`` arguments sit at ``position`` so that a
     :class:`CacheView` (or PagedKVCache) may stand in for both: its k and v go in as
     k_cache and v_cache (``names``) and its layout as ``layout=`` (an explicit different layout is
-    refused). With ``owner`` (a method of an object with a ``layout``, ``num_kv_heads``
-    and ``layout_given``), the view's layout must be the owner's, and raw caches whose
-    shape reads as both NHD and HND are refused when the owner was given no layout."""
+    refused); an fp8 view's format and scales as ``kv_dtype=``, ``k_scale=``, ``v_scale=``
+    (refused by an op without ``kv_dtype``). With ``owner`` (a method of an object with a
+    ``layout``, ``num_kv_heads``, ``layout_given`` and ``kv_dtype``), the view's layout and
+    format must be the owner's, and raw caches whose shape reads as both NHD and HND are
+    refused when the owner was given no layout."""
     def decorate(fn):
+        takes_fp8 = "kv_dtype" in inspect.signature(fn).parameters
+
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if len(args) > position:
@@ -118,6 +167,7 @@ def accepts_cache(position, owner=False, names=("k_cache", "v_cache")):
                                  f"{cache.layout!r} {type(cache).__name__}")
             if not owner:
                 kwargs["layout"] = cache.layout
+            _view_fp8(fn, owner, takes_fp8, cache, args, kwargs)
             if rest is None:
                 kwargs.update({names[0]: cache.k, names[1]: cache.v})
                 return fn(*args, **kwargs)

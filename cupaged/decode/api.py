@@ -24,6 +24,7 @@ from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module
                            check_array, check_choice, check_head_dim, empty, host, hot)
 from ..core.checks import check_gqa, check_options, check_int, table_stride
 from ..core.device import Uploader
+from ..core.fp8 import fp8_format, scale_parts
 from ..core.launch import current_stream, ptr
 from ..core.layouts import LAYOUTS, accepts_cache, resolve_layout
 from ..reference import attention as ref
@@ -55,7 +56,8 @@ def _reference_into(o, lse, out, return_lse):
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_new=None,
                  sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                  logits_soft_cap=0.0, layout=None, num_splits=None, out=None,
-                 return_lse=False, backend="auto", validate=None):
+                 return_lse=False, backend="auto", validate=None, kv_dtype=None,
+                 k_scale=None, v_scale=None):
     """Attention of one query token per sequence over its paged keys and values.
 
     Parameters
@@ -65,18 +67,19 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         64, 80, 96, 112, 128, 256. Rows may be strided (heads dense), e.g. a view of a
         fused qkv tensor.
     k_cache, v_cache : array
-        Paged caches in ``layout`` (``cupaged.layouts``), q's dtype, blocks dense (their
-        stride may be larger: K and V as views of one allocation); updated in place when
-        ``k_new`` is given.
+        Paged caches in ``layout`` (``cupaged.layouts``), q's dtype or fp8 (``kv_dtype``),
+        blocks dense (their stride may be larger: K and V as views of one allocation);
+        updated in place when ``k_new`` is given.
     block_tables : array
         int32 ``[batch, max_blocks_per_seq]`` (rows may be strided); token ``t`` of sequence
         ``i`` lives in block ``block_tables[i, t // block_size]``; unused entries -1.
     seq_lens : array
         int32 ``[batch]`` cached tokens per sequence (0 allowed).
     k_new, v_new : array, optional
-        ``[batch, num_kv_heads, head_dim]``: written at position ``seq_lens[i]`` first;
-        the query then attends over ``seq_lens[i] + 1`` keys (the continuous-batching
-        contract's append, docs/design.md).
+        ``[batch, num_kv_heads, head_dim]`` in q's dtype: written at position
+        ``seq_lens[i]`` first (quantised into an fp8 cache); the query then attends over
+        ``seq_lens[i] + 1`` keys (the continuous-batching contract's append,
+        docs/design.md).
     sm_scale : float, optional
         Score scale, default ``head_dim ** -0.5``.
     window_left : int
@@ -110,10 +113,21 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         kv head or 4 of them or more, where it is the faster; else "staged". CuPy path
         only.
     validate : bool, optional
-        Check the contents of device ``block_tables`` and ``seq_lens`` on the host before
-        launching (strict mode; default ``CUPAGED_STRICT``). Otherwise the plan kernel
-        checks them: a bad sequence's rows come out as zeros and ``cupaged.check_errors()``
-        raises the first bad entry.
+        Check the contents of device ``block_tables`` and ``seq_lens`` (and device scales)
+        on the host before launching (strict mode; default ``CUPAGED_STRICT``). Otherwise
+        the plan kernel checks them: a bad sequence's rows come out as zeros and
+        ``cupaged.check_errors()`` raises the first bad entry.
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
+        The caches' format (docs/design.md, fp8 caches); None: their own dtype (a float8
+        cache is in its format, a uint8 cache needs a name). The kernels read fp8 caches
+        with float16 or bfloat16 q and head_dim 64, 128 or 256; the NumPy path takes every
+        case.
+    k_scale, v_scale : float or array, optional
+        fp8 only (default 1.0): the cache holds ``key / k_scale``, ``value / v_scale``. A
+        Python float, or a float32 array of shape ``[]`` or ``[1]`` (one scale: vLLM's
+        ``layer._k_scale``) or ``[num_kv_heads]`` on q's device; arrays are read by the
+        kernels (their values, finite and positive, are checked on the host only in strict
+        mode), so a call stays sync-free and a captured graph follows later values.
 
     Returns
     -------
@@ -123,12 +137,13 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         float32 ``[batch, num_q_heads]``; ``-inf`` (or the sink) for no key. Only with
         ``return_lse``.
     """
-    arrays = (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, block_tables, seq_lens,
-              out)
+    scale_arrays, scale_values = scale_parts(k_scale, v_scale)
+    arrays = (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, *scale_arrays,
+              block_tables, seq_lens, out)
     call = None
     if num_splits is None:
         call = hot(errors.strict(validate), arrays, sm_scale, window_left, logits_soft_cap,
-                   layout, bool(return_lse), backend)
+                   layout, bool(return_lse), backend, kv_dtype, scale_values)
         hit = _CALLS.get(call.key) if call is not None else None
         if hit is not None:  # checked and set up by an earlier call of this signature
             device, strides, dtype = hit
@@ -140,15 +155,17 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
                 lse, lse_ptr = call.empty(q.shape[:2], np.float32)
             launch_decode(device, strides, ptrs, out_ptr, lse_ptr, tables, lens, call.stream)
             return call.done((out, lse) if return_lse else out)
-    return _decode_checked(*arrays, num_splits, sm_scale, window_left, logits_soft_cap, layout,
-                           return_lse, backend, validate,
-                           call.key if call is not None else None)
+    return _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, k_scale,
+                           v_scale, block_tables, seq_lens, out, num_splits, sm_scale,
+                           window_left, logits_soft_cap, layout, return_lse, backend, validate,
+                           kv_dtype, call.key if call is not None else None)
 
 
 @accepts_dlpack
-def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, block_tables,
-                    seq_lens, out, num_splits, sm_scale, window_left, logits_soft_cap, layout,
-                    return_lse, backend, validate, cache_key):
+def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, k_scale, v_scale,
+                    block_tables, seq_lens, out, num_splits, sm_scale, window_left,
+                    logits_soft_cap, layout, return_lse, backend, validate, kv_dtype,
+                    cache_key):
     """paged_decode's checks, its device step (cached under ``cache_key`` when planned on
     the device) and its launches."""
     layout = resolve_layout(layout, k_cache, q,
@@ -156,7 +173,8 @@ def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, bloc
     options = dict(sm_scale=sm_scale, window_left=window_left, alibi_slopes=alibi_slopes,
                    sinks=sinks, logits_soft_cap=logits_soft_cap)
     checked = checks.check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new,
-                                  layout, num_splits, out, options, validate)
+                                  layout, num_splits, out, options, validate, kv_dtype,
+                                  k_scale, v_scale)
     check_choice("backend", backend, plan.BACKENDS)
     xp = checked.xp
     if xp is np:
@@ -165,20 +183,23 @@ def _decode_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, bloc
                                   window_left=checked.options.window_left,
                                   alibi_slopes=alibi_slopes, sinks=sinks,
                                   logits_soft_cap=checked.options.logits_soft_cap,
-                                  layout=layout, return_lse=True)
+                                  layout=layout, return_lse=True, kv_dtype=kv_dtype,
+                                  k_scale=k_scale, v_scale=v_scale)
         return _reference_into(o, lse, out, return_lse)
     out = empty(xp, q.shape, q.dtype) if out is None else out
     lse = empty(xp, q.shape[:2], np.float32) if return_lse else None
     if checked.batch:
         geo = checked.geometry
         launch = current_geometry(q.dtype, q.shape[2], layout, geo.block_size,
-                                  checked.num_q_heads, geo.num_kv_heads, backend, checked.batch)
+                                  checked.num_q_heads, geo.num_kv_heads, backend, checked.batch,
+                                  checked.kv)
         device = call_step(xp, launch, checked, q.dtype, block_tables, seq_lens, num_splits)
-        strides = call_strides(q, k_cache, v_cache, k_new, v_new)
+        strides = call_strides(q, k_cache, v_cache, k_new, v_new, checked.scales)
         if checked.seq_lens_host is None:
             _CALLS.put(cache_key, (device, strides, q.dtype))
+        scale_arrays = scale_parts(k_scale, v_scale)[0]
         launch_decode(device, strides, [ptr(a) for a in (q, k_cache, v_cache, k_new, v_new,
-                                                         alibi_slopes, sinks)],
+                                                         alibi_slopes, sinks, *scale_arrays)],
                       ptr(out), ptr(lse), ptr(block_tables), ptr(seq_lens), current_stream())
     return _result(out, lse, return_lse)
 
@@ -244,7 +265,7 @@ class PagedDecoder:
     num_q_heads, num_kv_heads, head_dim, block_size : int
         ``num_q_heads % num_kv_heads == 0``; head_dim one of 64, 80, 96, 112, 128, 256.
     dtype : str or dtype
-        float16, bfloat16 or float32: q, caches and output.
+        float16, bfloat16 or float32: q, output and (without ``kv_dtype``) the caches.
     layout : {"NHD", "HND", "vllm"}, optional
         Cache layout; default "NHD", and then a raw cache whose shape also reads validly as
         HND is refused at ``run`` (a CacheView or PagedKVCache brings its layout).
@@ -260,11 +281,17 @@ class PagedDecoder:
         ``cupy`` to plan from NumPy metadata and run the kernels.
     backend : {"auto", "pages", "staged"}
         As in :func:`paged_decode`.
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
+        The caches' fp8 format (fixed with the kernels a plan launches, as FlashInfer's
+        ``kv_data_type``; the scales come with each layer's ``run``); None: caches of
+        ``dtype``. fp8 caches take float16 or bfloat16 ``dtype`` and head_dim 64, 128 or
+        256 on the device.
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout=None, window_left=-1, logits_soft_cap=0.0, sm_scale=None,
-                 max_batch=256, max_blocks_per_seq=None, xp=None, backend="auto"):
+                 max_batch=256, max_blocks_per_seq=None, xp=None, backend="auto",
+                 kv_dtype=None):
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("max_batch", max_batch)):
             check_int(name, v)
@@ -282,6 +309,7 @@ class PagedDecoder:
         self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
         self.head_dim, self.block_size = int(head_dim), int(block_size)
         self.dtype, self.layout, self.max_batch = as_dtype(dtype), layout, int(max_batch)
+        self.kv_dtype = None if kv_dtype is None else fp8_format(kv_dtype).name
         self._width = max_blocks_per_seq or 0
         self._xp = xp
         self._index = self._layout = self._part_out = self._part_lse = self._counters = None
@@ -401,7 +429,7 @@ class PagedDecoder:
         if launch is None:
             launch = self._geometries.put(key, current_geometry(
                 self.dtype, self.head_dim, self.layout, self.block_size, self.num_q_heads,
-                self.num_kv_heads, self.backend, batch))
+                self.num_kv_heads, self.backend, batch, self.kv_dtype))
         return launch
 
     def _buffers(self, launch, rows, width, part_rows):
@@ -485,7 +513,7 @@ class PagedDecoder:
 
     @accepts_cache(2, owner=True)
     def run(self, q, k_cache, v_cache=None, *, sinks=None, alibi_slopes=None, k_new=None,
-            v_new=None, out=None, lse=None, return_lse=False):
+            v_new=None, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
         """Decode the planned step for one layer.
 
         Parameters
@@ -504,35 +532,42 @@ class PagedDecoder:
         lse : array, optional
             float32 ``[batch, num_q_heads]`` LSE buffer, written when given.
         return_lse : bool
+        k_scale, v_scale : float or array, optional
+            The layer's fp8 scales (the decoder's ``kv_dtype``), as in :func:`paged_decode`.
 
         Returns
         -------
         out, or ``(out, lse)`` with ``return_lse``; as :func:`paged_decode`.
         """
         step = self._step
-        arrays = (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out, lse)
+        scale_arrays, scale_values = scale_parts(k_scale, v_scale)
+        arrays = (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, *scale_arrays, out,
+                  lse)
         call = None
         if step is not None and step.device is not None:
-            call = hot(False, arrays)
+            call = hot(False, arrays, scale_values)
             strides = self._runs.get(call.key) if call is not None else None
             if strides is not None:  # checked against the plan by an earlier run
                 return self._launch(step, strides, call.ptrs, out, lse, return_lse, call)
-        return self._run_checked(*arrays, return_lse, call.key if call is not None else None)
+        return self._run_checked(q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks,
+                                 k_scale, v_scale, out, lse, return_lse,
+                                 call.key if call is not None else None)
 
     @accepts_dlpack
-    def _run_checked(self, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out, lse,
-                     return_lse, cache_key):
+    def _run_checked(self, q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, k_scale,
+                     v_scale, out, lse, return_lse, cache_key):
         """run's checks against the plan (remembered under ``cache_key``) and its launches."""
         step = self._step
-        xp, opts = checks.check_run(self, step, q, k_cache, v_cache, sinks, alibi_slopes,
-                                    k_new, v_new, out, lse)
+        xp, opts, scales = checks.check_run(self, step, q, k_cache, v_cache, sinks,
+                                            alibi_slopes, k_new, v_new, out, lse, k_scale,
+                                            v_scale)
         if xp is np:
             return self._run_reference(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new,
-                                       out, return_lse, lse, opts)
-        strides = call_strides(q, k_cache, v_cache, k_new, v_new)
+                                       out, return_lse, lse, opts, k_scale, v_scale)
+        strides = call_strides(q, k_cache, v_cache, k_new, v_new, scales)
         self._runs.put(cache_key, strides)
-        ptrs = [ptr(a) for a in (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, out,
-                                 lse)]
+        ptrs = [ptr(a) for a in (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks,
+                                 *scale_parts(k_scale, v_scale)[0], out, lse)]
         return self._launch(step, strides, ptrs, out, lse, return_lse, None)
 
     def _launch(self, step, strides, ptrs, out, lse, return_lse, call):
@@ -561,13 +596,14 @@ class PagedDecoder:
         return result if call is None else call.done(result)
 
     def _run_reference(self, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out,
-                       return_lse, lse, opts):
+                       return_lse, lse, opts, k_scale, v_scale):
         step = self._step
         o, l = ref.paged_decode(q, k_cache, v_cache, step.block_tables, step.seq_lens, k_new=k_new,
                                 v_new=v_new, sm_scale=opts.sm_scale, window_left=opts.window_left,
                                 alibi_slopes=alibi_slopes, sinks=sinks,
                                 logits_soft_cap=opts.logits_soft_cap, layout=self.layout,
-                                return_lse=True)
+                                return_lse=True, kv_dtype=self.kv_dtype, k_scale=k_scale,
+                                v_scale=v_scale)
         if lse is not None:
             lse[...] = l
         return _reference_into(o, l if lse is None else lse, out, return_lse)

@@ -14,8 +14,9 @@ from ..core.arrays import array_module, check_array, check_choice
 from ..core.checks import (INT32_MAX, check_aligned, check_block_elements, check_block_tables,
     check_gqa, check_lse, check_options, check_out, check_query, token_stride)
 from ..core.errors import strict
-from .plan import MAX_SPLITS, MERGES, SCHEDULES
-from ..core.layouts import LAYOUTS, CacheGeometry, cache_geometry
+from ..core.fp8 import kernel_scales, resolve_kv_dtype
+from .plan import FP8_HEAD_DIMS, MAX_SPLITS, MERGES, SCHEDULES
+from ..core.layouts import CACHE_DTYPES, LAYOUTS, CacheGeometry, cache_geometry
 
 
 
@@ -28,22 +29,46 @@ class Checked(NamedTuple):
     options: object       # _checks.AttentionOptions
     append: bool
     seq_lens_host: object  # int32 [batch] when checked on the host, else None
+    kv: object = None      # the caches' fp8 format name (None: q's dtype)
+    scales: object = None  # the kernels' scale fields (core.fp8.kernel_scales; device calls)
 
 
-def check_caches(q, k_cache, v_cache, layout, xp):
-    """Validate a cache pair against q; return its geometry. Device caches must also be
-    16-byte aligned (cp.async) with blocks under 2**31 elements (32-bit in-block offsets,
-    block strides included)."""
+def check_caches(q, k_cache, v_cache, layout, xp, kv_dtype=None):
+    """Validate a cache pair against q; return ``(geometry, fp8 format or None)``. A plain
+    cache has q's dtype; an fp8 one (``kv_dtype``, or a float8 cache's own format) takes
+    16-bit q and head dims FP8_HEAD_DIMS on the device (any q dtype on the NumPy path).
+    Device caches must also be 16-byte aligned (cp.async) with blocks under 2**31 elements
+    (32-bit in-block offsets, block strides included)."""
     check_choice("layout", layout, LAYOUTS)
-    geo = cache_geometry(k_cache, v_cache, layout)
-    if k_cache.dtype != q.dtype:
+    geo = cache_geometry(k_cache, v_cache, layout, CACHE_DTYPES)
+    fmt = resolve_kv_dtype(kv_dtype, k_cache, v_cache)
+    if fmt is None and k_cache.dtype != q.dtype:
         raise TypeError(f"k_cache: expected dtype {q.dtype} like q, got {k_cache.dtype}")
     if geo.head_dim != q.shape[2]:
         raise ValueError(f"k_cache: expected head_dim {q.shape[2]} like q, got {geo.head_dim}")
+    if fmt is not None and xp is not np:
+        if q.dtype.itemsize != 2:
+            raise TypeError(f"q: expected dtype float16 or bfloat16 with an fp8 cache "
+                            f"(kv_dtype {fmt.name!r}), got {q.dtype}")
+        if geo.head_dim not in FP8_HEAD_DIMS:
+            raise ValueError(f"k_cache: expected head_dim in {FP8_HEAD_DIMS} for an fp8 cache "
+                             f"(kv_dtype {fmt.name!r}) on the device, got {geo.head_dim}")
     if xp is not np:
         check_block_elements(geo, k_cache=k_cache, v_cache=v_cache)
         check_aligned(k_cache=k_cache, v_cache=v_cache)
-    return geo
+    return geo, fmt
+
+
+def check_scale_arrays(fmt, k_scale, v_scale, num_kv_heads, xp, validate=None):
+    """A device call's scales (``core.fp8.kernel_scales``: device arrays' values read only
+    in strict mode); the kernels' scale fields, or None on the NumPy path (the reference
+    checks them)."""
+    if xp is np:
+        return None
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and hasattr(scale, "dtype") and not isinstance(scale, np.ndarray):
+            check_array(name, scale, xp=xp, contiguous=False)
+    return kernel_scales(fmt, k_scale, v_scale, num_kv_heads, strict(validate))
 
 
 def check_new_kv(k_new, v_new, batch, geo, dtype, xp):
@@ -87,13 +112,15 @@ def check_variants(schedule, merge, num_splits):
 
 
 def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layout,
-                 num_splits, out, options, validate=None) -> Checked:
+                 num_splits, out, options, validate=None, kv_dtype=None, k_scale=None,
+                 v_scale=None) -> Checked:
     """Every check of ``paged_decode`` before any launch (index contents on host copies for
     NumPy arrays or in strict mode)."""
     xp = array_module(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, out,
                       options["alibi_slopes"], options["sinks"])
     batch, hq, d = check_query("q", q, xp)
-    geo = check_caches(q, k_cache, v_cache, layout, xp)
+    geo, fmt = check_caches(q, k_cache, v_cache, layout, xp, kv_dtype)
+    scales = check_scale_arrays(fmt, k_scale, v_scale, geo.num_kv_heads, xp, validate)
     check_gqa(hq, geo.num_kv_heads, "k_cache")
     append = check_new_kv(k_new, v_new, batch, geo, q.dtype, xp)
     opts = check_options(xp, hq, d, **options)
@@ -103,7 +130,8 @@ def check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_new, v_new, layo
     check_num_splits(num_splits)
     if out is not None:
         check_out(out, (batch, hq, d), q.dtype, xp)
-    return Checked(xp, batch, hq, geo, opts, append, sl)
+    return Checked(xp, batch, hq, geo, opts, append, sl, None if fmt is None else fmt.name,
+                   scales)
 
 
 def check_plan(dec, block_tables, seq_lens, append, num_splits, validate=None, ids=True):
@@ -129,9 +157,11 @@ def check_plan(dec, block_tables, seq_lens, append, num_splits, validate=None, i
     return bt, sl, planned_max_block(bt, sl, dec.block_size, append)
 
 
-def check_run(dec, step, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse):
+def check_run(dec, step, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse,
+              k_scale=None, v_scale=None):
     """Checks of ``PagedDecoder.run`` against decoder ``dec`` and its plan ``step`` (shapes,
-    dtypes, modules; no sync); returns ``(xp, options)``."""
+    dtypes, modules, the caches' format; no sync); returns ``(xp, options, scale fields or
+    None)``."""
     if step is None:
         raise ValueError("PagedDecoder.run: expected a plan() first, got none")
     xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out, lse)
@@ -141,7 +171,12 @@ def check_run(dec, step, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new,
     shape = (step.batch, dec.num_q_heads, dec.head_dim)
     check_array("q", q, shape=shape, dtypes=dec.dtype, xp=xp, contiguous=False)
     token_stride("q", q)
-    geo = check_caches(q, k_cache, v_cache, dec.layout, xp)
+    geo, fmt = check_caches(q, k_cache, v_cache, dec.layout, xp, dec.kv_dtype)
+    if fmt is not None and dec.kv_dtype is None:
+        raise ValueError(f"k_cache: expected caches of dtype {dec.dtype} (the decoder's "
+                         f"kv_dtype None), got {k_cache.dtype}; build the PagedDecoder with "
+                         f"kv_dtype={fmt.name!r}")
+    scales = check_scale_arrays(fmt, k_scale, v_scale, geo.num_kv_heads, xp)
     if (geo.block_size, geo.num_kv_heads) != (dec.block_size, dec.num_kv_heads):
         raise ValueError(f"k_cache: expected block_size {dec.block_size} and "
                          f"{dec.num_kv_heads} kv heads like the decoder, got "
@@ -158,7 +193,7 @@ def check_run(dec, step, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new,
     if out is not None:
         check_out(out, shape, dec.dtype, xp)
     check_lse(lse, step.batch, dec.num_q_heads, xp)
-    return xp, opts
+    return xp, opts, scales
 
 
 def planned_max_block(block_tables, seq_lens, block_size, append):
