@@ -29,7 +29,7 @@ from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module
                            check_choice, check_range, host, hot, is_cupy)
 from ..core.checks import check_aligned, token_stride
 from ..core.compile import Spec, ctype, launcher
-from ..core.fp8 import KV_DTYPES, kernel_scales, resolve_kv_dtype, scale_parts
+from ..core.fp8 import KV_DTYPES, given_kv_dtype, kernel_scales, resolve_kv_dtype, scale_parts
 from ..core.launch import current_stream, ptr
 from ..core.layouts import CACHE_DTYPES, LAYOUTS, accepts_cache, block_stride, cache_geometry
 from ..reference import cache as ref
@@ -354,6 +354,7 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, layout="NHD", *, 
     (k_cache, v_cache)
         The caches, modified in place (same memory; torch tensors for torch inputs).
     """
+    kv_dtype = given_kv_dtype(kv_dtype, k_cache)
     scale_arrays, scale_values = scale_parts(k_scale, v_scale)
     arrays = (key, value, k_cache, v_cache, slot_mapping) + scale_arrays
     call = hot(errors.strict(validate), arrays, layout, kv_dtype, scale_values)

@@ -131,6 +131,10 @@ def _foreign_root(x):
     return "torch" if k == "torch" else type(x).__module__.split(".")[0]
 
 
+FLOAT8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+"""ml_dtypes' float8 dtypes of fp8 caches; CuPy, which has none, views such arrays as uint8."""
+
+
 @functools.lru_cache(maxsize=None)
 def _torch_dtypes():
     torch = sys.modules["torch"]
@@ -139,6 +143,9 @@ def _torch_dtypes():
              torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16),
              torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
              torch.bool: np.dtype(np.bool_)}
+    for name, dt in zip(("float8_e4m3fn", "float8_e5m2"), FLOAT8_DTYPES):
+        if hasattr(torch, name):
+            pairs[getattr(torch, name)] = dt
     return pairs, {v: k for k, v in pairs.items()}
 
 
@@ -167,6 +174,8 @@ def _torch_view(t):
     dt = _torch_dtypes()[0].get(t.dtype)
     if dt is None:
         return cp.from_dlpack(t)
+    if dt in FLOAT8_DTYPES:  # the bytes (the ops take the format from the tensor's dtype)
+        dt = np.dtype(np.uint8)
     shape, strides = tuple(t.shape), t.stride()
     item = dt.itemsize
     if t.numel() == 0:

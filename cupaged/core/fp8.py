@@ -47,6 +47,18 @@ BYTE_DTYPES = (uint8,) + tuple(f.dtype for f in FP8_FORMATS.values())
 """Element dtypes of an fp8 cache: raw bytes, or a float8 dtype."""
 
 
+_FLOAT8_NAMES = {f.dtype.name: f.name for f in FP8_FORMATS.values()}
+
+
+def given_kv_dtype(kv_dtype, k_cache):
+    """``kv_dtype``, or where None the format of a float8 cache of any array kind (an
+    ml_dtypes float8 array, or a torch float8 tensor, which reaches the kernels as uint8
+    bytes: its format is taken here, before the view), else None. No check."""
+    if kv_dtype is not None:
+        return kv_dtype
+    return _FLOAT8_NAMES.get(str(getattr(k_cache, "dtype", "")).rpartition(".")[2])
+
+
 def fp8_format(kv_dtype, name="kv_dtype") -> Fp8Format:
     """The format called ``kv_dtype`` (one of :data:`KV_DTYPES`); ValueError otherwise."""
     check_choice(name, kv_dtype, KV_DTYPES)

@@ -24,7 +24,7 @@ from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module
                            check_array, check_choice, check_head_dim, empty, host, hot)
 from ..core.checks import check_gqa, check_options, check_int, table_stride
 from ..core.device import Uploader
-from ..core.fp8 import fp8_format, scale_parts
+from ..core.fp8 import fp8_format, given_kv_dtype, scale_parts
 from ..core.launch import current_stream, ptr
 from ..core.layouts import LAYOUTS, accepts_cache, resolve_layout
 from ..reference import attention as ref
@@ -137,6 +137,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
         float32 ``[batch, num_q_heads]``; ``-inf`` (or the sink) for no key. Only with
         ``return_lse``.
     """
+    kv_dtype = given_kv_dtype(kv_dtype, k_cache)
     scale_arrays, scale_values = scale_parts(k_scale, v_scale)
     arrays = (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks, *scale_arrays,
               block_tables, seq_lens, out)
