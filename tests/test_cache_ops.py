@@ -7,6 +7,7 @@ from cupaged.cache_ops import api as cache_ops
 from cupaged.core.arrays import bfloat16
 from cupaged.core.layouts import LAYOUTS, CacheGeometry, cache_shapes, k_as_nhd, v_as_nhd
 from cupaged.reference import cache as ref
+from cupaged.core.fp8 import FP8_FORMATS as FP8
 
 DTYPES = [np.float16, bfloat16, np.float32]
 
@@ -250,6 +251,135 @@ def _check_gpu_write(rng, cp, layout, dtype, nb, bs, hk, d, t):
     ref.write_kv_cache(key, value, k, v, slots, layout)
     assert (_bits(dk) == _bits(k)).all(), "key cache differs"
     assert (_bits(dv) == _bits(v)).all(), "value cache differs"
+
+
+# ----------------------------------------------------------------------------- fp8 writes
+FP8_FORMATS = tuple(FP8)
+
+
+def _fp8_rows(rng, shape, dtype):
+    """Rows of magnitudes from the formats' subnormals to past their largest values (which
+    saturate), with +-inf and a NaN among them."""
+    x = rng.standard_normal(shape) * 10.0 ** rng.integers(-7, 7, shape)
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, 3, replace=False)] = [np.inf, -np.inf, np.nan]
+    with np.errstate(over="ignore"):  # past float16's range: infinities, which saturate too
+        return x.astype(dtype)
+
+
+def _fp8_scales(rng, form, hk):
+    if form == "float":
+        return 0.37, 1.9
+    if form == "tensor":
+        return np.array(0.37, np.float32), np.array([1.9], np.float32)
+    return (rng.uniform(0.01, 4, hk).astype(np.float32),
+            rng.uniform(0.01, 4, hk).astype(np.float32))
+
+
+def _fp8_caches(rng, layout, nb, bs, hk, d):
+    ks, vs = cache_shapes(layout, nb, bs, hk, d, np.uint8)
+    return (rng.integers(0, 256, ks, dtype=np.uint8), rng.integers(0, 256, vs, dtype=np.uint8))
+
+
+def test_fp8_write_host_checks(rng):
+    k8, v8 = _fp8_caches(rng, "NHD", 4, 16, 2, 64)
+    k0 = k8.copy()
+    key = _fp8_rows(rng, (3, 2, 64), np.float16)
+    slots = np.array([0, 5, -1], np.int64)
+    with pytest.raises(ValueError, match="kv_dtype: expected one of .* for uint8 caches"):
+        cupaged.write_kv_cache(key, key, k8, v8, slots)
+    with pytest.raises(ValueError, match="kv_dtype: expected one of"):
+        cupaged.write_kv_cache(key, key, k8, v8, slots, kv_dtype="e4m3")
+    with pytest.raises(TypeError, match="value: expected dtype float16, got float32"):
+        cupaged.write_kv_cache(key, key.astype(np.float32), k8, v8, slots, kv_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="v_scale: expected finite positive"):
+        cupaged.write_kv_cache(key, key, k8, v8, slots, kv_dtype="fp8_e4m3", v_scale=0.0)
+    k16, v16 = _caches(rng, "NHD", 4, 16, 2, 64, np.float16)
+    with pytest.raises(ValueError, match="k_scale: expected None for caches that are not fp8"):
+        cupaged.write_kv_cache(key, key, k16, v16, slots, k_scale=0.5)
+    assert (k8 == k0).all()
+
+
+def test_fp8_write_numpy_path_is_reference(rng):
+    k8, v8 = _fp8_caches(rng, "vllm", 4, 16, 2, 64)
+    k1, v1 = k8.copy(), v8.copy()
+    key, value = _fp8_rows(rng, (9, 2, 64), bfloat16), _fp8_rows(rng, (9, 2, 64), bfloat16)
+    slots = _slots(rng, 9, 64)
+    ks, vs = _fp8_scales(rng, "heads", 2)
+    cupaged.write_kv_cache(key, value, k8, v8, slots, layout="vllm", kv_dtype="fp8_e5m2",
+                           k_scale=ks, v_scale=vs)
+    ref.write_kv_cache(key, value, k1, v1, slots, "vllm", kv_dtype="fp8_e5m2", k_scale=ks,
+                       v_scale=vs)
+    assert (k8 == k1).all() and (v8 == v1).all()
+
+
+FP8_WRITES = [(layout, fmt, dtype, bs) for layout, bs in zip(LAYOUTS, (16, 1, 128))
+              for fmt in FP8_FORMATS for dtype in DTYPES]
+
+
+def _assert_same_codes(got, want, fmt):
+    """Bit for bit, NaN codes as NaN (the kernel's NaN sign may differ), no infinity."""
+    f8 = FP8[fmt].dtype
+    nan = np.isnan(want.view(f8).astype(np.float32))
+    assert (got[~nan] == want[~nan]).all(), "codes differ"
+    assert np.isnan(got[nan].view(f8).astype(np.float32)).all(), "NaN not kept"
+    assert np.isfinite(got[~nan].view(f8).astype(np.float32)).all(), "an infinity was written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,fmt,dtype,bs", FP8_WRITES,
+                         ids=[f"{l}-{f}-{np.dtype(d).name}-bs{b}" for l, f, d, b in FP8_WRITES])
+def test_gpu_fp8_write_bit_exact(rng, cp, layout, fmt, dtype, bs):
+    """The kernels quantise exactly as the reference (round to nearest even, saturation,
+    subnormals) for every layout, format, input dtype and scale shape; skipped tokens and
+    untouched slots keep their bytes; a second call (the cached setup) reads the device
+    scale arrays anew."""
+    nb, hk, d, t = max(3, 300 // bs), 3, 128, 97
+    form = ("float", "tensor", "heads")[FP8_WRITES.index((layout, fmt, dtype, bs)) % 3]
+    k8, v8 = _fp8_caches(rng, layout, nb, bs, hk, d)
+    dk, dv = cp.asarray(k8), cp.asarray(v8)
+    for call in range(2):
+        key, value = _fp8_rows(rng, (t, hk, d), dtype), _fp8_rows(rng, (t, hk, d), dtype)
+        slots = _slots(rng, t, nb * bs)
+        ks, vs = _fp8_scales(rng, form, hk)
+        dev_scales = [cp.asarray(x) if isinstance(x, np.ndarray) else x for x in (ks, vs)]
+        cupaged.write_kv_cache(cp.asarray(key), cp.asarray(value), dk, dv, cp.asarray(slots),
+                               layout=layout, kv_dtype=fmt, k_scale=dev_scales[0],
+                               v_scale=dev_scales[1])
+        ref.write_kv_cache(key, value, k8, v8, slots, layout, kv_dtype=fmt, k_scale=ks,
+                           v_scale=vs)
+        _assert_same_codes(dk.get(), k8, fmt)
+        _assert_same_codes(dv.get(), v8, fmt)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_write_strided_rows_and_device_scale_checks(rng, cp):
+    """Key and value as views of a fused qkv tensor; device scale shapes and dtypes refused
+    on the host, their values only in strict mode."""
+    hk, d, t = 4, 64, 33
+    k8, v8 = _fp8_caches(rng, "HND", 5, 16, hk, d)
+    dk, dv = cp.asarray(k8), cp.asarray(v8)
+    qkv = _fp8_rows(rng, (t, 3 * hk, d), np.float16)
+    dqkv = cp.asarray(qkv)
+    slots = _slots(rng, t, 80)
+    ks = rng.uniform(0.1, 2, hk).astype(np.float32)
+    cupaged.write_kv_cache(dqkv[:, hk:2 * hk], dqkv[:, 2 * hk:], dk, dv, cp.asarray(slots),
+                           layout="HND", kv_dtype="fp8_e4m3", k_scale=cp.asarray(ks))
+    ref.write_kv_cache(qkv[:, hk:2 * hk], qkv[:, 2 * hk:], k8, v8, slots, "HND",
+                       kv_dtype="fp8_e4m3", k_scale=ks)
+    _assert_same_codes(dk.get(), k8, "fp8_e4m3")
+    _assert_same_codes(dv.get(), v8, "fp8_e4m3")
+    args = (dqkv[:, :hk], dqkv[:, :hk], dk, dv, cp.asarray(slots))
+    with pytest.raises(TypeError, match="k_scale: expected dtype float32, got float64"):
+        cupaged.write_kv_cache(*args, layout="HND", kv_dtype="fp8_e4m3",
+                               k_scale=cp.ones(hk, np.float64))
+    with pytest.raises(ValueError, match=r"v_scale: expected shape \[\], \[1\] or \[4\]"):
+        cupaged.write_kv_cache(*args, layout="HND", kv_dtype="fp8_e4m3",
+                               v_scale=cp.ones(2, np.float32))
+    with pytest.raises(ValueError, match="k_scale: expected finite positive"):
+        cupaged.write_kv_cache(*args, layout="HND", kv_dtype="fp8_e4m3",
+                               k_scale=cp.zeros(hk, np.float32), validate=True)
+    _assert_same_codes(dk.get(), k8, "fp8_e4m3")  # nothing written
 
 
 @pytest.mark.gpu
