@@ -1,7 +1,9 @@
 """Benchmark of the cache ops: write_kv_cache per layout, copy_blocks, swap_blocks both ways.
 
 Reports milliseconds, TB/s counting bytes read plus bytes written, and the fraction of the
-device-to-device copy bandwidth measured in the same run (``timing.copy_bandwidth``). The
+device-to-device copy bandwidth measured in the same run (``timing.copy_bandwidth``); the
+fp8 write row quantises bf16 rows into an e4m3 cache (NHD, per-head scales: 2 bytes read and
+1 written an element). The
 kernel figure (``ms``) times the launch alone; ``public_ms`` times the public call, whose
 checks copy the indices to the host (a sync). Every timed configuration is checked against
 the reference first. Run: ``python -m cupaged.bench.cache [--quick]``.
@@ -12,6 +14,7 @@ import numpy as np
 
 from ..cache_ops import api as cache_ops
 from ..core.arrays import bfloat16
+from ..core.fp8 import fp8_format, kernel_scales
 from ..core.layouts import LAYOUTS, CacheGeometry, cache_shapes
 from ..reference import cache as ref
 from .timing import bench_main, copy_bandwidth, time_gpu
@@ -34,7 +37,7 @@ def _filled(shape):
 
 
 def _same(device, host):
-    return bool((device.get().view(np.uint16) == host.view(np.uint16)).all())
+    return bool((device.get().view(np.uint8) == host.view(np.uint8)).all())
 
 
 def _row(op, variant, note, seconds, nbytes, public=None, ok=True):
@@ -44,32 +47,45 @@ def _row(op, variant, note, seconds, nbytes, public=None, ok=True):
             "frac_copy": bw / copy_bandwidth(), "matches_ref": ok}
 
 
-def bench_write(layout, tokens, check=True):
-    """One row: write ``tokens`` tokens (prefill-like: whole blocks in random order)."""
+def bench_write(layout, tokens, check=True, kv_dtype=None):
+    """One row: write ``tokens`` tokens (prefill-like: whole blocks in random order) into a
+    bf16 cache or (``kv_dtype``) an fp8 one, quantised with per-head scales."""
     import cupy
     num_blocks = tokens * 5 // (4 * BLOCK_SIZE)
     geo = CacheGeometry(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    ks, vs = cache_shapes(layout, *geo, DTYPE)
-    k, v = _filled(ks), _filled(vs)
+    fmt = None if kv_dtype is None else fp8_format(kv_dtype)
+    ks, vs = cache_shapes(layout, *geo, DTYPE if fmt is None else fmt.name)
+    if fmt is None:
+        k, v = _filled(ks), _filled(vs)
+    else:  # a byte pattern no write leaves
+        k, v = cupy.full(ks, 0x11, np.uint8), cupy.full(vs, 0x11, np.uint8)
     key = _random((tokens, KV_HEADS, HEAD_DIM), 0)
     value = _random((tokens, KV_HEADS, HEAD_DIM), 1)
     blocks = np.random.default_rng(2).permutation(num_blocks)[: tokens // BLOCK_SIZE]
     slots = (blocks[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1).astype(np.int64)
     slots_dev = cupy.asarray(slots)
+    host_scales = [None, None] if fmt is None else [
+        np.random.default_rng(s).uniform(0.01, 0.1, KV_HEADS).astype(np.float32) for s in (3, 4)]
+    k_scale, v_scale = (None if s is None else cupy.asarray(s) for s in host_scales)
+    fp8 = dict(kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     ok = True
     if check:
         k_host, v_host = k.get(), v.get()
-        cache_ops.write_kv_cache(key, value, k, v, slots_dev, layout=layout)
-        ref.write_kv_cache(key.get(), value.get(), k_host, v_host, slots, layout)
+        cache_ops.write_kv_cache(key, value, k, v, slots_dev, layout=layout, **fp8)
+        ref.write_kv_cache(key.get(), value.get(), k_host, v_host, slots, layout,
+                           kv_dtype=kv_dtype, k_scale=host_scales[0], v_scale=host_scales[1])
         ok = _same(k, k_host) and _same(v, v_host)
-    setup = cache_ops._write_setup(key, value, k, v, geo, layout)
-    addresses = [a.data.ptr for a in (key, value, k, v, slots_dev)]
+    setup = cache_ops._write_setup(key, value, k, v, geo, layout, fmt,
+                                   kernel_scales(fmt, k_scale, v_scale, KV_HEADS, False))
+    addresses = [0 if a is None else a.data.ptr
+                 for a in (key, value, k, v, slots_dev, k_scale, v_scale)]
     t = time_gpu(lambda: cache_ops._launch_write(setup, addresses,
                                                  cupy.cuda.get_current_stream().ptr))
-    tp = time_gpu(lambda: cache_ops.write_kv_cache(key, value, k, v, slots_dev, layout=layout),
-                  reps=5)
-    nbytes = 2 * (key.nbytes + value.nbytes)
-    return _row("write_kv_cache", layout, f"{tokens} tok x {KV_HEADS}h x d{HEAD_DIM} bf16",
+    tp = time_gpu(lambda: cache_ops.write_kv_cache(key, value, k, v, slots_dev, layout=layout,
+                                                   **fp8), reps=5)
+    nbytes = key.nbytes + value.nbytes + (k.itemsize * key.size + v.itemsize * value.size)
+    kind = "bf16" if fmt is None else f"bf16 -> {fmt.name}"
+    return _row("write_kv_cache", layout, f"{tokens} tok x {KV_HEADS}h x d{HEAD_DIM} {kind}",
                 t, nbytes, tp, ok)
 
 
@@ -127,6 +143,7 @@ def run(quick=False):
     import cupy
     tokens = 8192 if quick else 65536
     rows = [bench_write(layout, tokens) for layout in LAYOUTS]
+    rows.append(bench_write("NHD", tokens, kv_dtype="fp8_e4m3"))
     rows.append(bench_copy(512 if quick else 2048))
     n = 256 if quick else 1024
     for direction in ("out", "in"):

@@ -19,7 +19,14 @@ page and kv head instead of 256-byte rows) are compared too, and on B{1, 64} x L
 (``timing.read_bandwidth``; cuDNN exceeds it at long contexts, so it is a floor for the real
 ceiling), ``vs_cudnn`` our TB/s over cuDNN's. K/V sets rotate so L2 (60 MB) does not serve
 them, and every timed configuration is checked against the reference on one sequence and kv
-head (``ok``: relative error under 2e-2). Run: ``python -m cupaged.bench.decode [--quick]``.
+head (``ok``: relative error under 2e-2).
+
+fp8 rows (``kv`` "fp8_e4m3": the cache in e4m3, q and output bf16) follow at GQA B64 x L8K,
+B8 x L32K, B256 x L2K and B1 x L2K (``--quick``: B64 x L8K and B1 x L2K), each beside the
+bf16-cache row of the same shape in the same run: ``vs_bf16`` is the fp8 time over the bf16
+time, and TB/s, ``frac_copy`` and ``frac_read`` count the bytes actually read (one byte an
+element). Their ``ok`` compares with the reference on the same quantised cache. Run:
+``python -m cupaged.bench.decode [--quick]``.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import time
 
 import numpy as np
 
+from ..cache_ops.api import write_kv_cache
 from ..decode import api as decode
 from ..core.arrays import bfloat16
 from ..reference import attention as ref
@@ -41,10 +49,15 @@ DEFAULT_VARIANT = (None, None)  # the plan's defaults (decode_plan.resolve_merge
 VARIANTS = (("balanced", "fused"), ("balanced", "kernel"), ("split", "fused"), ("split", "kernel"))
 TOLERANCE = 2e-2
 LARGE_FREE_BYTES, FREE_SETTLE_SECONDS = 4e9, 0.5
+FP8 = "fp8_e4m3"
+FP8_SCALE = 1 / 32  # N(0, 1) values over this scale: codes well inside e4m3's range
+FP8_SHAPES, FP8_QUICK = ((64, 8192), (8, 32768), (256, 2048), (1, 2048)), ((64, 8192), (1, 2048))
 
 
-def kv_bytes(batch, length, num_kv_heads):
-    return 2 * batch * length * num_kv_heads * HEAD_DIM * np.dtype(DTYPE).itemsize
+def kv_bytes(batch, length, num_kv_heads, itemsize=None):
+    """K+V bytes a decode of B x L reads (``itemsize`` bytes an element; default bf16's)."""
+    itemsize = np.dtype(DTYPE).itemsize if itemsize is None else itemsize
+    return 2 * batch * length * num_kv_heads * HEAD_DIM * itemsize
 
 
 def _random_fill(a, seed):
@@ -64,17 +77,40 @@ def _paged_batch(batch, length, page, seed):
     return ids.reshape(batch, per_seq), np.full(batch, length, np.int32)
 
 
-def _check(out, q, k, v, tables, lens, group, layout):
-    """Relative error of sequence 0, kv head 0 against the float64 reference."""
+def _fp8_fill(k, v, layout, seed):
+    """Fill uint8 caches with the e4m3 codes of N(0, 1) values over FP8_SCALE, written by
+    ``write_kv_cache`` a chunk of tokens at a time."""
+    import cupy
+    nb = k.shape[0]
+    page, hk = (k.shape[1], k.shape[2]) if layout == "NHD" else (k.shape[2], k.shape[1])
+    rs = cupy.random.RandomState(seed)
+    step = max(1, (1 << 26) // (hk * HEAD_DIM))
+    for t0 in range(0, nb * page, step):
+        n = min(step, nb * page - t0)
+        rows = rs.standard_normal((2, n, hk, HEAD_DIM), dtype=cupy.float32).astype(DTYPE)
+        write_kv_cache(rows[0], rows[1], k, v, cupy.arange(t0, t0 + n, dtype=cupy.int64),
+                       layout=layout, kv_dtype=FP8, k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+    return k, v
+
+
+def _check(out, q, k, v, tables, lens, group, layout, kv_dtype=None):
+    """Relative error of sequence 0, kv head 0 against the float64 reference (on the same
+    quantised cache for fp8)."""
     page = k.shape[1] if layout == "NHD" else k.shape[2]
     blocks = tables[0, :-(-int(lens[0]) // page)]
     if layout == "NHD":
         kh, vh = (c[blocks.tolist()][:, :, :1] for c in (k, v))
     else:  # HND: [blocks, heads, page, d] -> [blocks, page, 1, d]
         kh, vh = (c[blocks.tolist()][:, :1].transpose(0, 2, 1, 3) for c in (k, v))
-    kh, vh = (x.get().astype(np.float32) for x in (kh, vh))
     local = np.arange(len(blocks), dtype=np.int32)[None]
-    want = ref.paged_decode(q[:1, :group].get().astype(np.float32), kh, vh, local, lens[:1])
+    if kv_dtype is None:
+        kh, vh = (x.get().astype(np.float32) for x in (kh, vh))
+        fp8 = {}
+    else:
+        kh, vh = (np.ascontiguousarray(x.get()) for x in (kh, vh))
+        fp8 = dict(kv_dtype=kv_dtype, k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+    want = ref.paged_decode(q[:1, :group].get().astype(np.float32), kh, vh, local, lens[:1],
+                            **fp8)
     got = out[:1, :group].get().astype(np.float64)
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
@@ -103,35 +139,39 @@ def _graph_time(run_set, sets):
 
 
 def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="NHD",
-                backend="auto"):
+                backend="auto", kv_dtype=None):
     """One row: ``PagedDecoder.run`` on a B x L batch (time, TB/s, fractions of the copy and
     read ceilings) with the plan's ``variant = (schedule, merge)`` and ``backend`` (default:
-    the library's choice)."""
+    the library's choice), on bf16 caches or (``kv_dtype``) fp8 ones."""
     import cupy
     hq, hk = heads
-    nbytes = kv_bytes(batch, length, hk)
+    nbytes = kv_bytes(batch, length, hk, 1 if kv_dtype else None)
     tables, lens = _paged_batch(batch, length, page, seed=batch + length)
     shape = (tables.size,) + ((page, hk) if layout == "NHD" else (hk, page)) + (HEAD_DIM,)
 
     def make():
+        if kv_dtype is not None:
+            return _fp8_fill(cupy.empty(shape, np.uint8), cupy.empty(shape, np.uint8), layout, 1)
         return _random_fill(cupy.empty(shape, DTYPE), 1), _random_fill(cupy.empty(shape, DTYPE), 2)
 
     sets = _kv_sets(make, nbytes)
     q = _random_fill(cupy.empty((batch, hq, HEAD_DIM), DTYPE), 3)
     out = cupy.empty_like(q)
     dec = decode.PagedDecoder(hq, hk, HEAD_DIM, page, dtype=DTYPE, layout=layout,
-                              max_batch=batch, xp=cupy, backend=backend)
+                              max_batch=batch, xp=cupy, backend=backend, kv_dtype=kv_dtype)
+    scales = {} if kv_dtype is None else dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)
     dec.plan(tables, lens, schedule=variant[0], merge=variant[1], planner="host")
     variant = (variant[0] or "balanced", dec.merge)
     cupy.cuda.Device().synchronize()
-    seconds = _graph_time(lambda kv: dec.run(q, *kv, out=out), sets)
+    seconds = _graph_time(lambda kv: dec.run(q, *kv, out=out, **scales), sets)
     turn = iter(range(1 << 30))
-    eager = time_gpu(lambda: dec.run(q, *sets[next(turn) % len(sets)], out=out))
+    eager = time_gpu(lambda: dec.run(q, *sets[next(turn) % len(sets)], out=out, **scales))
     out.fill(np.nan)
-    dec.run(q, *sets[0], out=out)
-    err = _check(out, q, *sets[0], tables, lens, hq // hk, layout)
+    dec.run(q, *sets[0], out=out, **scales)
+    err = _check(out, q, *sets[0], tables, lens, hq // hk, layout, kv_dtype)
     bw = nbytes / seconds
-    return {"heads": f"{hq}/{hk}", "B": batch, "L": length, "page": page, "layout": layout,
+    return {"heads": f"{hq}/{hk}", "kv": kv_dtype or "bf16", "B": batch, "L": length,
+            "page": page, "layout": layout,
             "variant": "/".join(variant), "path": dec.kernel, "splits": dec.num_splits, "us": seconds * 1e6,
             "eager_us": eager * 1e6, "TB/s": bw / 1e12, "frac_copy": bw / copy_bandwidth(),
             "frac_read": bw / read_bandwidth(), "err": err, "ok": bool(err < TOLERANCE)}
@@ -230,7 +270,29 @@ def run(quick=False):
     for b, l in ((1, 2048), (1, 8192), (64, 2048), (64, 8192)):  # the other kernel path
         rows.append(bench_paged(b, l, HEADS["GQA"], backend="staged"))
         _free()
+    rows += _fp8_rows(rows, FP8_QUICK if quick else FP8_SHAPES)
     return rows
+
+
+def _fp8_rows(rows, shapes):
+    """fp8-cache rows at ``shapes`` (B, L) of GQA, each with ``vs_bf16``: its time over the
+    bf16-cache row of the same shape (the first, default-plan row above, or one run here)."""
+    bf16 = {}
+    for r in rows:
+        if (r["heads"], r["kv"], r["page"], r["layout"]) == ("32/8", "bf16", 16, "NHD"):
+            bf16.setdefault((r["B"], r["L"]), r)
+    out = []
+    for b, l in shapes:
+        base = bf16.get((b, l))
+        if base is None:
+            base = bench_paged(b, l, HEADS["GQA"])
+            _free()
+            out.append(base)
+        row = bench_paged(b, l, HEADS["GQA"], kv_dtype=FP8)
+        _free()
+        row["vs_bf16"] = row["us"] / base["us"]
+        out.append(row)
+    return out
 
 
 def main(argv=None):
