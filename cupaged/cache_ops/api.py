@@ -29,7 +29,8 @@ from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module
                            check_choice, check_range, host, hot, is_cupy)
 from ..core.checks import check_aligned, token_stride
 from ..core.compile import Spec, ctype, launcher
-from ..core.fp8 import KV_DTYPES, given_kv_dtype, kernel_scales, resolve_kv_dtype, scale_parts
+from ..core.fp8 import (KV_DTYPES, given_kv_dtype, is_host_scale, kernel_scales,
+                        resolve_kv_dtype, scale_parts)
 from ..core.launch import current_stream, ptr
 from ..core.layouts import CACHE_DTYPES, LAYOUTS, accepts_cache, block_stride, cache_geometry
 from ..reference import cache as ref
@@ -100,7 +101,7 @@ def _check_write(key, value, k_cache, v_cache, slot_mapping, layout, kv_dtype, k
         check_aligned(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
         scales = kernel_scales(fmt, k_scale, v_scale, hk, errors.strict(validate))
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if scale is not None and hasattr(scale, "dtype"):
+            if scale is not None and not is_host_scale(scale):
                 check_array(name, scale, xp=xp, contiguous=False)
     if xp is not np and not errors.strict(validate):
         return xp, geo, fmt, scales

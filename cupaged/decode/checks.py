@@ -14,7 +14,7 @@ from ..core.arrays import array_module, check_array, check_choice
 from ..core.checks import (INT32_MAX, check_aligned, check_block_elements, check_block_tables,
     check_gqa, check_lse, check_options, check_out, check_query, token_stride)
 from ..core.errors import strict
-from ..core.fp8 import check_kv_scales, kernel_scales, resolve_kv_dtype
+from ..core.fp8 import check_kv_scales, is_host_scale, kernel_scales, resolve_kv_dtype
 from .plan import FP8_HEAD_DIMS, MAX_SPLITS, MERGES, SCHEDULES
 from ..core.layouts import CACHE_DTYPES, LAYOUTS, CacheGeometry, cache_geometry
 
@@ -67,7 +67,7 @@ def check_scale_arrays(fmt, k_scale, v_scale, num_kv_heads, xp, validate=None):
         check_kv_scales(fmt, k_scale, v_scale, num_kv_heads)
         return None
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is not None and hasattr(scale, "dtype") and not isinstance(scale, np.ndarray):
+        if scale is not None and not (is_host_scale(scale) or isinstance(scale, np.ndarray)):
             check_array(name, scale, xp=xp, contiguous=False)
     return kernel_scales(fmt, k_scale, v_scale, num_kv_heads, strict(validate))
 
