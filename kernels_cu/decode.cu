@@ -282,15 +282,12 @@ struct PageMath {
   }
 
   // Chunk j of the lane's rows qr (lo) and qr + 8 (hi) of the 16 rows at `rows`, `stride`
-  // elements apart, as words of T pairs.
-  __device__ __forceinline__ void chunk(const KV* rows, int stride, int j, u32 (&lo)[W],
-                                        u32 (&hi)[W], int lane) const {
+  // elements apart, as stored (ChunkWords::pair makes words of T pairs of them).
+  __device__ __forceinline__ void chunk(const KV* rows, int stride, int j, u32 (&lo)[4],
+                                        u32 (&hi)[4], int lane) const {
     const KV* a = rows + (lane >> 2) * stride + CH * (lane & 3) + 4 * CH * j;
-    u32 raw_lo[4], raw_hi[4];
-    lds16(raw_lo, a);
-    lds16(raw_hi, a + 8 * stride);
-    Words::get(raw_lo, lo);
-    Words::get(raw_hi, hi);
+    lds16(lo, a);
+    lds16(hi, a + 8 * stride);
   }
 
   // s = K Q^T for the 16 rows at k_rows.
@@ -298,11 +295,13 @@ struct PageMath {
     s[0][0] = s[0][1] = s[0][2] = s[0][3] = 0.f;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-      u32 lo[W], hi[W];
+      u32 lo[4], hi[4];
       chunk(k_rows, stride, j, lo, hi, lane);
 #pragma unroll
       for (int u = 0; u < W / 2; ++u) {
-        const u32 f[4] = {lo[2 * u], hi[2 * u], lo[2 * u + 1], hi[2 * u + 1]};
+        u32 f[4];  // words 2u, 2u + 1 of rows qr (f[0], f[2]) and qr + 8 (f[1], f[3])
+        Words::pair(lo, u, f[0], f[2]);
+        Words::pair(hi, u, f[1], f[3]);
         mma_16816<T>(s[0], f, qf[j][2 * u], qf[j][2 * u + 1]);
       }
     }
@@ -315,12 +314,15 @@ struct PageMath {
     const u32 pb1 = movmatrix_trans(pack2<T>(p[0][2], p[0][3]));  // tokens 8-15
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-      u32 lo[W], hi[W];
+      u32 lo[4], hi[4];
       chunk(v_rows, stride, j, lo, hi, lane);
 #pragma unroll
       for (int q2 = 0; q2 < W / 2; ++q2) {
-        const u32 f[4] = {movmatrix_trans(lo[2 * q2]), movmatrix_trans(lo[2 * q2 + 1]),
-                          movmatrix_trans(hi[2 * q2]), movmatrix_trans(hi[2 * q2 + 1])};
+        u32 f[4];  // words 2q2, 2q2 + 1 of rows qr (f[0], f[1]) and qr + 8 (f[2], f[3])
+        Words::pair(lo, q2, f[0], f[1]);
+        Words::pair(hi, q2, f[2], f[3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f[i] = movmatrix_trans(f[i]);
         mma_16816<T>(acc[(W / 2) * j + q2][0], f, pb0, pb1);
       }
     }
@@ -859,7 +861,7 @@ struct MergeGroup {
 // whole sequence's out / lse (sink included) or the piece's fp32 partial, and with
 // fused_merge the CTA completing a split sequence's pieces merges them.
 // Src supplies: State, RING; prologue(cur) (the first RING - 1 tiles in flight);
-// init_lanes(); k_scale (the warp's kv head's); wait(it); refill(cur, st); load_q(p);
+// init_lanes(); k_scale() (the warp's kv head's); wait(it); refill(cur, st); load_q(p);
 // tile(tile, st, mods, state);
 // combine_buffer(st) (this lane's slot of a stage as floats); after_combine();
 // write(state, p, whole); and its roles (WarpRoles).
@@ -878,7 +880,7 @@ __device__ __forceinline__ void piece_loop(const DecodeArgs<T, KV>& a, Src& src,
   for (int pi = cur.pool.after(load_piece(a.work, blockIdx.x).valid() ? blockIdx.x : -1); pi >= 0;) {
     Piece p = load_piece(a.work, pi);
     if (!p.valid()) break;
-    const ScoreMods mods{score_epilogue(a, src.k_scale), first_visible(p.kv_len, a.window_left),
+    const ScoreMods mods{score_epilogue(a, src.k_scale()), first_visible(p.kv_len, a.window_left),
                          p.kv_len, p.kv_len - 1};
     if (w.computes) src.load_q(p);
     state.init();
@@ -932,13 +934,19 @@ struct StagedTiles {
   float* q_smem;  // fp32 path: this warp's q rows
   WarpRoles roles;
   int lane, y, hpc, warp_heads, nt_used, hq_warp;
-  float k_scale, v_scale;  // the kv head's (fp8; 1 otherwise)
   Load ld;
   typename Load::Ids next;  // block ids of cur.ref, the tile the next refill issues
   Math math;
   float slope[NT][2];
 
   __device__ __forceinline__ explicit StagedTiles(const DecodeArgs<T, KV>& args) : a(args) {}
+  // The kv head's scales (fp8; 1 otherwise), read where used rather than held in registers.
+  __device__ __forceinline__ float k_scale() const {
+    return kv_scale(a.k_scale, a.k_scale_stride, a.k_scale_value, y / a.head_chunks);
+  }
+  __device__ __forceinline__ float v_scale() const {
+    return kv_scale(a.v_scale, a.v_scale_stride, a.v_scale_value, y / a.head_chunks);
+  }
   __device__ __forceinline__ KV* k_stage(int st) const { return tiles + st * STAGE; }
   __device__ __forceinline__ KV* v_stage(int st) const { return tiles + st * STAGE + C::K_ELEMS; }
 
@@ -1002,7 +1010,7 @@ struct StagedTiles {
   }
   __device__ __forceinline__ void after_combine() const {}
   __device__ __forceinline__ void write(const State& state, const Piece& p, bool whole) const {
-    write_rows<T, D, NT, Math::PERM>(state, warp_heads, v_scale, whole,
+    write_rows<T, D, NT, Math::PERM>(state, warp_heads, v_scale(), whole,
                          (i64)p.b * a.num_q_heads + hq_warp,
                          ((i64)p.slot * gridDim.y + y) * hpc + roles.hw * C::HW,
                          a.sinks != nullptr ? a.sinks + hq_warp : nullptr, a.out, a.lse,
@@ -1050,8 +1058,6 @@ paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
   src.warp_heads = warp_heads;
   src.nt_used = (warp_heads + 7) / 8;
   src.hq_warp = hq_rg + hg * C::HW;
-  src.k_scale = kv_scale(k_scale, k_scale_stride, k_scale_value, hk);
-  src.v_scale = kv_scale(v_scale, v_scale_stride, v_scale_value, hk);
   src.ld.k_head = k_cache + (i64)hk * khs;
   src.ld.v_head = v_cache + (i64)hk * vhs;
   src.ld.ks = Strides{kbs, khs, kts, kcs, 1};
@@ -1120,9 +1126,16 @@ struct PageRing {
   int blk;         // a copier's cache block of the tile cur.ref (block_id)
   Math math;
   float slope[1][2];
-  float k_scale, v_scale;  // the warp's kv head's (fp8; 1 otherwise)
 
   __device__ __forceinline__ explicit PageRing(const DecodeArgs<T, KV>& args) : a(args) {}
+  // The warp's kv head's scales (fp8; 1 otherwise), read where used.
+  __device__ __forceinline__ int kv_head() const { return blockIdx.y * roles.head_warps + roles.hw; }
+  __device__ __forceinline__ float k_scale() const {
+    return kv_scale(a.k_scale, a.k_scale_stride, a.k_scale_value, kv_head());
+  }
+  __device__ __forceinline__ float v_scale() const {
+    return kv_scale(a.v_scale, a.v_scale_stride, a.v_scale_value, kv_head());
+  }
   __device__ __forceinline__ KV* k_stage(int st) const { return ring + 2 * st * stage_elems; }
   __device__ __forceinline__ KV* v_stage(int st) const { return ring + (2 * st + 1) * stage_elems; }
 
@@ -1228,7 +1241,7 @@ struct PageRing {
     fence_proxy_async();  // the stage's next copy comes after these accesses
   }
   __device__ __forceinline__ void write(const State& state, const Piece& p, bool whole) const {
-    write_rows<T, D, 1, Math::CH>(state, warp_heads, v_scale, whole,
+    write_rows<T, D, 1, Math::CH>(state, warp_heads, v_scale(), whole,
                               (i64)p.b * a.num_q_heads + hq_warp,
                               (i64)p.slot * a.num_q_heads + hq_warp,
                               a.sinks != nullptr ? a.sinks + hq_warp : nullptr, a.out, a.lse,
@@ -1293,8 +1306,6 @@ paged_decode_pages_kernel(CUPAGED_PARAMS_DecodeArgs) {
   src.lane = lane;
   src.warp_heads = tg < tw ? group : 0;
   src.hq_warp = (kv0 + wh) * group;
-  src.k_scale = kv_scale(k_scale, k_scale_stride, k_scale_value, kv0 + wh);
-  src.v_scale = kv_scale(v_scale, v_scale_stride, v_scale_value, kv0 + wh);
   src.row = row;
   src.tile_blocks = tile_blocks;
   src.tile_rows = tile_rows;

@@ -116,17 +116,17 @@ __device__ __forceinline__ u32 widen_fp8x2_low(u32 v) {
 }
 
 // A 16-byte chunk of cache elements as tensor-core words of T pairs: W = 4 words as read
-// for a 16-bit cache, 8 words widened for an fp8 one (codes 2i, 2i + 1 in word i).
+// for a 16-bit cache, 8 words widened for an fp8 one (codes 2i, 2i + 1 in word i). pair(u)
+// gives words 2u and 2u + 1, widened only when asked (fewer registers live at once).
 template <typename T, typename KV>
 struct ChunkWords {
   static constexpr int W = Fp8Traits<KV>::FP8 ? 8 : 4;
-  __device__ static __forceinline__ void get(const u32 (&raw)[4], u32 (&w)[W]) {
+  __device__ static __forceinline__ void pair(const u32 (&raw)[4], int u, u32& a, u32& b) {
     if constexpr (Fp8Traits<KV>::FP8) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) widen_fp8x4<T, KV>(raw[i], w[2 * i], w[2 * i + 1]);
+      widen_fp8x4<T, KV>(raw[u], a, b);
     } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = raw[i];
+      a = raw[2 * u];
+      b = raw[2 * u + 1];
     }
   }
 };

@@ -120,7 +120,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, k_new=None, v_n
     kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
         The caches' format (docs/design.md, fp8 caches); None: their own dtype (a float8
         cache is in its format, a uint8 cache needs a name). The kernels read fp8 caches
-        with float16 or bfloat16 q and head_dim 64, 128 or 256; the NumPy path takes every
+        with float16 or bfloat16 q and head_dim 64 or 128; the NumPy path takes every
         case.
     k_scale, v_scale : float or array, optional
         fp8 only (default 1.0): the cache holds ``key / k_scale``, ``value / v_scale``. A
@@ -285,8 +285,8 @@ class PagedDecoder:
     kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
         The caches' fp8 format (fixed with the kernels a plan launches, as FlashInfer's
         ``kv_data_type``; the scales come with each layer's ``run``); None: caches of
-        ``dtype``. fp8 caches take float16 or bfloat16 ``dtype`` and head_dim 64, 128 or
-        256 on the device.
+        ``dtype``. fp8 caches take float16 or bfloat16 ``dtype`` and head_dim 64 or 128
+        on the device.
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
