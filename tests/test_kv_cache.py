@@ -98,3 +98,44 @@ def test_serving_round_numpy(rng, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_serving_round_gpu(rng, cp, layout):
     _serving_round(rng, cp, layout)
+
+
+# ----------------------------------------------------------------------------- fp8 caches
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_cache_arrays_write_and_decode(rng, layout):
+    """An fp8 cache: 1-byte arrays (NumPy: the format's float8 dtype), half the bytes;
+    ``write`` quantises with its scales, and the ops take its format and scales."""
+    from cupaged.core.fp8 import FP8_FORMATS
+    from cupaged.reference.cache import write_kv_cache
+    ks = rng.uniform(0.01, 0.1, 2).astype(np.float32)
+    c = cupaged.PagedKVCache(6, 16, 2, 64, dtype=bfloat16, layout=layout, xp=np,
+                             kv_dtype="fp8_e5m2", k_scale=ks, v_scale=0.05)
+    plain = cupaged.PagedKVCache(6, 16, 2, 64, dtype=bfloat16, layout=layout, xp=np)
+    assert c.k.dtype == FP8_FORMATS["fp8_e5m2"].dtype and 2 * c.nbytes == plain.nbytes
+    assert c.k.shape == cache_shapes(layout, 6, 16, 2, 64, "fp8_e5m2")[0]
+    assert "kv_dtype='fp8_e5m2'" in repr(c)
+    key, value = (rng.standard_normal((2, 40, 2, 64)) * 3).astype(bfloat16)
+    slots = np.arange(40, dtype=np.int64)
+    c.write(key, value, slots)
+    k8, v8 = np.zeros_like(c.k), np.zeros_like(c.v)
+    write_kv_cache(key, value, k8, v8, slots, layout, k_scale=ks, v_scale=0.05)
+    assert (c.k.view(np.uint8) == k8.view(np.uint8)).all()
+    assert (c.v.view(np.uint8) == v8.view(np.uint8)).all()
+    q = rng.standard_normal((2, 4, 64)).astype(bfloat16)
+    tables, lens = np.array([[0, 1, 2], [3, 4, 5]], np.int32), np.array([40, 0], np.int32)
+    got = cupaged.paged_decode(q, c, tables, lens)
+    want = cupaged.paged_decode(q, k8, v8, tables, lens, layout=layout, k_scale=ks,
+                                v_scale=0.05)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kwargs, err, msg", [
+    (dict(kv_dtype="fp8"), ValueError, "kv_dtype: expected one of"),
+    (dict(k_scale=0.5), ValueError, "k_scale, v_scale: expected None without kv_dtype"),
+    (dict(kv_dtype="fp8_e4m3", v_scale=-1.0), ValueError, "v_scale: expected finite positive"),
+    (dict(kv_dtype="fp8_e4m3", k_scale=np.ones(3, np.float32)), ValueError,
+     r"k_scale: expected shape \[\], \[1\] or \[2\]"),
+])
+def test_fp8_cache_bad_arguments(kwargs, err, msg):
+    with pytest.raises(err, match=msg):
+        cupaged.PagedKVCache(4, 8, 2, 64, xp=np, **kwargs)
