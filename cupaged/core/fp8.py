@@ -13,7 +13,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from .arrays import check_choice
+from .arrays import FLOAT8_DTYPES, check_choice
 
 
 class Fp8Format(NamedTuple):
@@ -38,16 +38,17 @@ def _format(name, dtype):
 
 
 FP8_FORMATS = {
-    "fp8_e4m3": _format("fp8_e4m3", ml_dtypes.float8_e4m3fn),   # no inf; max 448
-    "fp8_e5m2": _format("fp8_e5m2", ml_dtypes.float8_e5m2),     # IEEE-like; max 57344
+    "fp8_e4m3": _format("fp8_e4m3", FLOAT8_DTYPES[0]),   # float8_e4m3fn: no inf; max 448
+    "fp8_e5m2": _format("fp8_e5m2", FLOAT8_DTYPES[1]),   # float8_e5m2: IEEE-like; max 57344
 }
 KV_DTYPES = tuple(FP8_FORMATS)
 uint8 = np.dtype(np.uint8)
-BYTE_DTYPES = (uint8,) + tuple(f.dtype for f in FP8_FORMATS.values())
+BYTE_DTYPES = (uint8,) + FLOAT8_DTYPES
 """Element dtypes of an fp8 cache: raw bytes, or a float8 dtype."""
 
 
 _FLOAT8_NAMES = {f.dtype.name: f.name for f in FP8_FORMATS.values()}
+_FORMAT_OF_DTYPE = {}  # dtype object (NumPy's, CuPy's or torch's) -> format name or None
 
 
 def given_kv_dtype(kv_dtype, k_cache):
@@ -56,7 +57,14 @@ def given_kv_dtype(kv_dtype, k_cache):
     bytes: its format is taken here, before the view), else None. No check."""
     if kv_dtype is not None:
         return kv_dtype
-    return _FLOAT8_NAMES.get(str(getattr(k_cache, "dtype", "")).rpartition(".")[2])
+    dt = getattr(k_cache, "dtype", None)
+    try:
+        return _FORMAT_OF_DTYPE[dt]
+    except KeyError:
+        name = _FORMAT_OF_DTYPE[dt] = _FLOAT8_NAMES.get(str(dt).rpartition(".")[2])
+        return name
+    except TypeError:  # an unhashable dtype attribute
+        return None
 
 
 def fp8_format(kv_dtype, name="kv_dtype") -> Fp8Format:
