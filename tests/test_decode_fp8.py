@@ -378,3 +378,53 @@ def test_device_scale_checks(rng, cp):
     dev96 = {n: (None if a is None else cp.asarray(a)) for n, a in case96.items()}
     with pytest.raises(ValueError, match=r"k_cache: expected head_dim in \(64, 128\)"):
         cupaged.paged_decode(**dev96, kv_dtype="fp8_e4m3")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("backend,layout", [("pages", "NHD"), ("staged", "NHD"),
+                                            ("staged", "vllm")])
+def test_every_code_reads_back_exactly(cp, backend, layout, fmt, dtype):
+    """With one key a sequence the output is its value row times v_scale: every finite code
+    of the format (subnormals included) widened in the kernel, at its head dim, exactly."""
+    pages_or_skip(cp, backend)
+    from cupaged.core.fp8 import FP8_FORMATS
+    f8 = FP8_FORMATS[fmt].dtype
+    codes = np.arange(256, dtype=np.uint8)
+    codes[~np.isfinite(codes.view(f8).astype(np.float32))] = 0   # NaN / inf codes: never written
+    d, hq = 128, 8
+    k = np.zeros((4, 16, 1, d), np.uint8)
+    v = np.zeros((4, 16, 1, d), np.uint8)
+    v[0, 0, 0], v[1, 0, 0] = codes[:128], codes[128:]
+    k[:2, 0, 0] = codes[1:129]
+    kc, vc = from_nhd(k, v, layout)
+    q = np.ones((2, hq, d), dtype)
+    dev = dict(q=cp.asarray(q), k_cache=cp.asarray(kc), v_cache=cp.asarray(vc),
+               block_tables=cp.asarray(np.array([[0], [1]], np.int32)),
+               seq_lens=cp.asarray(np.array([1, 1], np.int32)))
+    out = cp.full(q.shape, np.nan, dtype)
+    cupaged.paged_decode(**dev, kv_dtype=fmt, k_scale=0.5, v_scale=1.0, layout=layout,
+                         backend=backend, out=out)
+    want = np.stack([codes[:128], codes[128:]]).view(f8).astype(np.float64)
+    got = out.get().astype(np.float64)
+    for h in range(hq):
+        np.testing.assert_array_equal(got[:, h], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_append_saturates(rng, cp, fmt):
+    """k_new / v_new beyond the format's range (infinities included) are appended as +-max,
+    bit for bit as the reference, and the output stays finite."""
+    case, fp8 = fp8_case(rng, lens=[3, 40], hq=8, hk=2, d=64, dtype=np.float16, fmt=fmt,
+                         append=True)
+    case["k_new"][0, 0, :3] = [60000, -np.inf, np.inf]
+    case["v_new"][1, 1, 5] = -65504
+    _, _, k_after, v_after = fp8_oracle(case, "NHD", fp8)
+    dev = {n: (None if a is None else cp.asarray(a)) for n, a in case.items()}
+    out = cupaged.paged_decode(**dev, **{n: on_device(cp, a) for n, a in fp8.items()},
+                               layout="NHD", backend="staged")
+    np.testing.assert_array_equal(dev["k_cache"].get(), k_after)
+    np.testing.assert_array_equal(dev["v_cache"].get(), v_after)
+    assert np.isfinite(out.get().astype(np.float32)).all()
