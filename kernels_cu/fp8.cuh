@@ -15,6 +15,7 @@
 // non-NaN input) do not read back as NaN or infinity.
 #pragma once
 #include "common.cuh"
+#include "abi.cuh"
 
 namespace cupaged {
 
@@ -22,18 +23,20 @@ namespace cupaged {
 struct fp8_e4m3 { unsigned char bits; };
 struct fp8_e5m2 { unsigned char bits; };
 
+// The formats' constants come from cupaged.core.fp8 (abi.cuh): FP8_<FORMAT>_MANT, _BIAS,
+// _MAX and _NAN (the low 7 bits of the code NaN takes).
 template <typename KV> struct Fp8Traits { static constexpr bool FP8 = false; };
 template <> struct Fp8Traits<fp8_e4m3> {
   static constexpr bool FP8 = true;
-  static constexpr int M = 3, BIAS = 7;  // mantissa bits, exponent bias
-  static constexpr u32 NAN_CODE = 0x7F;
-  __device__ static float max_finite() { return 448.f; }
+  static constexpr int M = FP8_E4M3_MANT, BIAS = FP8_E4M3_BIAS;  // mantissa bits, exponent bias
+  static constexpr u32 NAN_CODE = FP8_E4M3_NAN;
+  __device__ static float max_finite() { return FP8_E4M3_MAX; }
 };
 template <> struct Fp8Traits<fp8_e5m2> {
   static constexpr bool FP8 = true;
-  static constexpr int M = 2, BIAS = 15;
-  static constexpr u32 NAN_CODE = 0x7E;
-  __device__ static float max_finite() { return 57344.f; }
+  static constexpr int M = FP8_E5M2_MANT, BIAS = FP8_E5M2_BIAS;
+  static constexpr u32 NAN_CODE = FP8_E5M2_NAN;
+  __device__ static float max_finite() { return FP8_E5M2_MAX; }
 };
 
 // One operand's scale: a device float32 array (kv head h at p[stride * h]; stride 0: one

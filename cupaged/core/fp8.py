@@ -67,6 +67,21 @@ def given_kv_dtype(kv_dtype, k_cache):
         return None
 
 
+def cpp() -> str:
+    """C++ of the formats' constants for the generated ``abi.cuh`` (``kernels_cu/fp8.cuh``'s
+    Fp8Traits): per format its mantissa bits, exponent bias, largest finite value and the
+    low 7 bits of the code ml_dtypes' cast gives NaN (the sign bit is the value's)."""
+    lines = []
+    for f in FP8_FORMATS.values():
+        tag = f.name.upper()
+        bias = 1 - int(ml_dtypes.finfo(f.dtype).minexp)
+        nan = int(np.array(np.nan, np.float32).astype(f.dtype).view(uint8)) & 0x7F
+        lines += [f"constexpr int {tag}_MANT = {f.mantissa_bits}, {tag}_BIAS = {bias};",
+                  f"constexpr unsigned {tag}_NAN = {nan:#x};",
+                  f"constexpr float {tag}_MAX = {f.max!r}f;"]
+    return "\n".join(lines)
+
+
 def fp8_format(kv_dtype, name="kv_dtype") -> Fp8Format:
     """The format called ``kv_dtype`` (one of :data:`KV_DTYPES`); ValueError otherwise."""
     check_choice(name, kv_dtype, KV_DTYPES)
