@@ -71,7 +71,10 @@ def _paged(rng, xp, lens=(300, 17, 2048, 0, 513), hq=32, hk=8, d=128, bs=16, dty
                 kv=rnd(int(cu[-1]), hk, d), tables_host=tables, lens_host=lens, cu_host=cu,
                 # BSR: one 64-row block row per sequence and kv head, keeping key block 0
                 bsr_ptr=xp.asarray(np.arange(hk * int((q_lens > 0).sum()) + 1, dtype=np.int32)),
-                bsr_idx=xp.asarray(np.zeros(hk * int((q_lens > 0).sum()), np.int32)))
+                bsr_idx=xp.asarray(np.zeros(hk * int((q_lens > 0).sum()), np.int32)),
+                k8=xp.zeros((nb, bs, hk, d), np.uint8), v8=xp.zeros((nb, bs, hk, d), np.uint8),
+                k_scale=xp.asarray(np.full(hk, 0.05, np.float32)),
+                v_scale=xp.asarray(np.array(0.1, np.float32)))
 
 
 def _calls(c):
@@ -79,9 +82,21 @@ def _calls(c):
     dec_dev = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=8, layout="NHD")
     dec_host = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=8,
                                     xp=__import__("cupy"), layout="NHD")
+    dec8 = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=8, layout="NHD",
+                                kv_dtype="fp8_e4m3")
     pre = cupaged.PagedPrefiller(32, 8, 128, 16, dtype=bfloat16, layout="NHD")
     pos = c["slots"]
+    fp8 = dict(kv_dtype="fp8_e4m3", k_scale=c["k_scale"], v_scale=c["v_scale"])
     return {
+        "paged_decode_fp8": lambda: cupaged.paged_decode(c["q"], c["k8"], c["v8"], c["tables"],
+                                                         c["lens"], layout="NHD", **fp8),
+        "paged_decode_append_fp8": lambda: cupaged.paged_decode(
+            c["q"], c["k8"], c["v8"], c["tables"], c["lens"], k_new=c["kn"], v_new=c["kn"],
+            layout="NHD", **fp8),
+        "write_kv_cache_fp8": lambda: cupaged.write_kv_cache(c["kv"], c["kv"], c["k8"], c["v8"],
+                                                             c["slots"], **fp8),
+        "decoder_fp8_plan_run": lambda: dec8.plan(c["tables"], c["lens"]).run(
+            c["q"], c["k8"], c["v8"], k_scale=c["k_scale"], v_scale=c["v_scale"]),
         "paged_decode": lambda: cupaged.paged_decode(c["q"], c["kc"], c["vc"], c["tables"], c["lens"], layout="NHD"),
         "paged_decode_append": lambda: cupaged.paged_decode(
             c["q"], c["kc"], c["vc"], c["tables"], c["lens"], k_new=c["kn"], v_new=c["kn"], layout="NHD"),
@@ -135,7 +150,8 @@ NAMES = ["paged_decode", "paged_decode_append", "paged_attention", "varlen_prefi
          "prefiller_host_plan_run", "prefiller_device_plan_run", "merge_states",
          "copy_blocks_host_pairs", "copy_blocks_device_pairs", "swap_out_memcpy",
          "swap_in_kernel", "sink_softmax", "sink_attention", "layer_step",
-         "varlen_block_sparse_attention", "paged_block_sparse_attention"]
+         "varlen_block_sparse_attention", "paged_block_sparse_attention", "paged_decode_fp8",
+         "paged_decode_append_fp8", "write_kv_cache_fp8", "decoder_fp8_plan_run"]
 
 
 @pytest.mark.gpu
