@@ -50,7 +50,8 @@ struct Fp8Vec {
     for (int i = 0; i < N / 4; ++i) {
       w[i] = 0;
 #pragma unroll
-      for (int b = 0; b < 4; ++b) w[i] |= fp8_encode<KV>(to_float<In>(e[4 * i + b]), scale) << (8 * b);
+      for (int b = 0; b < 4; ++b)
+        w[i] |= fp8_encode<KV>(to_float<In>(e[4 * i + b]), scale) << (8 * b);
     }
     return CodesOf<N>::make(w);
   }
@@ -167,8 +168,10 @@ __global__ void __launch_bounds__(THREADS) write_vllm(CUPAGED_PARAMS_CacheWriteA
   for (int i = threadIdx.x; i < tile * head_vecs; i += THREADS) {
     const int tok = i / head_vecs, j = i - tok * head_vecs;
     const i64 t = t0 + tok;
-    s_key_out[tok * row_stride * R + j] = Q::put(__ldg(key + t * key_tok + (i64)h * key_head + j), ks);
-    s_val_out[tok * row_stride * R + j] = Q::put(__ldg(value + t * value_tok + (i64)h * value_head + j), vs);
+    const uint4 kv = __ldg(key + t * key_tok + (i64)h * key_head + j);
+    const uint4 vv = __ldg(value + t * value_tok + (i64)h * value_head + j);
+    s_key_out[tok * row_stride * R + j] = Q::put(kv, ks);
+    s_val_out[tok * row_stride * R + j] = Q::put(vv, vs);
   }
   __syncthreads();
 

@@ -7,7 +7,7 @@
 //                        query head of the kv head from them (K/V read once per group);
 //                        split sequences leave fp32 partials, merged by the CTA finishing
 //                        the last piece (fused) or by merge_pieces_kernel (merge.cu)
-//   paged_decode_pages_kernel  sm_90, 16-bit or fp8 NHD/HND caches, up to 8 query heads a kv head:
+//   paged_decode_pages_kernel  sm_90, 16-bit or fp8 NHD/HND caches, up to 8 query heads:
 //                        one CTA per SM and group of up to 8 kv heads copies whole blocks
 //                        (the group's heads of their tokens; about 32 KB an operand a
 //                        stage) with cp.async.bulk into a 3-stage ring on mbarriers; its
@@ -1050,7 +1050,8 @@ paged_decode_kernel(CUPAGED_PARAMS_DecodeArgs) {
 
   Src src(a);
   src.tiles = reinterpret_cast<KV*>(smem);
-  src.q_smem = reinterpret_cast<float*>(smem + STAGES * Src::STAGE * sizeof(KV)) + warp * C::HW * C::QROW;
+  src.q_smem =
+      reinterpret_cast<float*>(smem + STAGES * Src::STAGE * sizeof(KV)) + warp * C::HW * C::QROW;
   src.roles = WarpRoles{head_warps, hg, tg, token_warps, tg < token_warps && warp_heads > 0};
   src.lane = lane;
   src.y = y;
@@ -1129,7 +1130,9 @@ struct PageRing {
 
   __device__ __forceinline__ explicit PageRing(const DecodeArgs<T, KV>& args) : a(args) {}
   // The warp's kv head's scales (fp8; 1 otherwise), read where used.
-  __device__ __forceinline__ int kv_head() const { return blockIdx.y * roles.head_warps + roles.hw; }
+  __device__ __forceinline__ int kv_head() const {
+    return blockIdx.y * roles.head_warps + roles.hw;
+  }
   __device__ __forceinline__ float k_scale() const {
     return kv_scale(a.k_scale, a.k_scale_stride, a.k_scale_value, kv_head());
   }
@@ -1250,9 +1253,10 @@ struct PageRing {
 };
 
 // grid (columns, row groups); block PAGE_THREADS; sm_90; 16-bit or fp8 caches (KV, with
-// 16-bit T), at most 8 query heads a kv head: NHD with block_size a multiple of 16 or a divisor of 16, or HND with block_size
-// a multiple of 16. Row group y is the kv heads y*HG .. y*HG + HG - 1 (HG = head_warps, at
-// most PAGE_WARPS: every kv head, or a divisor of their number) with all their query heads.
+// 16-bit T), at most 8 query heads a kv head: NHD with block_size a multiple of 16 or a
+// divisor of 16, or HND with block_size a multiple of 16. Row group y is the kv heads
+// y*HG .. y*HG + HG - 1 (HG = head_warps, at most PAGE_WARPS: every kv head, or a divisor of
+// their number) with all their query heads.
 // Warp w serves kv head y*HG + w % HG on the m-tiles (16 tokens) w / HG, + TW, ... of each
 // tile (TW = PAGE_WARPS / HG token warps a head), for its G query heads (PageMath) with its
 // own online softmax; a tile is tile_tokens tokens, whole blocks (decode_plan.page_tile: at
