@@ -10,7 +10,8 @@
 //
 // Reading: every e4m3 and e5m2 value is exact in float16 and in bfloat16, so a code is
 // widened by placing its bits in a 16-bit word and multiplying by a power of two (one
-// mul.f16x2 / bf16x2, subnormals included); the scale is applied in fp32 by the kernels
+// fma.rn.f16x2 / bf16x2 with a -0 addend, a product: sm_80 has no bf16x2 mul; subnormals
+// included; e5m2 into float16 needs none); the scale is applied in fp32 by the kernels
 // (scores and outputs), never to the elements. NaN and infinity codes (never written for
 // non-NaN input) do not read back as NaN or infinity.
 #pragma once
