@@ -736,12 +736,20 @@ struct ScoreMods {
   template <int NT>
   __device__ __forceinline__ void apply(float (&s)[NT][4], const float (&slope)[NT][2], int tok0,
                                         int qr) const {
+    if (epi.softcap)  // warp-uniform: one branch a tile, straight-line scores either way
+      apply_as<true>(s, slope, tok0, qr);
+    else
+      apply_as<false>(s, slope, tok0, qr);
+  }
+  template <bool CAP, int NT>
+  __device__ __forceinline__ void apply_as(float (&s)[NT][4], const float (&slope)[NT][2],
+                                           int tok0, int qr) const {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int tok = tok0 + qr + 8 * (k >> 1);
-        const float x = epi(s[nt][k]) + slope[nt][k & 1] * (float)(tok - pos);
+        const float x = epi.at<CAP>(s[nt][k]) + slope[nt][k & 1] * (float)(tok - pos);
         s[nt][k] = (tok >= lo && tok < kv_len) ? x : neg_inf();
       }
   }

@@ -28,10 +28,16 @@ struct ScoreEpilogue {
   // tanh(y) = 1 - 2 / (exp(2y) + 1) on two MUFU ops: absolute error about 1e-7 at every y
   // (what a logit needs), and exactly +-1 once exp(2y) overflows to +inf or underflows to 0
   // (__fdividef(2, inf) is 0), so a large |s| saturates to +-cap.
-  __device__ __forceinline__ float operator()(float dot) const {
-    if (!softcap) return dot * scale_log2;
+  // CAP: the soft-cap decided at compile time, for loops over a tile's scores that test
+  // softcap once rather than at every score.
+  template <bool CAP>
+  __device__ __forceinline__ float at(float dot) const {
+    if (!CAP) return dot * scale_log2;
     const float e = exp2f(dot * scale_over_cap * (2.f * LOG2E));
     return cap_log2 * (1.f - __fdividef(2.f, e + 1.f));
+  }
+  __device__ __forceinline__ float operator()(float dot) const {
+    return softcap ? at<true>(dot) : at<false>(dot);
   }
 };
 

@@ -62,6 +62,12 @@ def test_bound_fields_and_call_fields_pack_alike(record):
     given2 = {n: v + 16 if isinstance(v, int) else v for n, v in given.items()}
     again = bytes(bound.pack(**given2).data)  # the cached packer, new values
     assert again == bytes(pack(record, **{**values, **given2}).data)
+    # more fields fixed later (a call's strides), the rest positional, in any order
+    late = dict(list(given.items())[::2])
+    rest = [n for n in reversed(list(given)) if n not in late]
+    positional = bound.bind(**late).packer(*rest)
+    got = bytes(positional(*(given2[n] for n in rest)).data)
+    assert got == bytes(pack(record, **{**values, **{n: given2[n] for n in rest}}).data)
 
 
 def test_records_refuse_unknown_and_missing_fields():

@@ -124,6 +124,10 @@ class Bound:
         self._fixed = fixed
         self._cache = {}
 
+    def bind(self, **more):
+        """This record with ``more`` fields fixed besides (a call's strides, say)."""
+        return Bound(self.record, {**self._fixed, **more})
+
     def pack(self, **given):
         """The record's bytes (a buffer owned by this object, valid until the next pack
         with the same names): the fields ``given``, the others fixed."""

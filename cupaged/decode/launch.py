@@ -118,6 +118,7 @@ class _DeviceStep(NamedTuple):
     tables: object       # int32 [batch, >= width] block tables of a plan's own (None: the call's)
     lens: object         # int32 [batch] lengths of a plan's own (None: the call's)
     keep: tuple          # the device arrays the packed arguments point into (kept alive)
+    packers: dict        # Strides -> the launches' positional packers (_packers)
 
 
 def _stride_fields(strides):
@@ -184,7 +185,7 @@ def _device_step(launch, dtype, num_q_heads, head_dim, opts, merge, append, batc
     return _DeviceStep(launch, launches, plan_args, append_args, decode_args, merge_args,
                        0 if fused else merge_dims[2], tables, own_lens,
                        (work, seq_info, lens, counters, pool, part_out, part_lse, tables,
-                        own_lens))
+                        own_lens), {})
 
 
 def planned_on_device(launch, dtype, num_q_heads, head_dim, opts, merge, append, batch, width,
@@ -246,6 +247,39 @@ def call_strides(q, k_cache, v_cache, k_new, v_new, scales=None):
                    k_cache.shape[0], **(scales or {}))
 
 
+def _packers(device, strides):
+    """The positional packers of a step's launches for calls of ``strides`` (the call's
+    strides and scale fields fixed with the step's): plan (tables, lengths), append (k_new,
+    v_new, caches, tables, scales), decode (q, out, lse, caches, tables, alibi, sinks,
+    scales) and merge (out, lse, sinks); None where the step has no such launch. Made once
+    per step and strides."""
+    packers = device.packers.get(strides)
+    if packers is None:
+        scales = dict(k_scale_stride=strides.k_scale_stride,
+                      v_scale_stride=strides.v_scale_stride,
+                      k_scale_value=strides.k_scale_value, v_scale_value=strides.v_scale_value)
+        plan_pack = append_pack = merge_pack = None
+        if device.plan_args is not None:
+            plan_pack = device.plan_args.bind(num_blocks=strides.num_blocks).packer(
+                "block_tables", "seq_lens")
+        if device.append_args is not None:
+            append_pack = device.append_args.bind(
+                kbs=strides.kbs, vbs=strides.vbs, k_new_stride=strides.k_new_stride,
+                v_new_stride=strides.v_new_stride, **scales).packer(
+                "k_new", "v_new", "k_cache", "v_cache", "block_tables", "k_scale", "v_scale")
+        decode_pack = device.decode_args.bind(
+            kbs=strides.kbs, vbs=strides.vbs, q_stride=strides.q_stride, **scales).packer(
+            "q", "out", "lse", "k_cache", "v_cache", "block_tables", "alibi_slopes", "sinks",
+            "k_scale", "v_scale")
+        if device.merge_args is not None:
+            merge_pack = device.merge_args.bind(wph=device.merge_wph).packer("out", "lse",
+                                                                            "sinks")
+        if len(device.packers) > 16:
+            device.packers.clear()
+        packers = device.packers[strides] = (plan_pack, append_pack, decode_pack, merge_pack)
+    return packers
+
+
 def launch_decode(device, strides, ptrs, out, lse, tables, lens, stream, plan=True):
     """Plan (when planned on the device and ``plan``), append (with ``k_new``), decode and,
     with a merge kernel, merge split pieces by a second kernel; on ``stream`` (a raw
@@ -255,24 +289,14 @@ def launch_decode(device, strides, ptrs, out, lse, tables, lens, stream, plan=Tr
     of the block tables and lengths the step reads."""
     q, kc, vc, k_new, v_new, alibi, sinks, k_scale, v_scale = ptrs
     append, decode, merge, plan_go = device.launches
-    scales = dict(k_scale=k_scale, v_scale=v_scale, k_scale_stride=strides.k_scale_stride,
-                  v_scale_stride=strides.v_scale_stride, k_scale_value=strides.k_scale_value,
-                  v_scale_value=strides.v_scale_value)
+    plan_pack, append_pack, decode_pack, merge_pack = _packers(device, strides)
     if plan and plan_go is not None:
-        plan_go(device.plan_args.pack(block_tables=tables, seq_lens=lens,
-                                      num_blocks=strides.num_blocks), stream)
+        plan_go(plan_pack(tables, lens), stream)
     if k_new:
-        append(device.append_args.pack(
-            k_new=k_new, v_new=v_new, k_cache=kc, v_cache=vc, block_tables=tables,
-            kbs=strides.kbs, vbs=strides.vbs, k_new_stride=strides.k_new_stride,
-            v_new_stride=strides.v_new_stride, **scales), stream)
-    decode(device.decode_args.pack(
-        q=q, out=out, lse=lse, k_cache=kc, v_cache=vc, block_tables=tables,
-        alibi_slopes=alibi, sinks=sinks, kbs=strides.kbs, vbs=strides.vbs,
-        q_stride=strides.q_stride, **scales), stream)
+        append(append_pack(k_new, v_new, kc, vc, tables, k_scale, v_scale), stream)
+    decode(decode_pack(q, out, lse, kc, vc, tables, alibi, sinks, k_scale, v_scale), stream)
     if merge is not None:
-        merge(device.merge_args.pack(out=out, lse=lse, sinks=sinks, wph=device.merge_wph),
-              stream)
+        merge(merge_pack(out, lse, sinks), stream)
 
 
 def launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_parts, rows,
