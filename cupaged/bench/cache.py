@@ -103,7 +103,8 @@ def bench_copy(num_pairs, check=True):
         ref.copy_blocks(k_host, v_host, pairs)
         ok = _same(k, k_host) and _same(v, v_host)
     block_bytes = k[0].nbytes
-    t = time_gpu(lambda: cache_ops._launch_copy((k, k, v, v), pairs, block_bytes, 2))
+    t = time_gpu(lambda: cache_ops._launch_copy((k, k, v, v), pairs, block_bytes, 2,
+                                                k.shape[0], k.shape[0]))
     tp = time_gpu(lambda: cache_ops.copy_blocks(k, v, pairs), reps=5)
     return _row("copy_blocks", "kernel", f"{num_pairs} pairs x 2 x {block_bytes >> 10} KiB",
                 t, 4 * num_pairs * block_bytes, tp, ok)

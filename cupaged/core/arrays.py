@@ -357,7 +357,8 @@ _BYTE_STRIDES = {}  # (shape, -itemsize) -> C-order byte strides
 def _torch_tables():
     if not _TORCH:
         pairs, back = _torch_dtypes()
-        _TORCH.update(dtypes=pairs, np=back)
+        # outputs are asked for by dtype or by scalar type (np.float32): both look up
+        _TORCH.update(dtypes=pairs, np={**back, **{dt.type: t for dt, t in back.items()}})
     return _TORCH
 
 

@@ -227,10 +227,12 @@ def _disk_cached_cubin(stem, expr, arch, options):
         return cubin_path, name_path.read_text()
     cubin, lowered, _ = compile_cubin(stem, [expr], arch, options)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cubin_path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(cubin)
-    os.replace(tmp, cubin_path)
-    name_path.write_text(lowered[expr])
+    # each file whole or absent (processes compiling the same kernel at once): the name
+    # first, so that a reader seeing the cubin also sees its name
+    for target, data in ((name_path, lowered[expr].encode()), (cubin_path, cubin)):
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
     return cubin_path, lowered[expr]
 
 
