@@ -1,7 +1,7 @@
 // What the two prefill kernels (prefill.cu on mma.sync, prefill_sm90.cu on wgmma) and the
 // sparse kernel's tile (attn_tile.cuh) share: the kernel arguments, the work item of a CTA
-// with the position of each packed row, each query's visible keys, and the normalisation
-// of a finished row.
+// with the position of each packed row, each query's visible keys, the K/V chunks a thread
+// copies (KVChunks: 16-bit and fp8 caches) and the normalisation of a finished row.
 //
 // A work item (sequence b, kv head hk, first packed row row0) covers packed rows r of the
 // sequence: packed row r is query i = r / group of head hk * group + r % group. Query i of a
@@ -10,13 +10,14 @@
 #pragma once
 #include "common.cuh"
 #include "abi.cuh"
+#include "fp8.cuh"
 
 namespace cupaged {
 
 // Position of a row past a tile's rows (sees no key).
 constexpr int NO_ROW = -2147483647 - 1;
 
-// Arguments of both prefill kernels: Problem<T> (abi.cuh, packed by prefill/launch.py).
+// Arguments of both prefill kernels: Problem<T, KV> (abi.cuh, packed by prefill/launch.py).
 
 // The sequence, kv head and packed rows of one work item, and where its keys live (ragged:
 // rows kv_start.., table null; paged: the sequence's block-table row). An item flagged
@@ -27,8 +28,8 @@ struct WorkItem {
   i64 kv_start;
   const int* table;
 
-  template <typename T>
-  __device__ __forceinline__ void init(const Problem<T>& P, int4 item, int block_m) {
+  template <typename Prob>
+  __device__ __forceinline__ void init(const Prob& P, int4 item, int block_m) {
     b = item.x; hk = item.y; row0 = item.z;
     group = P.num_q_heads / P.num_kv_heads;
     q_start = P.cu_q[b];
@@ -52,9 +53,51 @@ struct WorkItem {
   __device__ __forceinline__ int row_position(int r) const { return r < rows ? position(r) : NO_ROW; }
 };
 
+// The K/V copies of a thread in both prefill kernels (D dims, BN-key tiles, THREADS
+// threads): 16-byte chunks of PER = 16 / sizeof(KV) elements (8 of a 16-bit cache, 16
+// codes of an fp8 one). Rows: thread tid copies chunk tid % CL (< CH) of tile rows
+// tid / CL + ROW_STEP * i (i < RPT). V^T tiles (vllm values, keys contiguous per dim):
+// chunk tid % KC (PER keys) of dims tid / KC + VT_STEP * i (i < VT_PASSES). A 16-bit chunk
+// goes straight to its place in the tile; an fp8 chunk to the thread's staging slot (K row
+// pass i: slot i; V row or V^T pass i: slot RPT + i; conflict-free, a thread's own), which
+// the thread widens into the tile's 16-bit chunks 2c, 2c + 1 of the same row once its
+// copies have landed (widen_chunk_shared: no barrier between the copy and the widening).
+template <typename KV, int D_, int BN, int THREADS>
+struct KVChunks {
+  static constexpr bool FP8 = Fp8Traits<KV>::FP8;
+  static constexpr int D = D_, PER = 16 / sizeof(KV);
+  static constexpr int CH = D / PER;
+  static constexpr int CL = CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
+  static constexpr int ROW_STEP = THREADS / CL, RPT = BN / ROW_STEP;
+  static constexpr int KC = BN / PER, VT_STEP = THREADS / KC;
+  static constexpr int VT_PASSES = (D + VT_STEP - 1) / VT_STEP;
+  static constexpr int SLOTS = RPT + (RPT > VT_PASSES ? RPT : VT_PASSES);
+  // staging of a tile (prefill.plan.fp8_staging_bytes)
+  static constexpr unsigned STAGE_BYTES = FP8 ? SLOTS * THREADS * 16 : 0;
+  static_assert(BN % ROW_STEP == 0, "whole load passes");
+
+  __device__ static __forceinline__ unsigned slot(unsigned staging, int s) {
+    return staging + (s * THREADS + threadIdx.x) * 16;
+  }
+  // the first of a chunk's two stores goes to its hi half on odd groups of 4 chunks (the
+  // lanes of each store then hit distinct bank quads in the padded and swizzled tiles)
+  __device__ static __forceinline__ bool hi_first(int c) { return (c >> 2) & 1; }
+};
+
+// A cache element as the bits of a 16-bit tile element.
+template <typename T, typename KV>
+__device__ __forceinline__ unsigned short tile_bits(KV x) {
+  if constexpr (Fp8Traits<KV>::FP8) return widen_fp8<T, KV>(x.bits);
+  else return *reinterpret_cast<const unsigned short*>(&x);
+}
+
+__device__ __forceinline__ void st_shared16(u32 addr, unsigned short x) {
+  asm volatile("st.shared.b16 [%0], %1;\n" :: "r"(addr), "h"(x));
+}
+
 // Whether this CTA's work item only pads the list (every thread of the CTA alike).
-template <typename T>
-__device__ __forceinline__ bool item_is_padding(const Problem<T>& P) {
+template <typename Prob>
+__device__ __forceinline__ bool item_is_padding(const Prob& P) {
   return __ldg(&P.work[blockIdx.x].x) < 0;
 }
 

@@ -170,14 +170,17 @@ __device__ __forceinline__ void load_q_tile(const T* q, i64 q_tok, const Rows& t
 
 // Normalise the m-tile at tile row `first` (m in log2 units), write its LSE ([tokens,
 // num_q_heads], if lse), stage it in its own sQ rows and store 16-byte rows to out (rows as in
-// load_q_tile). Only the calling warp may still read those rows (its own ldmatrix of Q).
+// load_q_tile), times out_scale (an fp8 cache's v_scale). Only the calling warp may still
+// read those rows (its own ldmatrix of Q).
 template <typename T, int D, typename C, typename Rows>
 __device__ __forceinline__ void store_rows(T* out, float* lse, const float* sinks, int num_q_heads,
                                            const Rows& t, int first,
                                            float (&o)[D / 8][4], const float (&m)[2], float (&l)[2],
-                                           T* sQ, int lane) {
+                                           T* sQ, int lane, float out_scale = 1.f) {
   float inv[2];
   finish_warp_rows(t, first, m, l, sinks, lse, num_q_heads, inv, lane);
+  inv[0] *= out_scale;
+  inv[1] *= out_scale;
   if (first >= t.rows) return;  // warp-uniform
   // The warp's last compute_qk may have read these rows (Q fragments, Q_REGS false) with
   // ldmatrix, whose row addresses come from other lanes than the ones staging here: order

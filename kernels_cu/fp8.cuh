@@ -1,6 +1,9 @@
 // fp8 KV-cache elements: the two formats as 1-byte types, the write's quantisation and the
 // read's widening to 16-bit tensor-core operands.
 //
+// Prefill tiles widen whole staged chunks into 16-bit tiles (widen_chunk_shared), so that
+// the tensor-core loops read the tiles a 16-bit cache gives.
+//
 // The rule is cupaged/reference/fp8.py's, bit for bit: y = float32(x) / scale (one IEEE
 // division: the kernels build without fast math), clamped to [-max, max], rounded to the
 // format to nearest with ties to even; NaN stays NaN (sign | 0x7F for e4m3, sign | 0x7E for
@@ -134,5 +137,31 @@ struct ChunkWords {
     }
   }
 };
+
+// The bits of one code as a T value (element copies of a tile).
+template <typename T, typename KV>
+__device__ __forceinline__ unsigned short widen_fp8(unsigned char code) {
+  return (unsigned short)(widen_fp8x2_low<T, KV>(code) & 0xFFFFu);
+}
+
+// A staged 16-byte chunk of 16 codes at shared address `from` -> 16 T values, exact: codes
+// 0-7 as the 16-byte chunk at shared address lo, 8-15 at hi. With hi_first the hi chunk is
+// stored by the first of the two stores (callers pick it per thread so that the lanes of
+// each store hit distinct bank quads).
+template <typename T, typename KV>
+__device__ __forceinline__ void widen_chunk_shared(u32 from, u32 lo, u32 hi, bool hi_first) {
+  u32 r[4], w[8];
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(from) : "memory");
+  const u32 x[4] = {hi_first ? r[2] : r[0], hi_first ? r[3] : r[1], hi_first ? r[0] : r[2],
+                    hi_first ? r[1] : r[3]};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) widen_fp8x4<T, KV>(x[i], w[2 * i], w[2 * i + 1]);
+  const u32 first = hi_first ? hi : lo, second = hi_first ? lo : hi;
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(first), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(second), "r"(w[4]), "r"(w[5]), "r"(w[6]), "r"(w[7]) : "memory");
+}
 
 }  // namespace cupaged

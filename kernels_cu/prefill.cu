@@ -20,6 +20,12 @@
 //
 // fp16/bf16 run on tensor cores (mma.sync m16n8k16, fp32 accumulation); fp32 inputs run a
 // simple CUDA-core path (one warp per query row), correct but not tuned.
+//
+// K/V hold elements of type KV: T, or an fp8 format (fp8.cuh) under 16-bit q. fp8 tiles
+// are copied with cp.async as 16-byte chunks of 16 codes into per-thread staging slots
+// (half the bytes of a 16-bit tile), and each thread widens its own chunks into the 16-bit
+// K/V tile once they land (Fp8Stage), so the tensor-core loop reads the tiles a 16-bit
+// cache gives; the kv head's k_scale multiplies the score scale and its v_scale the output.
 #include "attn_common.cuh"
 #include "attn_tile.cuh"
 #include "score.cuh"
@@ -30,15 +36,15 @@ namespace cupaged {
 struct Tile : WorkItem {
   int bs_shift;
 
-  template <typename T>
-  __device__ __forceinline__ void init(const Problem<T>& P, int4 item, int block_m) {
+  template <typename Prob>
+  __device__ __forceinline__ void init(const Prob& P, int4 item, int block_m) {
     WorkItem::init(P, item, block_m);
     const int bs = P.block_size;
     bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
   }
   // (blk, off) of key j
-  template <typename T>
-  __device__ __forceinline__ void locate(const Problem<T>& P, int j, i64& blk, i64& off) const {
+  template <typename Prob>
+  __device__ __forceinline__ void locate(const Prob& P, int j, i64& blk, i64& off) const {
     if (table == nullptr) {
       blk = 0;
       off = kv_start + j;
@@ -49,22 +55,22 @@ struct Tile : WorkItem {
     }
   }
   // element offsets of key j's first K chunk and first V element (dim 0) from the head base
-  template <typename T>
-  __device__ __forceinline__ void kv_offsets(const Problem<T>& P, int j, i64& k_off, i64& v_off) const {
+  template <typename Prob>
+  __device__ __forceinline__ void kv_offsets(const Prob& P, int j, i64& k_off, i64& v_off) const {
     i64 blk, off;
     locate(P, j, blk, off);
     k_off = blk * P.k_block + off * P.k_tok;
     v_off = blk * P.v_block + off * P.v_tok;
   }
   template <typename T>
-  __device__ __forceinline__ const T* key_ptr(const Problem<T>& P, int j, int d) const {
+  __device__ __forceinline__ const T* key_ptr(const Problem<T, T>& P, int j, int d) const {
     constexpr int X = Vec16<T>::N;
     i64 k_off, v_off;
     kv_offsets(P, j, k_off, v_off);
     return P.k + k_off + hk * P.k_head + (d / X) * P.k_chunk + d % X;
   }
   template <typename T>
-  __device__ __forceinline__ const T* value_ptr(const Problem<T>& P, int j, int d) const {
+  __device__ __forceinline__ const T* value_ptr(const Problem<T, T>& P, int j, int d) const {
     i64 k_off, v_off;
     kv_offsets(P, j, k_off, v_off);
     return P.v + v_off + hk * P.v_head + d * P.v_dim;
@@ -78,14 +84,15 @@ struct Tile : WorkItem {
 // Where a CTA's K/V tiles come from: the kv head's bases (ragged rows: the sequence's first
 // key folded in), the block table (null: ragged) and the key count. The main loop keeps it
 // in shared memory (read once per tile) rather than in registers.
-template <typename T>
+template <typename KV>
 struct KVSource {
-  const T* kb;
-  const T* vb;
+  const KV* kb;
+  const KV* vb;
   const int* table;
   int kv_len, bs_shift;
 
-  __device__ __forceinline__ void init(const Problem<T>& P, const Tile& t) {
+  template <typename Prob>
+  __device__ __forceinline__ void init(const Prob& P, const Tile& t) {
     kb = P.k + t.hk * P.k_head + t.kv_start * P.k_tok;
     vb = P.v + t.hk * P.v_head + t.kv_start * P.v_tok;
     table = t.table;
@@ -95,8 +102,8 @@ struct KVSource {
   // element offsets of key j's K and V rows from kb / vb; 0 <= j < kv_len. MODE: 0 ragged,
   // 1 paged with a power-of-two block size, 2 any paged (-1: decided here). Block and token
   // strides fit in 32 bits (the host checks), so each product is one 32 x 32 -> 64-bit multiply.
-  template <int MODE = -1>
-  __device__ __forceinline__ void offsets(const Problem<T>& P, int j, i64& k_off, i64& v_off) const {
+  template <int MODE = -1, typename Prob>
+  __device__ __forceinline__ void offsets(const Prob& P, int j, i64& k_off, i64& v_off) const {
     int blk = 0, off = j;
     if (MODE == 1 || (MODE == -1 && table != nullptr && bs_shift >= 0)) {
       blk = __ldg(table + (j >> bs_shift));
@@ -111,88 +118,116 @@ struct KVSource {
   }
 };
 
-// Rows [j0, j0 + BLOCK_N) of K (-> sK, LOAD_K) and V (-> sV, LOAD_V) with cp.async. Thread
-// tid copies 16-byte chunk tid % CL of rows tid / CL + ROW_STEP * i: one key lookup per row
-// serves both; rows past kv_len are zero-filled (their lookup clamped to the last key). The
-// lookup kind is fixed per loop so that a thread's block-table reads issue together.
-template <typename T, int D, typename C, bool LOAD_K, bool LOAD_V, int MODE>
-__device__ __forceinline__ void load_rows(const Problem<T>& P, const KVSource<T>& src, int j0, u32 sK, u32 sV) {
-  const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
+// Rows [j0, j0 + BLOCK_N) of K (LOAD_K) and V (LOAD_V) with cp.async (KVChunks): to sK / sV,
+// or the staging slots at sS (fp8). One key lookup per row serves both; rows past kv_len are
+// zero-filled (their lookup clamped to the last key). The lookup kind is fixed per loop so
+// that a thread's block-table reads issue together.
+template <typename KV, typename C, bool LOAD_K, bool LOAD_V, int MODE, typename Prob>
+__device__ __forceinline__ void load_rows(const Prob& P, const KVSource<KV>& src, int j0, u32 sK, u32 sV,
+                                          u32 sS) {
+  using F = KVChunks<KV, C::CHUNKS * 8, C::BLOCK_N, C::THREADS>;
+  const int c = threadIdx.x % F::CL, r0 = threadIdx.x / F::CL;
   const u32 so = (r0 * C::LD + c * 8) * C::E;
-  const T* kb = src.kb + c * (int)P.k_chunk;
-  const T* vb = src.vb + c * 8;
+  const KV* kb = src.kb + c * (int)P.k_chunk;
+  const KV* vb = src.vb + c * F::PER;
 #pragma unroll
-  for (int i = 0; i < C::BLOCK_N / C::ROW_STEP; ++i) {
-    const int j = j0 + r0 + i * C::ROW_STEP;
+  for (int i = 0; i < F::RPT; ++i) {
+    const int j = j0 + r0 + i * F::ROW_STEP;
     const int bytes = j < src.kv_len ? 16 : 0;
     i64 k_off, v_off;
     src.template offsets<MODE>(P, min(j, src.kv_len - 1), k_off, v_off);
-    const u32 at = so + i * C::ROW_STEP * C::LD * C::E;
-    if (LOAD_K) cp_async16(sK + at, kb + k_off, bytes);
-    if (LOAD_V) cp_async16(sV + at, vb + v_off, bytes);
+    const u32 at = so + i * F::ROW_STEP * C::LD * C::E;
+    if (LOAD_K) cp_async16(F::FP8 ? F::slot(sS, i) : sK + at, kb + k_off, bytes);
+    if (LOAD_V) cp_async16(F::FP8 ? F::slot(sS, F::RPT + i) : sV + at, vb + v_off, bytes);
   }
 }
 
-template <typename T, int D, typename C, bool LOAD_K, bool LOAD_V>
-__device__ __forceinline__ void load_kv_rows(const Problem<T>& P, const KVSource<T> src, int j0,
-                                             u32 sK, u32 sV) {
-  if (C::CL != C::CHUNKS && threadIdx.x % C::CL >= C::CHUNKS) return;
-  if (src.table == nullptr) load_rows<T, D, C, LOAD_K, LOAD_V, 0>(P, src, j0, sK, sV);
-  else if (src.bs_shift >= 0) load_rows<T, D, C, LOAD_K, LOAD_V, 1>(P, src, j0, sK, sV);
-  else load_rows<T, D, C, LOAD_K, LOAD_V, 2>(P, src, j0, sK, sV);
-}
-
-template <typename T>
-__device__ __forceinline__ void st_shared(u32 addr, T x) {
-  asm volatile("st.shared.b16 [%0], %1;\n" :: "r"(addr), "h"(*reinterpret_cast<unsigned short*>(&x)));
+template <typename KV, typename C, bool LOAD_K, bool LOAD_V, typename Prob>
+__device__ __forceinline__ void load_kv_rows(const Prob& P, const KVSource<KV> src, int j0, u32 sK, u32 sV,
+                                             u32 sS) {
+  using F = KVChunks<KV, C::CHUNKS * 8, C::BLOCK_N, C::THREADS>;
+  if (F::CL != F::CH && threadIdx.x % F::CL >= F::CH) return;
+  if (src.table == nullptr) load_rows<KV, C, LOAD_K, LOAD_V, 0>(P, src, j0, sK, sV, sS);
+  else if (src.bs_shift >= 0) load_rows<KV, C, LOAD_K, LOAD_V, 1>(P, src, j0, sK, sV, sS);
+  else load_rows<KV, C, LOAD_K, LOAD_V, 2>(P, src, j0, sK, sV, sS);
 }
 
 // V tile of keys [j0, j0 + BLOCK_N) from the vllm value layout (keys contiguous per dim) ->
-// sV [D][LDT]. Thread tid copies keys j0 + 8 * (tid % KC) .. + 8 of dims tid / KC + D_STEP * i
-// (one 16-byte cp.async each when 8 keys never straddle a cache block, else element by element).
-template <typename T, int D, typename C>
-__device__ __forceinline__ void load_v_transposed(const Problem<T>& P, const KVSource<T> src, int j0,
-                                                  u32 sV) {
-  constexpr int KC = C::BLOCK_N / 8, D_STEP = C::THREADS / KC;
-  const int kc = threadIdx.x % KC, d0 = threadIdx.x / KC, j = j0 + 8 * kc;
-  const int valid = max(0, min(8, src.kv_len - j));
-  const u32 so = (d0 * C::LDT + 8 * kc) * C::E;
-  const T* vb = src.vb + d0 * P.v_dim;
+// sV [D][LDT] (KVChunks' V^T chunks: one 16-byte cp.async each, to the tile or an fp8
+// staging slot, when PER keys never straddle a cache block; else element by element,
+// widened to the tile as they are read, with the chunk's first key clamped so that its
+// in-block offset stays a multiple of PER).
+template <typename T, typename KV, typename C, typename Prob>
+__device__ __forceinline__ void load_v_transposed(const Prob& P, const KVSource<KV> src, int j0, u32 sV, u32 sS) {
+  using F = KVChunks<KV, C::CHUNKS * 8, C::BLOCK_N, C::THREADS>;
+  constexpr int D = F::D;
+  const int kc = threadIdx.x % F::KC, d0 = threadIdx.x / F::KC, j = j0 + F::PER * kc;
+  const int valid = max(0, min(F::PER, src.kv_len - j));
+  const u32 so = (d0 * C::LDT + F::PER * kc) * C::E;
+  const KV* vb = src.vb + d0 * P.v_dim;
   i64 k_off, v_off;
-  if ((P.block_size & 7) == 0) {
-    src.offsets(P, min(j, src.kv_len - 1), k_off, v_off);
+  if (P.block_size % F::PER == 0) {
+    src.offsets(P, min(j, (src.kv_len - 1) & ~(F::PER - 1)), k_off, v_off);
 #pragma unroll
-    for (int i = 0; i < (D + D_STEP - 1) / D_STEP; ++i)
-      if (D % D_STEP == 0 || d0 + i * D_STEP < D)
-        cp_async16(sV + so + i * D_STEP * C::LDT * C::E, vb + v_off + i * D_STEP * P.v_dim, valid * C::E);
+    for (int i = 0; i < F::VT_PASSES; ++i)
+      if (D % F::VT_STEP == 0 || d0 + i * F::VT_STEP < D)
+        cp_async16(F::FP8 ? F::slot(sS, F::RPT + i) : sV + so + i * F::VT_STEP * C::LDT * C::E,
+                   vb + v_off + i * F::VT_STEP * P.v_dim, valid * (int)sizeof(KV));
   } else {
-    for (int e = 0; e < 8; ++e) {
+    for (int e = 0; e < F::PER; ++e) {
       if (e < valid) src.offsets(P, j + e, k_off, v_off);
-      for (int i = 0; d0 + i * D_STEP < D; ++i)
-        st_shared<T>(sV + so + (i * D_STEP * C::LDT + e) * C::E,
-                     e < valid ? vb[v_off + i * D_STEP * P.v_dim] : from_float<T>(0.f));
+      for (int i = 0; d0 + i * F::VT_STEP < D; ++i)
+        st_shared16(sV + so + (i * F::VT_STEP * C::LDT + e) * C::E,
+                    e < valid ? tile_bits<T, KV>(vb[v_off + i * F::VT_STEP * P.v_dim]) : (unsigned short)0);
+    }
+  }
+}
+
+// fp8: the thread's staged chunks of a K/V tile (its copies landed) widened into sK and sV
+// (the stage the tile is computed from; V^T chunks only where they were staged).
+template <typename T, typename KV, typename C, bool V_T, typename Prob>
+__device__ __forceinline__ void land_kv_tile(const Prob& P, u32 sK, u32 sV, u32 sS) {
+  using F = KVChunks<KV, C::CHUNKS * 8, C::BLOCK_N, C::THREADS>;
+  const int c = threadIdx.x % F::CL, r0 = threadIdx.x / F::CL;
+  if (F::CL == F::CH || c < F::CH) {
+#pragma unroll
+    for (int i = 0; i < F::RPT; ++i) {
+      const u32 at = ((r0 + i * F::ROW_STEP) * C::LD + F::PER * c) * C::E;
+      widen_chunk_shared<T, KV>(F::slot(sS, i), sK + at, sK + at + 16, F::hi_first(c));
+      if (!V_T) widen_chunk_shared<T, KV>(F::slot(sS, F::RPT + i), sV + at, sV + at + 16, F::hi_first(c));
+    }
+  }
+  if (V_T && P.block_size % F::PER == 0) {
+    const int kc = threadIdx.x % F::KC, d0 = threadIdx.x / F::KC;
+#pragma unroll
+    for (int i = 0; i < F::VT_PASSES; ++i) {
+      const int d = d0 + i * F::VT_STEP;
+      const u32 at = (d * C::LDT + F::PER * kc) * C::E;
+      if (F::D % F::VT_STEP == 0 || d < F::D)
+        widen_chunk_shared<T, KV>(F::slot(sS, F::RPT + i), sV + at, sV + at + 16, F::hi_first(kc));
     }
   }
 }
 
 // The work item of this CTA, read again (volatile: the compiler cannot keep the first read's
 // values alive across the main loop instead), for the rare paths and the epilogue.
-template <typename T>
-__device__ __forceinline__ void reload_tile(const Problem<T>& P, int block_m, Tile& t) {
+template <typename Prob>
+__device__ __forceinline__ void reload_tile(const Prob& P, int block_m, Tile& t) {
   int4 item;
   asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(item.x), "=r"(item.y), "=r"(item.z), "=r"(item.w) : "l"(P.work + blockIdx.x));
   t.init(P, item, block_m);
 }
 
-// Scores of the m-tile at tile row `first` -> log2 units (the score epilogue, score.cuh):
-// the general path. The plain path (positive scale, no soft-cap, no ALiBi) keeps raw dots
-// and scales inside the exponential.
-template <typename T, int NT_S>
-__device__ __forceinline__ void transform_scores(float (&s)[NT_S][4], const Problem<T>& P, int block_m,
+// Scores of the m-tile at tile row `first` -> log2 units (the score epilogue, score.cuh, of
+// the score scale sm: sm_scale times an fp8 cache's k_scale): the general path. The plain
+// path (positive scale, no soft-cap, no ALiBi) keeps raw dots and scales inside the
+// exponential.
+template <int NT_S, typename Prob>
+__device__ __forceinline__ void transform_scores(float (&s)[NT_S][4], const Prob& P, float sm, int block_m,
                                                  const int* pos_s, int first, int j0, int lane) {
   ScoreEpilogue epi;
-  epi.init(P.sm_scale, P.soft_cap);
+  epi.init(sm, P.soft_cap);
   float slope[2] = {0.f, 0.f};
   int p[2] = {0, 0};
   if (P.alibi != nullptr) {
@@ -216,8 +251,8 @@ __device__ __forceinline__ void transform_scores(float (&s)[NT_S][4], const Prob
 
 // Keys outside [lo, hi) of each row this thread owns in the m-tile at tile row `first`
 // (positions from pos_s; NO_ROW: every key) -> -inf.
-template <typename T, int NT_S>
-__device__ __forceinline__ void mask_scores(float (&s)[NT_S][4], const Problem<T>& P, int kv_len,
+template <int NT_S, typename Prob>
+__device__ __forceinline__ void mask_scores(float (&s)[NT_S][4], const Prob& P, int kv_len,
                                             const int* pos_s, int first, int j0, int lane) {
   int lo[2], hi[2], p[2];
 #pragma unroll
@@ -235,29 +270,31 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT_S][4], const Problem<T
     }
 }
 
-// All of K/V tile j0 (K rows; V rows or transposed) into one stage.
-template <typename T, int D, typename C, bool V_T>
-__device__ __forceinline__ void load_kv_tile(const Problem<T>& P, const KVSource<T>& src, int j0, u32 sK, u32 sV) {
-  load_kv_rows<T, D, C, true, !V_T>(P, src, j0, sK, sV);
-  if constexpr (V_T) load_v_transposed<T, D, C>(P, src, j0, sV);
+// All of K/V tile j0 (K rows; V rows or transposed) into one stage (fp8: its staging at sS).
+template <typename T, typename KV, typename C, bool V_T, typename Prob>
+__device__ __forceinline__ void load_kv_tile(const Prob& P, const KVSource<KV>& src, int j0, u32 sK, u32 sV,
+                                             u32 sS) {
+  load_kv_rows<KV, C, true, !V_T>(P, src, j0, sK, sV, sS);
+  if constexpr (V_T) load_v_transposed<T, KV, C>(P, src, j0, sV, sS);
 }
 
-// V of tile j0 alone (one-stage order).
-template <typename T, int D, typename C, bool V_T>
-__device__ __forceinline__ void load_v_tile(const Problem<T>& P, const KVSource<T>& src, int j0, u32 sK, u32 sV) {
-  if constexpr (V_T) load_v_transposed<T, D, C>(P, src, j0, sV);
-  else load_kv_rows<T, D, C, false, true>(P, src, j0, sK, sV);
+// V of tile j0 alone (one-stage order; 16-bit caches).
+template <typename T, typename C, bool V_T, typename Prob>
+__device__ __forceinline__ void load_v_tile(const Prob& P, const KVSource<T>& src, int j0, u32 sK, u32 sV) {
+  if constexpr (V_T) load_v_transposed<T, T, C>(P, src, j0, sV, 0u);
+  else load_kv_rows<T, C, false, true>(P, src, j0, sK, sV, 0u);
 }
 
 // Per-CTA state the main loop reads from shared memory (after its first barrier) instead of
 // holding it in registers: where K/V come from, each warp's key range, each row's position.
-template <typename T, int BLOCK_M, int WARPS>
+template <typename KV, int BLOCK_M, int WARPS>
 struct LoopState {
-  KVSource<T> src;
+  KVSource<KV> src;
   int4 keys[WARPS];   // RowKeys of each warp
   int pos[BLOCK_M];   // position of each tile row (NO_ROW past the rows)
 
-  __device__ __forceinline__ void publish(const Problem<T>& P, const Tile& t, int rows_per_warp) {
+  template <typename Prob>
+  __device__ __forceinline__ void publish(const Prob& P, const Tile& t, int rows_per_warp) {
     const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) src.init(P, t);
     if (threadIdx.x % 32 == 0) {
@@ -270,41 +307,48 @@ struct LoopState {
 };
 
 // Scores of the warp's m-tiles over K/V tile j0 -> probabilities as A fragments (pf), with
-// the general transform and the mask where needed; updates m, l and rescales o.
-template <typename T, int D, typename C, typename St>
+// the general transform (score scale sm) and the mask where needed; updates m, l and
+// rescales o.
+template <typename T, int D, typename C, typename St, typename Prob>
 __device__ __forceinline__ void softmax_tile(float (&s)[C::MT][C::BLOCK_N / 8][4], u32 (&pf)[C::MT][C::BLOCK_N / 16][4],
                                              float (&o)[C::MT][D / 8][4], float (&m)[C::MT][2], float (&l)[C::MT][2],
-                                             const Problem<T>& P, const St& st, bool general, bool mask, float sc,
-                                             int first, int j0, int lane) {
+                                             const Prob& P, const St& st, bool general, bool mask, float sm,
+                                             float sc, int first, int j0, int lane) {
   constexpr int NT_S = C::BLOCK_N / 8;
 #pragma unroll
   for (int mt = 0; mt < C::MT; ++mt) {
-    if (general) transform_scores<T, NT_S>(s[mt], P, C::BLOCK_M, st.pos, first + 16 * mt, j0, lane);
-    if (mask) mask_scores<T, NT_S>(s[mt], P, st.src.kv_len, st.pos, first + 16 * mt, j0, lane);
+    if (general) transform_scores<NT_S>(s[mt], P, sm, C::BLOCK_M, st.pos, first + 16 * mt, j0, lane);
+    if (mask) mask_scores<NT_S>(s[mt], P, st.src.kv_len, st.pos, first + 16 * mt, j0, lane);
     online_softmax<NT_S, D / 8>(s[mt], o[mt], m[mt], l[mt], sc);
     pack_p<T, C::BLOCK_N / 16>(pf[mt], s[mt]);
   }
 }
 
 // Body of the tensor-core kernel (see prefill_mma_kernel).
-template <typename T, int D, bool V_T, typename S>
-__device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
+template <typename T, typename KV, int D, bool V_T, typename S>
+__device__ __forceinline__ void prefill_mma(const Problem<T, KV>& P) {
   using C = MmaConfig<T, D, S, V_T>;
+  using F = KVChunks<KV, C::CHUNKS * 8, C::BLOCK_N, C::THREADS>;
   constexpr int MT = C::MT, BN = C::BLOCK_N, NT_O = D / 8, KS_Q = D / 16;
+  static_assert(!F::FP8 || C::STAGES == 2, "fp8 caches stream tiles into two stages");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ LoopState<T, C::BLOCK_M, C::WARPS> st;
+  __shared__ LoopState<KV, C::BLOCK_M, C::WARPS> st;
   const u32 sQ = smem_addr(smem_raw);
   const u32 sK0 = sQ + C::Q_BYTES;
   const u32 sV0 = sK0 + C::STAGES * C::K_BYTES;
+  const u32 sS = sV0 + C::STAGES * C::V_BYTES;  // fp8: the staging of the tile in flight
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, first = warp * MT * 16;
   const u32 sQw = sQ + first * C::LD * C::E;
 
   Tile t;
   reload_tile(P, C::BLOCK_M, t);
   st.publish(P, t, MT * 16);
-  // plain path: raw dots, scale folded into the exponential; general: log2-unit scores first
+  // plain path: raw dots, scale folded into the exponential; general: log2-unit scores first.
+  // An fp8 cache's k_scale joins the score scale (s = sm_scale * q . (k_scale * code)).
   const bool general = P.soft_cap > 0.f || P.alibi != nullptr || !(P.sm_scale > 0.f);
-  const float sc = general ? 1.f : P.sm_scale * LOG2E;
+  const float sm = F::FP8 ? P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, t.hk)
+                          : P.sm_scale;
+  const float sc = general ? 1.f : sm * LOG2E;
 
   // key tiles n_first .. n_last (inclusive) hold every key a row of the CTA sees
   const int j_begin = visible_lo(t.position(0), P.window_left);
@@ -315,12 +359,16 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
   // -- prologue: Q, and K (all of the tile with two stages) of the last tile --
   load_q_tile<T, D, C>(P.q, P.q_tok, t, sQ);
   if (n_last >= n_first) {
-    KVSource<T> src;
+    KVSource<KV> src;
     src.init(P, t);
-    if constexpr (C::STAGES == 2) load_kv_tile<T, D, C, V_T>(P, src, n_last * BN, sK0, sV0);
-    else load_kv_rows<T, D, C, true, false>(P, src, n_last * BN, sK0, sV0);
+    if constexpr (C::STAGES == 2) load_kv_tile<T, KV, C, V_T>(P, src, n_last * BN, sK0, sV0, sS);
+    else load_kv_rows<KV, C, true, false>(P, src, n_last * BN, sK0, sV0, sS);
   }
   cp_async_commit();
+  if constexpr (F::FP8) {
+    cp_async_wait<0>();
+    if (n_last >= n_first) land_kv_tile<T, KV, C, V_T>(P, sK0, sV0, sS);
+  }
   u32 qf[C::Q_REGS ? MT : 1][C::Q_REGS ? KS_Q : 1][4];
   if constexpr (C::Q_REGS) {
     cp_async_wait<0>();
@@ -344,13 +392,14 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
   for (int n = n_last, stage = 0; n >= n_first; --n, stage ^= C::STAGES - 1) {
     const int j0 = n * BN;
     const u32 sK = sK0 + stage * C::K_BYTES, sV = sV0 + stage * C::V_BYTES;
+    const u32 sK_next = sK0 + (stage ^ 1) * C::K_BYTES, sV_next = sV0 + (stage ^ 1) * C::V_BYTES;
     cp_async_wait<0>();
     __syncthreads();  // tile n (K; V too with two stages) visible; every warp is done with tile n + 1
     if constexpr (C::STAGES == 2) {
-      if (n > n_first)  // all of tile n - 1 into the other stage
-        load_kv_tile<T, D, C, V_T>(P, st.src, j0 - BN, sK0 + (stage ^ 1) * C::K_BYTES, sV0 + (stage ^ 1) * C::V_BYTES);
+      if (n > n_first)  // all of tile n - 1 into the other stage (fp8: into the staging)
+        load_kv_tile<T, KV, C, V_T>(P, st.src, j0 - BN, sK_next, sV_next, sS);
     } else {
-      load_v_tile<T, D, C, V_T>(P, st.src, j0, sK, sV);
+      load_v_tile<T, C, V_T>(P, st.src, j0, sK, sV);
     }
     cp_async_commit();
 
@@ -362,16 +411,23 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
       // -- compute qk; scores, mask, online softmax; p -> A fragments --
       float s[MT][BN / 8][4];
       compute_qk<T, D, C>(s, qf, sQw, sK, lane);
-      softmax_tile<T, D, C>(s, pf, o, m, l, P, st, general, w.needs_mask(j0, BN), sc, first, j0, lane);
+      softmax_tile<T, D, C>(s, pf, o, m, l, P, st, general, w.needs_mask(j0, BN), sm, sc, first, j0, lane);
     }
     if constexpr (C::STAGES == 1) {
       cp_async_wait<0>();
       __syncthreads();  // V_n visible; every warp is done with K_n
-      if (n > n_first) load_kv_rows<T, D, C, true, false>(P, st.src, j0 - BN, sK, sV);
+      if (n > n_first) load_kv_rows<KV, C, true, false>(P, st.src, j0 - BN, sK, sV, 0u);
       cp_async_commit();
     }
     // -- compute pv --
     if (active) compute_pv<T, D, C, V_T>(o, pf, sV, lane);
+    // -- fp8: tile n - 1 from the staging into the other stage (seen after the next barrier) --
+    if constexpr (F::FP8) {
+      if (n > n_first) {
+        cp_async_wait<0>();
+        land_kv_tile<T, KV, C, V_T>(P, sK_next, sV_next, sS);
+      }
+    }
   }
 
   // -- epilogue: rows staged in the warp's own sQ rows (Q's copy must have landed) --
@@ -380,11 +436,12 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
     __syncthreads();
   }
   reload_tile(P, C::BLOCK_M, t);
+  const float vs = F::FP8 ? kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, t.hk) : 1.f;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const float m_log2[2] = {m[mt][0] * sc, m[mt][1] * sc};
     store_rows<T, D, C>(P.out, P.lse, P.sinks, P.num_q_heads, t, first + 16 * mt, o[mt], m_log2, l[mt],
-                        reinterpret_cast<T*>(smem_raw), lane);
+                        reinterpret_cast<T*>(smem_raw), lane, vs);
   }
 }
 
@@ -396,7 +453,7 @@ __device__ __forceinline__ void prefill_mma(const Problem<T>& P) {
 constexpr int SIMT_WARPS = 8;
 
 template <int D>
-__device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
+__device__ __forceinline__ void prefill_simt(const Problem<float, float>& P) {
   constexpr int SIMT_BLOCK_M = 128, NV = (D + 31) / 32;
   __shared__ __align__(16) float sq[SIMT_WARPS][D];
   Tile t;
@@ -462,27 +519,30 @@ __device__ __forceinline__ void prefill_simt(const Problem<float>& P) {
 // flag} items, padded with sequence -1 past its end.
 // Grid: one CTA per work item; block: 32 * S::WARPS threads; dynamic smem: Q [BLOCK_M][D + 8]
 // then S::STAGES K tiles [BLOCK_N][D + 8] and V tiles ([BLOCK_N][D + 8], or [D][BLOCK_N + 8]
-// for V_T, the vllm value layout); static smem: LoopState. Each warp owns S::MT contiguous
+// for V_T, the vllm value layout), then for an fp8 cache (KV) the staging of one tile
+// (KVChunks::STAGE_BYTES); static smem: LoopState. Each warp owns S::MT contiguous
 // 16-row m-tiles: S = Q K^T and O += P V on mma.sync (every K/V fragment loaded once feeds MT
 // m-tiles), online softmax in registers. All threads fill the K/V tiles with cp.async, one
-// block-table lookup per row (see TileShape for the order of loads and barriers).
+// block-table lookup per row (see TileShape for the order of loads and barriers); from an
+// fp8 cache tile n - 1 streams into the staging during tile n and each thread widens its
+// chunks into the other stage after tile n's math (two stages only).
 // Key tiles run from the last visible one down, so masked diagonal / end tiles come first; a
 // warp none of whose rows sees a key of a tile skips its math. The output is staged through
 // the warp's own Q rows in smem.
-template <typename T, int D, bool V_T, typename S>
+template <typename T, typename KV, int D, bool V_T, typename S>
 __global__ void __launch_bounds__(32 * S::WARPS, S::CTAS)
 prefill_mma_kernel(CUPAGED_PARAMS_Problem) {
-  const Problem<T> P{CUPAGED_FIELDS_Problem};
+  const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
   if (item_is_padding(P)) return;
-  prefill_mma<T, D, V_T, S>(P);
+  prefill_mma<T, KV, D, V_T, S>(P);
 }
 
 // Grid: one CTA per work item of 128 packed rows; block: SIMT_WARPS warps; fp32,
 // every layout (see prefill_simt).
-template <int D, typename T = float>
+template <int D, typename T = float, typename KV = float>
 __global__ void __launch_bounds__(32 * SIMT_WARPS)
 prefill_simt_kernel(CUPAGED_PARAMS_Problem) {
-  const Problem<float> P{CUPAGED_FIELDS_Problem};
+  const Problem<float, float> P{CUPAGED_FIELDS_Problem};
   if (item_is_padding(P)) return;
   prefill_simt<D>(P);
 }

@@ -19,6 +19,12 @@
 // visible one down (masked tiles first). With three buffers the P V batch of a tile runs
 // during the softmax of the next one (FA3's intra-warpgroup overlap; loop_overlap), with two
 // each batch is waited for (loop_simple).
+//
+// K/V hold elements of type KV: T, or an fp8 format (fp8.cuh). fp8 tiles stream with
+// cp.async as 16-byte chunks of 16 codes into per-thread staging slots, and each thread
+// widens its own chunks into the tile's 16-bit buffer (Pipe::land) while its warpgroup's
+// wgmma batches of the tile before run, so the wgmma loops read the tiles a 16-bit cache
+// gives; the kv head's k_scale multiplies the score scale and its v_scale the output.
 #include "attn_common.cuh"
 #include "score.cuh"
 #include "wgmma.cuh"
@@ -29,8 +35,8 @@ namespace sm90 {
 // One configuration: 2 warpgroups x 64 rows, BN-key K/V tiles, STAGES buffers, V^T tiles
 // (V_T), the general score path (GENERAL). Q, K and V rows are swizzled SW bytes wide
 // (D * 2 bytes a row: 128 for d64/d128/d256, 64 for d96, 32 for d80/d112), V^T rows SWT
-// bytes (BN * 2 bytes a row).
-template <typename T, int D, int BN, int STAGES, bool V_T, bool GENERAL>
+// bytes (BN * 2 bytes a row). From an fp8 cache (KV) one tile's staging follows the buffers.
+template <typename T, typename KV, int D, int BN, int STAGES, bool V_T, bool GENERAL>
 struct Config {
   static_assert(sizeof(T) == 2 && D % 16 == 0 && D >= 64 && D <= 256, "fp16/bf16, head size 64..256");
   static_assert(BN % 64 == 0 && BN <= 128 && (STAGES == 2 || STAGES == 3), "tile shape");
@@ -44,7 +50,8 @@ struct Config {
   static constexpr int ROW_STEP = THREADS / CL;                     // rows per load pass
   static constexpr u32 Q_BYTES = BLOCK_M * D * 2;  // multiples of 1024: tiles stay aligned
   static constexpr u32 KV_BYTES = BN * D * 2;
-  static constexpr u32 SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + 1024;  // + alignment slack
+  static constexpr u32 STAGING = KVChunks<KV, D, BN, THREADS>::STAGE_BYTES;  // fp8 only
+  static constexpr u32 SMEM = Q_BYTES + 2 * STAGES * KV_BYTES + STAGING + 1024;  // + alignment slack
   static_assert(BN % ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0, "whole load passes");
   static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "aligned tiles");
 };
@@ -54,53 +61,63 @@ __device__ __forceinline__ i64 wide(u32 a, u32 b) { return (i64)((u64)a * b); }
 
 // Where the K/V rows of an item come from: the kv head's bases (ragged rows: the
 // sequence's first key folded in), its block-table row (null: ragged), the key count and
-// log2 of a power-of-two block size (-1: any other). Thread tid copies 16-byte chunk
-// tid % CL (< CH) of tile rows tid / CL + ROW_STEP * i (i < RPT): one key lookup per row and
-// tile serves K and V; rows past kv_len are zero-filled (their lookup clamped to the last
-// key). V_T: V^T tiles instead (load_vt).
-template <typename T, typename C, int BN, bool V_T>
+// log2 of a power-of-two block size (-1: any other). Thread tid copies the 16-byte chunks
+// KVChunks gives it (F: 16-bit or fp8 elements KV): one key lookup per row and tile
+// serves K and V; rows past kv_len are zero-filled (their lookup clamped to the last key).
+// V_T: V^T tiles instead (load_vt). fp8 chunks go to the thread's staging slots (at
+// `staging`) and `land` widens them into the 16-bit tiles.
+template <typename T, typename KV, typename C, int BN, bool V_T>
 struct KVRows {
-  static constexpr int RPT = BN / C::ROW_STEP;  // rows per thread and tile
-  static constexpr int KC = BN / 8;             // V^T: 8-key chunks per dim
-  const T* kb;
-  const T* vb;
+  using F = KVChunks<KV, C::HEAD, BN, C::THREADS>;
+  static constexpr int RPT = F::RPT;  // rows per thread and tile
+  const KV* kb;
+  const KV* vb;
   const int* table;
   int kv_len, bs_shift;
+  u32 staging;
 
   __device__ __forceinline__ int key(int j0, int i) const {
-    return min(j0 + (int)threadIdx.x / C::CL + i * C::ROW_STEP, kv_len - 1);
+    return min(j0 + (int)threadIdx.x / F::CL + i * F::ROW_STEP, kv_len - 1);
   }
-  // V^T: the first of the thread's 8 keys j0 + 8 (tid % KC) .. (+ 7), clamped to the chunk
-  // of the last key (so that its in-block offset stays a multiple of 8)
+  // V^T: the first of the thread's PER keys j0 + PER (tid % KC) .., clamped to the chunk
+  // of the last key (so that its in-block offset stays a multiple of PER)
   __device__ __forceinline__ int vt_key(int j0) const {
-    return min(j0 + 8 * ((int)threadIdx.x % KC), (kv_len - 1) & ~7);
+    return min(j0 + F::PER * ((int)threadIdx.x % F::KC), (kv_len - 1) & ~(F::PER - 1));
   }
-  __device__ __forceinline__ int block_of(const Problem<T>& P, int j) const {
+  template <typename Prob>
+  __device__ __forceinline__ int block_of(const Prob& P, int j) const {
     return __ldg(table + (bs_shift >= 0 ? j >> bs_shift : j / P.block_size));
   }
-  __device__ __forceinline__ int offset_in_block(const Problem<T>& P, int j) const {
+  template <typename Prob>
+  __device__ __forceinline__ int offset_in_block(const Prob& P, int j) const {
     return bs_shift >= 0 ? j & (P.block_size - 1) : j % P.block_size;
   }
-  // Block-table entries of the thread's rows of the tile at key j0 (and, V_T with block
-  // sizes a multiple of 8, of its V^T chunk: vblk), all reads issued together (used at the
-  // next `issue`, so their latency hides behind a tile of math).
-  __device__ __forceinline__ void lookup(const Problem<T>& P, int j0, int (&blk)[RPT + V_T]) const {
+  // whole V^T chunks: PER keys never straddle a cache block
+  template <typename Prob>
+  __device__ __forceinline__ bool vt_chunks(const Prob& P) const { return P.block_size % F::PER == 0; }
+  // Block-table entries of the thread's rows of the tile at key j0 (and, V_T with whole
+  // V^T chunks, of its V^T chunk: vblk), all reads issued together (used at the next
+  // `issue`, so their latency hides behind a tile of math).
+  template <typename Prob>
+  __device__ __forceinline__ void lookup(const Prob& P, int j0, int (&blk)[RPT + V_T]) const {
     if (table == nullptr) return;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) blk[i] = block_of(P, key(j0, i));
-    if (V_T && (P.block_size & 7) == 0) blk[RPT] = block_of(P, vt_key(j0));
+    if (V_T && vt_chunks(P)) blk[RPT] = block_of(P, vt_key(j0));
   }
-  // cp.async of the tile at key j0 -> sK, sV (swizzled [BN][D]; V_T: sV [D][BN]) from the
-  // entries `lookup` gave. Block and token strides fit in 32 bits (the host checks): 32 x
-  // 32 -> 64-bit multiplies; the row offset in a block is a mask for power-of-two block sizes.
-  __device__ __forceinline__ void issue(const Problem<T>& P, int j0, const int (&blk)[RPT + V_T], u32 sK, u32 sV) const {
-    const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
-    if (C::CL == C::CH || c < C::CH) {
-      const T* kc = kb + c * (int)P.k_chunk;
-      const T* vc = vb + c * 8 * (int)P.v_dim;
+  // cp.async of the tile at key j0 -> sK, sV (swizzled [BN][D]; V_T: sV [D][BN]), or the
+  // staging slots (fp8), from the entries `lookup` gave. Block and token strides fit in 32
+  // bits (the host checks): 32 x 32 -> 64-bit multiplies; the row offset in a block is a
+  // mask for power-of-two block sizes.
+  template <typename Prob>
+  __device__ __forceinline__ void issue(const Prob& P, int j0, const int (&blk)[RPT + V_T], u32 sK, u32 sV) const {
+    const int c = threadIdx.x % F::CL, r0 = threadIdx.x / F::CL;
+    if (F::CL == F::CH || c < F::CH) {
+      const KV* kc = kb + c * (int)P.k_chunk;
+      const KV* vc = vb + c * F::PER * (int)P.v_dim;
 #pragma unroll
       for (int i = 0; i < RPT; ++i) {
-        const int r = r0 + i * C::ROW_STEP, jc = key(j0, i);
+        const int r = r0 + i * F::ROW_STEP, jc = key(j0, i);
         int b = 0, off = jc;
         if (table != nullptr) {
           b = blk[i];
@@ -108,48 +125,78 @@ struct KVRows {
         }
         const u32 at = swizzled<BN, C::SW>(r, c);
         const int bytes = j0 + r < kv_len ? 16 : 0;
-        cp_async16(sK + at, kc + wide(b, (u32)P.k_block) + wide(off, (u32)P.k_tok), bytes);
-        if (!V_T) cp_async16(sV + at, vc + wide(b, (u32)P.v_block) + wide(off, (u32)P.v_tok), bytes);
+        cp_async16(F::FP8 ? F::slot(staging, i) : sK + at, kc + wide(b, (u32)P.k_block) + wide(off, (u32)P.k_tok),
+                   bytes);
+        if (!V_T)
+          cp_async16(F::FP8 ? F::slot(staging, RPT + i) : sV + at,
+                     vc + wide(b, (u32)P.v_block) + wide(off, (u32)P.v_tok), bytes);
       }
     }
     if constexpr (V_T) load_vt(P, j0, blk[RPT], sV);
   }
   // V^T tile of keys [j0, j0 + BN) from the vllm value layout (paged; keys contiguous:
-  // v_tok 1, v_dim the block size) -> sV, swizzled [D][BN]: thread tid copies keys
-  // j0 + 8 (tid % KC) .. + 7 of dims tid / KC + (THREADS / KC) i, one 16-byte cp.async
-  // each (keys past kv_len zero-filled) when 8 keys never straddle a block (block sizes a
-  // multiple of 8), else element by element (st.shared; the fence before the next barrier
-  // orders them for wgmma as it does the copies).
-  __device__ __forceinline__ void load_vt(const Problem<T>& P, int j0, int vblk, u32 sV) const {
-    constexpr int D = C::CH * 8, D_STEP = C::THREADS / KC;
-    const int kc = threadIdx.x % KC, d0 = threadIdx.x / KC, j = j0 + 8 * kc;
-    const int valid = max(0, min(8, kv_len - j));
-    if ((P.block_size & 7) == 0) {
+  // v_tok 1, v_dim the block size) -> sV, swizzled [D][BN]: KVChunks' V^T chunks, one
+  // 16-byte cp.async each (keys past kv_len zero-filled; to the staging for fp8) with
+  // whole V^T chunks, else element by element, widened as they are read (st.shared; the
+  // fence before the next barrier orders them for wgmma as it does the copies).
+  template <typename Prob>
+  __device__ __forceinline__ void load_vt(const Prob& P, int j0, int vblk, u32 sV) const {
+    constexpr int D = C::HEAD;
+    const int kc = threadIdx.x % F::KC, d0 = threadIdx.x / F::KC, j = j0 + F::PER * kc;
+    const int valid = max(0, min(F::PER, kv_len - j));
+    if (vt_chunks(P)) {
       const int jc = vt_key(j0);
-      const T* src = vb + wide(vblk, (u32)P.v_block) + wide(offset_in_block(P, jc), (u32)P.v_tok);
+      const KV* src = vb + wide(vblk, (u32)P.v_block) + wide(offset_in_block(P, jc), (u32)P.v_tok);
 #pragma unroll
-      for (int i = 0; i < (D + D_STEP - 1) / D_STEP; ++i) {
-        const int d = d0 + i * D_STEP;
-        if (D % D_STEP == 0 || d < D)
-          cp_async16(sV + swizzled<D, C::SWT>(d, kc), src + wide(d, (u32)P.v_dim), 2 * valid);
+      for (int i = 0; i < F::VT_PASSES; ++i) {
+        const int d = d0 + i * F::VT_STEP;
+        if (D % F::VT_STEP == 0 || d < D)
+          cp_async16(F::FP8 ? F::slot(staging, RPT + i) : sV + swizzled<D, C::SWT>(d, kc),
+                     src + wide(d, (u32)P.v_dim), valid * (int)sizeof(KV));
       }
     } else {
-      for (int e = 0; e < 8; ++e) {
-        const T* src = vb;
+      for (int e = 0; e < F::PER; ++e) {
+        const KV* src = vb;
         if (e < valid) src += wide(block_of(P, j + e), (u32)P.v_block) + wide(offset_in_block(P, j + e), (u32)P.v_tok);
-        for (int d = d0; d < D; d += D_STEP) {
-          const T x = e < valid ? src[wide(d, (u32)P.v_dim)] : from_float<T>(0.f);
-          asm volatile("st.shared.b16 [%0], %1;\n" :: "r"(sV + swizzled<D, C::SWT>(d, kc) + 2 * e),
-                       "h"(*reinterpret_cast<const unsigned short*>(&x)) : "memory");
+        for (int d = d0; d < D; d += F::VT_STEP) {
+          const unsigned short x = e < valid ? tile_bits<T, KV>(src[wide(d, (u32)P.v_dim)]) : (unsigned short)0;
+          const int e2 = F::PER * kc + e;  // key in the tile
+          asm volatile("st.shared.b16 [%0], %1;\n" :: "r"(sV + swizzled<D, C::SWT>(d, e2 / 8) + 2 * (e2 % 8)),
+                       "h"(x) : "memory");
         }
+      }
+    }
+  }
+  // fp8: the thread's staged chunks of a tile (its copies landed) widened into sK and sV.
+  template <typename Prob>
+  __device__ __forceinline__ void land(const Prob& P, u32 sK, u32 sV) const {
+    const int c = threadIdx.x % F::CL, r0 = threadIdx.x / F::CL;
+    if (F::CL == F::CH || c < F::CH) {
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const int r = r0 + i * F::ROW_STEP;
+        const u32 lo = swizzled<BN, C::SW>(r, 2 * c), hi = swizzled<BN, C::SW>(r, 2 * c + 1);
+        widen_chunk_shared<T, KV>(F::slot(staging, i), sK + lo, sK + hi, F::hi_first(c));
+        if (!V_T) widen_chunk_shared<T, KV>(F::slot(staging, RPT + i), sV + lo, sV + hi, F::hi_first(c));
+      }
+    }
+    if (V_T && vt_chunks(P)) {
+      constexpr int D = C::HEAD;
+      const int kc = threadIdx.x % F::KC, d0 = threadIdx.x / F::KC;
+#pragma unroll
+      for (int i = 0; i < F::VT_PASSES; ++i) {
+        const int d = d0 + i * F::VT_STEP;
+        if (D % F::VT_STEP == 0 || d < D)
+          widen_chunk_shared<T, KV>(F::slot(staging, RPT + i), sV + swizzled<D, C::SWT>(d, 2 * kc),
+                                    sV + swizzled<D, C::SWT>(d, 2 * kc + 1), F::hi_first(kc));
       }
     }
   }
 };
 
 // Q tile: packed rows [0, rows) of the item -> sQ (swizzled [128][D]); the rest zero-filled.
-template <typename T, int D, typename C>
-__device__ __forceinline__ void load_q(const Problem<T>& P, const WorkItem& it, u32 sQ) {
+template <typename T, int D, typename C, typename Prob>
+__device__ __forceinline__ void load_q(const Prob& P, const WorkItem& it, u32 sQ) {
   const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
   if (C::CL != C::CH && c >= C::CH) return;
 #pragma unroll
@@ -260,15 +307,19 @@ __device__ __forceinline__ void drain(float (&o)[D / 2], u32 (&pf)[N][4]) {
     for (int x = 0; x < 4; ++x) asm volatile("" : "+r"(pf[i][x]) :: "memory");
 }
 
-// Epilogue of one warp's 16 rows (tile rows first .. first + 15): normalise, write LSE,
-// stage the rows in the (swizzled) Q tile and store them as 16-byte chunks.
-template <typename T, typename C>
-__device__ __forceinline__ void store_rows(const Problem<T>& P, const WorkItem& it, int first, const float (&o)[C::HEAD / 2],
-                                           const float (&m)[2], float (&l)[2], float sc, u32 sQ, int lane) {
+// Epilogue of one warp's 16 rows (tile rows first .. first + 15): normalise (times
+// out_scale: an fp8 cache's v_scale), write LSE, stage the rows in the (swizzled) Q tile and
+// store them as 16-byte chunks.
+template <typename T, typename C, typename Prob>
+__device__ __forceinline__ void store_rows(const Prob& P, const WorkItem& it, int first, const float (&o)[C::HEAD / 2],
+                                           const float (&m)[2], float (&l)[2], float sc, float out_scale, u32 sQ,
+                                           int lane) {
   constexpr int D = C::HEAD;
   float inv[2];
   const float m2[2] = {m[0] * sc, m[1] * sc};
   finish_warp_rows(it, first, m2, l, P.sinks, P.lse, P.num_q_heads, inv, lane);
+  inv[0] *= out_scale;
+  inv[1] *= out_scale;
 #pragma unroll
   for (int i = 0; i < D / 8; ++i)
 #pragma unroll
@@ -291,10 +342,12 @@ __device__ __forceinline__ void store_rows(const Problem<T>& P, const WorkItem& 
 }
 
 // K/V tiles in flight: tile n sits in buffer stage (n_last - n) % STAGES; blk holds the
-// block-table entries of the next tile to issue (looked up one tile ahead).
-template <typename T, typename C>
+// block-table entries of the next tile to issue (looked up one tile ahead). From an fp8
+// cache tile n - 1 streams into the staging instead and `land` widens it into its buffer
+// during tile n's math.
+template <typename T, typename KV, typename C>
 struct Pipe {
-  using Src = KVRows<T, C, C::KEYS, C::TRANSPOSED_V>;
+  using Src = KVRows<T, KV, C, C::KEYS, C::TRANSPOSED_V>;
   static constexpr int BN = C::KEYS, STAGES = C::BUFFERS;
   Src src;
   int n_first;
@@ -303,19 +356,35 @@ struct Pipe {
 
   __device__ __forceinline__ u32 k_tile(int stage) const { return sKV + 2 * stage * C::KV_BYTES; }
   __device__ __forceinline__ u32 v_tile(int stage) const { return k_tile(stage) + C::KV_BYTES; }
+  __device__ __forceinline__ static int next_stage(int stage) { return stage + 1 == STAGES ? 0 : stage + 1; }
   // Tile n (in `stage`) becomes visible to wgmma, and every warpgroup is done with the next
   // buffer (its last reader, a wgmma batch, is waited for before this barrier); tile n - 1
-  // starts streaming into that buffer and tile n - 2's table entries are read.
-  __device__ __forceinline__ void advance(const Problem<T>& P, int n, int stage) {
+  // starts streaming into that buffer (or the fp8 staging) and tile n - 2's table entries
+  // are read.
+  template <typename Prob>
+  __device__ __forceinline__ void advance(const Prob& P, int n, int stage) {
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();
     if (n > n_first) {
-      const int next = stage + 1 == STAGES ? 0 : stage + 1;
+      const int next = next_stage(stage);
       src.issue(P, (n - 1) * BN, blk, k_tile(next), v_tile(next));
       if (n - 1 > n_first) src.lookup(P, (n - 2) * BN, blk);
     }
     cp_async_commit();
+  }
+  // fp8: tile n - 1 (issued by advance(n)) widened from the staging into the next buffer,
+  // while this warpgroup's wgmma batches run; the fence and barrier of advance(n - 1)
+  // order the widened tile for wgmma. Nothing for a 16-bit cache.
+  template <typename Prob>
+  __device__ __forceinline__ void land(const Prob& P, int n, int stage) const {
+    if constexpr (Src::F::FP8) {
+      if (n > n_first) {
+        const int next = next_stage(stage);
+        cp_async_wait_all();
+        src.land(P, k_tile(next), v_tile(next));
+      }
+    }
   }
 };
 
@@ -348,15 +417,17 @@ struct Rows {
   }
 };
 
-// STAGES 2: per tile, S = Q K^T, softmax, O += P V, each wgmma batch waited for at once; a
-// warpgroup none of whose rows sees a key of the tile skips it.
-template <typename T, typename C, typename Pp>
-__device__ __forceinline__ void loop_simple(const Problem<T>& P, Pp& pipe, const Rows& rw, u32 sQg, int n_last,
+// STAGES 2: per tile, S = Q K^T, softmax, O += P V, each wgmma batch waited for at once
+// (from an fp8 cache the P V batch once the next tile is widened); a warpgroup none of
+// whose rows sees a key of the tile skips it.
+template <typename T, typename C, typename Pp, typename Prob>
+__device__ __forceinline__ void loop_simple(const Prob& P, Pp& pipe, const Rows& rw, u32 sQg, int n_last,
                                             float (&o)[C::HEAD / 2], float (&m)[2], float (&l)[2]) {
   constexpr int D = C::HEAD, BN = C::KEYS, STAGES = C::BUFFERS;
   for (int n = n_last, stage = 0; n >= pipe.n_first; --n, stage = stage + 1 == STAGES ? 0 : stage + 1) {
     pipe.advance(P, n, stage);
-    if (rw.gk.sees(n * BN, BN)) {  // uniform over the warpgroup
+    const bool sees = rw.gk.sees(n * BN, BN);  // uniform over the warpgroup
+    if (sees) {
       float s[BN / 2], alpha[2];
       u32 pf[BN / 16][4];
       qk<T, C>(s, sQg, pipe.k_tile(stage));
@@ -366,8 +437,10 @@ __device__ __forceinline__ void loop_simple(const Problem<T>& P, Pp& pipe, const
       softmax<T, BN>(s, m, l, pf, alpha, rw.sc);
       rescale<D>(o, alpha);
       pv<T, C>(o, pf, pipe.v_tile(stage));
-      wgmma_wait<0>();
-      fence_operands(o);
+      pipe.land(P, n, stage);  // fp8: the next tile widened while P V runs
+      drain<D>(o, pf);
+    } else {
+      pipe.land(P, n, stage);
     }
   }
 }
@@ -377,8 +450,8 @@ __device__ __forceinline__ void loop_simple(const Problem<T>& P, Pp& pipe, const
 // buffer); the accumulators are rescaled once it is done. Every warpgroup computes every
 // tile (masked where its rows see nothing): wgmma waits outside divergent code keep ptxas
 // from serialising the batches.
-template <typename T, typename C, typename Pp>
-__device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, const Rows& rw, u32 sQg, int n_last,
+template <typename T, typename C, typename Pp, typename Prob>
+__device__ __forceinline__ void loop_overlap(const Prob& P, Pp& pipe, const Rows& rw, u32 sQg, int n_last,
                                              float (&o)[C::HEAD / 2], float (&m)[2], float (&l)[2]) {
   constexpr int D = C::HEAD, BN = C::KEYS, STAGES = C::BUFFERS;
   if (n_last < pipe.n_first) return;
@@ -390,6 +463,7 @@ __device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, cons
   fence_operands(s);
   rw.template scores<C>(s, n_last * BN);
   softmax<T, BN>(s, m, l, pf, alpha, rw.sc);  // o is still 0: nothing to rescale
+  pipe.land(P, n_last, 0);                    // fp8: tile n_last - 1 widened
   int prev = 0;                               // buffer of the tile whose P is in pf
   for (int n = n_last - 1; n >= pipe.n_first; --n) {
     const int stage = prev + 1 == STAGES ? 0 : prev + 1;
@@ -403,6 +477,7 @@ __device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, cons
     softmax<T, BN>(s, m, l, pn, alpha, rw.sc);
     drain<D>(o, pf);
     rescale<D>(o, alpha);
+    pipe.land(P, n, stage);  // fp8: tile n - 1 widened
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
@@ -413,20 +488,23 @@ __device__ __forceinline__ void loop_overlap(const Problem<T>& P, Pp& pipe, cons
   drain<D>(o, pf);
 }
 
-template <typename T, typename C>
-__device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
+template <typename T, typename KV, typename C>
+__device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
   constexpr int D = C::HEAD, BN = C::KEYS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
   const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
+  const u32 sS = sKV + 2 * C::BUFFERS * C::KV_BYTES;  // fp8: the staging of the tile in flight
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 
   WorkItem it;
   it.init(P, P.work[blockIdx.x], C::BLOCK_M);
   const int bs = P.block_size;
-  const typename Pipe<T, C>::Src src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
-                                     P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table, it.kv_len,
-                                     (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1};
+  using Pp = Pipe<T, KV, C>;
+  constexpr bool FP8 = Pp::Src::F::FP8;
+  const typename Pp::Src src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
+                             P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table, it.kv_len,
+                             (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, sS};
   Rows rows;
   rows.gk.init(it, 64 * wg, 64, P.window_left, P.causal);
   // the thread's rows: tile rows 64 wg + 16 warp + lane / 4 (+ 8); no row: sees nothing
@@ -440,8 +518,11 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
     rows.p[hr] = p;
     rows.slope[hr] = valid && P.alibi != nullptr ? __ldg(P.alibi + it.head(r)) * LOG2E : 0.f;
   }
-  rows.epi.init(P.sm_scale, P.soft_cap);
-  rows.sc = C::GENERAL_SCORES ? 1.f : P.sm_scale * LOG2E;
+  // an fp8 cache's k_scale joins the score scale (s = sm_scale * q . (k_scale * code))
+  const float sm = FP8 ? P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk)
+                       : P.sm_scale;
+  rows.epi.init(sm, P.soft_cap);
+  rows.sc = C::GENERAL_SCORES ? 1.f : sm * LOG2E;
   rows.lane = lane;
 
   // key tiles n_first .. n_last hold every key a row of the CTA sees
@@ -450,7 +531,7 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
   const int n_first = j_begin / BN;
   const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
 
-  Pipe<T, C> pipe{src, n_first, sKV};
+  Pp pipe{src, n_first, sKV};
   load_q<T, D, C>(P, it, sQ);  // with tile n_last (stage 0), in the first batch of copies
   if (n_last >= n_first) {
     src.lookup(P, n_last * BN, pipe.blk);
@@ -458,6 +539,10 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
     if (n_last > n_first) src.lookup(P, (n_last - 1) * BN, pipe.blk);
   }
   cp_async_commit();
+  if constexpr (FP8) {
+    cp_async_wait_all();
+    if (n_last >= n_first) src.land(P, sKV, sKV + C::KV_BYTES);
+  }
 
   float o[D / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
@@ -468,25 +553,28 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T>& P) {
 
   cp_async_wait_all();
   __syncthreads();  // every wgmma done reading sQ; Q's own copy landed
-  store_rows<T, C>(P, it, 64 * wg + 16 * warp, o, m, l, rows.sc, sQ, lane);
+  const float vs = FP8 ? kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, it.hk) : 1.f;
+  store_rows<T, C>(P, it, 64 * wg + 16 * warp, o, m, l, rows.sc, vs, sQ, lane);
 }
 
 }  // namespace sm90
 
 // Grid: one CTA per work item (int4 {sequence, kv head, first packed row, 0}); block: 256
 // threads = 2 warpgroups; dynamic smem: Config::SMEM bytes (Q [128][D], then STAGES pairs
-// of K [BN][D] and V [BN][D] (V_T: V^T [D][BN]), all swizzled, 1024-byte aligned).
+// of K [BN][D] and V [BN][D] (V_T: V^T [D][BN]), all swizzled, 1024-byte aligned, then
+// from an fp8 cache (KV) the staging of one tile).
 // Warpgroup g owns tile rows 64 g .. 64 g + 63: per K/V tile it runs S = Q K^T and O += P V
 // on wgmma with the online softmax between them (STAGES 3: P V of the previous tile
 // overlapping it); each thread owns rows 16 w + lane / 4 (+ 8) of its warp w's 16. Every
-// thread copies K/V chunks with cp.async one tile ahead and finally normalises and stores
+// thread copies K/V chunks with cp.async one tile ahead (fp8: into its staging slots, widened
+// into the tile's buffer during the math of the tile before) and finally normalises and stores
 // its rows' fragments through its warp's rows of the Q tile (16-byte global stores).
 // Arguments: one Problem (abi.cuh), as kernels_cu/prefill.cu's kernels.
-template <typename T, int D, int BN, int STAGES, bool V_T, bool GENERAL>
+template <typename T, typename KV, int D, int BN, int STAGES, bool V_T, bool GENERAL>
 __global__ void __launch_bounds__(256, 1) prefill_wgmma_kernel(CUPAGED_PARAMS_Problem) {
-  const Problem<T> P{CUPAGED_FIELDS_Problem};
+  const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
   if (item_is_padding(P)) return;
-  sm90::prefill_wgmma<T, sm90::Config<T, D, BN, STAGES, V_T, GENERAL>>(P);
+  sm90::prefill_wgmma<T, KV, sm90::Config<T, KV, D, BN, STAGES, V_T, GENERAL>>(P);
 }
 
 }  // namespace cupaged

@@ -162,13 +162,11 @@ def test_cache_view_brings_format_and_scales(rng):
     with pytest.raises(ValueError, match="kv_dtype: expected 'fp8_e4m3' like the CacheView"):
         cupaged.paged_decode(case["q"], view, case["block_tables"], case["seq_lens"],
                              kv_dtype="fp8_e5m2")
-    cu = np.array([0, 1, 2], np.int32)
-    with pytest.raises(ValueError, match="kv_dtype: 'fp8_e4m3' caches are not supported by "
-                                         "paged_prefill yet"):
-        cupaged.paged_prefill(case["q"], view, cu, case["block_tables"], case["seq_lens"])
-    with pytest.raises(TypeError, match="k_cache: expected dtype float16, bfloat16 or float32"):
-        cupaged.paged_prefill(case["q"], case["k_cache"], case["v_cache"], cu,
-                              case["block_tables"], case["seq_lens"], layout="HND")
+    cu = np.arange(len(case["seq_lens"]) + 1, dtype=np.int32)  # prefill reads the view too
+    got = cupaged.paged_prefill(case["q"], view, cu, case["block_tables"], case["seq_lens"])
+    np.testing.assert_array_equal(got, cupaged.paged_prefill(
+        case["q"], case["k_cache"], case["v_cache"], cu, case["block_tables"], case["seq_lens"],
+        layout="HND", **fp8))
 
 
 def test_fp8_geometry_and_specializations():

@@ -238,10 +238,23 @@ def test_smem_fits_and_specs_cover_every_head_dim():
             assert smem <= 163 * 1024  # one CTA fits an sm_80 SM
             assert tile.ctas * (smem + 1024) <= 228 * 1024  # its CTAs per SM fit an sm_90 SM
             assert plan_.smem_bytes(np.float32, d, vt, plan_.launch_tile(np.float32, d)) == 0
+    for d in plan_.FP8_HEAD_DIMS:  # fp8 caches add one tile's staging (one CTA an SM at d128)
+        for vt in (False, True):
+            tile = plan_.default_tile(d, vt)
+            staged = plan_.smem_bytes(np.float16, d, vt, tile, "fp8_e4m3")
+            assert staged - plan_.smem_bytes(np.float16, d, vt, tile) == 2 * tile.block_n * d
+            assert staged <= 163 * 1024
+            assert (plan_.wgmma_smem_bytes(d, plan_.wgmma_tile(d), "fp8_e5m2")
+                    <= 227 * 1024)
     exprs = {s.expr for s in kernel_specializations() if s.stem == "prefill"}
-    assert len(exprs) == 2 * len(HEAD_DIMS) * 2 + len(HEAD_DIMS)
-    assert ("cupaged::prefill_mma_kernel<__nv_bfloat16, 128, false, "
+    fp8 = 2 * 2 * len(plan_.FP8_HEAD_DIMS) * 2  # q dtypes x formats x head dims x V layouts
+    assert len(exprs) == 2 * len(HEAD_DIMS) * 2 + len(HEAD_DIMS) + fp8
+    assert ("cupaged::prefill_mma_kernel<__nv_bfloat16, __nv_bfloat16, 128, false, "
             "cupaged::TileShape<4, 2, 64, 2, false, 2>>") in exprs
+    assert ("cupaged::prefill_mma_kernel<__half, cupaged::fp8_e5m2, 64, true, "
+            "cupaged::TileShape<4, 2, 128, 2, false, 2>>") in exprs
+    hopper = {s.expr for s in kernel_specializations() if s.stem == "prefill_sm90"}
+    assert len(hopper) == 2 * len(plan_.WGMMA_HEAD_DIMS) * 4 + 2 * fp8
     assert "cupaged::prefill_simt_kernel<256>" in exprs
 
 
@@ -736,9 +749,11 @@ def test_wgmma_tile_shares_work_list_and_fits():
         for d in (64, 128):
             assert plan_.wgmma_smem_bytes(d, t) <= 227 * 1024
     hopper = {s.expr for s in kernel_specializations() if s.hopper}
-    want = {f"cupaged::prefill_wgmma_kernel<{t}, {d}, {plan_.wgmma_tile(d).block_n}, "
+    want = {f"cupaged::prefill_wgmma_kernel<{t}, {kv or t}, {d}, {plan_.wgmma_tile(d).block_n}, "
             f"{plan_.wgmma_tile(d).stages}, {vt}, {g}>"
-            for t in ("__half", "__nv_bfloat16") for d in HEAD_DIMS
+            for t in ("__half", "__nv_bfloat16")
+            for kv in (None, "cupaged::fp8_e4m3", "cupaged::fp8_e5m2")
+            for d in (HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS)
             for vt in ("false", "true") for g in ("false", "true")}
     assert hopper == want
 

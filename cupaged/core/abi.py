@@ -31,9 +31,9 @@ def decode_error(code):
 
 
 # ----------------------------------------------------------------------------- fp8 scales
-# The fp8 scales of the cache write, decode and append records: kv head h's scale is
+# The fp8 scales of the cache write, decode, append and prefill records: kv head h's scale is
 # k_scale[k_scale_stride * h] (stride 0: one value for every head, 1: one per head), or
-# k_scale_value where k_scale is null (cupaged.core.fp8.kernel_scale); v_scale alike.
+# k_scale_value where k_scale is null (cupaged.core.fp8.kernel_scales); v_scale alike.
 SCALES = [("const float* __restrict__", "k_scale", NULL),
           ("const float* __restrict__", "v_scale", NULL), ("int", "k_scale_stride", 0),
           ("int", "v_scale_stride", 0), ("float", "k_scale_value", 1.0),
@@ -103,10 +103,11 @@ DECODE_PLAN = Record("DecodePlanArgs", [
 # ----------------------------------------------------------------------------- prefill
 # Element (key j, dim d) of K sits at blk * k_block + hk * k_head + (d / X) * k_chunk + d % X
 # + off * k_tok, of V at blk * v_block + hk * v_head + d * v_dim + off * v_tok; query row t
-# of head h at t * q_tok + h * D.
+# of head h at t * q_tok + h * D. K and V hold elements of type KV: T itself, or an fp8
+# format (kernels_cu/fp8.cuh) read with the kv head's scales (SCALES).
 PREFILL = Record("Problem", [
-    ("const T* __restrict__", "q"), ("const T* __restrict__", "k"),
-    ("const T* __restrict__", "v"), ("T* __restrict__", "out"),
+    ("const T* __restrict__", "q"), ("const KV* __restrict__", "k"),
+    ("const KV* __restrict__", "v"), ("T* __restrict__", "out"),
     ("float* __restrict__", "lse", NULL), ("const int4* __restrict__", "work"),
     ("const int* __restrict__", "cu_q"), ("const int* __restrict__", "kv_info"),
     ("const int* __restrict__", "block_tables", NULL),
@@ -116,7 +117,8 @@ PREFILL = Record("Problem", [
     ("const float* __restrict__", "alibi", NULL), ("const float* __restrict__", "sinks", NULL),
     ("int", "num_q_heads"), ("int", "num_kv_heads"), ("float", "sm_scale"),
     ("float", "soft_cap"), ("int", "window_left"), ("int", "causal"), ("i64", "q_tok"),
-], template="typename T")
+    *SCALES,
+], template="typename T, typename KV")
 
 # The device work list of a prefill launch (kernels_cu/plan.cu), as prefill_plan.work_list.
 PREFILL_PLAN = Record("PrefillPlanArgs", [

@@ -13,7 +13,8 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from .arrays import FLOAT8_DTYPES, check_choice
+from .arrays import FLOAT8_DTYPES, check_array, check_choice
+from .errors import strict
 
 
 class Fp8Format(NamedTuple):
@@ -242,3 +243,16 @@ def kernel_scales(fmt, k_scale, v_scale, num_kv_heads, check_values):
         fields[f"{op}_scale_stride"] = stride
         fields[f"{op}_scale_value"] = value
     return fields
+
+
+def check_scale_arrays(fmt, k_scale, v_scale, num_kv_heads, xp, validate=None):
+    """A call's scales, checked before anything runs (:func:`kernel_scales` for a
+    device call: device arrays' values read only in strict mode); the kernels' scale
+    fields, or None on the NumPy path."""
+    if xp is np:
+        check_kv_scales(fmt, k_scale, v_scale, num_kv_heads)
+        return None
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and not (is_host_scale(scale) or isinstance(scale, np.ndarray)):
+            check_array(name, scale, xp=xp, contiguous=False)
+    return kernel_scales(fmt, k_scale, v_scale, num_kv_heads, strict(validate))

@@ -14,7 +14,7 @@ from ..core.arrays import array_module, check_array, check_choice
 from ..core.checks import (INT32_MAX, check_aligned, check_block_elements, check_block_tables,
     check_gqa, check_lse, check_options, check_out, check_query, token_stride)
 from ..core.errors import strict
-from ..core.fp8 import check_kv_scales, is_host_scale, kernel_scales, resolve_kv_dtype
+from ..core.fp8 import check_scale_arrays, resolve_kv_dtype
 from .plan import FP8_HEAD_DIMS, MAX_SPLITS, MERGES, SCHEDULES
 from ..core.layouts import CACHE_DTYPES, LAYOUTS, CacheGeometry, cache_geometry
 
@@ -57,19 +57,6 @@ def check_caches(q, k_cache, v_cache, layout, xp, kv_dtype=None):
         check_block_elements(geo, k_cache=k_cache, v_cache=v_cache)
         check_aligned(k_cache=k_cache, v_cache=v_cache)
     return geo, fmt
-
-
-def check_scale_arrays(fmt, k_scale, v_scale, num_kv_heads, xp, validate=None):
-    """A call's scales, checked before anything runs (``core.fp8.kernel_scales`` for a
-    device call: device arrays' values read only in strict mode); the kernels' scale
-    fields, or None on the NumPy path."""
-    if xp is np:
-        check_kv_scales(fmt, k_scale, v_scale, num_kv_heads)
-        return None
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is not None and not (is_host_scale(scale) or isinstance(scale, np.ndarray)):
-            check_array(name, scale, xp=xp, contiguous=False)
-    return kernel_scales(fmt, k_scale, v_scale, num_kv_heads, strict(validate))
 
 
 def check_new_kv(k_new, v_new, batch, geo, dtype, xp):

@@ -9,7 +9,10 @@ host work once per batch step (``plan``) and only launches per layer (``run``).
 
 NumPy inputs run ``cupaged.reference.attention``; CuPy inputs run ``kernels_cu/prefill.cu``:
 fp16/bf16 on tensor cores (mma.sync m16n8k16, FlashAttention-2 style), fp32 on a simple
-CUDA-core path (correct, not tuned). ``backend="wgmma"`` runs ``kernels_cu/prefill_sm90.cu``
+CUDA-core path (correct, not tuned). Paged caches may be fp8 (``kv_dtype``, ``k_scale``,
+``v_scale``: docs/design.md, "fp8 caches"): both kernels read them with float16/bfloat16 q
+at head sizes ``prefill.plan.FP8_HEAD_DIMS``, widening the tiles to 16 bits on the way to
+the tensor cores. ``backend="wgmma"`` runs ``kernels_cu/prefill_sm90.cu``
 instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, every head size, layout and score
 option); ``"auto"`` picks it on sm_90 for fp16/bf16 when the layout is in
 ``prefill.plan.WGMMA_AUTO`` (all but HND), else the mma.sync kernel (docs/prefill.md,
@@ -28,9 +31,11 @@ from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_c
                            check_gqa, check_int, check_lse, check_options, check_out,
                            token_stride)
 from ..core.device import Uploader
+from ..core.fp8 import (check_scale_arrays, fp8_format, given_kv_dtype, resolve_kv_dtype,
+                        scale_parts)
 from ..core.launch import current_stream, ptr
-from ..core.layouts import (CacheGeometry, accepts_cache, cache_geometry, cache_strides,
-                            layout_strides, resolve_layout)
+from ..core.layouts import (CACHE_DTYPES, CacheGeometry, accepts_cache, cache_geometry,
+                            cache_strides, layout_strides, resolve_layout)
 from ..reference import attention as ref
 from .launch import Launches, addresses, choose_backend, host_work, work_capacity
 
@@ -184,27 +189,31 @@ def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, ou
 def _run(run, q, out, return_lse, arrays):
     """Outputs allocated (by the caller's framework), then the call's launches; ``arrays``:
     q, k (or k_cache), v, cu_seqlens_q, the kv info (cu_seqlens_k or seq_lens), block
-    tables, alibi_slopes and sinks."""
+    tables, alibi_slopes and sinks, then k_scale and v_scale arrays (paged; None: none)."""
     import cupy
     out, lse = _outputs(q, out, return_lse, cupy)
-    q, k, v, cu_q, kv_info, tables, alibi, sinks = addresses(*arrays)
-    run(q, k, v, ptr(out), ptr(lse), cu_q, kv_info, tables, alibi, sinks, current_stream())
+    q, k, v, cu_q, kv_info, tables, alibi, sinks, *scales = addresses(*arrays)
+    run(q, k, v, ptr(out), ptr(lse), cu_q, kv_info, tables, alibi, sinks, current_stream(),
+        *scales)
     return (out, lse) if return_lse else out
 
 
 def _run_hot(run, call, q, out, return_lse):
     """A cached call's launches: ``call.ptrs`` hold q, k, v, cu_seqlens_q, the kv info,
-    [block tables,] alibi_slopes, sinks and out, as the public op lists its arrays."""
+    [block tables,] alibi_slopes, sinks, [k_scale, v_scale,] and out, as the public op
+    lists its arrays (the bracketed ones paged only)."""
     *ptrs, out_ptr = call.ptrs
-    if len(ptrs) == 7:  # ragged: no block tables
-        ptrs.insert(5, 0)
+    if len(ptrs) == 7:  # ragged: no block tables, no scales
+        ptrs[5:5] = [0]
+        ptrs += [0, 0]
     if out is None:
         out, out_ptr = call.empty(q.shape, run.dtype)
     lse = lse_ptr = 0
     if return_lse:
         lse, lse_ptr = call.empty(q.shape[:2], np.float32)
-    q, k, v, cu_q, kv_info, tables, alibi, sinks = ptrs
-    run(q, k, v, out_ptr, lse_ptr, cu_q, kv_info, tables, alibi, sinks, call.stream)
+    q, k, v, cu_q, kv_info, tables, alibi, sinks, k_scale, v_scale = ptrs
+    run(q, k, v, out_ptr, lse_ptr, cu_q, kv_info, tables, alibi, sinks, call.stream, k_scale,
+        v_scale)
     return call.done((out, lse) if return_lse else out)
 
 
@@ -212,18 +221,21 @@ _CALLS = CallCache()  # device-planned prefill calls by signature
 
 
 # ----------------------------------------------------------------------------- paged
-def _check_caches(k_cache, v_cache, layout, xp):
+def _check_caches(k_cache, v_cache, layout, xp, kv_dtype=None):
+    """A cache pair in ``layout``: ``(geometry, fp8 format or None)`` (``kv_dtype``, or a
+    float8 cache's own format; ``core.fp8.resolve_kv_dtype``)."""
     plan_.check_layout(layout)
     check_array("k_cache", k_cache, xp=xp, contiguous=False)
     check_array("v_cache", v_cache, xp=xp, contiguous=False)
-    return cache_geometry(k_cache, v_cache, layout)
+    return (cache_geometry(k_cache, v_cache, layout, CACHE_DTYPES),
+            resolve_kv_dtype(kv_dtype, k_cache, v_cache))
 
 
 @accepts_cache(1)
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                   sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                   logits_soft_cap=0.0, layout=None, out=None, return_lse=False, backend="auto",
-                  validate=None):
+                  validate=None, kv_dtype=None, k_scale=None, v_scale=None):
     """Attention of new query tokens against paged caches (chunked prefill, prefix reuse).
 
     Sequence ``b``'s ``q_len`` queries are the last ``q_len`` of its ``seq_lens[b]`` cached
@@ -235,8 +247,8 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     q : array
         ``[total_q, num_q_heads, head_dim]`` float16, bfloat16 or float32.
     k_cache, v_cache : array
-        Paged caches in ``layout`` (see ``cupaged.layouts``), q's dtype, holding the new
-        tokens' keys and values already.
+        Paged caches in ``layout`` (see ``cupaged.layouts``), q's dtype or fp8
+        (``kv_dtype``), holding the new tokens' keys and values already.
     cu_seqlens_q : array
         int32 ``[batch_size + 1]`` query prefix sums ending at ``total_q``.
     block_tables : array
@@ -253,7 +265,19 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     layout : {"NHD", "HND", "vllm"}, optional
         Layout of raw cache arrays; default "NHD", refused (ValueError) when k_cache's shape
         also reads validly as HND. A cache given as a :class:`cupaged.CacheView` or
-        :class:`cupaged.PagedKVCache` (in place of ``k_cache, v_cache``) brings its own.
+        :class:`cupaged.PagedKVCache` (in place of ``k_cache, v_cache``) brings its own
+        (and an fp8 one its ``kv_dtype`` and scales).
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
+        The caches' format (docs/design.md, fp8 caches); None: their own dtype (a float8
+        cache is in its format, a uint8 cache needs a name). The kernels read fp8 caches
+        with float16 or bfloat16 q and head_dim in ``prefill.plan.FP8_HEAD_DIMS`` (64,
+        128), every layout and option, both backends; the NumPy path takes every case.
+    k_scale, v_scale : float or array, optional
+        fp8 only (default 1.0): the cache holds ``key / k_scale``, ``value / v_scale``. A
+        Python float, or a float32 array of shape ``[]`` or ``[1]`` (one scale) or
+        ``[num_kv_heads]`` on q's device; arrays are read by the kernels (their values,
+        finite and positive, are checked on the host only in strict mode), so a call stays
+        sync-free and a captured graph follows later values.
 
     Returns
     -------
@@ -262,29 +286,35 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     lse : array
         float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
     """
+    kv_dtype = given_kv_dtype(kv_dtype, k_cache)
+    scale_arrays, scale_values = scale_parts(k_scale, v_scale)
     arrays = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, alibi_slopes, sinks,
-              out)
+              *scale_arrays, out)
     call = hot(errors.strict(validate), arrays, "paged", causal, sm_scale, window_left,
-               logits_soft_cap, layout, bool(return_lse), backend)
+               logits_soft_cap, layout, bool(return_lse), backend, kv_dtype, scale_values)
     if call is not None:
         hit = _CALLS.get(call.key)
         if hit is not None:  # checked and set up by an earlier call of this signature
             return _run_hot(hit, call, q, out, return_lse)
-    return _paged_checked(*arrays, causal, sm_scale, window_left, logits_soft_cap, layout,
-                          return_lse, backend, validate, call.key if call is not None else None)
+    return _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                          alibi_slopes, sinks, k_scale, v_scale, out, causal, sm_scale,
+                          window_left, logits_soft_cap, layout, return_lse, backend, validate,
+                          kv_dtype, call.key if call is not None else None)
 
 
 @accepts_dlpack
 def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, alibi_slopes,
-                   sinks, out, causal, sm_scale, window_left, logits_soft_cap, layout,
-                   return_lse, backend, validate, cache_key):
+                   sinks, k_scale, v_scale, out, causal, sm_scale, window_left, logits_soft_cap,
+                   layout, return_lse, backend, validate, kv_dtype, cache_key):
     """paged_prefill's checks, its launches' setup (cached under ``cache_key`` when planned
     on the device) and its launches."""
     layout = resolve_layout(layout, k_cache, q)
     xp = array_module(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, alibi_slopes,
                       sinks, out)
-    geo = _check_caches(k_cache, v_cache, layout, xp)
-    plan_.check_paged_query(q, geo, k_cache.dtype, xp)
+    geo, fmt = _check_caches(k_cache, v_cache, layout, xp, kv_dtype)
+    kv = None if fmt is None else fmt.name
+    plan_.check_paged_query(q, geo, k_cache.dtype, xp, kv)
+    scales = check_scale_arrays(fmt, k_scale, v_scale, geo.num_kv_heads, xp, validate)
     contents = xp is np or errors.strict(validate)
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0], contents=contents)
     _, kv_lens = check_block_tables(block_tables, seq_lens, geo, xp,
@@ -297,7 +327,8 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
     backend = choose_backend(backend, q.dtype, geo.head_dim, layout, opts, xp)
     if xp is np:
         return _finish(ref.paged_prefill(q, k_cache, v_cache, cu_q, block_tables, seq_lens,
-                                         layout=layout, return_lse=return_lse,
+                                         layout=layout, return_lse=return_lse, kv_dtype=kv,
+                                         k_scale=k_scale, v_scale=v_scale,
                                          **_ref_options(opts, causal)), out, return_lse)
     v_t = layout == "vllm" and q.dtype != float32
     work = None
@@ -306,18 +337,19 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
                                 geo.head_dim, v_t, causal, opts, backend=backend))
     run = Launches(q, cu_seqlens_q.shape[0] - 1, block_tables, geo.block_size, geo.num_blocks,
                     0, geo.num_kv_heads, cache_strides(k_cache, v_cache, layout, geo), opts,
-                    causal, v_t, backend, work=work)
+                    causal, v_t, backend, work=work, kv=kv, scales=scales)
     if work is None:
         _CALLS.put(cache_key, run)
     return _run(run, q, out, return_lse, (q, k_cache, v_cache, cu_seqlens_q, seq_lens,
-                                          block_tables, alibi_slopes, sinks))
+                                          block_tables, alibi_slopes, sinks,
+                                          *scale_parts(k_scale, v_scale)[0]))
 
 
 @accepts_cache(1)
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                     sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                     logits_soft_cap=0.0, layout=None, out=None, return_lse=False,
-                    backend="auto", validate=None):
+                    backend="auto", validate=None, kv_dtype=None, k_scale=None, v_scale=None):
     """Attention for a batch mixing decode rows (``q_len = 1``) and prefill rows.
 
     Same arguments, semantics and results as :func:`paged_prefill`; one launch of the
@@ -332,7 +364,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
         last ``q_len_i`` of its ``seq_lens[i]`` positions; rows past ``cu_seqlens_q[-1]``
         are padding (zeros out).
     k_cache, v_cache : array
-        Paged caches in ``layout``, q's dtype, already holding the new tokens.
+        Paged caches in ``layout``, q's dtype or fp8 (``kv_dtype``), already holding the
+        new tokens.
     cu_seqlens_q : array
         int32 ``[batch + 1]`` query prefix sums.
     block_tables : array
@@ -340,7 +373,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
     seq_lens : array
         int32 ``[batch]`` keys per sequence, new tokens included.
     causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, layout, out, \
-return_lse, backend, validate
+return_lse, backend, validate, kv_dtype, k_scale, v_scale
         As in :func:`paged_prefill`.
 
     Returns
@@ -354,7 +387,7 @@ return_lse, backend, validate
                          causal=causal, sm_scale=sm_scale, window_left=window_left,
                          alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap,
                          layout=layout, out=out, return_lse=return_lse, backend=backend,
-                         validate=validate)
+                         validate=validate, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
 
 
 # ----------------------------------------------------------------------------- plan / run
@@ -389,10 +422,15 @@ class PagedPrefiller:
         Query heads, kv heads (dividing ``num_q_heads``), head size (64, 80, 96, 112, 128,
         256) and cache block size.
     dtype : str or dtype
-        float16, bfloat16 or float32: the dtype of q and the caches.
+        float16, bfloat16 or float32: the dtype of q and (without ``kv_dtype``) the caches.
     layout : {"NHD", "HND", "vllm"}, optional
         Cache layout; default "NHD", and then a raw cache whose shape also reads validly as
         HND is refused at ``run`` (a CacheView or PagedKVCache brings its layout).
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}
+        The caches' fp8 format (fixed with the kernels, as FlashInfer's ``kv_data_type``;
+        the scales come with each layer's ``run``); None: caches of ``dtype``. fp8 caches
+        take float16 or bfloat16 ``dtype`` and head_dim in ``prefill.plan.FP8_HEAD_DIMS``
+        on the device.
     causal, window_left, logits_soft_cap, sm_scale, backend
         As in :func:`paged_prefill` ("wgmma" is checked against these here, against the
         device in ``run``; one planned work list serves both kernels).
@@ -403,7 +441,8 @@ class PagedPrefiller:
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout=None, *, causal=True, window_left=-1, logits_soft_cap=0.0,
-                 sm_scale=None, backend="auto", max_batch=None, max_blocks_per_seq=None):
+                 sm_scale=None, backend="auto", max_batch=None, max_blocks_per_seq=None,
+                 kv_dtype=None):
         self.num_q_heads = check_int("num_q_heads", num_q_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
         self.block_size = check_int("block_size", block_size)
@@ -414,6 +453,7 @@ class PagedPrefiller:
         self.layout_given = layout is not None
         self.layout = plan_.check_layout("NHD" if layout is None else layout)
         self._v_transposed = self.layout == "vllm" and self.dtype != float32
+        self.kv_dtype = None if kv_dtype is None else fp8_format(kv_dtype).name
         self.causal = plan_.check_flag("causal", causal)
         self._options = dict(sm_scale=sm_scale, window_left=window_left,
                              logits_soft_cap=logits_soft_cap)
@@ -552,7 +592,7 @@ class PagedPrefiller:
             d["bt"][:batch, width:] = -1
         return d
 
-    def _launches(self, q, geo, k_cache, v_cache, opts, backend):
+    def _launches(self, q, geo, k_cache, v_cache, opts, backend, scales):
         """The launches of a run over the owned buffers: the host work list, or the plan
         kernel over every sequence of the capacity writing a list of at least
         :func:`~cupaged.prefill.launch.work_capacity` items (grown here when q has more rows
@@ -570,12 +610,17 @@ class PagedPrefiller:
                         self.num_kv_heads, cache_strides(k_cache, v_cache, self.layout, geo),
                         opts, self.causal, self._v_transposed, backend,
                         work=d["work"] if host_planned else None, name="prefiller",
-                        owned=None if host_planned else (d["work"], d["scratch"], d["done"]))
+                        owned=None if host_planned else (d["work"], d["scratch"], d["done"]),
+                        kv=self.kv_dtype, scales=scales)
 
     def _check_run(self, q, k_cache, v_cache, xp):
         if self._host is None:
             raise ValueError("PagedPrefiller.run: expected plan() to be called first, got no plan")
-        geo = _check_caches(k_cache, v_cache, self.layout, xp)
+        geo, fmt = _check_caches(k_cache, v_cache, self.layout, xp, self.kv_dtype)
+        if fmt is not None and self.kv_dtype is None:
+            raise ValueError(f"k_cache: expected caches of dtype {self.dtype} (the prefiller's "
+                             f"kv_dtype None), got {k_cache.dtype}; build the PagedPrefiller "
+                             f"with kv_dtype={fmt.name!r}")
         want = (self.block_size, self.num_kv_heads, self.head_dim)
         if tuple(geo[1:]) != want:
             raise ValueError(f"k_cache: expected (block_size, num_kv_heads, head_dim) {want} as "
@@ -589,12 +634,12 @@ class PagedPrefiller:
         if cu is not None and q.shape[0] < cu[-1]:  # a device planner of host arrays
             raise ValueError(f"q: expected at least {int(cu[-1])} rows (the plan's tokens), "
                              f"got {q.shape[0]}")
-        plan_.check_paged_query(q, geo, k_cache.dtype, xp)
-        return geo
+        plan_.check_paged_query(q, geo, k_cache.dtype, xp, self.kv_dtype)
+        return geo, fmt
 
     @accepts_cache(2, owner=True)
     def run(self, q, k_cache, v_cache=None, *, sinks=None, alibi_slopes=None, out=None, lse=None,
-            return_lse=False):
+            return_lse=False, k_scale=None, v_scale=None):
         """Attention of the planned batch for one layer.
 
         Parameters
@@ -604,7 +649,7 @@ class PagedPrefiller:
             strided); for a device plan, any number of rows (those past the last prefix are
             padding: zeros).
         k_cache, v_cache : array
-            Paged caches in the planned layout and geometry.
+            Paged caches in the planned layout, geometry and format (``kv_dtype``).
         sinks, alibi_slopes : array, optional
             float32 ``[num_q_heads]``.
         out : array, optional
@@ -612,6 +657,9 @@ class PagedPrefiller:
         lse : array, optional
             float32 ``[total_q, num_q_heads]`` LSE buffer, written when given.
         return_lse : bool
+        k_scale, v_scale : float or array, optional
+            The layer's fp8 scales (the prefiller's ``kv_dtype``), as in
+            :func:`paged_prefill`.
 
         Returns
         -------
@@ -620,29 +668,33 @@ class PagedPrefiller:
         lse : array
             float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
         """
-        arrays = (q, k_cache, v_cache, alibi_slopes, sinks, out, lse)
-        call = hot(False, arrays, bool(return_lse)) if self._device is not None else None
+        scale_arrays, scale_values = scale_parts(k_scale, v_scale)
+        arrays = (q, k_cache, v_cache, alibi_slopes, sinks, *scale_arrays, out, lse)
+        call = (hot(False, arrays, bool(return_lse), scale_values)
+                if self._device is not None else None)
         if call is not None:
             hit = self._runs.get(call.key)
             if hit is not None:  # checked against the plan by an earlier run
                 d = self._device
-                qp, kp, vp, alibi, sk, out_ptr, lse_ptr = call.ptrs
+                qp, kp, vp, alibi, sk, ks, vs, out_ptr, lse_ptr = call.ptrs
                 if out is None:
                     out, out_ptr = call.empty(q.shape, self.dtype)
                 if lse is None and return_lse:
                     lse, lse_ptr = call.empty(q.shape[:2], np.float32)
                 hit(qp, kp, vp, out_ptr, lse_ptr, d["cu_ptr"], d["sl_ptr"], d["bt_ptr"], alibi,
-                    sk, call.stream)
+                    sk, call.stream, ks, vs)
                 return call.done((out, lse) if return_lse else out)
-        return self._run_checked(*arrays, return_lse, call.key if call is not None else None)
+        return self._run_checked(q, k_cache, v_cache, alibi_slopes, sinks, k_scale, v_scale,
+                                 out, lse, return_lse, call.key if call is not None else None)
 
     @accepts_dlpack
-    def _run_checked(self, q, k_cache, v_cache, alibi_slopes, sinks, out, lse, return_lse,
-                     cache_key):
+    def _run_checked(self, q, k_cache, v_cache, alibi_slopes, sinks, k_scale, v_scale, out, lse,
+                     return_lse, cache_key):
         """run's checks against the plan, its launches' setup (cached under ``cache_key``)
         and its launches."""
         xp = array_module(q, k_cache, v_cache, sinks, alibi_slopes, out, lse)
-        geo = self._check_run(q, k_cache, v_cache, xp)
+        geo, fmt = self._check_run(q, k_cache, v_cache, xp)
+        scales = check_scale_arrays(fmt, k_scale, v_scale, geo.num_kv_heads, xp)
         causal, return_lse, opts = _check_common(
             xp, q, self.causal, return_lse, out,
             dict(self._options, alibi_slopes=alibi_slopes, sinks=sinks), k_cache=k_cache,
@@ -654,13 +706,15 @@ class PagedPrefiller:
         if xp is np:
             result = _finish(ref.paged_prefill(q, k_cache, v_cache, h["cu"], h["bt"], h["sl"],
                                                layout=self.layout, return_lse=want_lse,
-                                               **_ref_options(opts, causal)), out, want_lse)
+                                               kv_dtype=self.kv_dtype, k_scale=k_scale,
+                                               v_scale=v_scale, **_ref_options(opts, causal)),
+                             out, want_lse)
             return _into_lse(result, lse, return_lse)
         out, new_lse = _outputs(q, out, want_lse and lse is None, xp)
         lse = new_lse if lse is None else lse
-        run = self._launches(q, geo, k_cache, v_cache, opts, backend)
+        run = self._launches(q, geo, k_cache, v_cache, opts, backend, scales)
         self._runs.put(cache_key, run)
         d = self._device
         run(*addresses(q, k_cache, v_cache, out, lse, d["cu"], d["sl"], d["bt"], alibi_slopes,
-                       sinks), current_stream())
+                       sinks), current_stream(), *addresses(*scale_parts(k_scale, v_scale)[0]))
         return (out, lse) if return_lse else out

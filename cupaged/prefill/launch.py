@@ -15,6 +15,7 @@ from ..core.arrays import HEAD_DIMS, bfloat16, float16, float32
 from ..core.checks import INT32_MAX, table_stride, token_stride
 from ..core.compile import Spec, ctype, launcher
 from ..core.device import scratch
+from ..core.fp8 import KV_DTYPES
 from ..core.launch import current_stream, ptr
 from ..core.layouts import layout_strides
 
@@ -23,18 +24,26 @@ PLAN_CTAS = 64  # CTAs of prefill_plan_kernel: sequences are checked a CTA at a 
 
 
 # ----------------------------------------------------------------------------- kernels
-def _expr(dtype, head_dim, v_transposed, tile):
-    """Template name of the kernel for ``dtype`` / ``head_dim`` / tile (fp32: CUDA cores)."""
+def _types(dtype, kv):
+    """Template arguments ``T, KV``: q's dtype and the caches' elements (fp8 format ``kv``,
+    or None: q's dtype)."""
+    t = ctype(dtype)
+    return f"{t}, {t if kv is None else 'cupaged::' + kv}"
+
+
+def _expr(dtype, head_dim, v_transposed, tile, kv=None):
+    """Template name of the kernel for ``dtype`` / ``head_dim`` / tile / cache format ``kv``
+    (fp32: CUDA cores)."""
     if np.dtype(dtype) == float32:
         return f"cupaged::prefill_simt_kernel<{head_dim}>"
     vt = "true" if v_transposed else "false"
-    return f"cupaged::prefill_mma_kernel<{ctype(dtype)}, {head_dim}, {vt}, {tile.cpp()}>"
+    return f"cupaged::prefill_mma_kernel<{_types(dtype, kv)}, {head_dim}, {vt}, {tile.cpp()}>"
 
 
-def _expr_wgmma(dtype, head_dim, tile, v_transposed, general):
+def _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv=None):
     """Template name of the sm_90a wgmma kernel (``general``: the score epilogue path)."""
     flags = ", ".join("true" if f else "false" for f in (v_transposed, general))
-    return (f"cupaged::prefill_wgmma_kernel<{ctype(dtype)}, {head_dim}, {tile.block_n}, "
+    return (f"cupaged::prefill_wgmma_kernel<{_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
             f"{tile.stages}, {flags}>")
 
 
@@ -42,14 +51,18 @@ def kernel_specializations():
     """Every prefill kernel specialisation: (fp16, bf16) x head dims x (V rows, V^T for the
     vllm value layout) at the default tile of the head size, fp32 x head dims (one
     CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x head
-    dims x (V rows, V^T) x (plain, general scores) at its tile. The benchmark's other
-    tiles compile on demand."""
-    specs = [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt)))
-             for dt in (float16, bfloat16) for d in HEAD_DIMS for vt in (False, True)]
-    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d), vt, general),
-                   hopper=True)
-              for dt in (float16, bfloat16) for d in plan_.WGMMA_HEAD_DIMS
-              for vt in (False, True) for general in (False, True)]
+    dims x (V rows, V^T) x (plain, general scores) at its tile; the same from fp8 caches of
+    each format for the head dims ``plan.FP8_HEAD_DIMS``. The benchmark's other tiles
+    compile on demand."""
+    specs = []
+    for kv in (None,) + KV_DTYPES:
+        dims = HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS
+        specs += [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt), kv))
+                  for dt in (float16, bfloat16) for d in dims for vt in (False, True)]
+        specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d), vt, general, kv),
+                       hopper=True)
+                  for dt in (float16, bfloat16) for d in dims if d in plan_.WGMMA_HEAD_DIMS
+                  for vt in (False, True) for general in (False, True)]
     return (specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
             + [Spec("plan", PLAN_EXPR)])
 
@@ -88,18 +101,18 @@ def host_work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_tra
                            window_left=_window(opts))
 
 
-def _kernel(dtype, head_dim, v_transposed, tile, backend, general=False):
+def _kernel(dtype, head_dim, v_transposed, tile, backend, general=False, kv=None):
     """(kernel, dynamic smem bytes, threads) of a launch (``general``: the wgmma kernel's
-    score epilogue path, ``plan.general_scores``)."""
+    score epilogue path, ``plan.general_scores``; ``kv``: the caches' fp8 format or None)."""
     tile = _tile(dtype, head_dim, v_transposed, backend, tile)
     if backend == "wgmma":
-        smem = plan_.wgmma_smem_bytes(head_dim, tile)
-        expr = _expr_wgmma(dtype, head_dim, tile, v_transposed, general)
+        smem = plan_.wgmma_smem_bytes(head_dim, tile, kv)
+        expr = _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv)
         return (launcher("prefill_sm90", expr, abi.PREFILL,
                          hopper=True, smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
-    smem = plan_.smem_bytes(dtype, head_dim, v_transposed, tile)
-    return (launcher("prefill", _expr(dtype, head_dim, v_transposed, tile), abi.PREFILL, smem=smem,
-                     carveout=smem > 48 * 1024), smem, tile.threads)
+    smem = plan_.smem_bytes(dtype, head_dim, v_transposed, tile, kv)
+    return (launcher("prefill", _expr(dtype, head_dim, v_transposed, tile, kv), abi.PREFILL,
+                     smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
 
 
 def work_capacity(total_q, batch, group, num_kv_heads, block_m):
@@ -124,6 +137,11 @@ class Launches:
     tables : array or None
         Block tables (paged) or None (ragged K/V).
     strides : cupaged.core.layouts.CacheStrides
+    kv : str, optional
+        The caches' fp8 format (``"fp8_e4m3"``, ``"fp8_e5m2"``); None: q's dtype.
+    scales : dict, optional
+        The fp8 scale fields but the pointers (``core.fp8.kernel_scales``), fixed for the
+        call shape; the scale arrays' addresses come with each launch.
     owned : tuple of arrays, optional
         ``(work, plan scratch, done counter)``: int32 device buffers of the caller (a
         :class:`PagedPrefiller`'s, at fixed addresses) for the plan kernel: ``[capacity, 4]``
@@ -133,13 +151,13 @@ class Launches:
 
     def __init__(self, q, batch, tables, block_size, num_blocks, total_k, num_kv_heads,
                  strides, opts, causal, v_transposed, backend, tile=None, work=None,
-                 name="prefill", owned=None):
+                 name="prefill", owned=None, kv=None, scales=None):
         total_q, hq, d = q.shape
         self.dtype = q.dtype
         group = hq // num_kv_heads
         self.tile = _tile(q.dtype, d, v_transposed, backend, tile)
         self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend,
-                                                       plan_.general_scores(opts))
+                                                       plan_.general_scores(opts), kv)
         paged = tables is not None
         self.plan = None
         if work is None:
@@ -168,17 +186,20 @@ class Launches:
             k_chunk=strides.k_chunk, k_tok=strides.k_tok, v_block=strides.v_block,
             v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok, num_q_heads=hq,
             num_kv_heads=num_kv_heads, sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
-            window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q))
+            window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q),
+            **(scales or {}))
 
-    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream):
+    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream,
+                 k_scale=0, v_scale=0):
         """Launch on ``stream`` (a raw pointer), without a host sync; every array by its
-        device address (0 for None)."""
+        device address (0 for None; ``k_scale`` / ``v_scale``: fp8 scale arrays)."""
         if self.plan is not None:
             go, args = self.plan
             go(args.pack(cu_q=cu_q, kv_info=kv_info, block_tables=tables, out=out, lse=lse),
                stream)
         self.go(self.args.pack(q=q, k=k, v=v, out=out, lse=lse, cu_q=cu_q, kv_info=kv_info,
-                               block_tables=tables, alibi=alibi, sinks=sinks), stream)
+                               block_tables=tables, alibi=alibi, sinks=sinks, k_scale=k_scale,
+                               v_scale=v_scale), stream)
 
 
 def addresses(*arrays):

@@ -73,15 +73,33 @@ def launch_tile(dtype, head_dim, v_transposed=False):
     return SIMT_TILE if np.dtype(dtype) == float32 else default_tile(head_dim, v_transposed)
 
 
-def smem_bytes(dtype, head_dim, v_transposed, tile):
+def smem_bytes(dtype, head_dim, v_transposed, tile, kv=None):
     """Dynamic shared memory of one CTA: Q ``[block_m][D + 8]``, then ``stages`` K tiles
     ``[block_n][D + 8]`` and V tiles ``[block_n][D + 8]`` (transposed, vllm values:
-    ``[D][block_n + 8]``); 0 for fp32."""
+    ``[D][block_n + 8]``), then from an fp8 cache (format ``kv``) the staging of one tile
+    (:func:`fp8_staging_bytes`); 0 for fp32."""
     if np.dtype(dtype) == float32:
         return 0
     bn, ld = tile.block_n, head_dim + 8
     v_elems = head_dim * (bn + 8) if v_transposed else bn * ld
-    return 2 * (tile.block_m * ld + tile.stages * (bn * ld + v_elems))
+    staging = 0 if kv is None else fp8_staging_bytes(head_dim, tile.block_n, tile.threads)
+    return 2 * (tile.block_m * ld + tile.stages * (bn * ld + v_elems)) + staging
+
+
+# ----------------------------------------------------------------------------- fp8 caches
+# Head sizes the prefill kernels read fp8 caches at (as decode's FP8_HEAD_DIMS).
+FP8_HEAD_DIMS = (64, 128)
+
+
+def fp8_staging_bytes(head_dim, block_n, threads):
+    """Shared memory staging one K/V tile of fp8 codes (``KVChunks`` of prefill.cu and
+    ``KVRows`` of prefill_sm90.cu): per thread, a 16-byte slot per K row pass and as many
+    for V (row passes, or V^T passes of 16 keys a dim, whichever are more)."""
+    chunks = head_dim // 16
+    row_threads = next(n for n in (4, 8, 16, 32) if chunks <= n)
+    row_passes = block_n // (threads // row_threads)
+    vt_passes = -(-head_dim // (threads // (block_n // 16)))
+    return (row_passes + max(row_passes, vt_passes)) * threads * 16
 
 
 # ----------------------------------------------------------------------------- wgmma (sm_90a)
@@ -125,11 +143,14 @@ def wgmma_tile(head_dim):
     return WgmmaTile(128, 3 if head_dim == 64 else 2)
 
 
-def wgmma_smem_bytes(head_dim, tile):
+def wgmma_smem_bytes(head_dim, tile, kv=None):
     """Dynamic shared memory of the wgmma kernel: Q ``[128][D]``, ``stages`` K and V tiles
-    ``[block_n][D]`` (16-bit; V^T ``[D][block_n]`` takes as much), plus 1024 bytes to align
-    the swizzled tiles."""
-    return 2 * (tile.block_m * head_dim + 2 * tile.stages * tile.block_n * head_dim) + 1024
+    ``[block_n][D]`` (16-bit; V^T ``[D][block_n]`` takes as much), from an fp8 cache
+    (format ``kv``) the staging of one tile (:func:`fp8_staging_bytes`), plus 1024 bytes to
+    align the swizzled tiles."""
+    staging = 0 if kv is None else fp8_staging_bytes(head_dim, tile.block_n, tile.threads)
+    return (2 * (tile.block_m * head_dim + 2 * tile.stages * tile.block_n * head_dim) + staging
+            + 1024)
 
 
 def general_scores(opts):
@@ -262,13 +283,22 @@ def check_ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, xp, contents=True):
     return cu_q, cu_k
 
 
-def check_paged_query(q, geometry, cache_dtype, xp):
-    """q against a cache: same dtype, same head size, GQA group, block size limit."""
+def check_paged_query(q, geometry, cache_dtype, xp, kv=None):
+    """q against a cache: same dtype (an fp8 cache, format ``kv``: float16 or bfloat16 q
+    and head sizes FP8_HEAD_DIMS on the device, anything on the NumPy path), same head
+    size, GQA group, block size limit."""
     _, num_q_heads, head_dim = check_query("q", q, xp)
-    if q.dtype != cache_dtype:
+    if kv is None and q.dtype != cache_dtype:
         raise TypeError(f"k_cache: expected dtype {q.dtype} like q, got {cache_dtype}")
     if geometry.head_dim != head_dim:
         raise ValueError(f"k_cache: expected head size {head_dim} like q, got {geometry.head_dim}")
+    if kv is not None and xp is not np:
+        if q.dtype.itemsize != 2:
+            raise TypeError(f"q: expected dtype float16 or bfloat16 with an fp8 cache "
+                            f"(kv_dtype {kv!r}), got {q.dtype}")
+        if head_dim not in FP8_HEAD_DIMS:
+            raise ValueError(f"k_cache: expected head_dim in {FP8_HEAD_DIMS} for an fp8 cache "
+                             f"(kv_dtype {kv!r}) on the device, got {head_dim}")
     check_gqa(num_q_heads, geometry.num_kv_heads, "k_cache")
     check_block_elements(geometry)
 
