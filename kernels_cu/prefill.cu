@@ -365,10 +365,6 @@ __device__ __forceinline__ void prefill_mma(const Problem<T, KV>& P) {
     else load_kv_rows<KV, C, true, false>(P, src, n_last * BN, sK0, sV0, sS);
   }
   cp_async_commit();
-  if constexpr (F::FP8) {
-    cp_async_wait<0>();
-    if (n_last >= n_first) land_kv_tile<T, KV, C, V_T>(P, sK0, sV0, sS);
-  }
   u32 qf[C::Q_REGS ? MT : 1][C::Q_REGS ? KS_Q : 1][4];
   if constexpr (C::Q_REGS) {
     cp_async_wait<0>();
@@ -392,12 +388,14 @@ __device__ __forceinline__ void prefill_mma(const Problem<T, KV>& P) {
   for (int n = n_last, stage = 0; n >= n_first; --n, stage ^= C::STAGES - 1) {
     const int j0 = n * BN;
     const u32 sK = sK0 + stage * C::K_BYTES, sV = sV0 + stage * C::V_BYTES;
-    const u32 sK_next = sK0 + (stage ^ 1) * C::K_BYTES, sV_next = sV0 + (stage ^ 1) * C::V_BYTES;
     cp_async_wait<0>();
+    // fp8: the thread's staged chunks of tile n widened into this stage (last read by tile n + 2)
+    if constexpr (F::FP8) land_kv_tile<T, KV, C, V_T>(P, sK, sV, sS);
     __syncthreads();  // tile n (K; V too with two stages) visible; every warp is done with tile n + 1
     if constexpr (C::STAGES == 2) {
       if (n > n_first)  // all of tile n - 1 into the other stage (fp8: into the staging)
-        load_kv_tile<T, KV, C, V_T>(P, st.src, j0 - BN, sK_next, sV_next, sS);
+        load_kv_tile<T, KV, C, V_T>(P, st.src, j0 - BN, sK0 + (stage ^ 1) * C::K_BYTES,
+                                    sV0 + (stage ^ 1) * C::V_BYTES, sS);
     } else {
       load_v_tile<T, C, V_T>(P, st.src, j0, sK, sV);
     }
@@ -421,13 +419,6 @@ __device__ __forceinline__ void prefill_mma(const Problem<T, KV>& P) {
     }
     // -- compute pv --
     if (active) compute_pv<T, D, C, V_T>(o, pf, sV, lane);
-    // -- fp8: tile n - 1 from the staging into the other stage (seen after the next barrier) --
-    if constexpr (F::FP8) {
-      if (n > n_first) {
-        cp_async_wait<0>();
-        land_kv_tile<T, KV, C, V_T>(P, sK_next, sV_next, sS);
-      }
-    }
   }
 
   // -- epilogue: rows staged in the warp's own sQ rows (Q's copy must have landed) --
@@ -525,7 +516,7 @@ __device__ __forceinline__ void prefill_simt(const Problem<float, float>& P) {
 // m-tiles), online softmax in registers. All threads fill the K/V tiles with cp.async, one
 // block-table lookup per row (see TileShape for the order of loads and barriers); from an
 // fp8 cache tile n - 1 streams into the staging during tile n and each thread widens its
-// chunks into the other stage after tile n's math (two stages only).
+// chunks into their stage before the barrier that opens tile n - 1 (two stages only).
 // Key tiles run from the last visible one down, so masked diagonal / end tiles come first; a
 // warp none of whose rows sees a key of a tile skips its math. The output is staged through
 // the warp's own Q rows in smem.
