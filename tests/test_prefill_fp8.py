@@ -259,11 +259,14 @@ def test_gpu_fp8_prefiller(cp, rng, layout, scale):
     pre = cupaged.PagedPrefiller(8, 2, 128, 16, dtype=bfloat16, layout=layout,
                                  kv_dtype="fp8_e4m3", window_left=150)
     for q_lens, kv_lens in [([1, 300, 1, 17], [1000, 300, 5, 40]), ([64, 1, 2], [64, 2048, 2])]:
-        for layer in range(2):
-            case, fp8 = fp8_paged(rng, q_lens, kv_lens, layout=layout, scale=scale)
-            if layer == 0:
-                pre.plan(*(cp.asarray(case[n]) for n in ("cu_seqlens_q", "block_tables",
-                                                         "seq_lens")))
+        case, fp8 = fp8_paged(rng, q_lens, kv_lens, layout=layout, scale=scale)
+        pre.plan(*(cp.asarray(case[n]) for n in ("cu_seqlens_q", "block_tables", "seq_lens")))
+        for layer in range(2):  # a second layer: new q, other scales over the same bytes
+            if layer:
+                case["q"] = _rand(rng, case["q"].shape, bfloat16)
+                fp8["k_scale"], fp8["v_scale"] = (
+                    x * 2 if scale == "float" else np.asarray(x * 2, np.float32)
+                    for x in (fp8["k_scale"], fp8["v_scale"]))
             want = ref.paged_prefill(**case, layout=layout, window_left=150, **fp8)
             ks, vs = _dev(cp, fp8["k_scale"]), _dev(cp, fp8["v_scale"])
             q, kc, vc = (cp.asarray(case[n]) for n in ("q", "k_cache", "v_cache"))
