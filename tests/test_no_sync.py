@@ -58,7 +58,10 @@ def _paged(rng, xp, lens=(300, 17, 2048, 0, 513), hq=32, hk=8, d=128, bs=16, dty
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     pinned = __import__("cupyx").empty_pinned((4, bs, hk, d), dtype) if xp is not np else None
     positions = np.concatenate([np.arange(s - n, s) for s, n in zip(lens, q_lens)]).astype(np.int32)
+    codes = lambda: xp.asarray(rng.integers(0, 0x70, (nb, bs, hk, d), dtype=np.uint8))
     return dict(q=rnd(len(lens), hq, d), kc=rnd(nb, bs, hk, d), vc=rnd(nb, bs, hk, d),
+                kc8=codes(), vc8=codes(),  # finite e4m3 codes, per-head scales
+                ks=xp.asarray(rng.uniform(0.02, 0.1, hk).astype(np.float32)),
                 lse=xp.asarray(rng.standard_normal((int(cu[-1]), hq), np.float32)),
                 pairs=xp.asarray(np.array([[0, 1], [2, 3]], np.int64)), pinned=pinned,
                 logits=xp.asarray(rng.standard_normal((2, hq, 5, 77), np.float32)),
@@ -85,6 +88,8 @@ def _calls(c):
     dec8 = cupaged.PagedDecoder(32, 8, 128, 16, dtype=bfloat16, max_batch=8, layout="NHD",
                                 kv_dtype="fp8_e4m3")
     pre = cupaged.PagedPrefiller(32, 8, 128, 16, dtype=bfloat16, layout="NHD")
+    pre8 = cupaged.PagedPrefiller(32, 8, 128, 16, dtype=bfloat16, layout="NHD",
+                                  kv_dtype="fp8_e4m3")
     pos = c["slots"]
     fp8 = dict(kv_dtype="fp8_e4m3", k_scale=c["k_scale"], v_scale=c["v_scale"])
     return {
@@ -102,6 +107,11 @@ def _calls(c):
             c["q"], c["kc"], c["vc"], c["tables"], c["lens"], k_new=c["kn"], v_new=c["kn"], layout="NHD"),
         "paged_attention": lambda: cupaged.paged_attention(c["qp"], c["kc"], c["vc"], c["cu"],
                                                            c["tables"], c["lens"], layout="NHD"),
+        "paged_attention_fp8": lambda: cupaged.paged_attention(
+            c["qp"], c["kc8"], c["vc8"], c["cu"], c["tables"], c["lens"], layout="NHD",
+            kv_dtype="fp8_e4m3", k_scale=c["ks"], v_scale=c["ks"]),
+        "prefiller_fp8_device_plan_run": lambda: pre8.plan(c["cu"], c["tables"], c["lens"]).run(
+            c["qp"], c["kc8"], c["vc8"], k_scale=c["ks"], v_scale=c["ks"]),
         "varlen_prefill": lambda: cupaged.varlen_prefill(c["qp"], c["kv"], c["kv"], c["cu"], c["cu"]),
         "write_kv_cache": lambda: cupaged.write_kv_cache(c["kv"], c["kv"], c["kc"], c["vc"], c["slots"]),
         "apply_rope": lambda: cupaged.apply_rope(pos, c["qp"], c["kv"], max_position=8192),
@@ -145,7 +155,8 @@ def _layer_step(c):
         layer(c["positions"], q, k, k, c["kc"], c["vc"], meta)
 
 
-NAMES = ["paged_decode", "paged_decode_append", "paged_attention", "varlen_prefill",
+NAMES = ["paged_decode", "paged_decode_append", "paged_attention", "paged_attention_fp8",
+         "prefiller_fp8_device_plan_run", "varlen_prefill",
          "write_kv_cache", "apply_rope", "decoder_device_plan_run", "decoder_host_plan_run",
          "prefiller_host_plan_run", "prefiller_device_plan_run", "merge_states",
          "copy_blocks_host_pairs", "copy_blocks_device_pairs", "swap_out_memcpy",
