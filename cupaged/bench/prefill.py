@@ -19,10 +19,11 @@ Rows (bf16, H 32 query and kv heads):
   16 with shuffled blocks; ``vs_ragged`` is its speed relative to the ragged row (goal >= 0.9).
 - ``sweep``: default tile, S 512 .. 32K (batch chosen so each row has 16K-32K tokens).
 - ``mixed``: one ragged batch of very different lengths (1 .. 16K).
-- ``NHD page16 fp8_e4m3 cache``: the paged NHD row's prefill (``PagedPrefiller``, backend
-  "auto") from an fp8 e4m3 cache with per-head scales, beside the same prefill from the bf16
-  cache in the same run (``vs_bf16``: bf16 time over fp8 time, issue 21's goal >= 0.9;
-  ``err_vs_bf16``: the output's relative error against the bf16 cache's).
+- ``NHD page16 fp8_e4m3 cache`` (and HND, vllm without ``--quick``): the paged row's
+  prefill (``PagedPrefiller``, backend "auto") from an fp8 e4m3 cache with per-head scales,
+  beside the same prefill from a bf16 cache of that layout in the same run (``vs_bf16``:
+  bf16 time over fp8 time, issue 21's goal >= 0.9 for NHD; ``err_vs_bf16``: the output's
+  relative error against the bf16 cache's).
 - ``mixed decode + chunk``: issue 20's batch of 63 decode rows at 8K and a 2K-token chunk
   through one ``paged_attention``, beside ``paged_decode`` + ``paged_prefill`` on its parts
   (``vs_split`` >= 1 is the goal).
@@ -352,13 +353,13 @@ def bench_paged(inputs, causal, layouts=("NHD",)):
     return rows
 
 
-def bench_fp8(inputs, causal, kv_dtype="fp8_e4m3"):
-    """Paged prefill (PagedPrefiller, page 16, NHD, backend "auto") from a ``kv_dtype`` cache
-    with per-head scales (each head's largest magnitude at the format's largest value),
-    beside the same prefill from a bf16 cache in this run: ``vs_bf16`` the bf16 time over
-    the fp8 time (issue 21: >= 0.9), ``err_vs_bf16`` the fp8 output's relative error (norm)
-    against the bf16 cache's; ``checked``: sequence 0's first and last rows against the
-    reference over the dequantised cache."""
+def bench_fp8(inputs, causal, layouts=("NHD",), kv_dtype="fp8_e4m3"):
+    """Paged prefill (PagedPrefiller, page 16, backend "auto") from a ``kv_dtype`` cache in
+    each of ``layouts`` with per-head scales (each head's largest magnitude at the format's
+    largest value), beside the same prefill from a bf16 cache of that layout in this run:
+    ``vs_bf16`` the bf16 time over the fp8 time (issue 21: >= 0.9), ``err_vs_bf16`` the fp8
+    output's relative error (norm) against the bf16 cache's; ``checked``: sequence 0's
+    first and last rows against the reference over the dequantised cache."""
     import cupy
     from ..core.fp8 import fp8_format
     from ..reference.fp8 import dequantize, quantize
@@ -366,23 +367,26 @@ def bench_fp8(inputs, causal, kv_dtype="fp8_e4m3"):
     top = fp8_format(kv_dtype).max
     k_scale, v_scale = (cupy.abs(_bf16_as_f32(x)).max(axis=(0, 2)) / np.float32(top)
                         for x in (k, v))
-    plain = _paged_launcher(q, k, v, cu_host, causal, "NHD", backend="auto")
-    fp8 = _paged_launcher(q, k, v, cu_host, causal, "NHD", backend="auto", kv_dtype=kv_dtype,
-                          k_scale=k_scale, v_scale=v_scale)
-    want = plain().copy()
-    got = fp8()
-    err = float(cupy.linalg.norm(_bf16_as_f32(got) - _bf16_as_f32(want))
-                / cupy.linalg.norm(_bf16_as_f32(want)))
     end = int(cu_host[1])
     k0, v0 = (cupy.asarray(dequantize(quantize(x[:end].get(), s.get(), kv_dtype), s.get(),
                                       kv_dtype).astype(np.float32))
               for x, s in ((k, k_scale), (v, v_scale)))
-    ok = _check(got, q, k0, v0, cu_host, causal)
-    t_plain, t_fp8 = time_gpu(plain), time_gpu(fp8)
     shape = _shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal)
-    return [dict(op="paged", variant=f"NHD page16 {kv_dtype} cache", shape=shape, ms=t_fp8 * 1e3,
-                 TFLOPs=flops / t_fp8 / 1e12, vs_bf16=t_plain / t_fp8, err_vs_bf16=err,
-                 checked=ok)]
+    rows = []
+    for layout in layouts:
+        plain = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto")
+        fp8 = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto",
+                              kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+        want = plain().copy()
+        got = fp8()
+        err = float(cupy.linalg.norm(_bf16_as_f32(got) - _bf16_as_f32(want))
+                    / cupy.linalg.norm(_bf16_as_f32(want)))
+        ok = _check(got, q, k0, v0, cu_host, causal)
+        t_plain, t_fp8 = time_gpu(plain), time_gpu(fp8)
+        rows.append(dict(op="paged", variant=f"{layout} page16 {kv_dtype} cache", shape=shape,
+                         ms=t_fp8 * 1e3, TFLOPs=flops / t_fp8 / 1e12, vs_bf16=t_plain / t_fp8,
+                         err_vs_bf16=err, checked=ok))
+    return rows
 
 
 def run(quick=False):
@@ -391,7 +395,7 @@ def run(quick=False):
     rows, inputs = bench_tiles([8192] * 2, 128, True, VARIANTS[128])
     rows += bench_wgmma(inputs, True, paged, WGMMA_VARIANTS) + bench_wgmma_scores(inputs, True)
     rows += bench_paged(inputs, True, ("NHD",) if quick else ("NHD", "HND", "vllm"))
-    rows += bench_fp8(inputs, True)
+    rows += bench_fp8(inputs, True, ("NHD",) if quick else ("NHD", "HND", "vllm"))
     del inputs
     r, inputs = bench_tiles([8192] * 2, 128, False, VARIANTS[128][:1] if quick else VARIANTS[128][:4])
     rows += r + bench_wgmma(inputs, False, tiles=WGMMA_VARIANTS)
