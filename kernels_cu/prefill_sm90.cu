@@ -180,15 +180,21 @@ struct KVRows {
         if (!V_T) widen_chunk_shared<T, KV>(F::slot(staging, RPT + i), sV + lo, sV + hi, F::hi_first(c));
       }
     }
-    if (V_T && vt_chunks(P)) {
+    if constexpr (V_T) {
+      // Without whole V^T chunks (element copies went to sV at issue) the chunks are widened
+      // onto their own slot instead: no branch on the block size here, where a branch keeps
+      // ptxas from overlapping the wgmma batches.
       constexpr int D = C::HEAD;
       const int kc = threadIdx.x % F::KC, d0 = threadIdx.x / F::KC;
+      const bool whole = vt_chunks(P);
 #pragma unroll
       for (int i = 0; i < F::VT_PASSES; ++i) {
         const int d = d0 + i * F::VT_STEP;
+        const u32 from = F::slot(staging, RPT + i);
         if (D % F::VT_STEP == 0 || d < D)
-          widen_chunk_shared<T, KV>(F::slot(staging, RPT + i), sV + swizzled<D, C::SWT>(d, 2 * kc),
-                                    sV + swizzled<D, C::SWT>(d, 2 * kc + 1), F::hi_first(kc));
+          widen_chunk_shared<T, KV>(from, whole ? sV + swizzled<D, C::SWT>(d, 2 * kc) : from,
+                                    whole ? sV + swizzled<D, C::SWT>(d, 2 * kc + 1) : from,
+                                    F::hi_first(kc));
       }
     }
   }
