@@ -77,7 +77,7 @@ def check_gpu(cp, case, fp8, layout, op="paged_prefill", backend="auto", device_
     """``op`` on the device (NaN-poisoned out) against the reference on the same bytes."""
     want, want_lse = ref.paged_prefill(**case, layout=layout, return_lse=True, **fp8, **opts)
     dev = {n: cp.asarray(a) for n, a in case.items()}
-    out = cp.full(case["q"].shape, np.nan, case["q"].dtype)
+    out = cp.asarray(np.full(case["q"].shape, np.nan, case["q"].dtype))
     args = {n: _dev(cp, a) for n, a in opts.items()}
     args.update(fp8 if not device_scales else {n: _dev(cp, a) for n, a in fp8.items()})
     got, lse = getattr(cupaged, op)(**dev, layout=layout, out=out, return_lse=True,
@@ -270,7 +270,7 @@ def test_gpu_fp8_prefiller(cp, rng, layout, scale):
             want = ref.paged_prefill(**case, layout=layout, window_left=150, **fp8)
             ks, vs = _dev(cp, fp8["k_scale"]), _dev(cp, fp8["v_scale"])
             q, kc, vc = (cp.asarray(case[n]) for n in ("q", "k_cache", "v_cache"))
-            out = cp.full(q.shape, np.nan, q.dtype)
+            out = cp.asarray(np.full(q.shape, np.nan, q.dtype))
             got = pre.run(q, kc, vc, k_scale=ks, v_scale=vs, out=out)
             assert_close(got.get(), want, bfloat16)
             view = cupaged.CacheView(kc, vc, layout=layout, kv_dtype="fp8_e4m3", k_scale=ks,
