@@ -58,10 +58,7 @@ def _paged(rng, xp, lens=(300, 17, 2048, 0, 513), hq=32, hk=8, d=128, bs=16, dty
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     pinned = __import__("cupyx").empty_pinned((4, bs, hk, d), dtype) if xp is not np else None
     positions = np.concatenate([np.arange(s - n, s) for s, n in zip(lens, q_lens)]).astype(np.int32)
-    codes = lambda: xp.asarray(rng.integers(0, 0x70, (nb, bs, hk, d), dtype=np.uint8))
     return dict(q=rnd(len(lens), hq, d), kc=rnd(nb, bs, hk, d), vc=rnd(nb, bs, hk, d),
-                kc8=codes(), vc8=codes(),  # finite e4m3 codes, per-head scales
-                ks=xp.asarray(rng.uniform(0.02, 0.1, hk).astype(np.float32)),
                 lse=xp.asarray(rng.standard_normal((int(cu[-1]), hq), np.float32)),
                 pairs=xp.asarray(np.array([[0, 1], [2, 3]], np.int64)), pinned=pinned,
                 logits=xp.asarray(rng.standard_normal((2, hq, 5, 77), np.float32)),
@@ -108,10 +105,9 @@ def _calls(c):
         "paged_attention": lambda: cupaged.paged_attention(c["qp"], c["kc"], c["vc"], c["cu"],
                                                            c["tables"], c["lens"], layout="NHD"),
         "paged_attention_fp8": lambda: cupaged.paged_attention(
-            c["qp"], c["kc8"], c["vc8"], c["cu"], c["tables"], c["lens"], layout="NHD",
-            kv_dtype="fp8_e4m3", k_scale=c["ks"], v_scale=c["ks"]),
+            c["qp"], c["k8"], c["v8"], c["cu"], c["tables"], c["lens"], layout="NHD", **fp8),
         "prefiller_fp8_device_plan_run": lambda: pre8.plan(c["cu"], c["tables"], c["lens"]).run(
-            c["qp"], c["kc8"], c["vc8"], k_scale=c["ks"], v_scale=c["ks"]),
+            c["qp"], c["k8"], c["v8"], k_scale=c["k_scale"], v_scale=c["v_scale"]),
         "varlen_prefill": lambda: cupaged.varlen_prefill(c["qp"], c["kv"], c["kv"], c["cu"], c["cu"]),
         "write_kv_cache": lambda: cupaged.write_kv_cache(c["kv"], c["kv"], c["kc"], c["vc"], c["slots"]),
         "apply_rope": lambda: cupaged.apply_rope(pos, c["qp"], c["kv"], max_position=8192),
