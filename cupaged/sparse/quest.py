@@ -232,6 +232,9 @@ def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, tpp, out
                                 batch=batch, contents=xp is np or errors.strict(validate))
     width = block_tables.shape[1]
     k = min(top_k, width)
+    if nb * hk * tpp > INT32_MAX:
+        raise ValueError(f"k_min: expected at most {INT32_MAX} (block, kv head, token) ids for "
+                         f"the view's block table, got {nb * hk * tpp}")
     if xp is np:
         return _reference_select(q, k_min, k_max, bt, sl, bs, k, tpp)
     if out is None:

@@ -10,7 +10,7 @@ from ..core import errors
 from ..core.arrays import array_module, as_dtype, check_array, check_choice, check_head_dim, empty
 from ..core.checks import (INT32_MAX, check_block_tables, check_gqa, check_int, check_out,
                            check_query, table_stride)
-from ..core.layouts import LAYOUTS, CacheGeometry
+from ..core.layouts import LAYOUTS, CacheGeometry, key_geometry
 from . import quest
 
 
@@ -71,7 +71,7 @@ def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_
     xp = array_module(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, sinks, out)
     check_choice("layout", layout, LAYOUTS)
     k_view, v_view, view_layout, _ = quest.decode_view(k_cache, v_cache, layout)
-    geo = quest.key_geometry(k_cache, layout)
+    geo = key_geometry(k_cache, layout)
     batch, hq, d = check_query("q", q, xp)
     _check_sinks(sinks, hq, xp)
     if out is None:
@@ -200,6 +200,13 @@ class QuestDecoder:
             self._width = width
         return self._buffers[:3]
 
+    @property
+    def selection(self):
+        """What the last ``run`` of the current CuPy plan selected: a
+        :class:`cupaged.sparse.quest.Selection` (no positions) of views of the decoder's
+        buffers (None before a CuPy plan)."""
+        return None if self._step is None else self._step[4]
+
     def _planned(self):
         if self._step is None:
             raise ValueError("QuestDecoder: expected a plan() first, got none")
@@ -255,7 +262,7 @@ class QuestDecoder:
             check_array("lse", lse, shape=shape[:2], dtypes=np.float32, xp=xp)
         out = empty(xp, shape, self.dtype) if out is None else check_out(out, shape, self.dtype, xp)
         k_view, v_view, _, _ = quest.decode_view(k_cache, v_cache, self.layout)
-        geo = quest.key_geometry(k_cache, self.layout)
+        geo = key_geometry(k_cache, self.layout)
         if (geo.block_size, geo.num_kv_heads) != (self.block_size, self.num_kv_heads):
             raise ValueError(f"k_cache: expected block_size {self.block_size} and "
                              f"{self.num_kv_heads} kv heads like the decoder, got "
