@@ -40,9 +40,20 @@ mma.sync dense kernel's causal blocks per second; issue 22's goal: >= 0.8) and `
 (the share of the (tile, 64-row half) slots that compute on 128-row CTAs: random rows
 share few blocks, so those halves often wait for each other; ``bsr128_ms`` is bounded by
 it, 64-row CTAs are not, at twice the shared-memory reads per computed block).
-Run: ``python -m cupaged.bench.sparse [--quick]``.
+Quest decode rows (``budget`` "quest <layout>", one per layout): B 32 x 32K keys, Hq 32 /
+Hk 8, d 128, bf16, pages of 16, ``QuestDecoder`` keeping the top 64 pages (``kept`` 1/32 of
+them) per (sequence, kv head) on random q/k/v: ``bounds_ms`` (every page's bounds, once per
+prefill), ``bounds_last_ms`` (the last pages: once per step and layer), ``select_ms``
+(scores and top-k alone), ``quest_ms`` (``run``: select and decode), ``dense_ms`` (dense
+``paged_decode`` of the same batch), ``vs_dense`` (dense over ``quest_ms``),
+``step_vs_dense`` (dense over ``quest_ms + bounds_last_ms``) and ``checked`` (a Quest decoder
+keeping every page against dense, relative error < 1e-2).
+Run: ``python -m cupaged.bench.sparse [--quick] [--quest]`` (``--quest``: the Quest rows
+alone).
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -268,22 +279,77 @@ def bench_bsr(keep, reps):
                 vs_dense=t_dense / t_bsr, block_ratio=(kept / t_bsr) / (1 / t_mma))
 
 
+QUEST_BATCH, QUEST_LEN, QUEST_PAGE, QUEST_TOP_K = 32, 32768, 16, 64
+QUEST_LAYOUTS = ("NHD", "HND", "vllm")
+
+
+def bench_quest(layout, reps):
+    """One Quest decode row: B 32 x 32K keys, top-64 pages of 16 per (sequence, kv head),
+    beside dense ``paged_decode`` of the same cache and batch."""
+    import cupaged
+    import cupy
+    from ..core.layouts import cache_shapes
+    from ..sparse import QuestDecoder, quest
+    rs = cupy.random.RandomState(2)
+    pages = QUEST_LEN // QUEST_PAGE
+    nb = QUEST_BATCH * pages
+    k_shape, v_shape = cache_shapes(layout, nb, QUEST_PAGE, HK, D, bfloat16)
+    k = rs.standard_normal(k_shape, dtype=cupy.float32).astype(bfloat16)
+    v = rs.standard_normal(v_shape, dtype=cupy.float32).astype(bfloat16)
+    q = rs.standard_normal((QUEST_BATCH, HQ, D), dtype=cupy.float32).astype(bfloat16)
+    tables = rs.permutation(nb).astype(np.int32).reshape(QUEST_BATCH, pages)
+    lens = cupy.full(QUEST_BATCH, QUEST_LEN, np.int32)
+    k_min, k_max = (cupy.empty((nb, HK, D), np.float32) for _ in range(2))
+    dec = QuestDecoder(HQ, HK, D, QUEST_PAGE, QUEST_TOP_K, dtype=bfloat16, layout=layout,
+                       max_batch=QUEST_BATCH).plan(tables, lens)
+    out = cupy.empty_like(q)
+    t_bounds = time_gpu(lambda: dec.update_bounds(k, k_min, k_max, last_page_only=False),
+                        warmup=1, reps=reps)
+    t_last = time_gpu(lambda: dec.update_bounds(k, k_min, k_max), reps=reps)
+    dec.run(q, k, v, k_min, k_max, out=out)
+    t_select = time_gpu(lambda: quest.select_pages(
+        q, k_min, k_max, tables, lens, QUEST_PAGE, QUEST_TOP_K,
+        tokens_per_page=dec.tokens_per_page, out=dec.selection), reps=reps)
+    t_quest = time_gpu(lambda: dec.run(q, k, v, k_min, k_max, out=out), reps=reps)
+    t_dense = time_gpu(lambda: cupaged.paged_decode(q, k, v, tables, lens, layout=layout,
+                                                    out=out), reps=reps)
+    # every page kept: the Quest path must give dense attention
+    full = QuestDecoder(HQ, HK, D, QUEST_PAGE, pages, dtype=bfloat16, layout=layout,
+                        max_batch=QUEST_BATCH).plan(tables, lens)
+    got = full.run(q, k, v, k_min, k_max).astype(cupy.float32)
+    want = cupaged.paged_decode(q, k, v, tables, lens, layout=layout).astype(cupy.float32)
+    err = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
+    return dict(S=QUEST_LEN, budget=f"quest {layout}", B=QUEST_BATCH, kept=QUEST_TOP_K / pages,
+                bounds_ms=t_bounds * 1e3, bounds_last_ms=t_last * 1e3, select_ms=t_select * 1e3,
+                quest_ms=t_quest * 1e3, dense_ms=t_dense * 1e3, vs_dense=t_dense / t_quest,
+                step_vs_dense=t_dense / (t_quest + t_last), checked=err < 1e-2)
+
+
+def run_quest(quick=False):
+    """The Quest rows alone, one per layout."""
+    return [bench_quest(layout, reps=5 if quick else 20) for layout in QUEST_LAYOUTS]
+
+
 def run(quick=False):
-    """Rows for S 32K (quick) or 32K, 128K, 512K, each budget; then the batched BSR rows."""
+    """Rows for S 32K (quick) or 32K, 128K, 512K, each budget; then the batched BSR rows and
+    the Quest decode rows."""
     rows = []
     for seqlen in ((32768,) if quick else (32768, 131072, 524288)):
         rows += bench_length(seqlen, list(BUDGETS), reps=3 if seqlen <= 131072 else 1)
     rows += [bench_bsr(keep, reps=3 if quick else 10) for keep in BSR_KEEP]
-    return rows
+    return rows + run_quest(quick)
 
 
 COLUMNS = ["S", "budget", "nv", "ns", "diag_frac", "est_ms", "index_ms", "kernel_ms", "sparse_ms",
            "op_ms", "dense_ms", "vs_dense", "mma_ms", "cudnn_ms", "vs_cudnn", "density", "pair_ratio",
-           "mass", "checked", "B", "kept", "busy", "bsr_ms", "bsr128_ms", "block_ratio"]
+           "mass", "checked", "B", "kept", "busy", "bsr_ms", "bsr128_ms", "block_ratio",
+           "bounds_ms", "bounds_last_ms", "select_ms", "quest_ms", "step_vs_dense"]
 
 
 def main(argv=None):
-    bench_main(run, argv, COLUMNS)
+    """``--quest``: the Quest rows alone."""
+    argv = sys.argv[1:] if argv is None else argv
+    bench_main(run_quest if "--quest" in argv else run, argv, COLUMNS)
 
 
 if __name__ == "__main__":
