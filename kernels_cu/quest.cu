@@ -84,11 +84,11 @@ __global__ void __launch_bounds__(THREADS) quest_bounds_kernel(CUPAGED_PARAMS_Qu
 }
 
 // ---------------------------------------------------------------------------- select
-// A score's order-preserving unsigned key (a larger float, a larger key; NaN scores were
-// made -inf). The last page takes the largest key of all, above +inf (never-updated pages
-// score +inf and must not displace it).
+// A score's order-preserving unsigned key (a larger float, a larger key; -0 and +0 one key;
+// NaN scores were made -inf). The last page takes the largest key of all, above +inf (no
+// +inf score may displace it).
 __device__ __forceinline__ u32 order_key(float s) {
-  const u32 u = __float_as_uint(s);
+  const u32 u = s == 0.f ? 0u : __float_as_uint(s);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 constexpr u32 LAST_KEY = 0xffffffffu;

@@ -281,8 +281,9 @@ def _reference_select(q, k_min, k_max, bt, lens, bs, k, tpp):
     used = -(-lens // bs)
     pos = np.arange(width)
     last = pos[None, None, :] == used[:, None, None] - 1
-    # rank: the last page, then by score descending, then by position (a stable sort)
-    rank = np.argsort(np.where(last, -np.inf, -scores), axis=-1, kind="stable")[..., :k]
+    # rank: the last page, then by score descending, then by position
+    order = np.broadcast_to(pos, scores.shape)
+    rank = np.lexsort((order, -scores, ~np.broadcast_to(last, scores.shape)), axis=-1)[..., :k]
     count = np.minimum(used, k)
     keep = np.arange(k)[None, None, :] < count[:, None, None]
     positions = np.sort(np.where(keep, rank, width), axis=-1)
