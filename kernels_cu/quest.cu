@@ -91,7 +91,13 @@ __device__ __forceinline__ u32 order_key(float s) {
   const u32 u = s == 0.f ? 0u : __float_as_uint(s);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
-constexpr u32 LAST_KEY = 0xffffffffu;
+constexpr u32 LAST_KEY = 0xffffffffu, FIRST_KEY = 0xfffffffeu;
+
+// The selection key of page i of n: the last page above the first `first` pages, those above
+// every score.
+__device__ __forceinline__ u32 page_key(int i, int n, int first, float s) {
+  return i == n - 1 ? LAST_KEY : (i < first ? FIRST_KEY : order_key(s));
+}
 
 // Inclusive sum of x over the CTA in thread order; `total` gets the CTA's sum. Every thread
 // calls; s_warp holds THREADS / 32 ints.
@@ -122,13 +128,15 @@ __device__ __forceinline__ int block_inclusive_sum(int x, int* s_warp, int& tota
 // group * D floats (the group's queries). Warp w scores pages w, w + WARPS, ... (lane l
 // holds dims l, l + 32, ...): score = max over the group's queries of sum_d (q_d > 0 ?
 // q_d max_d : q_d < 0 ? q_d min_d : 0), into scores[b, h, :] (-inf past the sequence, +inf
-// for its last page). With top_k > 0 the CTA then finds the key of the k-th best page by a
+// for its last page). With top_k > 0 the CTA then finds the key (page_key: the last page,
+// then the first_pages first ones, then by score) of the k-th best page by a
 // radix select (8 bits a pass, a 256-bin histogram) and keeps, in position order, every page
 // above it and the first pages equal to it: positions[b, h, :] (-1 past the count), and a
 // block table row of the one-kv-head view (tokens_per_page entries a page: id blk * Hk + h,
-// or (blk * block_size + t) * Hk + h per token t) with its key count.
+// or (blk * block_size + t) * Hk + h per token t) with its key count. (A minimum of one CTA
+// a multiprocessor in the launch bounds: without it ptxas spills some head sizes on sm_80.)
 template <typename T, int D, int THREADS>
-__global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
+__global__ void __launch_bounds__(THREADS, 1) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
   const QuestSelectArgs<T> a{CUPAGED_FIELDS_QuestSelectArgs};
   constexpr int WARPS = THREADS / 32, DL = (D + 31) / 32;
   extern __shared__ float s_q[];
@@ -197,7 +205,7 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
       for (int i = threadIdx.x; i < 256; i += THREADS) s_hist[i] = 0;
       __syncthreads();
       for (int i = threadIdx.x; i < n; i += THREADS) {
-        const u32 key = i == n - 1 ? LAST_KEY : order_key(row_scores[i]);
+        const u32 key = page_key(i, n, a.first_pages, row_scores[i]);
         if ((key & mask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255], 1);
       }
       __syncthreads();
@@ -248,7 +256,7 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
   for (int base = 0; base < n; base += THREADS) {
     const int i = base + threadIdx.x;
     u32 key = 0;
-    if (i < n) key = i == n - 1 ? LAST_KEY : order_key(row_scores[i]);
+    if (i < n) key = page_key(i, n, a.first_pages, row_scores[i]);
     const int gt = i < n && key > threshold, eq = i < n && key == threshold;
     int total;
     const int incl = block_inclusive_sum<THREADS>(gt | eq << 16, s_warp, total);

@@ -70,9 +70,10 @@ def _pages_of(tables, lens, bt, hk, bs, tpp):
     return out
 
 
-def check_selection(tables, sel_lens, scores, bt, lens, k, hk, bs, tpp, tol=0.0):
-    """A view table and lengths keep, per (sequence, kv head), a top-k of ``scores`` (up to
-    ``tol`` near-ties) with the last page, in position order; the lengths count the keys."""
+def check_selection(tables, sel_lens, scores, bt, lens, k, hk, bs, tpp, tol=0.0, first=0):
+    """A view table and lengths keep, per (sequence, kv head), the last page, then the
+    ``first`` first pages, then a top-k of ``scores`` (up to ``tol`` near-ties), in position
+    order; the lengths count the keys."""
     pages = _pages_of(tables, sel_lens, bt, hk, bs, tpp)
     for (b, h), kept in pages.items():
         n = -(-int(lens[b]) // bs)
@@ -82,9 +83,10 @@ def check_selection(tables, sel_lens, scores, bt, lens, k, hk, bs, tpp, tol=0.0)
         assert len(kept) == count and (np.diff(kept) > 0).all()
         if not count:
             continue
-        assert kept[-1] == n - 1, "last page not kept"
-        rest = np.setdiff1d(np.arange(n - 1), kept)
-        chosen = [p for p in kept if p != n - 1]
+        forced = [n - 1] + list(range(min(first, n - 1)))
+        assert set(forced[:count]) <= set(kept), "last or first pages not kept"
+        rest = np.setdiff1d(np.arange(n), kept + forced)
+        chosen = [p for p in kept if p not in forced]
         if len(rest) and chosen:
             row = scores[b, h]
             gap = tol * max(1.0, np.abs(row[:n - 1]).max())
@@ -183,6 +185,18 @@ def test_reference_select_keeps_top_k_and_last_page(rng, layout):
     for (b, h), kept in pages.items():
         assert list(sel.positions[b, h, :len(kept)]) == kept
         assert (sel.positions[b, h, len(kept):] == -1).all()
+
+
+@pytest.mark.parametrize("first", [1, 2, 9])
+def test_reference_keeps_first_pages(rng, first):
+    bs, hk, d, k = 8, 2, 64, 4
+    case = make_case(rng, lens=[200, 20, 9, 0], hk=hk, d=d, bs=bs, dtype=np.float32)
+    tables, lens = case["block_tables"], case["seq_lens"]
+    k_min, k_max = _fresh_bounds(case["k_cache"].shape[0], hk, d)
+    quest.update_page_bounds(case["k_cache"], tables, lens, k_min, k_max, layout="NHD")
+    sel = quest.select_pages(case["q"], k_min, k_max, tables, lens, bs, k, first_pages=first)
+    check_selection(sel.tables, sel.lens, sel.scores, tables, lens, k, hk, bs, 1, first=first)
+    assert sel.positions[0, 0].tolist()[:min(first, k - 1)] == list(range(min(first, k - 1)))
 
 
 def test_reference_ties_go_to_earlier_pages(rng):
@@ -318,15 +332,16 @@ def test_gpu_bounds_match_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("first", [0, 2])
 @pytest.mark.parametrize("layout,dtype,bs,hq,hk,d,lens,k", GPU_CASES)
-def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens, k):
+def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens, k, first):
     case, dev, nb = _gpu_setup(cp, rng, layout, dtype, bs, hq, hk, d, lens)
     k_min, k_max = _fresh_bounds(nb, hk, d)
     tables, seq_lens = case["block_tables"], case["seq_lens"]
     quest.update_page_bounds(case["k_cache"], tables, seq_lens, k_min, k_max, layout=layout)
     tpp = quest.tokens_per_page(layout, hk, bs)
     want = quest.select_pages(case["q"], k_min, k_max, tables, seq_lens, bs, k,
-                              tokens_per_page=tpp)
+                              first_pages=first, tokens_per_page=tpp)
     width = tables.shape[1]
     kk = min(k, width)
     out = quest.Selection(cp.full((len(lens), hk, kk), -7, np.int32),
@@ -334,15 +349,15 @@ def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, len
                           cp.full(len(lens) * hk, -7, np.int32),
                           cp.full((len(lens), hk, width), np.nan, np.float32))
     got = quest.select_pages(dev["q"], cp.asarray(k_min), cp.asarray(k_max),
-                             dev["block_tables"], dev["seq_lens"], bs, k, tokens_per_page=tpp,
-                             out=out)
+                             dev["block_tables"], dev["seq_lens"], bs, k, first_pages=first,
+                             tokens_per_page=tpp, out=out)
     scores = got.scores.get()
     finite = np.isfinite(want.scores)
     np.testing.assert_array_equal(scores[~finite], want.scores[~finite])
     np.testing.assert_allclose(scores[finite], want.scores[finite], rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(got.lens.get(), want.lens)
     pages = check_selection(got.tables.get(), got.lens.get(), want.scores, tables, seq_lens,
-                            kk, hk, bs, tpp, tol=1e-5)
+                            kk, hk, bs, tpp, tol=1e-5, first=first)
     pos = got.positions.get()
     for (b, h), kept in pages.items():
         assert pos[b, h].tolist() == kept + [-1] * (kk - len(kept))

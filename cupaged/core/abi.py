@@ -184,7 +184,7 @@ QUEST_SELECT = Record("QuestSelectArgs", [
     ("int* __restrict__", "sel_lens", NULL), ("long long* __restrict__", "err", NULL),
     ("i64", "q_stride"), ("int", "bt_stride"), ("int", "width"), ("int", "block_size"),
     ("int", "num_blocks"), ("int", "num_kv_heads"), ("int", "group"), ("int", "top_k"),
-    ("int", "tokens_per_page"),
+    ("int", "first_pages"), ("int", "tokens_per_page"),
 ], template="typename T")
 
 QUEST_SINKS = Record("QuestSinksArgs", [

@@ -122,8 +122,8 @@ class QuestPolicy(SparsePolicy):
     keys (:meth:`update_bounds`). A decode query ``q`` scores page ``P`` by the upper bound
     ``sum_d max(q_d min_d, q_d max_d) >= q . k`` for every key of the page; a kv head takes
     the maximum over its query heads. Each (sequence, kv head) keeps its ``top_k_pages``
-    best pages, always including its last (current) page, in position order; ties go to
-    the earlier page. The rules and their kernels: ``cupaged.sparse.quest`` (CuPy arrays run
+    best pages, always including its last (current) page and its ``first_pages`` first
+    ones, in position order; ties go to the earlier page. The rules and their kernels: ``cupaged.sparse.quest`` (CuPy arrays run
     ``kernels_cu/quest.cu`` with no host read of device data; NumPy arrays the float64
     reference); the planned form an engine runs per step: :class:`QuestDecoder`.
 
@@ -131,12 +131,15 @@ class QuestPolicy(SparsePolicy):
     ----------
     top_k_pages : int
         Pages read per (sequence, kv head).
+    first_pages : int
+        Pages at the start of each sequence always read (attention sinks).
     """
     supports_prefill = False
     supports_decode = True
 
-    def __init__(self, top_k_pages):
+    def __init__(self, top_k_pages, first_pages=0):
         self.top_k_pages = check_int("top_k_pages", top_k_pages)
+        self.first_pages = check_int("first_pages", first_pages, minimum=0)
         self.reset()
 
     def reset(self):
@@ -197,7 +200,7 @@ class QuestPolicy(SparsePolicy):
             module (computed on the device for CuPy arrays).
         """
         sel = quest.select_pages(q, *self._bounds(), block_tables, seq_lens, self.block_size,
-                                 self.top_k_pages)
+                                 self.top_k_pages, first_pages=self.first_pages)
         return sel.positions, (sel.positions[:, 0] >= 0).sum(axis=-1).astype(np.int32)
 
     def select_blocks(self, available_blocks, ctx=None):
@@ -229,4 +232,5 @@ class QuestPolicy(SparsePolicy):
             raise ValueError(f"k_cache: expected block size {self.block_size} as in "
                              f"update_bounds(), got {bs}")
         return quest_decode(q, k_cache, v_cache, *self._bounds(), block_tables, seq_lens,
-                            self.top_k_pages, layout=layout, sm_scale=sm_scale, sinks=sinks)
+                            self.top_k_pages, layout=layout, first_pages=self.first_pages,
+                            sm_scale=sm_scale, sinks=sinks)

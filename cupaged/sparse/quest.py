@@ -6,8 +6,9 @@ For every cache page and kv head the bounds are the elementwise min and max of i
 query scores page ``P`` of kv head ``h`` by ``max_g sum_d ub(q_gd, min_d, max_d)`` over the
 group's query heads ``g``, with ``ub = q max`` for ``q > 0``, ``q min`` for ``q < 0`` and 0
 for ``q = 0``: at least ``q . k`` for every key of the page. Each (sequence, kv head) keeps
-its ``top_k`` best pages, always its last (current) one, never a page past its length;
-ties go to the earlier page. The decode then reads, for each kv head, exactly its pages:
+its ``top_k`` best pages: always its last (current) one and its ``first_pages`` first
+ones (attention sinks; 0 by default), never a page past its length; ties go to the
+earlier page. The decode then reads, for each kv head, exactly its pages:
 the cache is viewed with one kv head a block (:func:`decode_view`: HND and vllm blocks
 ``blk * Hk + h``; NHD ones, whose heads interleave within a token, as one-token blocks
 ``(blk * block_size + t) * Hk + h``) and the (sequence, kv head) pairs run as a batch of
@@ -188,11 +189,11 @@ def page_scores(q, k_min, k_max, block_tables, seq_lens, block_size):
         int32 ``[B, max_blocks]`` and ``[B]``.
     block_size : int
     """
-    return _select(q, k_min, k_max, block_tables, seq_lens, block_size, 0, 1, None).scores
+    return _select(q, k_min, k_max, block_tables, seq_lens, block_size, 0, 0, 1, None).scores
 
 
 def select_pages(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, *,
-                 tokens_per_page=1, out=None, validate=None):
+                 first_pages=0, tokens_per_page=1, out=None, validate=None):
     """The ``top_k`` pages of each (sequence, kv head) and the decode view's table of them.
 
     Parameters
@@ -201,6 +202,9 @@ def select_pages(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, *,
         As in :func:`page_scores`.
     top_k : int
         Pages kept per (sequence, kv head); ``k = min(top_k, max_blocks)`` slots.
+    first_pages : int
+        Pages at the start of each sequence always kept, after the last page and while
+        slots last (the earliest first).
     tokens_per_page : int
         1: a table entry a page (``blk * Hk + h``); ``block_size``: one a token
         (``(blk * block_size + t) * Hk + h``), for the NHD view (:func:`decode_view`).
@@ -216,11 +220,12 @@ def select_pages(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, *,
         ``count = min(k, pages)`` kept pages (0 for an empty sequence).
     """
     check_int("top_k", top_k)
-    return _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k,
+    check_int("first_pages", first_pages, minimum=0)
+    return _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first_pages,
                    tokens_per_page, out, validate)
 
 
-def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, tpp, out,
+def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first, tpp, out,
             validate=None):
     xp = array_module(q, k_min, k_max, block_tables, seq_lens)
     batch, hq, d = check_query("q", q, xp)
@@ -236,7 +241,7 @@ def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, tpp, out
         raise ValueError(f"k_min: expected at most {INT32_MAX} (block, kv head, token) ids for "
                          f"the view's block table, got {nb * hk * tpp}")
     if xp is np:
-        return _reference_select(q, k_min, k_max, bt, sl, bs, k, tpp)
+        return _reference_select(q, k_min, k_max, bt, sl, bs, k, first, tpp)
     if out is None:
         out = Selection(xp.empty((batch, hk, k), np.int32) if top_k else None,
                         xp.empty((batch * hk, k * tpp), np.int32),
@@ -250,7 +255,7 @@ def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, tpp, out
                sel_lens=ptr(out.lens), err=ptr(errors.error_word()),
                q_stride=token_stride("q", q), bt_stride=table_stride(block_tables),
                width=width, block_size=bs, num_blocks=nb, num_kv_heads=hk, group=hq // hk,
-               top_k=k, tokens_per_page=tpp)
+               top_k=k, first_pages=min(first, INT32_MAX), tokens_per_page=tpp)
     return out
 
 
@@ -272,18 +277,21 @@ def _reference_scores(q, k_min, k_max, bt, lens, bs):
     return np.where(pos == used[:, None, None] - 1, np.inf, ub)
 
 
-def _reference_select(q, k_min, k_max, bt, lens, bs, k, tpp):
+def _reference_select(q, k_min, k_max, bt, lens, bs, k, first, tpp):
     """select_pages on host arrays: the best pages by float64 score (the last page first,
-    ties to the earlier page), in position order."""
+    then the ``first`` first pages, ties to the earlier page), in position order."""
     scores = _reference_scores(q, k_min, k_max, bt, lens, bs)
     batch, hk, width = scores.shape
     lens = lens.astype(np.int64)
     used = -(-lens // bs)
     pos = np.arange(width)
     last = pos[None, None, :] == used[:, None, None] - 1
-    # rank: the last page, then by score descending, then by position
+    # rank: the last page, the first pages (in position order), then by score descending,
+    # then by position
     order = np.broadcast_to(pos, scores.shape)
-    rank = np.lexsort((order, -scores, ~np.broadcast_to(last, scores.shape)), axis=-1)[..., :k]
+    lead = np.broadcast_to(pos < first, scores.shape)
+    rank = np.lexsort((order, np.where(lead, 0.0, -scores), ~lead,
+                       ~np.broadcast_to(last, scores.shape)), axis=-1)[..., :k]
     count = np.minimum(used, k)
     keep = np.arange(k)[None, None, :] < count[:, None, None]
     positions = np.sort(np.where(keep, rank, width), axis=-1)

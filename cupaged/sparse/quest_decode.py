@@ -29,8 +29,8 @@ def _group_rows(q, num_kv_heads):
 
 
 def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_k, *, layout,
-                 sm_scale=None, sinks=None, out=None, return_lse=False, backend="auto",
-                 validate=None):
+                 first_pages=0, sm_scale=None, sinks=None, out=None, return_lse=False,
+                 backend="auto", validate=None):
     """Decode attention of one query per sequence over each kv head's ``top_k`` pages.
 
     Parameters
@@ -47,6 +47,8 @@ def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_
     top_k : int
         Pages per (sequence, kv head), the last always among them.
     layout : {"NHD", "HND", "vllm"}
+    first_pages : int
+        Pages at the start of each sequence always kept (attention sinks).
     sm_scale : float, optional
         Default ``D ** -0.5``.
     sinks : array, optional
@@ -79,7 +81,7 @@ def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_
     check_out(out, q.shape, q.dtype, xp)
     tpp = quest.tokens_per_page(layout, geo.num_kv_heads, geo.block_size)
     sel = quest.select_pages(q, k_min, k_max, block_tables, seq_lens, geo.block_size, top_k,
-                             tokens_per_page=tpp, validate=validate)
+                             first_pages=first_pages, tokens_per_page=tpp, validate=validate)
     hk = geo.num_kv_heads
     res = cupaged.paged_decode(_group_rows(q, hk), k_view, v_view, sel.tables, sel.lens,
                                layout=view_layout, sm_scale=sm_scale,
@@ -111,6 +113,8 @@ class QuestDecoder:
         The cache's geometry (``num_q_heads % num_kv_heads == 0``).
     top_k_pages : int
         Pages read per (sequence, kv head).
+    first_pages : int
+        Pages at the start of each sequence always among them (attention sinks).
     dtype : str or dtype
         q, caches and output: float16, bfloat16 or float32.
     layout : {"NHD", "HND", "vllm"}
@@ -125,13 +129,14 @@ class QuestDecoder:
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, top_k_pages, *,
-                 dtype="float16", layout="NHD", sm_scale=None, max_batch=256, xp=None,
-                 backend="auto"):
+                 first_pages=0, dtype="float16", layout="NHD", sm_scale=None, max_batch=256,
+                 xp=None, backend="auto"):
         import cupaged
         for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("block_size", block_size), ("top_k_pages", top_k_pages),
                         ("max_batch", max_batch)):
             check_int(name, v)
+        self.first_pages = check_int("first_pages", first_pages, minimum=0)
         check_gqa(num_q_heads, num_kv_heads, "num_kv_heads")
         check_head_dim("head_dim", head_dim)
         check_choice("layout", layout, LAYOUTS)
@@ -252,7 +257,8 @@ class QuestDecoder:
         check_array("q", q, shape=shape, dtypes=self.dtype, xp=xp, contiguous=False)
         if xp is np:
             res = quest_decode(q, k_cache, v_cache, k_min, k_max, tables, lens,
-                               self.top_k_pages, layout=self.layout, sm_scale=self.sm_scale,
+                               self.top_k_pages, layout=self.layout,
+                               first_pages=self.first_pages, sm_scale=self.sm_scale,
                                sinks=sinks, out=out, return_lse=True)
             if lse is not None:
                 lse[...] = res[1]
@@ -268,7 +274,8 @@ class QuestDecoder:
                              f"{self.num_kv_heads} kv heads like the decoder, got "
                              f"{geo.block_size} and {geo.num_kv_heads}")
         quest.select_pages(q, k_min, k_max, tables, lens, self.block_size, self.top_k_pages,
-                           tokens_per_page=self.tokens_per_page, out=sel)
+                           first_pages=self.first_pages, tokens_per_page=self.tokens_per_page,
+                           out=sel)
         want_lse = lse is not None or return_lse or sinks is not None
         if want_lse and lse is None:
             lse = self._buffers[3][:batch * self.num_q_heads].reshape(shape[:2])
