@@ -528,3 +528,80 @@ def test_gpu_bad_device_entries_are_reported(cp, rng):
                              layout="HND")
     with pytest.raises(ValueError, match="block_tables"):
         cupaged.check_errors()
+
+
+# ----------------------------------------------------------------------------- retrieval
+def _retrieval_case(rng, batch, seq_len, hq, hk, d, bs, hits, dtype):
+    """Noise keys (std 0.25) with ``hits`` keys per (sequence, kv head) aligned with the
+    sum of its group's queries, about 8 nats above the noise: the pages Quest must find."""
+    case = make_case(rng, lens=[seq_len] * batch, hq=hq, hk=hk, d=d, bs=bs, dtype=np.float32)
+    k = np.nan_to_num(case["k_cache"]) * 0.25
+    q = case["q"]
+    g = hq // hk
+    planted = {}
+    for b in range(batch):
+        for h in range(hk):
+            u = q[b, h * g:(h + 1) * g].sum(axis=0)
+            u /= np.linalg.norm(u)
+            for j in rng.choice(seq_len - bs, hits, replace=False):   # not in the last page
+                k[case["block_tables"][b, j // bs], j % bs, h] = 16.0 * u
+                planted.setdefault((b, h), set()).add(int(j // bs))
+    case.update(k_cache=k.astype(dtype), q=q.astype(dtype),
+                v_cache=np.nan_to_num(case["v_cache"]).astype(dtype))
+    return case, planted
+
+
+def _check_retrieval(case, planted, pages, out, bs):
+    """Every planted page selected, and the output within the bound of dense attention:
+    ``|quest - dense| <= 2 m max|v|``, ``m`` dense's softmax mass on the keys not read."""
+    for key, want in planted.items():
+        assert want <= set(pages[key]), f"{key}: planted pages {want} not all selected"
+    q, kc, vc = (case[n].astype(np.float64) for n in ("q", "k_cache", "v_cache"))
+    hq, hk, d = q.shape[1], kc.shape[2], q.shape[2]
+    for b in range(q.shape[0]):
+        n = int(case["seq_lens"][b])
+        blocks = case["block_tables"][b, np.arange(n) // bs]
+        keys, vals = kc[blocks, np.arange(n) % bs], vc[blocks, np.arange(n) % bs]
+        for qh in range(hq):
+            h = qh // (hq // hk)
+            s = keys[:, h] @ q[b, qh] * d ** -0.5
+            w = np.exp(s - s.max())
+            w /= w.sum()
+            read = np.isin(np.arange(n) // bs, pages[b, h])
+            dropped = w[~read].sum()
+            dense = w @ vals[:, h]
+            bound = 2 * dropped * np.abs(vals[:, h]).max() + 2e-2 * np.abs(dense).max()
+            assert np.abs(out[b, qh].astype(np.float64) - dense).max() <= bound
+
+
+def test_reference_retrieval_finds_planted_keys(rng):
+    bs, hk, hq, d, k = 16, 2, 8, 64, 8
+    case, planted = _retrieval_case(rng, 2, 1024, hq, hk, d, bs, 3, np.float32)
+    k_min, k_max = _fresh_bounds(case["k_cache"].shape[0], hk, d)
+    tables, lens = case["block_tables"], case["seq_lens"]
+    quest.update_page_bounds(case["k_cache"], tables, lens, k_min, k_max, layout="NHD")
+    out = sparse.quest_decode(case["q"], case["k_cache"], case["v_cache"], k_min, k_max,
+                              tables, lens, k, layout="NHD")
+    sel = quest.select_pages(case["q"], k_min, k_max, tables, lens, bs, k)
+    pages = {(b, h): [p for p in sel.positions[b, h] if p >= 0] for b in range(2)
+             for h in range(hk)}
+    _check_retrieval(case, planted, pages, out, bs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_retrieval_finds_planted_keys(cp, rng, layout):
+    bs, hk, hq, d, k = 16, 8, 32, 128, 64
+    case, planted = _retrieval_case(rng, 2, 32768, hq, hk, d, bs, 4, bfloat16)
+    kc, vc = from_nhd(case["k_cache"], case["v_cache"], layout)
+    tables, lens = cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"])
+    kd, vd, q = cp.asarray(kc), cp.asarray(vc), cp.asarray(case["q"])
+    k_min, k_max = _fresh_bounds(kc.shape[0], hk, d, cp)
+    dec = sparse.QuestDecoder(hq, hk, d, bs, k, dtype=bfloat16, layout=layout, max_batch=2)
+    dec.plan(tables, lens).update_bounds(kd, k_min, k_max, last_page_only=False)
+    out = dec.run(q, kd, vd, k_min, k_max).get()
+    tpp = quest.tokens_per_page(layout, hk, bs)
+    pages = _pages_of(dec.selection.tables.get(), dec.selection.lens.get(),
+                      case["block_tables"], hk, bs, tpp)
+    _check_retrieval(case, planted, pages, out, bs)
+    cupaged.check_errors()
