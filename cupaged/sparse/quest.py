@@ -89,6 +89,7 @@ def decode_view(k_cache, v_cache, layout):
     geo = key_geometry(k_cache, layout)
     nb, bs, hk, d = geo
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dense_blocks(name, a)
         if nb > 1 and block_stride(a) != int(np.prod(a.shape[1:])):
             raise ValueError(f"{name}: expected dense blocks one after the other for Quest "
                              f"decode (its one-kv-head view), got a block stride of "

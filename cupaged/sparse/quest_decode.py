@@ -231,7 +231,8 @@ class QuestDecoder:
         Parameters
         ----------
         q : array
-            ``[B, Hq, D]`` in the decoder's dtype (strided rows are copied).
+            ``[B, Hq, D]`` in the decoder's dtype; strided rows are copied first (an
+            allocation: give dense rows to a run captured in a CUDA graph).
         k_cache, v_cache : array
             The layer's caches (the decoder's layout, block size and kv heads).
         k_min, k_max : array
