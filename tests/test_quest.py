@@ -266,6 +266,8 @@ def test_bad_quest_arguments(rng):
         quest.select_pages(q, k_min, k_max, tables, lens, 8, 0)
     with pytest.raises(TypeError, match="k_min: expected dtype float32"):
         quest.page_scores(q, k_min.astype(np.float64), k_max, tables, lens, 8)
+    with pytest.raises(ValueError, match="k_min: expected 3 dimensions"):
+        quest.page_scores(q, k_min[0], k_max, tables, lens, 8)
     with pytest.raises(ValueError, match="k_max: expected shape"):
         quest.page_scores(q, k_min, k_max[:, :1], tables, lens, 8)
     with pytest.raises(ValueError, match="k_min: num_kv_heads"):

@@ -230,8 +230,9 @@ def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first, t
             validate=None):
     xp = array_module(q, k_min, k_max, block_tables, seq_lens)
     batch, hq, d = check_query("q", q, xp)
-    nb, hk, _ = shape = _bounds_shape(k_min)
-    check_bounds(k_min, k_max, (nb, hk, d) if len(shape) == 3 else (None, None, d), xp)
+    shape = _bounds_shape(k_min)
+    check_bounds(k_min, k_max, shape[:2] + (d,) if len(shape) == 3 else (None, None, d), xp)
+    nb, hk, _ = shape
     check_gqa(hq, hk, "k_min")
     bs = check_int("block_size", block_size)
     bt, sl = check_block_tables(block_tables, seq_lens, CacheGeometry(nb, bs, hk, d), xp,
