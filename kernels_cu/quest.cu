@@ -33,15 +33,27 @@ __device__ __forceinline__ bool length_ok(int len, int width, int block_size, lo
 }
 
 // ---------------------------------------------------------------------------- bounds
+// A bound stored as TB, rounded outward (a min down, a max up) so that it still bounds.
+template <typename TB> __device__ __forceinline__ TB bound_down(float x);
+template <typename TB> __device__ __forceinline__ TB bound_up(float x);
+template <> __device__ __forceinline__ float bound_down<float>(float x) { return x; }
+template <> __device__ __forceinline__ float bound_up<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 bound_down<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rd(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 bound_up<__nv_bfloat16>(float x) {
+  return __float2bfloat16_ru(x);
+}
+
 // grid (pages, batch): pages = width (every page) or 1 (each sequence's last page); block
 // THREADS. CTA (i, b) takes page i (or the last) of sequence b; thread t takes the 16-byte
 // key chunks t, t + THREADS, ... of the page's kv heads (chunk c: head c / (D / X), dims
-// X (c % (D / X)) ...) and folds its valid tokens into min and max, written as float32
-// [num_blocks, Hk, D]. Key element (h, token, d) of block blk sits at blk * k_block +
+// X (c % (D / X)) ...) and folds its valid tokens into min and max, written as TB [num_blocks,
+// Hk, D] (bound_down, bound_up). Key element (h, token, d) of block blk sits at blk * k_block +
 // h * k_head + (d / X) * k_chunk + d % X + token * k_tok (X = 16 / sizeof(T)).
-template <typename T, int THREADS>
+template <typename T, typename TB, int THREADS>
 __global__ void __launch_bounds__(THREADS) quest_bounds_kernel(CUPAGED_PARAMS_QuestBoundsArgs) {
-  const QuestBoundsArgs<T> a{CUPAGED_FIELDS_QuestBoundsArgs};
+  const QuestBoundsArgs<T, TB> a{CUPAGED_FIELDS_QuestBoundsArgs};
   constexpr int X = 16 / sizeof(T);
   const int b = blockIdx.y;
   const int len = __ldg(a.seq_lens + b);
@@ -75,10 +87,18 @@ __global__ void __launch_bounds__(THREADS) quest_bounds_kernel(CUPAGED_PARAMS_Qu
       }
     }
     const i64 out = ((i64)blk * a.num_kv_heads + h) * a.head_dim + cc * X;
+    if constexpr (sizeof(TB) == 4) {
 #pragma unroll
-    for (int e = 0; e < X; e += 4) {
-      *reinterpret_cast<float4*>(a.k_min + out + e) = make_float4(lo[e], lo[e + 1], lo[e + 2], lo[e + 3]);
-      *reinterpret_cast<float4*>(a.k_max + out + e) = make_float4(hi[e], hi[e + 1], hi[e + 2], hi[e + 3]);
+      for (int e = 0; e < X; e += 4) {
+        *reinterpret_cast<float4*>(a.k_min + out + e) = make_float4(lo[e], lo[e + 1], lo[e + 2], lo[e + 3]);
+        *reinterpret_cast<float4*>(a.k_max + out + e) = make_float4(hi[e], hi[e + 1], hi[e + 2], hi[e + 3]);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < X; ++e) {
+        a.k_min[out + e] = bound_down<TB>(lo[e]);
+        a.k_max[out + e] = bound_up<TB>(hi[e]);
+      }
     }
   }
 }
@@ -125,7 +145,7 @@ __device__ __forceinline__ int block_inclusive_sum(int x, int* s_warp, int& tota
 }
 
 // grid B * Hk (CTA (b, h) = blockIdx.x = b * Hk + h); block THREADS; dynamic shared memory
-// group * D floats (the group's queries). Warp w scores pages w, w + WARPS, ... (lane l
+// group * D floats (the group's queries); bounds TB (float or bf16). Warp w scores pages w, w + WARPS, ... (lane l
 // holds dims l, l + 32, ...): score = max over the group's queries of sum_d (q_d > 0 ?
 // q_d max_d : q_d < 0 ? q_d min_d : 0), into scores[b, h, :] (-inf past the sequence, +inf
 // for its last page). With top_k > 0 the CTA then finds the key (page_key: the last page,
@@ -135,9 +155,9 @@ __device__ __forceinline__ int block_inclusive_sum(int x, int* s_warp, int& tota
 // block table row of the one-kv-head view (tokens_per_page entries a page: id blk * Hk + h,
 // or (blk * block_size + t) * Hk + h per token t) with its key count. (A minimum of one CTA
 // a multiprocessor in the launch bounds: without it ptxas spills some head sizes on sm_80.)
-template <typename T, int D, int THREADS>
+template <typename T, typename TB, int D, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
-  const QuestSelectArgs<T> a{CUPAGED_FIELDS_QuestSelectArgs};
+  const QuestSelectArgs<T, TB> a{CUPAGED_FIELDS_QuestSelectArgs};
   constexpr int WARPS = THREADS / 32, DL = (D + 31) / 32;
   extern __shared__ float s_q[];
   __shared__ int s_hist[256];
@@ -173,8 +193,8 @@ __global__ void __launch_bounds__(THREADS, 1) quest_select_kernel(CUPAGED_PARAMS
 #pragma unroll
     for (int j = 0; j < DL; ++j) {
       const int d = lane + 32 * j;
-      mx[j] = d < D ? __ldg(a.k_max + row + d) : 0.f;
-      mn[j] = d < D ? __ldg(a.k_min + row + d) : 0.f;
+      mx[j] = d < D ? to_float<TB>(__ldg(a.k_max + row + d)) : 0.f;
+      mn[j] = d < D ? to_float<TB>(__ldg(a.k_min + row + d)) : 0.f;
     }
     float best = neg_inf();
     for (int g = 0; g < a.group; ++g) {

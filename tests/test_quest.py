@@ -15,8 +15,8 @@ from test_decode import from_nhd, make_case
 TOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float16): 3e-3, np.dtype(bfloat16): 2e-2}
 
 
-def _fresh_bounds(nb, hk, d, xp=np, fill=np.nan):
-    return xp.full((nb, hk, d), fill, np.float32), xp.full((nb, hk, d), fill, np.float32)
+def _fresh_bounds(nb, hk, d, xp=np, fill=np.nan, dtype=np.float32):
+    return xp.full((nb, hk, d), fill, dtype), xp.full((nb, hk, d), fill, dtype)
 
 
 def _loop_bounds(k_nhd, tables, lens, bs):
@@ -123,29 +123,39 @@ def _oracle(case, layout, pages, bs, sm_scale, sinks=None):
 
 
 # ----------------------------------------------------------------------------- reference
+@pytest.mark.parametrize("bounds", [np.float32, bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_reference_bounds_match_loops(rng, layout):
+def test_reference_bounds_match_loops(rng, layout, bounds):
     bs, hk, d = 8, 2, 64
     case = make_case(rng, lens=[30, 17, 0, 8, 1], hk=hk, d=d, bs=bs, layout=layout,
                      dtype=np.float32)
     tables, lens = case["block_tables"], case["seq_lens"]
     nb = k_as_nhd(case["k_cache"], layout).shape[0]
-    k_min, k_max = _fresh_bounds(nb, hk, d)
+    k_min, k_max = _fresh_bounds(nb, hk, d, dtype=bounds)
     quest.update_page_bounds(case["k_cache"], tables, lens, k_min, k_max, layout=layout)
     want = _loop_bounds(k_as_nhd(case["k_cache"], layout), tables, lens, bs)
     for blk, (lo, hi) in want.items():
-        np.testing.assert_array_equal(k_min[blk], lo)
-        np.testing.assert_array_equal(k_max[blk], hi)
+        got_lo, got_hi = k_min[blk].astype(np.float64), k_max[blk].astype(np.float64)
+        if bounds is np.float32:
+            np.testing.assert_array_equal(got_lo, lo)
+            np.testing.assert_array_equal(got_hi, hi)
+            continue
+        # outward: the nearest bfloat16 at or below the min, at or above the max
+        assert (got_lo <= lo).all() and (got_hi >= hi).all()
+        up = np.nextafter(k_min[blk], np.asarray(np.inf, bounds)).astype(np.float64)
+        down = np.nextafter(k_max[blk], np.asarray(-np.inf, bounds)).astype(np.float64)
+        assert (up > lo).all() and (down < hi).all()
     untouched = np.setdiff1d(np.arange(nb), list(want))
     assert np.isnan(k_min[untouched]).all() and np.isnan(k_max[untouched]).all()
     # last pages only: those pages recomputed, the others left as they were
+    full_min = k_min.copy()
     k_min[:], k_max[:] = 7.0, 7.0
     quest.update_page_bounds(case["k_cache"], tables, lens, k_min, k_max, layout=layout,
                              last_page_only=True)
     last = {int(tables[b, -(-n // bs) - 1]) for b, n in enumerate(lens) if n}
     for blk in range(nb):
         if blk in last:
-            np.testing.assert_array_equal(k_min[blk], want[blk][0])
+            np.testing.assert_array_equal(k_min[blk], full_min[blk])
         else:
             assert (k_min[blk] == 7.0).all()
 
@@ -310,17 +320,19 @@ def _gpu_setup(cp, rng, layout, dtype, bs, hq, hk, d, lens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bounds", [np.float32, bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("layout,dtype,bs,hq,hk,d,lens,k", GPU_CASES)
-def test_gpu_bounds_match_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens, k):
+def test_gpu_bounds_match_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens, k, bounds):
     case, dev, nb = _gpu_setup(cp, rng, layout, dtype, bs, hq, hk, d, lens)
-    want_min, want_max = _fresh_bounds(nb, hk, d)
-    got_min, got_max = _fresh_bounds(nb, hk, d, cp)
+    want_min, want_max = _fresh_bounds(nb, hk, d, dtype=bounds)
+    got_min, got_max = _fresh_bounds(nb, hk, d, cp, dtype=bounds)
     args = (case["block_tables"], case["seq_lens"])
     quest.update_page_bounds(case["k_cache"], *args, want_min, want_max, layout=layout)
     quest.update_page_bounds(dev["k_cache"], dev["block_tables"], dev["seq_lens"], got_min,
                              got_max, layout=layout)
-    np.testing.assert_array_equal(got_min.get(), want_min)  # NaN where no page was computed
-    np.testing.assert_array_equal(got_max.get(), want_max)
+    # exact (NaN where no page was computed; bf16 rounded outward on both sides)
+    np.testing.assert_array_equal(got_min.get().astype(np.float32), want_min.astype(np.float32))
+    np.testing.assert_array_equal(got_max.get().astype(np.float32), want_max.astype(np.float32))
     for a, b in ((got_min, want_min), (got_max, want_max)):
         a.fill(5.0)
         b[...] = 5.0
@@ -328,17 +340,19 @@ def test_gpu_bounds_match_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens,
                              last_page_only=True)
     quest.update_page_bounds(dev["k_cache"], dev["block_tables"], dev["seq_lens"], got_min,
                              got_max, layout=layout, last_page_only=True)
-    np.testing.assert_array_equal(got_min.get(), want_min)
-    np.testing.assert_array_equal(got_max.get(), want_max)
+    np.testing.assert_array_equal(got_min.get().astype(np.float32), want_min.astype(np.float32))
+    np.testing.assert_array_equal(got_max.get().astype(np.float32), want_max.astype(np.float32))
     cupaged.check_errors()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("first", [0, 2])
+@pytest.mark.parametrize("first,bounds", [(0, np.float32), (2, np.float32), (0, bfloat16)],
+                         ids=["f32", "f32-first2", "bf16"])
 @pytest.mark.parametrize("layout,dtype,bs,hq,hk,d,lens,k", GPU_CASES)
-def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens, k, first):
+def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens, k, first,
+                                      bounds):
     case, dev, nb = _gpu_setup(cp, rng, layout, dtype, bs, hq, hk, d, lens)
-    k_min, k_max = _fresh_bounds(nb, hk, d)
+    k_min, k_max = _fresh_bounds(nb, hk, d, dtype=bounds)
     tables, seq_lens = case["block_tables"], case["seq_lens"]
     quest.update_page_bounds(case["k_cache"], tables, seq_lens, k_min, k_max, layout=layout)
     tpp = quest.tokens_per_page(layout, hk, bs)

@@ -40,9 +40,9 @@ mma.sync dense kernel's causal blocks per second; issue 22's goal: >= 0.8) and `
 (the share of the (tile, 64-row half) slots that compute on 128-row CTAs: random rows
 share few blocks, so those halves often wait for each other; ``bsr128_ms`` is bounded by
 it, 64-row CTAs are not, at twice the shared-memory reads per computed block).
-Quest decode rows (``budget`` "quest <layout>", one per layout): B 32 x 32K keys, Hq 32 /
-Hk 8, d 128, bf16, pages of 16, ``QuestDecoder`` keeping the top 64 pages (``kept`` 1/32 of
-them) per (sequence, kv head) on random q/k/v: ``bounds_ms`` (every page's bounds, once per
+Quest decode rows (``budget`` "quest <layout> <bounds dtype>", float32 and bfloat16 bounds
+for each layout): B 32 x 32K keys, Hq 32 / Hk 8, d 128, bf16, pages of 16, ``QuestDecoder``
+keeping the top 64 pages (``kept`` 1/32 of them) per (sequence, kv head) on random q/k/v: ``bounds_ms`` (every page's bounds, once per
 prefill), ``bounds_last_ms`` (the last pages: once per step and layer), ``select_ms``
 (scores and top-k alone), ``quest_ms`` (``run``: select and decode), ``dense_ms`` (dense
 ``paged_decode`` of the same batch), ``vs_dense`` (dense over ``quest_ms``),
@@ -284,8 +284,9 @@ QUEST_LAYOUTS = ("NHD", "HND", "vllm")
 
 
 def bench_quest(layout, reps):
-    """One Quest decode row: B 32 x 32K keys, top-64 pages of 16 per (sequence, kv head),
-    beside dense ``paged_decode`` of the same cache and batch."""
+    """Quest decode rows of one layout (float32 and bfloat16 bounds): B 32 x 32K keys,
+    top-64 pages of 16 per (sequence, kv head), beside dense ``paged_decode`` of the same
+    cache and batch."""
     import cupaged
     import cupy
     from ..core.layouts import cache_shapes
@@ -299,35 +300,41 @@ def bench_quest(layout, reps):
     q = rs.standard_normal((QUEST_BATCH, HQ, D), dtype=cupy.float32).astype(bfloat16)
     tables = rs.permutation(nb).astype(np.int32).reshape(QUEST_BATCH, pages)
     lens = cupy.full(QUEST_BATCH, QUEST_LEN, np.int32)
-    k_min, k_max = (cupy.empty((nb, HK, D), np.float32) for _ in range(2))
-    dec = QuestDecoder(HQ, HK, D, QUEST_PAGE, QUEST_TOP_K, dtype=bfloat16, layout=layout,
-                       max_batch=QUEST_BATCH).plan(tables, lens)
     out = cupy.empty_like(q)
-    t_bounds = time_gpu(lambda: dec.update_bounds(k, k_min, k_max, last_page_only=False),
-                        warmup=1, reps=reps)
-    t_last = time_gpu(lambda: dec.update_bounds(k, k_min, k_max), reps=reps)
-    dec.run(q, k, v, k_min, k_max, out=out)
-    t_select = time_gpu(lambda: quest.select_pages(
-        q, k_min, k_max, tables, lens, QUEST_PAGE, QUEST_TOP_K,
-        tokens_per_page=dec.tokens_per_page, out=dec.selection), reps=reps)
-    t_quest = time_gpu(lambda: dec.run(q, k, v, k_min, k_max, out=out), reps=reps)
     t_dense = time_gpu(lambda: cupaged.paged_decode(q, k, v, tables, lens, layout=layout,
                                                     out=out), reps=reps)
-    # every page kept: the Quest path must give dense attention
-    full = QuestDecoder(HQ, HK, D, QUEST_PAGE, pages, dtype=bfloat16, layout=layout,
-                        max_batch=QUEST_BATCH).plan(tables, lens)
-    got = full.run(q, k, v, k_min, k_max).astype(cupy.float32)
     want = cupaged.paged_decode(q, k, v, tables, lens, layout=layout).astype(cupy.float32)
-    err = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
-    return dict(S=QUEST_LEN, budget=f"quest {layout}", B=QUEST_BATCH, kept=QUEST_TOP_K / pages,
-                bounds_ms=t_bounds * 1e3, bounds_last_ms=t_last * 1e3, select_ms=t_select * 1e3,
-                quest_ms=t_quest * 1e3, dense_ms=t_dense * 1e3, vs_dense=t_dense / t_quest,
-                step_vs_dense=t_dense / (t_quest + t_last), checked=err < 1e-2)
+    rows = []
+    for bounds in quest.BOUND_DTYPES:
+        k_min, k_max = (cupy.empty((nb, HK, D), bounds) for _ in range(2))
+        dec = QuestDecoder(HQ, HK, D, QUEST_PAGE, QUEST_TOP_K, dtype=bfloat16, layout=layout,
+                           max_batch=QUEST_BATCH).plan(tables, lens)
+        t_bounds = time_gpu(lambda: dec.update_bounds(k, k_min, k_max, last_page_only=False),
+                            warmup=1, reps=reps)
+        t_last = time_gpu(lambda: dec.update_bounds(k, k_min, k_max), reps=reps)
+        dec.run(q, k, v, k_min, k_max, out=out)
+        t_select = time_gpu(lambda: quest.select_pages(
+            q, k_min, k_max, tables, lens, QUEST_PAGE, QUEST_TOP_K,
+            tokens_per_page=dec.tokens_per_page, out=dec.selection), reps=reps)
+        t_quest = time_gpu(lambda: dec.run(q, k, v, k_min, k_max, out=out), reps=reps)
+        # every page kept: the Quest path must give dense attention
+        full = QuestDecoder(HQ, HK, D, QUEST_PAGE, pages, dtype=bfloat16, layout=layout,
+                            max_batch=QUEST_BATCH).plan(tables, lens)
+        got = full.run(q, k, v, k_min, k_max).astype(cupy.float32)
+        err = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
+        rows.append(dict(
+            S=QUEST_LEN, budget=f"quest {layout} {np.dtype(bounds).name}", B=QUEST_BATCH,
+            kept=QUEST_TOP_K / pages, bounds_ms=t_bounds * 1e3, bounds_last_ms=t_last * 1e3,
+            select_ms=t_select * 1e3, quest_ms=t_quest * 1e3, dense_ms=t_dense * 1e3,
+            vs_dense=t_dense / t_quest, step_vs_dense=t_dense / (t_quest + t_last),
+            checked=err < 1e-2))
+        del dec, full, k_min, k_max
+    return rows
 
 
 def run_quest(quick=False):
-    """The Quest rows alone, one per layout."""
-    return [bench_quest(layout, reps=5 if quick else 20) for layout in QUEST_LAYOUTS]
+    """The Quest rows alone, two per layout."""
+    return [row for layout in QUEST_LAYOUTS for row in bench_quest(layout, 5 if quick else 20)]
 
 
 def run(quick=False):

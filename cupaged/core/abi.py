@@ -166,26 +166,26 @@ BSR_PREPARE = Record("BsrPrepareArgs", [
 # bounds; scores and the top pages of each (sequence, kv head) as a one-kv-head view's block
 # table (tokens_per_page entries a page) and lengths; a sink folded into a decode's output.
 # Key element (h, token, d) of block blk at blk * k_block + h * k_head + (d / X) * k_chunk +
-# d % X + token * k_tok (X = 16 / sizeof(T)); bounds float32 [num_blocks, Hk, D].
+# d % X + token * k_tok (X = 16 / sizeof(T)); bounds TB (float or bf16) [num_blocks, Hk, D].
 QUEST_BOUNDS = Record("QuestBoundsArgs", [
     ("const T* __restrict__", "k_cache"), ("const int* __restrict__", "block_tables"),
-    ("const int* __restrict__", "seq_lens"), ("float* __restrict__", "k_min"),
-    ("float* __restrict__", "k_max"), ("long long* __restrict__", "err", NULL),
+    ("const int* __restrict__", "seq_lens"), ("TB* __restrict__", "k_min"),
+    ("TB* __restrict__", "k_max"), ("long long* __restrict__", "err", NULL),
     ("i64", "k_block"), ("int", "k_head"), ("int", "k_chunk"), ("int", "k_tok"),
     ("int", "bt_stride"), ("int", "width"), ("int", "block_size"), ("int", "num_blocks"),
     ("int", "num_kv_heads"), ("int", "head_dim"), ("int", "last_page_only"),
-], template="typename T")
+], template="typename T, typename TB")
 
 QUEST_SELECT = Record("QuestSelectArgs", [
-    ("const T* __restrict__", "q"), ("const float* __restrict__", "k_min"),
-    ("const float* __restrict__", "k_max"), ("const int* __restrict__", "block_tables"),
+    ("const T* __restrict__", "q"), ("const TB* __restrict__", "k_min"),
+    ("const TB* __restrict__", "k_max"), ("const int* __restrict__", "block_tables"),
     ("const int* __restrict__", "seq_lens"), ("float* __restrict__", "scores"),
     ("int* __restrict__", "positions", NULL), ("int* __restrict__", "sel_tables", NULL),
     ("int* __restrict__", "sel_lens", NULL), ("long long* __restrict__", "err", NULL),
     ("i64", "q_stride"), ("int", "bt_stride"), ("int", "width"), ("int", "block_size"),
     ("int", "num_blocks"), ("int", "num_kv_heads"), ("int", "group"), ("int", "top_k"),
     ("int", "first_pages"), ("int", "tokens_per_page"),
-], template="typename T")
+], template="typename T, typename TB")
 
 QUEST_SINKS = Record("QuestSinksArgs", [
     ("T* __restrict__", "out"), ("float* __restrict__", "lse"),

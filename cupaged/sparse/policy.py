@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core.arrays import array_module, host
+from ..core.arrays import array_module, bfloat16, check_choice, host
 from ..core.checks import check_int
 from ..core.layouts import key_geometry, resolve_layout
 from . import quest
@@ -133,17 +133,21 @@ class QuestPolicy(SparsePolicy):
         Pages read per (sequence, kv head).
     first_pages : int
         Pages at the start of each sequence always read (attention sinks).
+    bounds_dtype : {"float32", "bfloat16"}
+        Of the bounds (bfloat16: rounded outward, half the bytes a decode step reads).
     """
     supports_prefill = False
     supports_decode = True
 
-    def __init__(self, top_k_pages, first_pages=0):
+    def __init__(self, top_k_pages, first_pages=0, bounds_dtype="float32"):
         self.top_k_pages = check_int("top_k_pages", top_k_pages)
         self.first_pages = check_int("first_pages", first_pages, minimum=0)
+        check_choice("bounds_dtype", str(bounds_dtype), ("float32", "bfloat16"))
+        self.bounds_dtype = np.dtype(np.float32) if str(bounds_dtype) == "float32" else bfloat16
         self.reset()
 
     def reset(self):
-        self.k_min = self.k_max = None   # float32 [num_blocks, Hk, D]
+        self.k_min = self.k_max = None   # [num_blocks, Hk, D] of bounds_dtype
         self.block_size = None
 
     def update_bounds(self, k_cache, block_tables, seq_lens, *, layout=None, last_page_only=False):
@@ -169,8 +173,8 @@ class QuestPolicy(SparsePolicy):
         geo = key_geometry(k_cache, layout)
         shape = (geo.num_blocks, geo.num_kv_heads, geo.head_dim)
         if self.k_min is None or self.k_min.shape != shape or array_module(self.k_min) is not xp:
-            k_min = xp.full(shape, np.inf, dtype=np.float32)
-            k_max = xp.full(shape, -np.inf, dtype=np.float32)
+            k_min = xp.full(shape, np.inf, dtype=self.bounds_dtype)
+            k_max = xp.full(shape, -np.inf, dtype=self.bounds_dtype)
         else:
             k_min, k_max = self.k_min, self.k_max
         quest.update_page_bounds(k_cache, block_tables, seq_lens, k_min, k_max, layout=layout,

@@ -2,7 +2,9 @@
 of each (sequence, kv head), and decode over them.
 
 For every cache page and kv head the bounds are the elementwise min and max of its keys
-(float32 ``[num_blocks, Hk, D]`` each, tokens below the sequence's length only). A decode
+(``[num_blocks, Hk, D]`` each, tokens below the sequence's length only), float32, or
+bfloat16 rounded outward (a min down, a max up: still bounds, in half the bytes a step
+reads). A decode
 query scores page ``P`` of kv head ``h`` by ``max_g sum_d ub(q_gd, min_d, max_d)`` over the
 group's query heads ``g``, with ``ub = q max`` for ``q > 0``, ``q min`` for ``q < 0`` and 0
 for ``q = 0``: at least ``q . k`` for every key of the page. Each (sequence, kv head) keeps
@@ -27,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core import abi, errors
-from ..core.arrays import FLOAT_DTYPES, HEAD_DIMS, array_module, check_array
+from ..core.arrays import FLOAT_DTYPES, HEAD_DIMS, array_module, bfloat16, check_array
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_gqa, check_int,
                            check_query, table_stride, token_stride)
 from ..core.compile import Spec, ctype, launcher
@@ -39,6 +41,7 @@ BOUNDS_THREADS = 128
 SELECT_THREADS = 256
 SINK_THREADS = 128
 MAX_BATCH = 65535  # grid.y of quest_bounds_kernel
+BOUND_DTYPES = (np.dtype(np.float32), bfloat16)
 
 
 class Selection(NamedTuple):
@@ -51,9 +54,10 @@ class Selection(NamedTuple):
 
 # ----------------------------------------------------------------------------- checks
 def check_bounds(k_min, k_max, shape, xp):
-    """``k_min`` and ``k_max``: float32 ``shape`` ``(num_blocks, Hk, D)``, C-contiguous."""
-    for name, a in (("k_min", k_min), ("k_max", k_max)):
-        check_array(name, a, shape=shape, dtypes=np.float32, xp=xp)
+    """``k_min`` and ``k_max``: float32 or bfloat16 (both alike), ``shape`` ``(num_blocks, Hk,
+    D)``, C-contiguous."""
+    check_array("k_min", k_min, shape=shape, dtypes=BOUND_DTYPES, xp=xp)
+    check_array("k_max", k_max, shape=shape, dtypes=k_min.dtype, xp=xp)
     if xp is not np:
         check_aligned(k_min=k_min, k_max=k_max)
 
@@ -124,7 +128,8 @@ def update_page_bounds(k_cache, block_tables, seq_lens, k_min, k_max, *, layout,
     seq_lens : array
         int32 ``[B]`` keys per sequence (0 allowed).
     k_min, k_max : array
-        float32 ``[num_blocks, Hk, D]``, written for the pages recomputed only.
+        float32 or bfloat16 ``[num_blocks, Hk, D]``, written for the pages recomputed only
+        (bfloat16 rounded outward).
     layout : {"NHD", "HND", "vllm"}
     last_page_only : bool
         Only each sequence's last page (after a decode step appended a key to it).
@@ -146,7 +151,7 @@ def update_page_bounds(k_cache, block_tables, seq_lens, k_min, k_max, *, layout,
         raise ValueError(f"block_tables: expected at most {MAX_BATCH} sequences, got {batch}")
     check_aligned(k_cache=k_cache)
     s = layout_strides(layout, *geo[1:], k_cache.itemsize)
-    kernel = launcher("quest", bounds_expr(k_cache.dtype), abi.QUEST_BOUNDS)
+    kernel = launcher("quest", bounds_expr(k_cache.dtype, k_min.dtype), abi.QUEST_BOUNDS)
     if batch and width:
         kernel((1 if last_page_only else width, batch), BOUNDS_THREADS,
                k_cache=ptr(k_cache), block_tables=ptr(block_tables), seq_lens=ptr(seq_lens),
@@ -171,8 +176,16 @@ def _reference_bounds(k_cache, layout, bs, bt, lens, k_min, k_max, last_page_onl
     fills = np.minimum(bs, lens[b] - p * bs)
     keys = k_as_nhd(k_cache[ids], layout).astype(np.float64)          # [P, bs, Hk, D]
     valid = (np.arange(bs)[None, :] < fills[:, None])[:, :, None, None]
-    k_min[ids] = np.where(valid, keys, np.inf).min(axis=1)
-    k_max[ids] = np.where(valid, keys, -np.inf).max(axis=1)
+    k_min[ids] = outward(np.where(valid, keys, np.inf).min(axis=1), k_min.dtype, -np.inf)
+    k_max[ids] = outward(np.where(valid, keys, -np.inf).max(axis=1), k_max.dtype, np.inf)
+
+
+def outward(x, dtype, toward):
+    """float64 ``x`` in ``dtype``, rounded toward ``toward`` (-inf or +inf) where inexact."""
+    y = x.astype(dtype)
+    back = y.astype(np.float64)
+    off = back > x if toward < 0 else back < x
+    return np.where(off, np.nextafter(y, np.asarray(toward, dtype)), y)
 
 
 # ----------------------------------------------------------------------------- selection
@@ -185,7 +198,7 @@ def page_scores(q, k_min, k_max, block_tables, seq_lens, block_size):
     q : array
         ``[B, Hq, D]`` decode queries (rows may be strided).
     k_min, k_max : array
-        float32 ``[num_blocks, Hk, D]`` page bounds.
+        float32 or bfloat16 ``[num_blocks, Hk, D]`` page bounds.
     block_tables, seq_lens : array
         int32 ``[B, max_blocks]`` and ``[B]``.
     block_size : int
@@ -248,7 +261,7 @@ def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first, t
         out = Selection(xp.empty((batch, hk, k), np.int32) if top_k else None,
                         xp.empty((batch * hk, k * tpp), np.int32),
                         xp.empty(batch * hk, np.int32), xp.empty((batch, hk, width), np.float32))
-    kernel = launcher("quest", select_expr(q.dtype, d), abi.QUEST_SELECT,
+    kernel = launcher("quest", select_expr(q.dtype, d, k_min.dtype), abi.QUEST_SELECT,
                       smem=4 * (hq // hk) * d)
     if batch * hk:
         kernel(batch * hk, SELECT_THREADS, 4 * (hq // hk) * d, q=ptr(q), k_min=ptr(k_min),
@@ -337,12 +350,14 @@ def fold_sinks(out, lse, sinks, num_q_heads):
 
 
 # ----------------------------------------------------------------------------- kernels
-def bounds_expr(dtype):
-    return f"cupaged::quest::quest_bounds_kernel<{ctype(dtype)}, {BOUNDS_THREADS}>"
+def bounds_expr(dtype, bound_dtype):
+    return (f"cupaged::quest::quest_bounds_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
+            f"{BOUNDS_THREADS}>")
 
 
-def select_expr(dtype, head_dim):
-    return f"cupaged::quest::quest_select_kernel<{ctype(dtype)}, {head_dim}, {SELECT_THREADS}>"
+def select_expr(dtype, head_dim, bound_dtype):
+    return (f"cupaged::quest::quest_select_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
+            f"{head_dim}, {SELECT_THREADS}>")
 
 
 def sinks_expr(dtype):
@@ -350,9 +365,12 @@ def sinks_expr(dtype):
 
 
 def kernel_specializations():
-    """Every Quest kernel: bounds and sinks per dtype, select per dtype and head size."""
+    """Every Quest kernel: sinks per dtype, bounds per dtype and bound dtype, select per
+    dtype, head size and bound dtype."""
     specs = []
     for dt in FLOAT_DTYPES:
-        specs += [Spec("quest", bounds_expr(dt)), Spec("quest", sinks_expr(dt))]
-        specs += [Spec("quest", select_expr(dt, d)) for d in HEAD_DIMS]
+        specs.append(Spec("quest", sinks_expr(dt)))
+        for bt in BOUND_DTYPES:
+            specs.append(Spec("quest", bounds_expr(dt, bt)))
+            specs += [Spec("quest", select_expr(dt, d, bt)) for d in HEAD_DIMS]
     return specs

@@ -41,7 +41,8 @@ def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_
         Caches in ``layout``, blocks dense and one after the other (the one-kv-head view of
         :func:`cupaged.sparse.quest.decode_view`).
     k_min, k_max : array
-        float32 ``[num_blocks, Hk, D]`` page bounds (:func:`quest.update_page_bounds`).
+        float32 or bfloat16 ``[num_blocks, Hk, D]`` page bounds
+        (:func:`quest.update_page_bounds`).
     block_tables, seq_lens : array
         int32 ``[B, max_blocks]`` and ``[B]``.
     top_k : int
@@ -218,7 +219,7 @@ class QuestDecoder:
         return self._step
 
     def update_bounds(self, k_cache, k_min, k_max, *, last_page_only=True):
-        """Recompute a layer's page bounds (float32 ``[num_blocks, Hk, D]``, in place) over
+        """Recompute a layer's page bounds (``[num_blocks, Hk, D]``, in place) over
         the planned tables and lengths: each sequence's last page (default), or every page."""
         _, _, tables, lens, _ = self._planned()
         quest.update_page_bounds(k_cache, tables, lens, k_min, k_max, layout=self.layout,
@@ -236,7 +237,7 @@ class QuestDecoder:
         k_cache, v_cache : array
             The layer's caches (the decoder's layout, block size and kv heads).
         k_min, k_max : array
-            The layer's float32 ``[num_blocks, Hk, D]`` page bounds.
+            The layer's float32 or bfloat16 ``[num_blocks, Hk, D]`` page bounds.
         sinks : array, optional
             float32 ``[Hq]``.
         out : array, optional
