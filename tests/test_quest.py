@@ -285,6 +285,9 @@ def test_bad_quest_arguments(rng):
     with pytest.raises(ValueError, match="k_min: expected shape"):
         quest.update_page_bounds(case["k_cache"], tables, lens, k_min[1:], k_max,
                                  layout="NHD")
+    with pytest.raises(ValueError, match="k_cache head_dim: head size 32 is not supported"):
+        quest.update_page_bounds(case["k_cache"][..., :32].copy(), tables, lens, k_min[..., :32],
+                                 k_max[..., :32], layout="NHD")
     with pytest.raises(ValueError, match="block_tables: expected entries in"):
         quest.update_page_bounds(case["k_cache"], tables + nb, lens, k_min, k_max,
                                  layout="NHD")

@@ -29,7 +29,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core import abi, errors
-from ..core.arrays import FLOAT_DTYPES, HEAD_DIMS, array_module, bfloat16, check_array
+from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, array_module, bfloat16, check_array,
+                           check_head_dim)
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_gqa, check_int,
                            check_query, table_stride, token_stride)
 from ..core.compile import Spec, ctype, launcher
@@ -139,6 +140,7 @@ def update_page_bounds(k_cache, block_tables, seq_lens, k_min, k_max, *, layout,
     xp = array_module(k_cache, block_tables, seq_lens, k_min, k_max)
     geo = key_geometry(k_cache, layout)
     check_array("k_cache", k_cache, dtypes=FLOAT_DTYPES, xp=xp, contiguous=False)
+    check_head_dim("k_cache head_dim", geo.head_dim)
     check_dense_blocks("k_cache", k_cache)
     bt, sl = check_block_tables(block_tables, seq_lens, geo, xp,
                                 contents=xp is np or errors.strict(validate))
