@@ -145,17 +145,18 @@ __device__ __forceinline__ int block_inclusive_sum(int x, int* s_warp, int& tota
 }
 
 // grid B * Hk (CTA (b, h) = blockIdx.x = b * Hk + h); block THREADS; dynamic shared memory
-// group * D floats (the group's queries); bounds TB (float or bf16). Warp w scores pages w, w + WARPS, ... (lane l
-// holds dims l, l + 32, ...): score = max over the group's queries of sum_d (q_d > 0 ?
-// q_d max_d : q_d < 0 ? q_d min_d : 0), into scores[b, h, :] (-inf past the sequence, +inf
-// for its last page). With top_k > 0 the CTA then finds the key (page_key: the last page,
-// then the first_pages first ones, then by score) of the k-th best page by a
-// radix select (8 bits a pass, a 256-bin histogram) and keeps, in position order, every page
-// above it and the first pages equal to it: positions[b, h, :] (-1 past the count), and a
-// block table row of the one-kv-head view (tokens_per_page entries a page: id blk * Hk + h,
-// or (blk * block_size + t) * Hk + h per token t) with its key count. (A minimum of one CTA
-// a multiprocessor in the launch bounds: without it ptxas spills some head sizes on sm_80.)
-template <typename T, typename TB, int D, int THREADS>
+// group * D floats (the group's queries); bounds TB (float or bf16). Warp w scores pages
+// UNROLL at a time (pages w UNROLL, (w + WARPS) UNROLL, ... onward; lane l holds dims l,
+// l + 32, ...): score = max over the group's queries of sum_d (q_d > 0 ? q_d max_d : q_d < 0
+// ? q_d min_d : 0), into scores[b, h, :] (-inf past the sequence, +inf for its last page).
+// With top_k > 0 the CTA then finds the key (page_key: the last page, then the first_pages
+// first ones, then by score) of the k-th best page by a radix select (8 bits a pass, a
+// 256-bin histogram) and keeps, in position order, every page above it and the first pages
+// equal to it: positions[b, h, :] (-1 past the count), and a block table row of the
+// one-kv-head view (tokens_per_page entries a page: id blk * Hk + h, or (blk * block_size +
+// t) * Hk + h per token t) with its key count. (A minimum of one CTA a multiprocessor in
+// the launch bounds: without it ptxas spills some head sizes on sm_80.)
+template <typename T, typename TB, int D, int THREADS, int UNROLL>
 __global__ void __launch_bounds__(THREADS, 1) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
   const QuestSelectArgs<T, TB> a{CUPAGED_FIELDS_QuestSelectArgs};
   constexpr int WARPS = THREADS / 32, DL = (D + 31) / 32;
@@ -186,29 +187,40 @@ __global__ void __launch_bounds__(THREADS, 1) quest_select_kernel(CUPAGED_PARAMS
   __syncthreads();
   const int n = s_bad ? 0 : used;  // pages scored and selectable
 
-  // scores
-  for (int i = warp; i < n; i += WARPS) {
-    const i64 row = ((i64)__ldg(table + i) * a.num_kv_heads + h) * D;
-    float mx[DL], mn[DL];
+  // scores: a warp loads the bounds of UNROLL pages before it reduces any (loads in flight)
+  for (int i0 = warp * UNROLL; i0 < n; i0 += WARPS * UNROLL) {
+    float mx[UNROLL][DL], mn[UNROLL][DL];
 #pragma unroll
-    for (int j = 0; j < DL; ++j) {
-      const int d = lane + 32 * j;
-      mx[j] = d < D ? to_float<TB>(__ldg(a.k_max + row + d)) : 0.f;
-      mn[j] = d < D ? to_float<TB>(__ldg(a.k_min + row + d)) : 0.f;
-    }
-    float best = neg_inf();
-    for (int g = 0; g < a.group; ++g) {
-      float acc = 0.f;
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = i0 + u;
+      const i64 row = i < n ? ((i64)__ldg(table + i) * a.num_kv_heads + h) * D : 0;
 #pragma unroll
       for (int j = 0; j < DL; ++j) {
         const int d = lane + 32 * j;
-        const float qd = d < D ? s_q[g * D + d] : 0.f;
-        const float prod = qd * (qd > 0.f ? mx[j] : mn[j]);
-        acc += qd != 0.f ? prod : 0.f;  // q_d = 0 adds nothing, even against an infinite bound
+        const bool ok = i < n && d < D;
+        mx[u][j] = ok ? to_float<TB>(__ldg(a.k_max + row + d)) : 0.f;
+        mn[u][j] = ok ? to_float<TB>(__ldg(a.k_min + row + d)) : 0.f;
       }
-      best = fmaxf(best, warp_sum(acc));
     }
-    if (lane == 0) row_scores[i] = i == n - 1 ? __int_as_float(0x7f800000) : (best != best ? neg_inf() : best);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = i0 + u;  // the same for the whole warp
+      if (i >= n) break;
+      float best = neg_inf();
+      for (int g = 0; g < a.group; ++g) {
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < DL; ++j) {
+          const int d = lane + 32 * j;
+          const float qd = d < D ? s_q[g * D + d] : 0.f;
+          const float prod = qd * (qd > 0.f ? mx[u][j] : mn[u][j]);
+          acc += qd != 0.f ? prod : 0.f;  // q_d = 0 adds nothing, even against an infinite bound
+        }
+        best = fmaxf(best, warp_sum(acc));
+      }
+      if (lane == 0)
+        row_scores[i] = i == n - 1 ? __int_as_float(0x7f800000) : (best != best ? neg_inf() : best);
+    }
   }
   for (int i = n + threadIdx.x; i < a.width; i += THREADS) row_scores[i] = neg_inf();
   if (a.top_k == 0) return;

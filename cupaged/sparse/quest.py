@@ -40,6 +40,7 @@ from ..core.layouts import (CacheGeometry, block_stride, check_dense_blocks, k_a
 
 BOUNDS_THREADS = 128
 SELECT_THREADS = 256
+SELECT_DIMS_IN_FLIGHT = 512  # bound dims a select warp loads before reducing (select_unroll)
 SINK_THREADS = 128
 MAX_BATCH = 65535  # grid.y of quest_bounds_kernel
 BOUND_DTYPES = (np.dtype(np.float32), bfloat16)
@@ -357,9 +358,15 @@ def bounds_expr(dtype, bound_dtype):
             f"{BOUNDS_THREADS}>")
 
 
+def select_unroll(head_dim):
+    """Pages a select warp loads at once: SELECT_DIMS_IN_FLIGHT dims of each bound (the
+    loads of one page alone leave the warp waiting on memory latency)."""
+    return max(1, SELECT_DIMS_IN_FLIGHT // int(head_dim))
+
+
 def select_expr(dtype, head_dim, bound_dtype):
     return (f"cupaged::quest::quest_select_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
-            f"{head_dim}, {SELECT_THREADS}>")
+            f"{head_dim}, {SELECT_THREADS}, {select_unroll(head_dim)}>")
 
 
 def sinks_expr(dtype):
