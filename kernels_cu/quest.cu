@@ -90,8 +90,10 @@ __global__ void __launch_bounds__(THREADS) quest_bounds_kernel(CUPAGED_PARAMS_Qu
     if constexpr (sizeof(TB) == 4) {
 #pragma unroll
       for (int e = 0; e < X; e += 4) {
-        *reinterpret_cast<float4*>(a.k_min + out + e) = make_float4(lo[e], lo[e + 1], lo[e + 2], lo[e + 3]);
-        *reinterpret_cast<float4*>(a.k_max + out + e) = make_float4(hi[e], hi[e + 1], hi[e + 2], hi[e + 3]);
+        *reinterpret_cast<float4*>(a.k_min + out + e) =
+            make_float4(lo[e], lo[e + 1], lo[e + 2], lo[e + 3]);
+        *reinterpret_cast<float4*>(a.k_max + out + e) =
+            make_float4(hi[e], hi[e + 1], hi[e + 2], hi[e + 3]);
       }
     } else {
 #pragma unroll
@@ -314,7 +316,8 @@ __global__ void __launch_bounds__(THREADS, 1) quest_select_kernel(CUPAGED_PARAMS
     for (int t = 0; t < tpp; ++t) tab_row[s * tpp + t] = -1;
   }
   if (threadIdx.x == 0)
-    a.sel_lens[blockIdx.x] = count ? (count - 1) * a.block_size + (len - (n - 1) * a.block_size) : 0;
+    a.sel_lens[blockIdx.x] =
+        count ? (count - 1) * a.block_size + (len - (n - 1) * a.block_size) : 0;
 }
 
 // ---------------------------------------------------------------------------- sinks

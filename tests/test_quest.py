@@ -234,7 +234,8 @@ def test_reference_decode_reads_each_heads_pages(rng, layout, with_sinks):
                                    tables, lens, k, layout=layout, sm_scale=0.2, sinks=sinks,
                                    return_lse=True)
     sel = quest.select_pages(case["q"], k_min, k_max, tables, lens, bs, k)
-    pages = {(b, h): [p for p in sel.positions[b, h] if p >= 0] for b in range(4) for h in range(hk)}
+    pages = {(b, h): [p for p in sel.positions[b, h] if p >= 0] for b in range(4)
+             for h in range(hk)}
     want, want_lse = _oracle(case, layout, pages, bs, 0.2, sinks)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)

@@ -123,9 +123,10 @@ class QuestPolicy(SparsePolicy):
     ``sum_d max(q_d min_d, q_d max_d) >= q . k`` for every key of the page; a kv head takes
     the maximum over its query heads. Each (sequence, kv head) keeps its ``top_k_pages``
     best pages, always including its last (current) page and its ``first_pages`` first
-    ones, in position order; ties go to the earlier page. The rules and their kernels: ``cupaged.sparse.quest`` (CuPy arrays run
-    ``kernels_cu/quest.cu`` with no host read of device data; NumPy arrays the float64
-    reference); the planned form an engine runs per step: :class:`QuestDecoder`.
+    ones, in position order; ties go to the earlier page. The rules and their kernels:
+    ``cupaged.sparse.quest`` (CuPy arrays run ``kernels_cu/quest.cu`` with no host read of
+    device data; NumPy arrays the float64 reference); the planned form an engine runs per
+    step: :class:`QuestDecoder`.
 
     Parameters
     ----------

@@ -96,10 +96,11 @@ def decode_view(k_cache, v_cache, layout):
     nb, bs, hk, d = geo
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_dense_blocks(name, a)
-        if nb > 1 and block_stride(a) != int(np.prod(a.shape[1:])):
+        size = int(np.prod(a.shape[1:]))
+        if nb > 1 and block_stride(a) != size:
             raise ValueError(f"{name}: expected dense blocks one after the other for Quest "
                              f"decode (its one-kv-head view), got a block stride of "
-                             f"{block_stride(a)} elements for blocks of {int(np.prod(a.shape[1:]))}")
+                             f"{block_stride(a)} elements for blocks of {size}")
     tpp = tokens_per_page(layout, hk, bs)
     if nb * hk * tpp > INT32_MAX:
         raise ValueError(f"k_cache: expected at most {INT32_MAX} one-kv-head blocks in the "
