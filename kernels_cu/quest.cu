@@ -146,68 +146,76 @@ __device__ __forceinline__ int block_inclusive_sum(int x, int* s_warp, int& tota
   return before + x;
 }
 
-// grid B * Hk (CTA (b, h) = blockIdx.x = b * Hk + h); block THREADS; dynamic shared memory
-// group * D floats (the group's queries); bounds TB (float or bf16). Warp w scores pages
-// UNROLL at a time (pages w UNROLL, (w + WARPS) UNROLL, ... onward; lane l holds dims l,
-// l + 32, ...): score = max over the group's queries of sum_d (q_d > 0 ? q_d max_d : q_d < 0
-// ? q_d min_d : 0), into scores[b, h, :] (-inf past the sequence, +inf for its last page).
-// With top_k > 0 the CTA then finds the key (page_key: the last page, then the first_pages
-// first ones, then by score) of the k-th best page by a radix select (8 bits a pass, a
-// 256-bin histogram) and keeps, in position order, every page above it and the first pages
-// equal to it: positions[b, h, :] (-1 past the count), and a block table row of the
-// one-kv-head view (tokens_per_page entries a page: id blk * Hk + h, or (blk * block_size +
-// t) * Hk + h per token t) with its key count. (A minimum of one CTA a multiprocessor in
-// the launch bounds: without it ptxas spills some head sizes on sm_80.)
-template <typename T, typename TB, int D, int THREADS, int UNROLL>
-__global__ void __launch_bounds__(THREADS, 1) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
-  const QuestSelectArgs<T, TB> a{CUPAGED_FIELDS_QuestSelectArgs};
-  constexpr int WARPS = THREADS / 32, DL = (D + 31) / 32;
-  extern __shared__ float s_q[];
-  __shared__ int s_hist[256];
-  __shared__ int s_warp[WARPS];
-  __shared__ int s_bad;
-  const int b = blockIdx.x / a.num_kv_heads, h = blockIdx.x - b * a.num_kv_heads;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int* table = a.block_tables + (i64)b * a.bt_stride;
-  float* row_scores = a.scores + (i64)blockIdx.x * a.width;
-  const int len = __ldg(a.seq_lens + b);
-  if (threadIdx.x == 0) s_bad = !length_ok(len, a.width, a.block_size, h == 0 ? a.err : nullptr, b);
-  __syncthreads();
-  const int used = s_bad ? 0 : (int)(((i64)len + a.block_size - 1) / a.block_size);
+// Whether sequence b's length is usable and the block ids of its `used` pages lie in
+// [0, num_blocks) (the first bad one reported when err is given). Every thread calls.
+template <int THREADS>
+__device__ __forceinline__ bool pages_ok(const int* table, int used, int num_blocks,
+                                         long long* err, int b) {
+  int bad = 0;
   for (int i = threadIdx.x; i < used; i += THREADS) {
     const int blk = __ldg(table + i);
-    if ((unsigned)blk >= (unsigned)a.num_blocks) {
-      s_bad = 1;
-      if (h == 0)
-        report_error(a.err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, i, blk, a.num_blocks);
+    if ((unsigned)blk >= (unsigned)num_blocks) {
+      bad = 1;
+      report_error(err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, i, blk, num_blocks);
     }
   }
+  return !__syncthreads_or(bad);
+}
+
+// grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS;
+// dynamic shared memory group * D floats (the group's queries); bounds TB (float or bf16).
+// CTA ((b, h), c) scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv
+// head h into scores[b, h, :]: a warp UNROLL pages at a time, their bounds loaded before
+// any is reduced (lane l holds dims l, l + 32, ...); score = max over the group's queries of
+// sum_d (q_d > 0 ? q_d max_d : q_d < 0 ? q_d min_d : 0); -inf past the sequence (and for a
+// sequence with a bad length), +inf for its last page, -inf for a bad block id (reported).
+// (A minimum of one CTA a multiprocessor in the launch bounds: without it ptxas spills some
+// head sizes on sm_80.)
+template <typename T, typename TB, int D, int THREADS, int UNROLL>
+__global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_QuestScoreArgs) {
+  const QuestScoreArgs<T, TB> a{CUPAGED_FIELDS_QuestScoreArgs};
+  constexpr int WARPS = THREADS / 32, DL = (D + 31) / 32;
+  extern __shared__ float s_q[];
+  const int row_id = blockIdx.x;
+  const int b = row_id / a.num_kv_heads, h = row_id - b * a.num_kv_heads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int* table = a.block_tables + (i64)b * a.bt_stride;
+  float* row_scores = a.scores + (i64)row_id * a.width;
+  const int len = __ldg(a.seq_lens + b);
+  const bool report = threadIdx.x == 0 && blockIdx.y == 0 && h == 0;
+  const int n = length_ok(len, a.width, a.block_size, report ? a.err : nullptr, b)
+                    ? (int)(((i64)len + a.block_size - 1) / a.block_size) : 0;
+  const int begin = blockIdx.y * a.pages_per_cta;
+  const int end = min(a.width, begin + a.pages_per_cta);
   for (int i = threadIdx.x; i < a.group * D; i += THREADS) {
     const int g = i / D;
     s_q[i] = to_float<T>(a.q[(i64)b * a.q_stride + (i64)(h * a.group + g) * D + (i - g * D)]);
   }
   __syncthreads();
-  const int n = s_bad ? 0 : used;  // pages scored and selectable
-
-  // scores: a warp loads the bounds of UNROLL pages before it reduces any (loads in flight)
-  for (int i0 = warp * UNROLL; i0 < n; i0 += WARPS * UNROLL) {
+  const int stop = min(end, n);
+  for (int i0 = begin + warp * UNROLL; i0 < stop; i0 += WARPS * UNROLL) {
     float mx[UNROLL][DL], mn[UNROLL][DL];
+    bool ok[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int i = i0 + u;
-      const i64 row = i < n ? ((i64)__ldg(table + i) * a.num_kv_heads + h) * D : 0;
+      const int blk = i < stop ? __ldg(table + i) : 0;
+      ok[u] = (unsigned)blk < (unsigned)a.num_blocks;
+      if (i < stop && !ok[u] && lane == 0 && h == 0)
+        report_error(a.err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, i, blk, a.num_blocks);
+      const i64 row = ok[u] ? ((i64)blk * a.num_kv_heads + h) * D : 0;
 #pragma unroll
       for (int j = 0; j < DL; ++j) {
         const int d = lane + 32 * j;
-        const bool ok = i < n && d < D;
-        mx[u][j] = ok ? to_float<TB>(__ldg(a.k_max + row + d)) : 0.f;
-        mn[u][j] = ok ? to_float<TB>(__ldg(a.k_min + row + d)) : 0.f;
+        const bool load = i < stop && ok[u] && d < D;
+        mx[u][j] = load ? to_float<TB>(__ldg(a.k_max + row + d)) : 0.f;
+        mn[u][j] = load ? to_float<TB>(__ldg(a.k_min + row + d)) : 0.f;
       }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int i = i0 + u;  // the same for the whole warp
-      if (i >= n) break;
+      if (i >= stop) break;
       float best = neg_inf();
       for (int g = 0; g < a.group; ++g) {
         float acc = 0.f;
@@ -220,13 +228,36 @@ __global__ void __launch_bounds__(THREADS, 1) quest_select_kernel(CUPAGED_PARAMS
         }
         best = fmaxf(best, warp_sum(acc));
       }
-      if (lane == 0)
-        row_scores[i] = i == n - 1 ? __int_as_float(0x7f800000) : (best != best ? neg_inf() : best);
+      if (lane == 0) {
+        const float s = best != best || !ok[u] ? neg_inf() : best;
+        row_scores[i] = i == n - 1 ? __int_as_float(0x7f800000) : s;
+      }
     }
   }
-  for (int i = n + threadIdx.x; i < a.width; i += THREADS) row_scores[i] = neg_inf();
-  if (a.top_k == 0) return;
-  __syncthreads();  // the CTA's scores written before it reads them back
+  for (int i = max(begin, n) + threadIdx.x; i < end; i += THREADS) row_scores[i] = neg_inf();
+}
+
+// grid B * Hk (CTA (b, h) = blockIdx.x = b * Hk + h); block THREADS. From the scores of
+// quest_score_kernel the CTA finds the key (page_key: the last page, then the first_pages
+// first ones, then by score) of the k-th best page by a radix select (8 bits a pass, a
+// 256-bin histogram) and keeps, in position order, every page above it and the first pages
+// equal to it: positions[b, h, :] (-1 past the count), and a block table row of the
+// one-kv-head view (tokens_per_page entries a page: id blk * Hk + h, or (blk * block_size +
+// t) * Hk + h per token t) with its key count. A sequence with a bad length or block id
+// keeps nothing (count 0; the score kernel reported it).
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
+  const QuestSelectArgs a{CUPAGED_FIELDS_QuestSelectArgs};
+  __shared__ int s_hist[256];
+  __shared__ int s_warp[THREADS / 32];
+  const int b = blockIdx.x / a.num_kv_heads, h = blockIdx.x - b * a.num_kv_heads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int* table = a.block_tables + (i64)b * a.bt_stride;
+  const float* row_scores = a.scores + (i64)blockIdx.x * a.width;
+  const int len = __ldg(a.seq_lens + b);
+  const bool len_ok = length_ok(len, a.width, a.block_size, nullptr, b);
+  const int used = len_ok ? (int)(((i64)len + a.block_size - 1) / a.block_size) : 0;
+  const int n = pages_ok<THREADS>(table, used, a.num_blocks, nullptr, b) ? used : 0;
 
   // the k-th largest key (the threshold) and how many pages equal to it are kept
   const int k = min(a.top_k, a.width);

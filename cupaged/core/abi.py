@@ -163,8 +163,8 @@ BSR_PREPARE = Record("BsrPrepareArgs", [
 ])
 
 # Quest page selection for decode (kernels_cu/quest.cu, cupaged.sparse.quest): per-page key
-# bounds; scores and the top pages of each (sequence, kv head) as a one-kv-head view's block
-# table (tokens_per_page entries a page) and lengths; a sink folded into a decode's output.
+# bounds; page scores; the top pages of each (sequence, kv head) as a one-kv-head view's
+# block table (tokens_per_page entries a page) and lengths; a sink folded into a decode's output.
 # Key element (h, token, d) of block blk at blk * k_block + h * k_head + (d / X) * k_chunk +
 # d % X + token * k_tok (X = 16 / sizeof(T)); bounds TB (float or bf16) [num_blocks, Hk, D].
 QUEST_BOUNDS = Record("QuestBoundsArgs", [
@@ -176,16 +176,23 @@ QUEST_BOUNDS = Record("QuestBoundsArgs", [
     ("int", "num_kv_heads"), ("int", "head_dim"), ("int", "last_page_only"),
 ], template="typename T, typename TB")
 
-QUEST_SELECT = Record("QuestSelectArgs", [
+QUEST_SCORE = Record("QuestScoreArgs", [
     ("const T* __restrict__", "q"), ("const TB* __restrict__", "k_min"),
     ("const TB* __restrict__", "k_max"), ("const int* __restrict__", "block_tables"),
     ("const int* __restrict__", "seq_lens"), ("float* __restrict__", "scores"),
-    ("int* __restrict__", "positions", NULL), ("int* __restrict__", "sel_tables", NULL),
-    ("int* __restrict__", "sel_lens", NULL), ("long long* __restrict__", "err", NULL),
-    ("i64", "q_stride"), ("int", "bt_stride"), ("int", "width"), ("int", "block_size"),
-    ("int", "num_blocks"), ("int", "num_kv_heads"), ("int", "group"), ("int", "top_k"),
-    ("int", "first_pages"), ("int", "tokens_per_page"),
+    ("long long* __restrict__", "err", NULL), ("i64", "q_stride"), ("int", "bt_stride"),
+    ("int", "width"), ("int", "block_size"), ("int", "num_blocks"), ("int", "num_kv_heads"),
+    ("int", "group"), ("int", "pages_per_cta"),
 ], template="typename T, typename TB")
+
+QUEST_SELECT = Record("QuestSelectArgs", [
+    ("const int* __restrict__", "block_tables"), ("const int* __restrict__", "seq_lens"),
+    ("const float* __restrict__", "scores"), ("int* __restrict__", "positions", NULL),
+    ("int* __restrict__", "sel_tables"), ("int* __restrict__", "sel_lens"),
+    ("int", "bt_stride"), ("int", "width"), ("int", "block_size"), ("int", "num_blocks"),
+    ("int", "num_kv_heads"), ("int", "top_k"), ("int", "first_pages"),
+    ("int", "tokens_per_page"),
+])
 
 QUEST_SINKS = Record("QuestSinksArgs", [
     ("T* __restrict__", "out"), ("float* __restrict__", "lse"),
@@ -232,8 +239,8 @@ GEMM = Record("GemmArgs", [
 ])
 
 RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_PLAN,
-           SPARSE, BSR_PREPARE, QUEST_BOUNDS, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE, COPY_BLOCKS,
-           ROPE, GEMM)
+           SPARSE, BSR_PREPARE, QUEST_BOUNDS, QUEST_SCORE, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE,
+           COPY_BLOCKS, ROPE, GEMM)
 
 
 def header(*parts):

@@ -39,10 +39,13 @@ from ..core.layouts import (CacheGeometry, block_stride, check_dense_blocks, k_a
                             key_geometry, layout_strides)
 
 BOUNDS_THREADS = 128
+SCORE_THREADS = 256
+SCORE_PAGES = 128            # pages a quest_score_kernel CTA scores
+SCORE_DIMS_IN_FLIGHT = 512   # bound dims a score warp loads before reducing (score_unroll)
 SELECT_THREADS = 256
-SELECT_DIMS_IN_FLIGHT = 512  # bound dims a select warp loads before reducing (select_unroll)
 SINK_THREADS = 128
-MAX_BATCH = 65535  # grid.y of quest_bounds_kernel
+MAX_GRID_Y = 65535  # CUDA's limit on grid.y
+MAX_BATCH = MAX_GRID_Y  # grid.y of quest_bounds_kernel
 BOUND_DTYPES = (np.dtype(np.float32), bfloat16)
 
 
@@ -265,16 +268,26 @@ def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first, t
         out = Selection(xp.empty((batch, hk, k), np.int32) if top_k else None,
                         xp.empty((batch * hk, k * tpp), np.int32),
                         xp.empty(batch * hk, np.int32), xp.empty((batch, hk, width), np.float32))
-    kernel = launcher("quest", select_expr(q.dtype, d, k_min.dtype), abi.QUEST_SELECT,
-                      smem=4 * (hq // hk) * d)
-    if batch * hk:
-        kernel(batch * hk, SELECT_THREADS, 4 * (hq // hk) * d, q=ptr(q), k_min=ptr(k_min),
-               k_max=ptr(k_max), block_tables=ptr(block_tables), seq_lens=ptr(seq_lens),
-               scores=ptr(out.scores), positions=ptr(out.positions), sel_tables=ptr(out.tables),
-               sel_lens=ptr(out.lens), err=ptr(errors.error_word()),
-               q_stride=token_stride("q", q), bt_stride=table_stride(block_tables),
-               width=width, block_size=bs, num_blocks=nb, num_kv_heads=hk, group=hq // hk,
-               top_k=k, first_pages=min(first, INT32_MAX), tokens_per_page=tpp)
+    group = hq // hk
+    if batch * hk and width:
+        score = launcher("quest", score_expr(q.dtype, d, k_min.dtype), abi.QUEST_SCORE,
+                         smem=4 * group * d)
+        if -(-width // SCORE_PAGES) > MAX_GRID_Y:
+            raise ValueError(f"block_tables: expected at most {MAX_GRID_Y * SCORE_PAGES} "
+                             f"pages per sequence, got {width}")
+        score((batch * hk, -(-width // SCORE_PAGES)), SCORE_THREADS, 4 * group * d, q=ptr(q),
+              k_min=ptr(k_min), k_max=ptr(k_max), block_tables=ptr(block_tables),
+              seq_lens=ptr(seq_lens), scores=ptr(out.scores), err=ptr(errors.error_word()),
+              q_stride=token_stride("q", q), bt_stride=table_stride(block_tables),
+              width=width, block_size=bs, num_blocks=nb, num_kv_heads=hk, group=group,
+              pages_per_cta=SCORE_PAGES)
+    if batch * hk and top_k:
+        launcher("quest", select_expr(), abi.QUEST_SELECT)(
+            batch * hk, SELECT_THREADS, block_tables=ptr(block_tables), seq_lens=ptr(seq_lens),
+            scores=ptr(out.scores), positions=ptr(out.positions), sel_tables=ptr(out.tables),
+            sel_lens=ptr(out.lens), bt_stride=table_stride(block_tables), width=width,
+            block_size=bs, num_blocks=nb, num_kv_heads=hk, top_k=k,
+            first_pages=min(first, INT32_MAX), tokens_per_page=tpp)
     return out
 
 
@@ -359,15 +372,19 @@ def bounds_expr(dtype, bound_dtype):
             f"{BOUNDS_THREADS}>")
 
 
-def select_unroll(head_dim):
-    """Pages a select warp loads at once: SELECT_DIMS_IN_FLIGHT dims of each bound (the
-    loads of one page alone leave the warp waiting on memory latency)."""
-    return max(1, SELECT_DIMS_IN_FLIGHT // int(head_dim))
+def score_unroll(head_dim):
+    """Pages a score warp loads at once: SCORE_DIMS_IN_FLIGHT dims of each bound (the loads
+    of one page alone leave the warp waiting on memory latency)."""
+    return max(1, SCORE_DIMS_IN_FLIGHT // int(head_dim))
 
 
-def select_expr(dtype, head_dim, bound_dtype):
-    return (f"cupaged::quest::quest_select_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
-            f"{head_dim}, {SELECT_THREADS}, {select_unroll(head_dim)}>")
+def score_expr(dtype, head_dim, bound_dtype):
+    return (f"cupaged::quest::quest_score_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
+            f"{head_dim}, {SCORE_THREADS}, {score_unroll(head_dim)}>")
+
+
+def select_expr():
+    return f"cupaged::quest::quest_select_kernel<{SELECT_THREADS}>"
 
 
 def sinks_expr(dtype):
@@ -375,12 +392,12 @@ def sinks_expr(dtype):
 
 
 def kernel_specializations():
-    """Every Quest kernel: sinks per dtype, bounds per dtype and bound dtype, select per
-    dtype, head size and bound dtype."""
-    specs = []
+    """Every Quest kernel: select; sinks per dtype; bounds per dtype and bound dtype; scores
+    per dtype, head size and bound dtype."""
+    specs = [Spec("quest", select_expr())]
     for dt in FLOAT_DTYPES:
         specs.append(Spec("quest", sinks_expr(dt)))
         for bt in BOUND_DTYPES:
             specs.append(Spec("quest", bounds_expr(dt, bt)))
-            specs += [Spec("quest", select_expr(dt, d, bt)) for d in HEAD_DIMS]
+            specs += [Spec("quest", score_expr(dt, d, bt)) for d in HEAD_DIMS]
     return specs
