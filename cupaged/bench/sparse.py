@@ -41,8 +41,9 @@ mma.sync dense kernel's causal blocks per second; issue 22's goal: >= 0.8) and `
 share few blocks, so those halves often wait for each other; ``bsr128_ms`` is bounded by
 it, 64-row CTAs are not, at twice the shared-memory reads per computed block).
 Quest decode rows (``budget`` "quest <layout> <bounds dtype>", float32 and bfloat16 bounds
-for each layout): B 32 x 32K keys, Hq 32 / Hk 8, d 128, bf16, pages of 16, ``QuestDecoder``
-keeping the top 64 pages (``kept`` 1/32 of them) per (sequence, kv head) on random q/k/v: ``bounds_ms`` (every page's bounds, once per
+for each layout): B 32 x 32K keys keeping the top 64 pages (``kept`` 1/32 of them) per
+(sequence, kv head), and B 8 x 128K keeping 256 (4096 keys, issue 22's budget; not with
+``--quick``); Hq 32 / Hk 8, d 128, bf16, pages of 16, ``QuestDecoder`` on random q/k/v: ``bounds_ms`` (every page's bounds, once per
 prefill), ``bounds_last_ms`` (the last pages: once per step and layer), ``select_ms``
 (scores and top-k alone), ``quest_ms`` (``run``: select and decode), ``dense_ms`` (dense
 ``paged_decode`` of the same batch), ``vs_dense`` (dense over ``quest_ms``),
@@ -279,27 +280,30 @@ def bench_bsr(keep, reps):
                 vs_dense=t_dense / t_bsr, block_ratio=(kept / t_bsr) / (1 / t_mma))
 
 
-QUEST_BATCH, QUEST_LEN, QUEST_PAGE, QUEST_TOP_K = 32, 32768, 16, 64
+QUEST_PAGE = 16
+# (batch, keys per sequence, pages kept per (sequence, kv head)): 64 pages of 16 is 1/32 of
+# 32K keys; 256 pages is issue 22's budget of 4096 keys at 128K
+QUEST_SHAPES = ((32, 32768, 64), (8, 131072, 256))
 QUEST_LAYOUTS = ("NHD", "HND", "vllm")
 
 
-def bench_quest(layout, reps):
-    """Quest decode rows of one layout (float32 and bfloat16 bounds): B 32 x 32K keys,
-    top-64 pages of 16 per (sequence, kv head), beside dense ``paged_decode`` of the same
-    cache and batch."""
+def bench_quest(layout, batch, seq_len, top_k, reps):
+    """Quest decode rows of one layout and shape (float32 and bfloat16 bounds): ``batch``
+    sequences of ``seq_len`` keys, ``top_k`` pages of 16 per (sequence, kv head), beside
+    dense ``paged_decode`` of the same cache and batch."""
     import cupaged
     import cupy
     from ..core.layouts import cache_shapes
     from ..sparse import QuestDecoder, quest
     rs = cupy.random.RandomState(2)
-    pages = QUEST_LEN // QUEST_PAGE
-    nb = QUEST_BATCH * pages
+    pages = seq_len // QUEST_PAGE
+    nb = batch * pages
     k_shape, v_shape = cache_shapes(layout, nb, QUEST_PAGE, HK, D, bfloat16)
     k = rs.standard_normal(k_shape, dtype=cupy.float32).astype(bfloat16)
     v = rs.standard_normal(v_shape, dtype=cupy.float32).astype(bfloat16)
-    q = rs.standard_normal((QUEST_BATCH, HQ, D), dtype=cupy.float32).astype(bfloat16)
-    tables = rs.permutation(nb).astype(np.int32).reshape(QUEST_BATCH, pages)
-    lens = cupy.full(QUEST_BATCH, QUEST_LEN, np.int32)
+    q = rs.standard_normal((batch, HQ, D), dtype=cupy.float32).astype(bfloat16)
+    tables = rs.permutation(nb).astype(np.int32).reshape(batch, pages)
+    lens = cupy.full(batch, seq_len, np.int32)
     out = cupy.empty_like(q)
     t_dense = time_gpu(lambda: cupaged.paged_decode(q, k, v, tables, lens, layout=layout,
                                                     out=out), reps=reps)
@@ -307,24 +311,24 @@ def bench_quest(layout, reps):
     rows = []
     for bounds in quest.BOUND_DTYPES:
         k_min, k_max = (cupy.empty((nb, HK, D), bounds) for _ in range(2))
-        dec = QuestDecoder(HQ, HK, D, QUEST_PAGE, QUEST_TOP_K, dtype=bfloat16, layout=layout,
-                           max_batch=QUEST_BATCH).plan(tables, lens)
+        dec = QuestDecoder(HQ, HK, D, QUEST_PAGE, top_k, dtype=bfloat16, layout=layout,
+                           max_batch=batch).plan(tables, lens)
         t_bounds = time_gpu(lambda: dec.update_bounds(k, k_min, k_max, last_page_only=False),
                             warmup=1, reps=reps)
         t_last = time_gpu(lambda: dec.update_bounds(k, k_min, k_max), reps=reps)
         dec.run(q, k, v, k_min, k_max, out=out)
         t_select = time_gpu(lambda: quest.select_pages(
-            q, k_min, k_max, tables, lens, QUEST_PAGE, QUEST_TOP_K,
+            q, k_min, k_max, tables, lens, QUEST_PAGE, top_k,
             tokens_per_page=dec.tokens_per_page, out=dec.selection), reps=reps)
         t_quest = time_gpu(lambda: dec.run(q, k, v, k_min, k_max, out=out), reps=reps)
         # every page kept: the Quest path must give dense attention
         full = QuestDecoder(HQ, HK, D, QUEST_PAGE, pages, dtype=bfloat16, layout=layout,
-                            max_batch=QUEST_BATCH).plan(tables, lens)
+                            max_batch=batch).plan(tables, lens)
         got = full.run(q, k, v, k_min, k_max).astype(cupy.float32)
         err = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
         rows.append(dict(
-            S=QUEST_LEN, budget=f"quest {layout} {np.dtype(bounds).name}", B=QUEST_BATCH,
-            kept=QUEST_TOP_K / pages, bounds_ms=t_bounds * 1e3, bounds_last_ms=t_last * 1e3,
+            S=seq_len, budget=f"quest {layout} {np.dtype(bounds).name}", B=batch,
+            kept=top_k / pages, bounds_ms=t_bounds * 1e3, bounds_last_ms=t_last * 1e3,
             select_ms=t_select * 1e3, quest_ms=t_quest * 1e3, dense_ms=t_dense * 1e3,
             vs_dense=t_dense / t_quest, step_vs_dense=t_dense / (t_quest + t_last),
             checked=err < 1e-2))
@@ -333,8 +337,11 @@ def bench_quest(layout, reps):
 
 
 def run_quest(quick=False):
-    """The Quest rows alone, two per layout."""
-    return [row for layout in QUEST_LAYOUTS for row in bench_quest(layout, 5 if quick else 20)]
+    """The Quest rows alone: two per layout and shape (the first shape alone with
+    ``quick``)."""
+    shapes = QUEST_SHAPES[:1] if quick else QUEST_SHAPES
+    return [row for shape in shapes for layout in QUEST_LAYOUTS
+            for row in bench_quest(layout, *shape, reps=5 if quick else 20)]
 
 
 def run(quick=False):
