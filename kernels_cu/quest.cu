@@ -146,8 +146,8 @@ __device__ __forceinline__ int block_inclusive_sum(int x, int* s_warp, int& tota
   return before + x;
 }
 
-// Whether sequence b's length is usable and the block ids of its `used` pages lie in
-// [0, num_blocks) (the first bad one reported when err is given). Every thread calls.
+// Whether the block ids of a sequence's `used` pages lie in [0, num_blocks) (the first bad
+// one reported when err is given). Every thread calls.
 template <int THREADS>
 __device__ __forceinline__ bool pages_ok(const int* table, int used, int num_blocks,
                                          long long* err, int b) {
