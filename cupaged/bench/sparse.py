@@ -40,9 +40,21 @@ mma.sync dense kernel's causal blocks per second; issue 22's goal: >= 0.8) and `
 (the share of the (tile, 64-row half) slots that compute on 128-row CTAs: random rows
 share few blocks, so those halves often wait for each other; ``bsr128_ms`` is bounded by
 it, 64-row CTAs are not, at twice the shared-memory reads per computed block).
-Run: ``python -m cupaged.bench.sparse [--quick]``.
+Quest decode rows (``budget`` "quest <layout> <bounds dtype>", float32 and bfloat16 bounds
+for each layout): B 32 x 32K keys keeping the top 64 pages (``kept`` 1/32 of them) per
+(sequence, kv head), and B 8 x 128K keeping 256 (4096 keys, issue 22's budget; not with
+``--quick``); Hq 32 / Hk 8, d 128, bf16, pages of 16, ``QuestDecoder`` on random q/k/v: ``bounds_ms`` (every page's bounds, once per
+prefill), ``bounds_last_ms`` (the last pages: once per step and layer), ``select_ms``
+(scores and top-k alone), ``quest_ms`` (``run``: select and decode), ``dense_ms`` (dense
+``paged_decode`` of the same batch), ``vs_dense`` (dense over ``quest_ms``),
+``step_vs_dense`` (dense over ``quest_ms + bounds_last_ms``) and ``checked`` (a Quest decoder
+keeping every page against dense, relative error < 1e-2).
+Run: ``python -m cupaged.bench.sparse [--quick] [--quest]`` (``--quest``: the Quest rows
+alone).
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -268,22 +280,90 @@ def bench_bsr(keep, reps):
                 vs_dense=t_dense / t_bsr, block_ratio=(kept / t_bsr) / (1 / t_mma))
 
 
+QUEST_PAGE = 16
+# (batch, keys per sequence, pages kept per (sequence, kv head)): 64 pages of 16 is 1/32 of
+# 32K keys; 256 pages is issue 22's budget of 4096 keys at 128K
+QUEST_SHAPES = ((32, 32768, 64), (8, 131072, 256))
+QUEST_LAYOUTS = ("NHD", "HND", "vllm")
+
+
+def bench_quest(layout, batch, seq_len, top_k, reps):
+    """Quest decode rows of one layout and shape (float32 and bfloat16 bounds): ``batch``
+    sequences of ``seq_len`` keys, ``top_k`` pages of 16 per (sequence, kv head), beside
+    dense ``paged_decode`` of the same cache and batch."""
+    import cupaged
+    import cupy
+    from ..core.layouts import cache_shapes
+    from ..sparse import QuestDecoder, quest
+    rs = cupy.random.RandomState(2)
+    pages = seq_len // QUEST_PAGE
+    nb = batch * pages
+    k_shape, v_shape = cache_shapes(layout, nb, QUEST_PAGE, HK, D, bfloat16)
+    k = rs.standard_normal(k_shape, dtype=cupy.float32).astype(bfloat16)
+    v = rs.standard_normal(v_shape, dtype=cupy.float32).astype(bfloat16)
+    q = rs.standard_normal((batch, HQ, D), dtype=cupy.float32).astype(bfloat16)
+    tables = rs.permutation(nb).astype(np.int32).reshape(batch, pages)
+    lens = cupy.full(batch, seq_len, np.int32)
+    out = cupy.empty_like(q)
+    t_dense = time_gpu(lambda: cupaged.paged_decode(q, k, v, tables, lens, layout=layout,
+                                                    out=out), reps=reps)
+    want = cupaged.paged_decode(q, k, v, tables, lens, layout=layout).astype(cupy.float32)
+    rows = []
+    for bounds in quest.BOUND_DTYPES:
+        k_min, k_max = (cupy.empty((nb, HK, D), bounds) for _ in range(2))
+        dec = QuestDecoder(HQ, HK, D, QUEST_PAGE, top_k, dtype=bfloat16, layout=layout,
+                           max_batch=batch).plan(tables, lens)
+        t_bounds = time_gpu(lambda: dec.update_bounds(k, k_min, k_max, last_page_only=False),
+                            warmup=1, reps=reps)
+        t_last = time_gpu(lambda: dec.update_bounds(k, k_min, k_max), reps=reps)
+        dec.run(q, k, v, k_min, k_max, out=out)
+        t_select = time_gpu(lambda: quest.select_pages(
+            q, k_min, k_max, tables, lens, QUEST_PAGE, top_k,
+            tokens_per_page=dec.tokens_per_page, out=dec.selection), reps=reps)
+        t_quest = time_gpu(lambda: dec.run(q, k, v, k_min, k_max, out=out), reps=reps)
+        # every page kept: the Quest path must give dense attention
+        full = QuestDecoder(HQ, HK, D, QUEST_PAGE, pages, dtype=bfloat16, layout=layout,
+                            max_batch=batch).plan(tables, lens)
+        got = full.run(q, k, v, k_min, k_max).astype(cupy.float32)
+        err = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
+        rows.append(dict(
+            S=seq_len, budget=f"quest {layout} {np.dtype(bounds).name}", B=batch,
+            kept=top_k / pages, bounds_ms=t_bounds * 1e3, bounds_last_ms=t_last * 1e3,
+            select_ms=t_select * 1e3, quest_ms=t_quest * 1e3, dense_ms=t_dense * 1e3,
+            vs_dense=t_dense / t_quest, step_vs_dense=t_dense / (t_quest + t_last),
+            checked=err < 1e-2))
+        del dec, full, k_min, k_max
+    return rows
+
+
+def run_quest(quick=False):
+    """The Quest rows alone: two per layout and shape (the first shape alone with
+    ``quick``)."""
+    shapes = QUEST_SHAPES[:1] if quick else QUEST_SHAPES
+    return [row for shape in shapes for layout in QUEST_LAYOUTS
+            for row in bench_quest(layout, *shape, reps=5 if quick else 20)]
+
+
 def run(quick=False):
-    """Rows for S 32K (quick) or 32K, 128K, 512K, each budget; then the batched BSR rows."""
+    """Rows for S 32K (quick) or 32K, 128K, 512K, each budget; then the batched BSR rows and
+    the Quest decode rows."""
     rows = []
     for seqlen in ((32768,) if quick else (32768, 131072, 524288)):
         rows += bench_length(seqlen, list(BUDGETS), reps=3 if seqlen <= 131072 else 1)
     rows += [bench_bsr(keep, reps=3 if quick else 10) for keep in BSR_KEEP]
-    return rows
+    return rows + run_quest(quick)
 
 
 COLUMNS = ["S", "budget", "nv", "ns", "diag_frac", "est_ms", "index_ms", "kernel_ms", "sparse_ms",
            "op_ms", "dense_ms", "vs_dense", "mma_ms", "cudnn_ms", "vs_cudnn", "density", "pair_ratio",
-           "mass", "checked", "B", "kept", "busy", "bsr_ms", "bsr128_ms", "block_ratio"]
+           "mass", "checked", "B", "kept", "busy", "bsr_ms", "bsr128_ms", "block_ratio",
+           "bounds_ms", "bounds_last_ms", "select_ms", "quest_ms", "step_vs_dense"]
 
 
 def main(argv=None):
-    bench_main(run, argv, COLUMNS)
+    """``--quest``: the Quest rows alone."""
+    argv = sys.argv[1:] if argv is None else argv
+    bench_main(run_quest if "--quest" in argv else run, argv, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,44 @@ BSR_PREPARE = Record("BsrPrepareArgs", [
     ("int", "cta_bound"),
 ])
 
+# Quest page selection for decode (kernels_cu/quest.cu, cupaged.sparse.quest): per-page key
+# bounds; page scores; the top pages of each (sequence, kv head) as a one-kv-head view's
+# block table (tokens_per_page entries a page) and lengths; a sink folded into a decode's output.
+# Key element (h, token, d) of block blk at blk * k_block + h * k_head + (d / X) * k_chunk +
+# d % X + token * k_tok (X = 16 / sizeof(T)); bounds TB (float or bf16) [num_blocks, Hk, D].
+QUEST_BOUNDS = Record("QuestBoundsArgs", [
+    ("const T* __restrict__", "k_cache"), ("const int* __restrict__", "block_tables"),
+    ("const int* __restrict__", "seq_lens"), ("TB* __restrict__", "k_min"),
+    ("TB* __restrict__", "k_max"), ("long long* __restrict__", "err", NULL),
+    ("i64", "k_block"), ("int", "k_head"), ("int", "k_chunk"), ("int", "k_tok"),
+    ("int", "bt_stride"), ("int", "width"), ("int", "block_size"), ("int", "num_blocks"),
+    ("int", "num_kv_heads"), ("int", "head_dim"), ("int", "last_page_only"),
+], template="typename T, typename TB")
+
+QUEST_SCORE = Record("QuestScoreArgs", [
+    ("const T* __restrict__", "q"), ("const TB* __restrict__", "k_min"),
+    ("const TB* __restrict__", "k_max"), ("const int* __restrict__", "block_tables"),
+    ("const int* __restrict__", "seq_lens"), ("float* __restrict__", "scores"),
+    ("long long* __restrict__", "err", NULL), ("i64", "q_stride"), ("int", "bt_stride"),
+    ("int", "width"), ("int", "block_size"), ("int", "num_blocks"), ("int", "num_kv_heads"),
+    ("int", "group"), ("int", "pages_per_cta"),
+], template="typename T, typename TB")
+
+QUEST_SELECT = Record("QuestSelectArgs", [
+    ("const int* __restrict__", "block_tables"), ("const int* __restrict__", "seq_lens"),
+    ("const float* __restrict__", "scores"), ("int* __restrict__", "positions", NULL),
+    ("int* __restrict__", "sel_tables"), ("int* __restrict__", "sel_lens"),
+    ("int", "bt_stride"), ("int", "width"), ("int", "block_size"), ("int", "num_blocks"),
+    ("int", "num_kv_heads"), ("int", "top_k"), ("int", "first_pages"),
+    ("int", "tokens_per_page"),
+])
+
+QUEST_SINKS = Record("QuestSinksArgs", [
+    ("T* __restrict__", "out"), ("float* __restrict__", "lse"),
+    ("const float* __restrict__", "sinks"), ("int", "rows"), ("int", "num_q_heads"),
+    ("int", "head_dim"),
+], template="typename T")
+
 # ----------------------------------------------------------------------------- cache ops
 # Strides in 16-byte input vectors: key[t, h] at t * key_tok + h * key_head; a cache block
 # every k_block (v_block) cache vectors (a 16-byte input vector's image in the cache: 16
@@ -216,7 +254,8 @@ GEMM = Record("GemmArgs", [
 ])
 
 RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_PLAN,
-           SPARSE, BSR_PREPARE, CACHE_WRITE, COPY_BLOCKS, ROPE, GEMM)
+           SPARSE, BSR_PREPARE, QUEST_BOUNDS, QUEST_SCORE, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE,
+           COPY_BLOCKS, ROPE, GEMM)
 
 
 def header(*parts):

@@ -107,9 +107,10 @@ def paged_kv(k_cache, v_cache, block_tables, layout):
 
 
 def kernel_specializations():
-    """Every sparse kernel the library can launch: the index kernels, and estimate and
-    attention per dtype (fp16, bf16) and head size."""
-    specs = [Spec("sparse_index", e) for e in INDEX_EXPRS]
+    """Every sparse kernel the library can launch: the index kernels, estimate and
+    attention per dtype (fp16, bf16) and head size, and Quest's (``sparse.quest``)."""
+    from . import quest
+    specs = [Spec("sparse_index", e) for e in INDEX_EXPRS] + quest.kernel_specializations()
     for dtype in KERNEL_DTYPES:
         for d in HEAD_DIMS:
             specs.append(Spec("sparse_estimate", estimate_expr(dtype, d)))

@@ -10,12 +10,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core.arrays import array_module, check_array, host
-from ..core.checks import check_block_tables, check_int, check_query
-from ..core.layouts import k_as_nhd, key_geometry, resolve_layout
+from ..core.arrays import array_module, bfloat16, check_choice, host
+from ..core.checks import check_int
+from ..core.layouts import key_geometry, resolve_layout
+from . import quest
 from .attention import paged_vertical_slash_attention, vertical_slash_attention
 from .estimate import estimate_vertical_slash, paged_estimate_vertical_slash
 from .index import pad_indices
+from .quest_decode import quest_decode
 
 
 class PolicyContext(NamedTuple):
@@ -120,26 +122,38 @@ class QuestPolicy(SparsePolicy):
     keys (:meth:`update_bounds`). A decode query ``q`` scores page ``P`` by the upper bound
     ``sum_d max(q_d min_d, q_d max_d) >= q . k`` for every key of the page; a kv head takes
     the maximum over its query heads. Each (sequence, kv head) keeps its ``top_k_pages``
-    best pages, always including its last (current) page, in position order.
+    best pages, always including its last (current) page and its ``first_pages`` first
+    ones, in position order; ties go to the earlier page. The rules and their kernels:
+    ``cupaged.sparse.quest`` (CuPy arrays run ``kernels_cu/quest.cu`` with no host read of
+    device data; NumPy arrays the float64 reference); the planned form an engine runs per
+    step: :class:`QuestDecoder`.
 
     Parameters
     ----------
     top_k_pages : int
         Pages read per (sequence, kv head).
+    first_pages : int
+        Pages at the start of each sequence always read (attention sinks).
+    bounds_dtype : {"float32", "bfloat16"}
+        Of the bounds (bfloat16: rounded outward, half the bytes a decode step reads).
     """
     supports_prefill = False
     supports_decode = True
 
-    def __init__(self, top_k_pages):
+    def __init__(self, top_k_pages, first_pages=0, bounds_dtype="float32"):
         self.top_k_pages = check_int("top_k_pages", top_k_pages)
+        self.first_pages = check_int("first_pages", first_pages, minimum=0)
+        check_choice("bounds_dtype", str(bounds_dtype), ("float32", "bfloat16"))
+        self.bounds_dtype = np.dtype(np.float32) if str(bounds_dtype) == "float32" else bfloat16
         self.reset()
 
     def reset(self):
-        self.k_min = self.k_max = None   # float32 [num_blocks, Hk, D]
+        self.k_min = self.k_max = None   # [num_blocks, Hk, D] of bounds_dtype
         self.block_size = None
 
     def update_bounds(self, k_cache, block_tables, seq_lens, *, layout=None, last_page_only=False):
-        """Recompute the bounds of the pages holding each sequence's keys.
+        """Recompute the bounds of the pages holding each sequence's keys (on the device for
+        CuPy arrays: lengths and block ids checked there).
 
         Parameters
         ----------
@@ -157,45 +171,26 @@ class QuestPolicy(SparsePolicy):
         """
         xp = array_module(k_cache, block_tables, seq_lens)
         layout = resolve_layout(layout, k_cache)
-        geo = _key_geometry(k_cache, layout)
-        bt, lens = check_block_tables(block_tables, seq_lens, geo, xp)
-        bs = geo.block_size
-        pages, fills = [], []
-        for b, n in enumerate(lens.astype(np.int64)):
-            used = -(-int(n) // bs)
-            for i in range(used - 1 if last_page_only else 0, used):
-                pages.append(int(bt[b, i]))
-                fills.append(min(bs, int(n) - i * bs))
+        geo = key_geometry(k_cache, layout)
         shape = (geo.num_blocks, geo.num_kv_heads, geo.head_dim)
         if self.k_min is None or self.k_min.shape != shape or array_module(self.k_min) is not xp:
-            self.k_min = xp.full(shape, np.inf, dtype=np.float32)
-            self.k_max = xp.full(shape, -np.inf, dtype=np.float32)
-        self.block_size = bs
-        if not pages:
-            return
-        ids = xp.asarray(pages, dtype=np.int64)
-        keys = k_as_nhd(k_cache[ids], layout).astype(np.float32)        # [P, bs, Hk, D]
-        valid = (xp.arange(bs)[None, :] < xp.asarray(fills)[:, None])[:, :, None, None]
-        self.k_min[ids] = xp.where(valid, keys, np.inf).min(axis=1)
-        self.k_max[ids] = xp.where(valid, keys, -np.inf).max(axis=1)
+            k_min = xp.full(shape, np.inf, dtype=self.bounds_dtype)
+            k_max = xp.full(shape, -np.inf, dtype=self.bounds_dtype)
+        else:
+            k_min, k_max = self.k_min, self.k_max
+        quest.update_page_bounds(k_cache, block_tables, seq_lens, k_min, k_max, layout=layout,
+                                 last_page_only=last_page_only)
+        self.k_min, self.k_max, self.block_size = k_min, k_max, geo.block_size
+
+    def _bounds(self):
+        if self.k_min is None:
+            raise ValueError("QuestPolicy: call update_bounds() before scoring pages")
+        return self.k_min, self.k_max
 
     def page_scores(self, q, block_tables, seq_lens):
         """Upper bounds per (sequence, kv head, page position), float32 ``[B, Hk, max_blocks]``;
         pages past a sequence are ``-inf``, its last page ``+inf``."""
-        xp = array_module(q, block_tables, seq_lens)
-        if self.k_min is None:
-            raise ValueError("QuestPolicy: call update_bounds() before scoring pages")
-        nb, hk, d = self.k_min.shape
-        batch, hq, _ = check_query("q", q, xp)
-        bs_pages = block_tables.shape[1]
-        qg = q.astype(np.float32).reshape(batch, hk, hq // hk, d)
-        ids = xp.maximum(block_tables, 0)
-        ub = (xp.einsum("bhgd,bphd->bhgp", xp.maximum(qg, 0), self.k_max[ids])
-              + xp.einsum("bhgd,bphd->bhgp", xp.minimum(qg, 0), self.k_min[ids])).max(axis=2)
-        used = -(-seq_lens.astype(np.int64) // self.block_size)
-        pos = xp.arange(bs_pages)[None, None, :]
-        ub = xp.where(pos < used[:, None, None], ub, -np.inf)
-        return xp.where(pos == used[:, None, None] - 1, np.inf, ub).astype(np.float32)
+        return quest.page_scores(q, *self._bounds(), block_tables, seq_lens, self.block_size)
 
     def select_pages(self, q, block_tables, seq_lens):
         """Chosen page positions per (sequence, kv head).
@@ -204,86 +199,43 @@ class QuestPolicy(SparsePolicy):
         -------
         positions : array
             int32 ``[B, Hk, k]``, ascending, ``k = min(top_k_pages, max_blocks)``; entries
-            past a sequence's page count are past its pages (ignore them).
-        counts : numpy.ndarray
-            int64 ``[B]`` pages kept per sequence (the same for each kv head).
+            past a sequence's page count are -1.
+        counts : array
+            int32 ``[B]`` pages kept per sequence (the same for each kv head), in q's array
+            module (computed on the device for CuPy arrays).
         """
-        xp = array_module(q)
-        scores = self.page_scores(q, block_tables, seq_lens)
-        k = min(self.top_k_pages, scores.shape[-1])
-        order = xp.argsort(-scores, axis=-1)[..., :k]
-        used = -(-host(seq_lens).astype(np.int64) // self.block_size)
-        return xp.sort(order, axis=-1).astype(np.int32), np.minimum(used, k)
+        sel = quest.select_pages(q, *self._bounds(), block_tables, seq_lens, self.block_size,
+                                 self.top_k_pages, first_pages=self.first_pages)
+        return sel.positions, (sel.positions[:, 0] >= 0).sum(axis=-1).astype(np.int32)
 
     def select_blocks(self, available_blocks, ctx=None):
         """Blocks of one sequence worth reading: the union over its kv heads of the top pages.
 
         ``available_blocks`` are its block ids in position order; ``ctx.query`` ``[Hq, D]``.
+        Returns a host list (a CuPy query's selection is read back).
         """
         if ctx is None or ctx.query is None:
             return list(available_blocks)
         xp = array_module(ctx.query)
         table = xp.asarray([list(available_blocks)], dtype=np.int32)
         lens = xp.asarray([ctx.seq_len], dtype=np.int32)
-        pos, count = self.select_pages(ctx.query[None], table, lens)
-        keep = sorted(set(host(pos)[0, :, :count[0]].ravel().tolist()))
+        pos, _ = self.select_pages(ctx.query[None], table, lens)
+        keep = sorted(set(host(pos)[0].ravel().tolist()) - {-1})
         return [int(available_blocks[i]) for i in keep]
 
     def decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, layout=None, sm_scale=None,
                sinks=None):
-        """Decode attention ``[B, Hq, D]`` reading only the selected pages (``layout`` as in
-        :meth:`update_bounds`).
+        """Decode attention ``[B, Hq, D]`` reading, for each kv head, only its selected pages
+        (``layout`` as in :meth:`update_bounds`; no host round trip for CuPy arrays).
 
-        With ``layout="HND"`` each kv head reads exactly its own pages (the cache is viewed
-        as one kv head per (page, head) block). Other layouts read, for every kv head, the
-        union of the pages its sequence's kv heads chose.
+        The caches' blocks must be dense and one after the other: the decode runs on a view
+        with one kv head a block (``cupaged.sparse.quest.decode_view``).
         """
-        import cupaged
-        xp = array_module(q, k_cache, v_cache, block_tables, seq_lens)
         layout = resolve_layout(layout, k_cache, q)
-        bs = _key_geometry(k_cache, layout).block_size
+        bs = key_geometry(k_cache, layout).block_size
         if bs != self.block_size:
             raise ValueError(f"k_cache: expected block size {self.block_size} as in "
                              f"update_bounds(), got {bs}")
-        pos, counts = self.select_pages(q, block_tables, seq_lens)
-        bt, lens = host(block_tables).astype(np.int64), host(seq_lens).astype(np.int64)
-        pos = host(pos)
-        last_fill = lens - (-(-lens // bs) - 1) * bs
-        if layout != "HND":
-            tables, new_lens = _union_tables(bt, pos, counts, last_fill, bs)
-            return cupaged.paged_decode(q, k_cache, v_cache, xp.asarray(tables), xp.asarray(new_lens),
-                                        layout=layout, sm_scale=sm_scale, sinks=sinks)
-        nb, hk, _, d = k_cache.shape
-        group = q.shape[1] // hk
-        out = xp.empty_like(q)
-        new_lens = np.where(counts > 0, (counts - 1) * bs + last_fill, 0).astype(np.int32)
-        k_heads = k_cache.reshape(nb * hk, 1, bs, d)
-        v_heads = v_cache.reshape(nb * hk, 1, bs, d)
-        for h in range(hk):
-            ids = np.take_along_axis(bt, pos[:, h].astype(np.int64), axis=1) * hk + h
-            ids = np.where(np.arange(pos.shape[2])[None] < counts[:, None], ids, -1)
-            heads = slice(h * group, (h + 1) * group)
-            out[:, heads] = cupaged.paged_decode(
-                xp.ascontiguousarray(q[:, heads]), k_heads, v_heads, xp.asarray(ids.astype(np.int32)),
-                xp.asarray(new_lens), layout="HND", sm_scale=sm_scale,
-                sinks=None if sinks is None else xp.ascontiguousarray(sinks[heads]))
-        return out
-
-
-def _union_tables(bt, pos, counts, last_fill, bs):
-    """Per-sequence block tables of the union of the kv heads' pages (position order)."""
-    width = max(1, pos.shape[1] * pos.shape[2])
-    tables = np.full((bt.shape[0], width), -1, np.int32)
-    lens = np.zeros(bt.shape[0], np.int32)
-    for b in range(bt.shape[0]):
-        keep = np.unique(pos[b, :, :counts[b]])
-        tables[b, :len(keep)] = bt[b, keep]
-        lens[b] = (len(keep) - 1) * bs + last_fill[b] if len(keep) else 0
-    return tables, lens
-
-
-def _key_geometry(k_cache, layout):
-    """A contiguous key cache's sizes in ``layout``."""
-    geo = key_geometry(k_cache, layout)
-    check_array("k_cache", k_cache)
-    return geo
+        return quest_decode(q, k_cache, v_cache, *self._bounds(), block_tables, seq_lens,
+                            self.top_k_pages, layout=layout, first_pages=self.first_pages,
+                            sm_scale=sm_scale, sinks=sinks)

@@ -1,0 +1,403 @@
+"""Quest page selection for decode: page key bounds, upper-bound page scores, the top pages
+of each (sequence, kv head), and decode over them.
+
+For every cache page and kv head the bounds are the elementwise min and max of its keys
+(``[num_blocks, Hk, D]`` each, tokens below the sequence's length only), float32, or
+bfloat16 rounded outward (a min down, a max up: still bounds, in half the bytes a step
+reads). A decode
+query scores page ``P`` of kv head ``h`` by ``max_g sum_d ub(q_gd, min_d, max_d)`` over the
+group's query heads ``g``, with ``ub = q max`` for ``q > 0``, ``q min`` for ``q < 0`` and 0
+for ``q = 0``: at least ``q . k`` for every key of the page. Each (sequence, kv head) keeps
+its ``top_k`` best pages: always its last (current) one and its ``first_pages`` first
+ones (attention sinks; 0 by default), never a page past its length; ties go to the
+earlier page. The decode then reads, for each kv head, exactly its pages:
+the cache is viewed with one kv head a block (:func:`decode_view`: HND and vllm blocks
+``blk * Hk + h``; NHD ones, whose heads interleave within a token, as one-token blocks
+``(blk * block_size + t) * Hk + h``) and the (sequence, kv head) pairs run as a batch of
+``B * Hk`` sequences of one kv head and the group's query heads through the public
+:func:`cupaged.paged_decode` / :class:`cupaged.PagedDecoder`.
+
+NumPy inputs run the float64 reference below (the specification); CuPy inputs run
+``kernels_cu/quest.cu`` with no host read of device data: sizes come from shapes
+(``block_tables.shape[1]``, ``top_k``), and bad device lengths or block ids go to the error
+word (``cupaged.check_errors``), their sequences selecting nothing.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..core import abi, errors
+from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, array_module, bfloat16, check_array,
+                           check_head_dim)
+from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_gqa, check_int,
+                           check_query, table_stride, token_stride)
+from ..core.compile import Spec, ctype, launcher
+from ..core.launch import ptr
+from ..core.layouts import (CacheGeometry, block_stride, check_dense_blocks, k_as_nhd,
+                            key_geometry, layout_strides)
+
+BOUNDS_THREADS = 128
+SCORE_THREADS = 256
+SCORE_PAGES = 128            # pages a quest_score_kernel CTA scores
+SCORE_DIMS_IN_FLIGHT = 512   # bound dims a score warp loads before reducing (score_unroll)
+SELECT_THREADS = 256
+SINK_THREADS = 128
+MAX_GRID_Y = 65535  # CUDA's limit on grid.y
+MAX_BATCH = MAX_GRID_Y  # grid.y of quest_bounds_kernel
+BOUND_DTYPES = (np.dtype(np.float32), bfloat16)
+
+
+class Selection(NamedTuple):
+    """The pages kept for a batch (:func:`select_pages`)."""
+    positions: object  # int32 [B, Hk, k] page positions, ascending, -1 past the count
+    tables: object     # int32 [B * Hk, k * tokens_per_page] block table of the decode view
+    lens: object       # int32 [B * Hk] keys of each (sequence, kv head) in the view
+    scores: object     # float32 [B, Hk, max_blocks] (-inf past a sequence, +inf its last page)
+
+
+# ----------------------------------------------------------------------------- checks
+def check_bounds(k_min, k_max, shape, xp):
+    """``k_min`` and ``k_max``: float32 or bfloat16 (both alike), ``shape`` ``(num_blocks, Hk,
+    D)``, C-contiguous."""
+    check_array("k_min", k_min, shape=shape, dtypes=BOUND_DTYPES, xp=xp)
+    check_array("k_max", k_max, shape=shape, dtypes=k_min.dtype, xp=xp)
+    if xp is not np:
+        check_aligned(k_min=k_min, k_max=k_max)
+
+
+def _bounds_shape(k_min):
+    return tuple(int(s) for s in getattr(k_min, "shape", ()))
+
+
+def tokens_per_page(layout, num_kv_heads, block_size):
+    """Entries a selected page takes in the decode view's block table: ``block_size`` for
+    NHD caches with several kv heads (one-token blocks), else 1."""
+    return block_size if layout == "NHD" and num_kv_heads > 1 else 1
+
+
+def decode_view(k_cache, v_cache, layout):
+    """The caches viewed with one kv head a block (no copy), their layout and block size.
+
+    Returns
+    -------
+    k_view, v_view : array
+        HND ``[nb * Hk, 1, bs, D]`` (block ``blk * Hk + h``), vllm ``[nb * Hk, 1, D / x,
+        bs, x]`` and ``[nb * Hk, 1, D, bs]``, NHD ``[nb * bs * Hk, 1, 1, D]`` (block
+        ``(blk * bs + t) * Hk + h``; the cache itself with one kv head).
+    layout : str
+    block_size : int
+
+    Raises
+    ------
+    ValueError
+        For caches whose blocks are strided (a view cannot merge the block and head axes)
+        or a view of more than 2^31 - 1 blocks.
+    """
+    geo = key_geometry(k_cache, layout)
+    nb, bs, hk, d = geo
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dense_blocks(name, a)
+        size = int(np.prod(a.shape[1:]))
+        if nb > 1 and block_stride(a) != size:
+            raise ValueError(f"{name}: expected dense blocks one after the other for Quest "
+                             f"decode (its one-kv-head view), got a block stride of "
+                             f"{block_stride(a)} elements for blocks of {size}")
+    tpp = tokens_per_page(layout, hk, bs)
+    if nb * hk * tpp > INT32_MAX:
+        raise ValueError(f"k_cache: expected at most {INT32_MAX} one-kv-head blocks in the "
+                         f"Quest decode view, got {nb * hk * tpp}")
+    if layout == "NHD":
+        if hk == 1:
+            return k_cache, v_cache, "NHD", bs
+        return (k_cache.reshape(nb * bs * hk, 1, 1, d), v_cache.reshape(nb * bs * hk, 1, 1, d),
+                "NHD", 1)
+    if layout == "HND":
+        return (k_cache.reshape(nb * hk, 1, bs, d), v_cache.reshape(nb * hk, 1, bs, d), "HND",
+                bs)
+    return (k_cache.reshape(nb * hk, 1, *k_cache.shape[2:]),
+            v_cache.reshape(nb * hk, 1, *v_cache.shape[2:]), "vllm", bs)
+
+
+# ----------------------------------------------------------------------------- bounds
+def update_page_bounds(k_cache, block_tables, seq_lens, k_min, k_max, *, layout,
+                       last_page_only=False, validate=None):
+    """Recompute, in place, the key bounds of the pages holding each sequence's keys.
+
+    Parameters
+    ----------
+    k_cache : array
+        Key cache in ``layout`` (``cupaged.layouts``; blocks may be strided).
+    block_tables : array
+        int32 ``[B, max_blocks]`` (rows may be strided).
+    seq_lens : array
+        int32 ``[B]`` keys per sequence (0 allowed).
+    k_min, k_max : array
+        float32 or bfloat16 ``[num_blocks, Hk, D]``, written for the pages recomputed only
+        (bfloat16 rounded outward).
+    layout : {"NHD", "HND", "vllm"}
+    last_page_only : bool
+        Only each sequence's last page (after a decode step appended a key to it).
+    validate : bool, optional
+        Check device tables and lengths on the host first (strict mode).
+    """
+    xp = array_module(k_cache, block_tables, seq_lens, k_min, k_max)
+    geo = key_geometry(k_cache, layout)
+    check_array("k_cache", k_cache, dtypes=FLOAT_DTYPES, xp=xp, contiguous=False)
+    check_head_dim("k_cache head_dim", geo.head_dim)
+    check_dense_blocks("k_cache", k_cache)
+    bt, sl = check_block_tables(block_tables, seq_lens, geo, xp,
+                                contents=xp is np or errors.strict(validate))
+    check_bounds(k_min, k_max, (geo.num_blocks, geo.num_kv_heads, geo.head_dim), xp)
+    batch, width = block_tables.shape
+    if xp is np:
+        _reference_bounds(k_cache, layout, geo.block_size, bt, sl, k_min, k_max, last_page_only)
+        return
+    if batch > MAX_BATCH:
+        raise ValueError(f"block_tables: expected at most {MAX_BATCH} sequences, got {batch}")
+    check_aligned(k_cache=k_cache)
+    s = layout_strides(layout, *geo[1:], k_cache.itemsize)
+    kernel = launcher("quest", bounds_expr(k_cache.dtype, k_min.dtype), abi.QUEST_BOUNDS)
+    if batch and width:
+        kernel((1 if last_page_only else width, batch), BOUNDS_THREADS,
+               k_cache=ptr(k_cache), block_tables=ptr(block_tables), seq_lens=ptr(seq_lens),
+               k_min=ptr(k_min), k_max=ptr(k_max), err=ptr(errors.error_word()),
+               k_block=block_stride(k_cache), k_head=s.k_head, k_chunk=s.k_chunk,
+               k_tok=s.k_tok, bt_stride=table_stride(block_tables), width=width,
+               block_size=geo.block_size, num_blocks=geo.num_blocks,
+               num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+               last_page_only=int(bool(last_page_only)))
+
+
+def _reference_bounds(k_cache, layout, bs, bt, lens, k_min, k_max, last_page_only):
+    """update_page_bounds on host arrays."""
+    lens = lens.astype(np.int64)
+    used = -(-lens // bs)
+    pos = np.arange(bt.shape[1])[None, :]
+    first = used - 1 if last_page_only else np.zeros_like(used)
+    b, p = np.nonzero((pos >= first[:, None]) & (pos < used[:, None]))
+    if not len(b):
+        return
+    ids = bt[b, p].astype(np.int64)
+    fills = np.minimum(bs, lens[b] - p * bs)
+    keys = k_as_nhd(k_cache[ids], layout).astype(np.float64)          # [P, bs, Hk, D]
+    valid = (np.arange(bs)[None, :] < fills[:, None])[:, :, None, None]
+    k_min[ids] = outward(np.where(valid, keys, np.inf).min(axis=1), k_min.dtype, -np.inf)
+    k_max[ids] = outward(np.where(valid, keys, -np.inf).max(axis=1), k_max.dtype, np.inf)
+
+
+def outward(x, dtype, toward):
+    """float64 ``x`` in ``dtype``, rounded toward ``toward`` (-inf or +inf) where inexact."""
+    y = x.astype(dtype)
+    back = y.astype(np.float64)
+    off = back > x if toward < 0 else back < x
+    return np.where(off, np.nextafter(y, np.asarray(toward, dtype)), y)
+
+
+# ----------------------------------------------------------------------------- selection
+def page_scores(q, k_min, k_max, block_tables, seq_lens, block_size):
+    """Upper-bound scores of every page position, float32 ``[B, Hk, max_blocks]``: ``-inf``
+    past a sequence's pages, ``+inf`` for its last page (the module docstring's rule).
+
+    Parameters
+    ----------
+    q : array
+        ``[B, Hq, D]`` decode queries (rows may be strided).
+    k_min, k_max : array
+        float32 or bfloat16 ``[num_blocks, Hk, D]`` page bounds.
+    block_tables, seq_lens : array
+        int32 ``[B, max_blocks]`` and ``[B]``.
+    block_size : int
+    """
+    return _select(q, k_min, k_max, block_tables, seq_lens, block_size, 0, 0, 1, None).scores
+
+
+def select_pages(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, *,
+                 first_pages=0, tokens_per_page=1, out=None, validate=None):
+    """The ``top_k`` pages of each (sequence, kv head) and the decode view's table of them.
+
+    Parameters
+    ----------
+    q, k_min, k_max, block_tables, seq_lens, block_size
+        As in :func:`page_scores`.
+    top_k : int
+        Pages kept per (sequence, kv head); ``k = min(top_k, max_blocks)`` slots.
+    first_pages : int
+        Pages at the start of each sequence always kept, after the last page and while
+        slots last (the earliest first).
+    tokens_per_page : int
+        1: a table entry a page (``blk * Hk + h``); ``block_size``: one a token
+        (``(blk * block_size + t) * Hk + h``), for the NHD view (:func:`decode_view`).
+    out : Selection, optional
+        Buffers to write (CuPy; ``positions`` may be None): no allocation.
+    validate : bool, optional
+        Strict mode for device tables and lengths.
+
+    Returns
+    -------
+    Selection
+        ``lens[b * Hk + h] = (count - 1) * block_size + fill of the last page`` for the
+        ``count = min(k, pages)`` kept pages (0 for an empty sequence).
+    """
+    check_int("top_k", top_k)
+    check_int("first_pages", first_pages, minimum=0)
+    return _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first_pages,
+                   tokens_per_page, out, validate)
+
+
+def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first, tpp, out,
+            validate=None):
+    xp = array_module(q, k_min, k_max, block_tables, seq_lens)
+    batch, hq, d = check_query("q", q, xp)
+    shape = _bounds_shape(k_min)
+    check_bounds(k_min, k_max, shape[:2] + (d,) if len(shape) == 3 else (None, None, d), xp)
+    nb, hk, _ = shape
+    check_gqa(hq, hk, "k_min")
+    bs = check_int("block_size", block_size)
+    bt, sl = check_block_tables(block_tables, seq_lens, CacheGeometry(nb, bs, hk, d), xp,
+                                batch=batch, contents=xp is np or errors.strict(validate))
+    width = block_tables.shape[1]
+    k = min(top_k, width)
+    if nb * hk * tpp > INT32_MAX:
+        raise ValueError(f"k_min: expected at most {INT32_MAX} (block, kv head, token) ids for "
+                         f"the view's block table, got {nb * hk * tpp}")
+    if xp is np:
+        return _reference_select(q, k_min, k_max, bt, sl, bs, k, first, tpp)
+    if out is None:
+        out = Selection(xp.empty((batch, hk, k), np.int32) if top_k else None,
+                        xp.empty((batch * hk, k * tpp), np.int32),
+                        xp.empty(batch * hk, np.int32), xp.empty((batch, hk, width), np.float32))
+    group = hq // hk
+    if batch * hk and width:
+        score = launcher("quest", score_expr(q.dtype, d, k_min.dtype), abi.QUEST_SCORE,
+                         smem=4 * group * d)
+        if -(-width // SCORE_PAGES) > MAX_GRID_Y:
+            raise ValueError(f"block_tables: expected at most {MAX_GRID_Y * SCORE_PAGES} "
+                             f"pages per sequence, got {width}")
+        score((batch * hk, -(-width // SCORE_PAGES)), SCORE_THREADS, 4 * group * d, q=ptr(q),
+              k_min=ptr(k_min), k_max=ptr(k_max), block_tables=ptr(block_tables),
+              seq_lens=ptr(seq_lens), scores=ptr(out.scores), err=ptr(errors.error_word()),
+              q_stride=token_stride("q", q), bt_stride=table_stride(block_tables),
+              width=width, block_size=bs, num_blocks=nb, num_kv_heads=hk, group=group,
+              pages_per_cta=SCORE_PAGES)
+    if batch * hk and top_k:
+        launcher("quest", select_expr(), abi.QUEST_SELECT)(
+            batch * hk, SELECT_THREADS, block_tables=ptr(block_tables), seq_lens=ptr(seq_lens),
+            scores=ptr(out.scores), positions=ptr(out.positions), sel_tables=ptr(out.tables),
+            sel_lens=ptr(out.lens), bt_stride=table_stride(block_tables), width=width,
+            block_size=bs, num_blocks=nb, num_kv_heads=hk, top_k=k,
+            first_pages=min(first, INT32_MAX), tokens_per_page=tpp)
+    return out
+
+
+def _reference_scores(q, k_min, k_max, bt, lens, bs):
+    """page_scores in float64 on host arrays."""
+    batch, hq, d = q.shape
+    nb, hk, _ = k_min.shape
+    qg = q.astype(np.float64).reshape(batch, hk, hq // hk, 1, d)
+    ids = np.clip(bt, 0, max(nb - 1, 0))
+    mx = k_max[ids].astype(np.float64).transpose(0, 2, 1, 3)[:, :, None]   # [B, Hk, 1, W, D]
+    mn = k_min[ids].astype(np.float64).transpose(0, 2, 1, 3)[:, :, None]
+    with np.errstate(invalid="ignore"):
+        terms = np.where(qg > 0, qg * mx, np.where(qg < 0, qg * mn, 0.0))
+    ub = terms.sum(axis=-1).max(axis=2)                                     # [B, Hk, W]
+    ub = np.where(np.isnan(ub), -np.inf, ub)
+    used = -(-lens.astype(np.int64) // bs)
+    pos = np.arange(bt.shape[1])[None, None, :]
+    ub = np.where(pos < used[:, None, None], ub, -np.inf)
+    return np.where(pos == used[:, None, None] - 1, np.inf, ub)
+
+
+def _reference_select(q, k_min, k_max, bt, lens, bs, k, first, tpp):
+    """select_pages on host arrays: the best pages by float64 score (the last page first,
+    then the ``first`` first pages, ties to the earlier page), in position order."""
+    scores = _reference_scores(q, k_min, k_max, bt, lens, bs)
+    batch, hk, width = scores.shape
+    lens = lens.astype(np.int64)
+    used = -(-lens // bs)
+    pos = np.arange(width)
+    last = pos[None, None, :] == used[:, None, None] - 1
+    # rank: the last page, the first pages (in position order), then by score descending,
+    # then by position
+    order = np.broadcast_to(pos, scores.shape)
+    lead = np.broadcast_to(pos < first, scores.shape)
+    rank = np.lexsort((order, np.where(lead, 0.0, -scores), ~lead,
+                       ~np.broadcast_to(last, scores.shape)), axis=-1)[..., :k]
+    count = np.minimum(used, k)
+    keep = np.arange(k)[None, None, :] < count[:, None, None]
+    positions = np.sort(np.where(keep, rank, width), axis=-1)
+    positions = np.where(keep, positions, -1).astype(np.int32)
+    blocks = np.take_along_axis(np.broadcast_to(bt[:, None, :], (batch, hk, width)),
+                                np.maximum(positions, 0), axis=-1).astype(np.int64)
+    heads = np.arange(hk)[None, :, None]
+    if tpp == 1:
+        tables = blocks * hk + heads
+    else:
+        tok = np.arange(tpp)[None, None, None, :]
+        tables = ((blocks[..., None] * bs + tok) * hk + heads[..., None]).reshape(batch, hk, -1)
+        keep = np.repeat(keep, tpp, axis=-1)
+    tables = np.where(keep, tables, -1).astype(np.int32).reshape(batch * hk, k * tpp)
+    fill = lens - (used - 1) * bs
+    sel = np.where(count > 0, (count - 1) * bs + fill, 0)
+    sel_lens = np.repeat(sel, hk).astype(np.int32)
+    return Selection(positions, tables, sel_lens, scores.astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- sinks
+def fold_sinks(out, lse, sinks, num_q_heads):
+    """Fold sink logits into a decode's output ``[rows, D]`` and LSE ``[rows]`` (in place,
+    both over the keys alone; row ``r`` is query head ``r % num_q_heads``): ``out *= 1 /
+    (1 + exp(sink - lse))``, ``lse = logaddexp(lse, sink)``."""
+    xp = array_module(out, lse, sinks)
+    if xp is np:
+        s = sinks[np.arange(lse.shape[0]) % num_q_heads].astype(np.float64)
+        l64 = lse.astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            scale = np.where(np.isneginf(l64), 0.0, 1.0 / (1.0 + np.exp(s - l64)))
+        out[...] = (out.astype(np.float64) * scale[:, None]).astype(out.dtype)
+        lse[...] = np.logaddexp(l64, s)
+        return
+    rows = lse.shape[0]
+    warps = SINK_THREADS // 32
+    if rows:
+        launcher("quest", sinks_expr(out.dtype), abi.QUEST_SINKS)(
+            -(-rows // warps), SINK_THREADS, out=ptr(out), lse=ptr(lse), sinks=ptr(sinks),
+            rows=rows, num_q_heads=num_q_heads, head_dim=out.shape[-1])
+
+
+# ----------------------------------------------------------------------------- kernels
+def bounds_expr(dtype, bound_dtype):
+    return (f"cupaged::quest::quest_bounds_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
+            f"{BOUNDS_THREADS}>")
+
+
+def score_unroll(head_dim):
+    """Pages a score warp loads at once: SCORE_DIMS_IN_FLIGHT dims of each bound (the loads
+    of one page alone leave the warp waiting on memory latency)."""
+    return max(1, SCORE_DIMS_IN_FLIGHT // int(head_dim))
+
+
+def score_expr(dtype, head_dim, bound_dtype):
+    return (f"cupaged::quest::quest_score_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
+            f"{head_dim}, {SCORE_THREADS}, {score_unroll(head_dim)}>")
+
+
+def select_expr():
+    return f"cupaged::quest::quest_select_kernel<{SELECT_THREADS}>"
+
+
+def sinks_expr(dtype):
+    return f"cupaged::quest::quest_sinks_kernel<{ctype(dtype)}, {SINK_THREADS}>"
+
+
+def kernel_specializations():
+    """Every Quest kernel: select; sinks per dtype; bounds per dtype and bound dtype; scores
+    per dtype, head size and bound dtype."""
+    specs = [Spec("quest", select_expr())]
+    for dt in FLOAT_DTYPES:
+        specs.append(Spec("quest", sinks_expr(dt)))
+        for bt in BOUND_DTYPES:
+            specs.append(Spec("quest", bounds_expr(dt, bt)))
+            specs += [Spec("quest", score_expr(dt, d, bt)) for d in HEAD_DIMS]
+    return specs
