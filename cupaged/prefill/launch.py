@@ -188,18 +188,20 @@ class Launches:
             num_kv_heads=num_kv_heads, sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
             window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q),
             **(scales or {}))
+        # positional packers of the launches' per-call addresses
+        self._pack = self.args.packer("q", "k", "v", "out", "lse", "cu_q", "kv_info",
+                                      "block_tables", "alibi", "sinks", "k_scale", "v_scale")
+        self._plan_pack = None if self.plan is None else self.plan[1].packer(
+            "cu_q", "kv_info", "block_tables", "out", "lse")
 
     def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream,
                  k_scale=0, v_scale=0):
         """Launch on ``stream`` (a raw pointer), without a host sync; every array by its
         device address (0 for None; ``k_scale`` / ``v_scale``: fp8 scale arrays)."""
         if self.plan is not None:
-            go, args = self.plan
-            go(args.pack(cu_q=cu_q, kv_info=kv_info, block_tables=tables, out=out, lse=lse),
-               stream)
-        self.go(self.args.pack(q=q, k=k, v=v, out=out, lse=lse, cu_q=cu_q, kv_info=kv_info,
-                               block_tables=tables, alibi=alibi, sinks=sinks, k_scale=k_scale,
-                               v_scale=v_scale), stream)
+            self.plan[0](self._plan_pack(cu_q, kv_info, tables, out, lse), stream)
+        self.go(self._pack(q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, k_scale,
+                           v_scale), stream)
 
 
 def addresses(*arrays):
