@@ -705,9 +705,8 @@ def test_wgmma_backend_resolution(monkeypatch):
     opts = check_options(np, 4, 128)
     ok = plan_.wgmma_unsupported(bfloat16, 128, "NHD", opts)
     assert ok is None
-    for layout in ("ragged", "NHD", "vllm"):
+    for layout in ("ragged", "NHD", "HND", "vllm"):
         assert plan_.resolve_backend("auto", ok, "90", layout) == "wgmma"
-    assert plan_.resolve_backend("auto", ok, "90", "HND") == "mma"  # docs/prefill.md, Kernel choice
     assert plan_.resolve_backend("mma", ok, "90") == "mma"
     assert plan_.resolve_backend("wgmma", ok, "90", "HND") == "wgmma"
     assert plan_.resolve_backend("wgmma", ok, None) == "wgmma"
@@ -715,8 +714,8 @@ def test_wgmma_backend_resolution(monkeypatch):
         plan_.resolve_backend("wgmma", ok, "80")
     with pytest.raises(ValueError, match="backend"):
         plan_.resolve_backend("WGMMA", ok, "90")
-    monkeypatch.setattr(plan_, "WGMMA_AUTO", ("ragged", "NHD", "HND"))
-    assert plan_.resolve_backend("auto", ok, "90", "HND") == "wgmma"
+    monkeypatch.setattr(plan_, "WGMMA_AUTO", ("ragged", "NHD"))
+    assert plan_.resolve_backend("auto", ok, "90", "HND") == "mma"
     assert plan_.resolve_backend("auto", ok, "80") == "mma"
     assert plan_.resolve_backend("auto", "float32 (fp16/bf16 only)", "90") == "mma"
     # every head size, layout and score option runs on wgmma; float32 does not

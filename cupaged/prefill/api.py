@@ -15,7 +15,7 @@ at head sizes ``prefill.plan.FP8_HEAD_DIMS``, widening the tiles to 16 bits on t
 the tensor cores. ``backend="wgmma"`` runs ``kernels_cu/prefill_sm90.cu``
 instead (Hopper warpgroup MMA, sm_90 only; fp16/bf16, every head size, layout and score
 option); ``"auto"`` picks it on sm_90 for fp16/bf16 when the layout is in
-``prefill.plan.WGMMA_AUTO`` (all but HND), else the mma.sync kernel (docs/prefill.md,
+``prefill.plan.WGMMA_AUTO`` (every layout), else the mma.sync kernel (docs/prefill.md,
 "Kernel choice"). Kernel choice, argument records and launches live in
 ``cupaged.prefill.launch``.
 """
@@ -125,8 +125,8 @@ def varlen_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
         Kernel family for CuPy inputs: "mma" the mma.sync kernel (any GPU); "wgmma" the
         Hopper warpgroup-MMA kernel (sm_90 only; fp16/bf16, every head size, layout and
         option; ValueError for float32 or another GPU); "auto" the wgmma kernel on sm_90
-        for fp16/bf16 and the layouts in ``prefill.plan.WGMMA_AUTO`` (ragged K/V, NHD and
-        vllm caches; HND stays on mma.sync, docs/prefill.md), else "mma".
+        for fp16/bf16 and the layouts in ``prefill.plan.WGMMA_AUTO`` (ragged K/V and every
+        cache layout, docs/prefill.md), else "mma".
     validate : bool, optional
         Check device prefix sums on the host first (strict mode; default
         ``CUPAGED_STRICT``); otherwise the plan kernel checks them on the device (see

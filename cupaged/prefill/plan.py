@@ -103,12 +103,10 @@ def fp8_staging_bytes(head_dim, block_n, threads):
 
 
 # ----------------------------------------------------------------------------- wgmma (sm_90a)
-# Layouts where "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) on sm_90: ragged
-# K/V and NHD caches, where it beat mma.sync (benchmarks/NOTES.md, prefill wgmma), and the
-# vllm cache, whose mma.sync path runs 32-key tiles at d128. HND caches stay on mma.sync
-# under "auto" until a measurement of their own says otherwise (docs/prefill.md, "Kernel
-# choice").
-WGMMA_AUTO = ("ragged", "NHD", "vllm")
+# Layouts where "auto" picks the wgmma kernel (kernels_cu/prefill_sm90.cu) on sm_90: every
+# one, as it beats mma.sync on each (docs/prefill.md, "Kernel choice"; the vllm cache's
+# mma.sync path runs 32-key tiles at d128).
+WGMMA_AUTO = ("ragged", "NHD", "HND", "vllm")
 BACKENDS = ("auto", "mma", "wgmma")
 WGMMA_HEAD_DIMS = (64, 80, 96, 112, 128, 256)
 
