@@ -32,8 +32,8 @@ def test_table_keeps_headline_columns_and_formats_cells():
     text = report.table("decode", rows)
     header, rule, first, second = text.splitlines()
     assert header == ("| heads | B | L | page | layout | path | variant | us | TB/s | "
-                      "frac_copy | cudnn_TB/s | vs_cudnn | ok |")
-    assert rule.count("---") == 13
+                      "frac_copy | frac_read | cudnn_TB/s | vs_cudnn | ok |")
+    assert rule.count("---") == 14
     assert "| 491.0 |" in first and "| 0.998 |" in first and first.endswith("| ok |")
     assert second.endswith("| **FAIL** |") and "|  |" in second   # no cuDNN figure
     assert "eager_us" not in header and "err" not in header

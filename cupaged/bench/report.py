@@ -14,15 +14,17 @@ from pathlib import Path
 
 # the columns a results table shows, in order, per benchmark (others: every column)
 COLUMNS = {
-    "decode": ["heads", "B", "L", "page", "layout", "path", "variant", "us", "TB/s",
-               "frac_copy", "cudnn_TB/s", "vs_cudnn", "ok"],
+    "decode": ["heads", "kv", "B", "L", "page", "layout", "path", "variant", "us", "TB/s",
+               "frac_copy", "frac_read", "vs_bf16", "cudnn_TB/s", "vs_cudnn", "ok"],
     "prefill": ["op", "variant", "tile", "shape", "ms", "TFLOPs", "flash_TFLOPs",
-                "cudnn_TFLOPs", "vs_flash", "vs_cudnn", "vs_default", "vs_ragged", "checked"],
+                "cudnn_TFLOPs", "vs_flash", "vs_cudnn", "vs_default", "vs_ragged", "vs_bf16",
+                "err_vs_bf16", "checked"],
     "cache": ["op", "variant", "shape", "ms", "TB/s", "frac_copy", "matches_ref"],
     "rope": ["op", "variant", "shape", "ms", "TBps", "frac_copy", "TFLOPs", "sink_overhead",
              "checked"],
-    "sparse": ["S", "budget", "density", "sparse_ms", "dense_ms", "vs_dense", "cudnn_ms",
-               "vs_cudnn", "checked"],
+    "sparse": ["S", "budget", "B", "density", "kept", "sparse_ms", "bsr_ms", "quest_ms",
+               "select_ms", "dense_ms", "vs_dense", "step_vs_dense", "cudnn_ms", "vs_cudnn",
+               "checked"],
     "overhead": ["op", "shape", "arrays", "host_us", "gpu_us", "graph_us", "vs_graph",
                  "peer_us", "TFLOP/s", "frac_copy"],
 }
