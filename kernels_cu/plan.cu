@@ -15,6 +15,7 @@
 // (decode: an empty piece; prefill: items flagged w = 1), so its rows come out as zeros.
 #include "common.cuh"
 #include "abi.cuh"
+#include "index_checks.cuh"
 
 namespace cupaged {
 namespace plan {
@@ -22,7 +23,6 @@ namespace plan {
 constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
 constexpr int BUCKETS = 2048;  // prefill cost buckets (key tiles; longer items share the last)
-constexpr int INT32_MAX_ = 2147483647;
 
 // Exclusive prefix sum of x over the CTA in thread order; `total` gets the CTA's sum. Every
 // thread calls; s_warp holds WARPS + 1 ints.
@@ -96,21 +96,6 @@ __device__ __forceinline__ bool last_cta(int* done, int* s_flag) {
   return *s_flag;
 }
 
-// Whether the first `need` entries of a block-table row are block ids in [0, num_blocks);
-// the first bad one found is reported. Every thread of the CTA calls.
-__device__ __forceinline__ bool table_row_ok(const int* row, int need, int num_blocks,
-                                             long long* err, int b) {
-  int bad = 0;
-  for (int j = threadIdx.x; j < need; j += THREADS) {
-    const int id = __ldg(row + j);
-    if ((unsigned)id >= (unsigned)num_blocks) {
-      bad = 1;
-      report_error(err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, j, id, num_blocks);
-    }
-  }
-  return !__syncthreads_or(bad);
-}
-
 // Whether sequence b is usable: its length len is not negative, its kv = len + append keys
 // fit its block-table row of `width` blocks, and their block ids are in [0, num_blocks).
 // The first failure is reported: a negative length as a range error, keys past the row as a
@@ -126,7 +111,7 @@ __device__ __forceinline__ bool sequence_ok(int len, int append, const int* tabl
     else
       report_error(err, error_code(ARG_SEQ_LENS, CHECK_TABLE), b, -1, kv, (i64)width * block_size);
   }
-  return len_ok && table_row_ok(table_row, len_ok ? (int)need : 0, num_blocks, err, b);
+  return len_ok && table_row_ok<THREADS>(table_row, len_ok ? (int)need : 0, num_blocks, err, b);
 }
 
 // ---------------------------------------------------------------------------- decode

@@ -12,11 +12,10 @@
 // empty (length 0), so its decode rows come out as zeros.
 #include "common.cuh"
 #include "abi.cuh"
+#include "index_checks.cuh"
 
 namespace cupaged {
 namespace quest {
-
-constexpr int INT32_MAX_ = 2147483647;
 
 // Whether sequence b's length is usable (in [0, width * block_size]); reports it otherwise.
 __device__ __forceinline__ bool length_ok(int len, int width, int block_size, long long* err,
@@ -146,22 +145,6 @@ __device__ __forceinline__ int block_inclusive_sum(int x, int* s_warp, int& tota
   return before + x;
 }
 
-// Whether the block ids of a sequence's `used` pages lie in [0, num_blocks) (the first bad
-// one reported when err is given). Every thread calls.
-template <int THREADS>
-__device__ __forceinline__ bool pages_ok(const int* table, int used, int num_blocks,
-                                         long long* err, int b) {
-  int bad = 0;
-  for (int i = threadIdx.x; i < used; i += THREADS) {
-    const int blk = __ldg(table + i);
-    if ((unsigned)blk >= (unsigned)num_blocks) {
-      bad = 1;
-      report_error(err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, i, blk, num_blocks);
-    }
-  }
-  return !__syncthreads_or(bad);
-}
-
 // grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS;
 // dynamic shared memory group * D floats (the group's queries); bounds TB (float or bf16).
 // CTA ((b, h), c) scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv
@@ -257,7 +240,7 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
   const int len = __ldg(a.seq_lens + b);
   const bool len_ok = length_ok(len, a.width, a.block_size, nullptr, b);
   const int used = len_ok ? (int)(((i64)len + a.block_size - 1) / a.block_size) : 0;
-  const int n = pages_ok<THREADS>(table, used, a.num_blocks, nullptr, b) ? used : 0;
+  const int n = table_row_ok<THREADS>(table, used, a.num_blocks, nullptr, b) ? used : 0;
 
   // the k-th largest key (the threshold) and how many pages equal to it are kept
   const int k = min(a.top_k, a.width);
