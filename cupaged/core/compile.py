@@ -56,6 +56,13 @@ def ctype(dtype) -> str:
     return _CTYPES[np.dtype(dtype)]
 
 
+def kv_types(dtype, kv) -> str:
+    """Template arguments ``T, KV`` of the attention kernels: q's dtype and the caches'
+    elements (fp8 format ``kv``, e.g. ``"fp8_e4m3"``, or None: q's dtype)."""
+    t = ctype(dtype)
+    return f"{t}, {t if kv is None else 'cupaged::' + kv}"
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("CUPAGED_CACHE_DIR", Path.home() / ".cache" / "cupaged"))
 

@@ -15,7 +15,7 @@ from ..core import abi, errors
 from . import checks, plan
 from ..core.arrays import FLOAT_DTYPES, HEAD_DIMS, host
 from ..core.checks import table_stride, token_stride
-from ..core.compile import Spec, ctype, launcher
+from ..core.compile import Spec, ctype, kv_types, launcher
 from ..core.device import current, scratch
 from ..core.fp8 import KV_DTYPES
 from ..core.launch import ptr
@@ -26,20 +26,13 @@ PLAN_CTAS = 64  # CTAs of decode_plan_kernel: sequences are checked a CTA at a t
 
 
 # ----------------------------------------------------------------------------- kernels
-def _types(dtype, kv):
-    """Template arguments ``T, KV`` of q's dtype and the caches' elements (fp8 format ``kv``,
-    or None: q's dtype)."""
-    t = ctype(dtype)
-    return f"{t}, {t if kv is None else 'cupaged::' + kv}"
-
-
 def _decode_expr(dtype, head_dim, vllm_v, head_tiles, kv=None):
-    return (f"cupaged::decode::paged_decode_kernel<{_types(dtype, kv)}, {head_dim}, "
+    return (f"cupaged::decode::paged_decode_kernel<{kv_types(dtype, kv)}, {head_dim}, "
             f"{'true' if vllm_v else 'false'}, {head_tiles}>")
 
 
 def _pages_expr(dtype, head_dim, head_major=False, kv=None):
-    return (f"cupaged::decode::paged_decode_pages_kernel<{_types(dtype, kv)}, {head_dim}, "
+    return (f"cupaged::decode::paged_decode_pages_kernel<{kv_types(dtype, kv)}, {head_dim}, "
             f"{'true' if head_major else 'false'}>")
 
 
@@ -60,7 +53,7 @@ def _pieces_expr(dtype, head_dim):
 
 
 def _append_expr(dtype, kv=None):
-    return f"cupaged::decode::append_kv_kernel<{_types(dtype, kv)}>"
+    return f"cupaged::decode::append_kv_kernel<{kv_types(dtype, kv)}>"
 
 
 PLAN_EXPR = "cupaged::plan::decode_plan_kernel"

@@ -13,7 +13,7 @@ from ..core import abi, errors
 from . import plan as plan_
 from ..core.arrays import HEAD_DIMS, bfloat16, float16, float32
 from ..core.checks import INT32_MAX, table_stride, token_stride
-from ..core.compile import Spec, ctype, launcher
+from ..core.compile import Spec, kv_types, launcher
 from ..core.device import scratch
 from ..core.fp8 import KV_DTYPES
 from ..core.launch import current_stream, ptr
@@ -24,26 +24,19 @@ PLAN_CTAS = 64  # CTAs of prefill_plan_kernel: sequences are checked a CTA at a 
 
 
 # ----------------------------------------------------------------------------- kernels
-def _types(dtype, kv):
-    """Template arguments ``T, KV``: q's dtype and the caches' elements (fp8 format ``kv``,
-    or None: q's dtype)."""
-    t = ctype(dtype)
-    return f"{t}, {t if kv is None else 'cupaged::' + kv}"
-
-
 def _expr(dtype, head_dim, v_transposed, tile, kv=None):
     """Template name of the kernel for ``dtype`` / ``head_dim`` / tile / cache format ``kv``
     (fp32: CUDA cores)."""
     if np.dtype(dtype) == float32:
         return f"cupaged::prefill_simt_kernel<{head_dim}>"
     vt = "true" if v_transposed else "false"
-    return f"cupaged::prefill_mma_kernel<{_types(dtype, kv)}, {head_dim}, {vt}, {tile.cpp()}>"
+    return f"cupaged::prefill_mma_kernel<{kv_types(dtype, kv)}, {head_dim}, {vt}, {tile.cpp()}>"
 
 
 def _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv=None):
     """Template name of the sm_90a wgmma kernel (``general``: the score epilogue path)."""
     flags = ", ".join("true" if f else "false" for f in (v_transposed, general))
-    return (f"cupaged::prefill_wgmma_kernel<{_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
+    return (f"cupaged::prefill_wgmma_kernel<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
             f"{tile.stages}, {flags}>")
 
 
