@@ -36,11 +36,13 @@ namespace sm90 {
 // (V_T), the general score path (GENERAL). Q, K and V rows are swizzled SW bytes wide
 // (D * 2 bytes a row: 128 for d64/d128/d256, 64 for d96, 32 for d80/d112), V^T rows SWT
 // bytes (BN * 2 bytes a row). From an fp8 cache (KV) one tile's staging follows the buffers.
-template <typename T, typename KV, int D, int BN, int STAGES, bool V_T, bool GENERAL>
+// LOADERS: the threads that copy tiles (all 256 of prefill_wgmma, the producer warpgroup of
+// prefill_ws).
+template <typename T, typename KV, int D, int BN, int STAGES, bool V_T, bool GENERAL, int LOADERS = 256>
 struct Config {
   static_assert(sizeof(T) == 2 && D % 16 == 0 && D >= 64 && D <= 256, "fp16/bf16, head size 64..256");
   static_assert(BN % 64 == 0 && BN <= 128 && (STAGES == 2 || STAGES == 3), "tile shape");
-  static constexpr int THREADS = 256, BLOCK_M = 128, HEAD = D, KEYS = BN, BUFFERS = STAGES;
+  static constexpr int THREADS = LOADERS, BLOCK_M = 128, HEAD = D, KEYS = BN, BUFFERS = STAGES;
   static constexpr bool TRANSPOSED_V = V_T, GENERAL_SCORES = GENERAL;
   // three buffers: the P V batch of tile n + 1 runs during the softmax of tile n
   static constexpr bool OVERLAP = STAGES >= 3;
@@ -109,7 +111,8 @@ struct KVRows {
   // staging slots (fp8), from the entries `lookup` gave. Block and token strides fit in 32
   // bits (the host checks): 32 x 32 -> 64-bit multiplies; the row offset in a block is a
   // mask for power-of-two block sizes.
-  template <typename Prob>
+  // (KP, VP: the K and the V part; prefill_ws issues them apart)
+  template <bool KP = true, bool VP = true, typename Prob>
   __device__ __forceinline__ void issue(const Prob& P, int j0, const int (&blk)[RPT + V_T], u32 sK, u32 sV) const {
     const int c = threadIdx.x % F::CL, r0 = threadIdx.x / F::CL;
     if (F::CL == F::CH || c < F::CH) {
@@ -125,14 +128,15 @@ struct KVRows {
         }
         const u32 at = swizzled<BN, C::SW>(r, c);
         const int bytes = j0 + r < kv_len ? 16 : 0;
-        cp_async16(F::FP8 ? F::slot(staging, i) : sK + at, kc + wide(b, (u32)P.k_block) + wide(off, (u32)P.k_tok),
-                   bytes);
-        if (!V_T)
+        if (KP)
+          cp_async16(F::FP8 ? F::slot(staging, i) : sK + at, kc + wide(b, (u32)P.k_block) + wide(off, (u32)P.k_tok),
+                     bytes);
+        if (!V_T && VP)
           cp_async16(F::FP8 ? F::slot(staging, RPT + i) : sV + at,
                      vc + wide(b, (u32)P.v_block) + wide(off, (u32)P.v_tok), bytes);
       }
     }
-    if constexpr (V_T) load_vt(P, j0, blk[RPT], sV);
+    if constexpr (V_T && VP) load_vt(P, j0, blk[RPT], sV);
   }
   // V^T tile of keys [j0, j0 + BN) from the vllm value layout (paged; keys contiguous:
   // v_tok 1, v_dim the block size) -> sV, swizzled [D][BN]: KVChunks' V^T chunks, one
@@ -563,6 +567,185 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
   store_rows<T, C>(P, it, 64 * wg + 16 * warp, o, m, l, rows.sc, vs, sQ, lane);
 }
 
+
+// ------------------------------------------------------------ warp-specialised (prefill_ws)
+// Warpgroup 0 produces, warpgroups 1 and 2 consume (WS_THREADS threads, register budgets
+// WS_PRODUCER_REGS / WS_CONSUMER_REGS, set by setmaxnreg). The producer's 128 threads copy Q
+// and the K/V tiles with cp.async (KVRows of 128 loaders) into STAGES K and STAGES V
+// buffers; the consumers run the wgmma loop of loop_overlap on them. They meet only at
+// mbarriers: no CTA barrier per tile.
+constexpr int WS_THREADS = 384, WS_PRODUCER_REGS = 72, WS_CONSUMER_REGS = 216;
+
+// The mbarriers (8 bytes each, after the tiles): Q landed; per stage s, its K and its V tile
+// landed (full: an arrival from each producer thread as its copies land) and read (empty:
+// an arrival from each consumer thread once its wgmma batch reading the tile is done; every
+// thread arrives, as a branch while a batch is in flight makes ptxas serialise the batches). Tile i
+// of an item (the i-th processed, key tile n_last - i) sits in stage i % STAGES as its use
+// u = i / STAGES: the consumers wait for the full phase of parity u & 1, the producer, before
+// use u > 0, for the empty phase of parity (u - 1) & 1.
+template <int STAGES>
+struct WsBarriers {
+  static constexpr int COUNT = 1 + 4 * STAGES, PRODUCERS = 128, CONSUMERS = 256;
+  u32 base;
+  __device__ __forceinline__ u32 q() const { return base; }
+  __device__ __forceinline__ u32 k_full(int s) const { return base + 8 * (1 + s); }
+  __device__ __forceinline__ u32 v_full(int s) const { return base + 8 * (1 + STAGES + s); }
+  __device__ __forceinline__ u32 k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
+  __device__ __forceinline__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
+  __device__ __forceinline__ void init() const {
+    mbar_init(q(), PRODUCERS);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(k_full(s), PRODUCERS);
+      mbar_init(v_full(s), PRODUCERS);
+      mbar_init(k_empty(s), CONSUMERS);
+      mbar_init(v_empty(s), CONSUMERS);
+    }
+    fence_mbar_init();
+  }
+};
+
+// The consumers take turns at issuing their wgmma batches (FA3's ping-pong): consumer g
+// waits for its turn at named barrier 1 + g and passes it at 2 - g, so that one's softmax
+// runs while the tensor cores do the other's batches.
+struct Turns {
+  int g;
+  __device__ __forceinline__ void wait() const { bar_sync(1 + g, 256); }
+  __device__ __forceinline__ void pass() const { bar_arrive(2 - g, 256); }
+};
+
+// Producer: Q, then per tile its K and its V part, each once the consumers are done with the
+// stage's previous tile; the block-table entries of the next tile are read while it waits.
+template <typename T, typename KV, typename C, typename Src, typename Prob>
+__device__ __forceinline__ void ws_produce(const Prob& P, const WorkItem& it, const Src& src,
+                                           const WsBarriers<C::BUFFERS>& bar, u32 sQ, u32 sKV, int n_first,
+                                           int n_last) {
+  constexpr int BN = C::KEYS, STAGES = C::BUFFERS;
+  load_q<T, C::HEAD, C>(P, it, sQ);
+  cp_async_arrive(bar.q());
+  int blk[Src::RPT + C::TRANSPOSED_V];
+  if (n_last >= n_first) src.lookup(P, n_last * BN, blk);
+  for (int n = n_last, i = 0; n >= n_first; --n, ++i) {
+    const int st = i % STAGES, u = i / STAGES;
+    const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
+    if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
+    src.template issue<true, false>(P, n * BN, blk, sK, sV);
+    cp_async_arrive(bar.k_full(st));
+    if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+    src.template issue<false, true>(P, n * BN, blk, sK, sV);
+    cp_async_arrive(bar.v_full(st));
+    if (n > n_first) src.lookup(P, (n - 1) * BN, blk);
+  }
+  cp_async_wait_all();
+}
+
+// Consumer g (rows 64 g .. 64 g + 63 of the tile): loop_overlap's order (S = Q K^T of tile
+// i with O += P V of tile i - 1, the softmax of tile i under the P V batch), each batch pair
+// issued in the warpgroup's turn; each stage released once the batch reading it is done.
+template <typename T, typename C, typename Prob>
+__device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const WsBarriers<C::BUFFERS>& bar,
+                                           const Turns& turn, u32 sQg, u32 sKV, int n_first, int n_last,
+                                           float (&o)[C::HEAD / 2], float (&m)[2], float (&l)[2]) {
+  constexpr int D = C::HEAD, BN = C::KEYS, STAGES = C::BUFFERS;
+  mbar_wait(bar.q(), 0);  // also before an item without keys: the epilogue stages rows in sQ
+  if (n_last < n_first) return;
+  float s[BN / 2], alpha[2];
+  u32 pf[BN / 16][4];
+  mbar_wait(bar.k_full(0), 0);
+  turn.wait();
+  qk<T, C>(s, sQg, sKV);
+  turn.pass();
+  wgmma_wait<0>();
+  fence_operands(s);
+  mbar_arrive(bar.k_empty(0));
+  rw.template scores<C>(s, n_last * BN);
+  softmax<T, BN>(s, m, l, pf, alpha, rw.sc);  // o is still 0: nothing to rescale
+  int i = 1;
+  for (int n = n_last - 1; n >= n_first; --n, ++i) {
+    const int sk = i % STAGES, sv = (i - 1) % STAGES;
+    mbar_wait(bar.k_full(sk), (i / STAGES) & 1);
+    mbar_wait(bar.v_full(sv), ((i - 1) / STAGES) & 1);
+    turn.wait();
+    qk<T, C>(s, sQg, sKV + 2 * sk * C::KV_BYTES);
+    pv<T, C>(o, pf, sKV + (2 * sv + 1) * C::KV_BYTES);
+    turn.pass();
+    wgmma_wait<1>();  // S of tile i done; P V of tile i - 1 may still run
+    fence_operands(s);
+    mbar_arrive(bar.k_empty(sk));
+    rw.template scores<C>(s, n * BN);
+    u32 pn[BN / 16][4];
+    softmax<T, BN>(s, m, l, pn, alpha, rw.sc);
+    drain<D>(o, pf);
+    mbar_arrive(bar.v_empty(sv));
+    rescale<D>(o, alpha);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) pf[kk][x] = pn[kk][x];
+  }
+  const int sv = (i - 1) % STAGES;
+  mbar_wait(bar.v_full(sv), ((i - 1) / STAGES) & 1);
+  turn.wait();
+  pv<T, C>(o, pf, sKV + (2 * sv + 1) * C::KV_BYTES);
+  if (turn.g == 0) turn.pass();  // consumer 1's last turn is nobody's to wait for
+  drain<D>(o, pf);
+}
+
+template <typename T, typename KV, typename C>
+__device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P) {
+  static_assert(!Fp8Traits<KV>::FP8 && !C::TRANSPOSED_V, "16-bit caches, V rows (else prefill_wgmma)");
+  constexpr int BN = C::KEYS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+  const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
+  const WsBarriers<C::BUFFERS> bar{sKV + 2 * C::BUFFERS * C::KV_BYTES};
+  const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+
+  WorkItem it;
+  it.init(P, P.work[blockIdx.x], C::BLOCK_M);
+  // key tiles n_first .. n_last hold every key a row of the CTA sees
+  const int j_begin = visible_lo(it.position(0), P.window_left);
+  const int j_end = visible_hi(it.position(it.rows - 1), it.kv_len, P.causal);
+  const int n_first = j_begin / BN;
+  const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
+  if (threadIdx.x == 0) bar.init();
+  __syncthreads();
+
+  if (wg == 0) {
+    setmaxnreg_dec<WS_PRODUCER_REGS>();
+    const int bs = P.block_size;
+    const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
+                                                   P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
+                                                   it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
+    ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
+  } else {
+    setmaxnreg_inc<WS_CONSUMER_REGS>();
+    const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
+    Rows rows;
+    rows.gk.init(it, 64 * g, 64, P.window_left, P.causal);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = 64 * g + 16 * warp + lane / 4 + 8 * hr;
+      const bool valid = r < it.rows;
+      const int p = valid ? it.position(r) : 0;
+      rows.lo[hr] = valid ? visible_lo(p, P.window_left) : 0;
+      rows.hi[hr] = valid ? visible_hi(p, it.kv_len, P.causal) : 0;
+      rows.p[hr] = p;
+      rows.slope[hr] = valid && P.alibi != nullptr ? __ldg(P.alibi + it.head(r)) * LOG2E : 0.f;
+    }
+    rows.epi.init(P.sm_scale, P.soft_cap);
+    rows.sc = C::GENERAL_SCORES ? 1.f : P.sm_scale * LOG2E;
+    rows.lane = lane;
+    float o[C::HEAD / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < C::HEAD / 2; ++i) o[i] = 0.f;
+    const Turns turn{g};
+    if (g == 1 && n_last >= n_first) turn.pass();  // consumer 0 takes the first turn
+    ws_consume<T, C>(P, rows, bar, turn, sQ + g * 64 * C::SW, sKV, n_first, n_last, o, m, l);
+    store_rows<T, C>(P, it, 64 * g + 16 * warp, o, m, l, rows.sc, 1.f, sQ, lane);
+  }
+}
+
 }  // namespace sm90
 
 // Grid: one CTA per work item (int4 {sequence, kv head, first packed row, 0}); block: 256
@@ -583,4 +766,18 @@ __global__ void __launch_bounds__(256, 1) prefill_wgmma_kernel(CUPAGED_PARAMS_Pr
   sm90::prefill_wgmma<T, KV, sm90::Config<T, KV, D, BN, STAGES, V_T, GENERAL>>(P);
 }
 
+}  // namespace cupaged
+
+namespace cupaged {
+// Grid: one CTA per work item, as prefill_wgmma_kernel; block: WS_THREADS = 3 warpgroups
+// (warpgroup 0 copies, 1 and 2 compute: prefill_ws); dynamic smem: Config::SMEM bytes
+// (Q [128][D], then STAGES K [BN][D] and V [BN][D] tiles, all swizzled,
+// 1024-byte aligned) plus the WsBarriers after them. 16-bit caches with V rows (not the
+// vllm value layout: its V^T copies need more producer registers than WS_PRODUCER_REGS).
+template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL>
+__global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_kernel(CUPAGED_PARAMS_Problem) {
+  const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
+  if (item_is_padding(P)) return;
+  sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>>(P);
+}
 }  // namespace cupaged

@@ -67,6 +67,22 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
 }
 
+// -- named barriers between warpgroups (id 0 is __syncthreads): `threads` arrivals complete
+//    one; bar_arrive does not wait --
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// -- per-warpgroup register budgets (sm_90a; the kernel needs a register cap at entry:
+//    __launch_bounds__(threads, 1)) --
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }
+
 // Pin registers at this point of the program: reads of an accumulator after wgmma_wait
 // (and writes before wgmma_fence) cannot be moved across it by the compiler.
 template <int N>

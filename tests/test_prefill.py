@@ -244,7 +244,7 @@ def test_smem_fits_and_specs_cover_every_head_dim():
             staged = plan_.smem_bytes(np.float16, d, vt, tile, "fp8_e4m3")
             assert staged - plan_.smem_bytes(np.float16, d, vt, tile) == 2 * tile.block_n * d
             assert staged <= 163 * 1024
-            assert (plan_.wgmma_smem_bytes(d, plan_.wgmma_tile(d), "fp8_e5m2")
+            assert (plan_.wgmma_smem_bytes(d, plan_.wgmma_tile(d, "fp8_e5m2", vt), "fp8_e5m2")
                     <= 227 * 1024)
     exprs = {s.expr for s in kernel_specializations() if s.stem == "prefill"}
     fp8 = 2 * 2 * len(plan_.FP8_HEAD_DIMS) * 2  # q dtypes x formats x head dims x V layouts
@@ -740,16 +740,23 @@ def test_general_scores_flag():
 def test_wgmma_tile_shares_work_list_and_fits():
     from cupaged.prefill.launch import kernel_specializations
     for d in plan_.WGMMA_HEAD_DIMS:
-        tile = plan_.wgmma_tile(d)
         for vt in (False, True):  # PagedPrefiller's one work list
+            tile = plan_.wgmma_tile(d, None, vt)
             assert tile.block_m == plan_.default_tile(d, vt).block_m
-        assert plan_.wgmma_smem_bytes(d, tile) <= 227 * 1024
+            assert plan_.wgmma_smem_bytes(d, tile) <= 227 * 1024
     for t in WGMMA_OTHER_TILES:  # the benchmark's tiles, at the head sizes it times them
         for d in (64, 128):
             assert plan_.wgmma_smem_bytes(d, t) <= 227 * 1024
     hopper = {s.expr for s in kernel_specializations() if s.hopper}
-    want = {f"cupaged::prefill_wgmma_kernel<{t}, {kv or t}, {d}, {plan_.wgmma_tile(d).block_n}, "
-            f"{plan_.wgmma_tile(d).stages}, {vt}, {g}>"
+    def expr(t, kv, d, vt, g):
+        tile = plan_.wgmma_tile(d, kv, vt == "true")
+        if kv is None and vt == "false":
+            assert tile.ws and tile.threads == 384
+            return f"cupaged::prefill_ws_kernel<{t}, {t}, {d}, {tile.block_n}, {tile.stages}, {g}>"
+        assert not tile.ws and tile.threads == 256
+        return (f"cupaged::prefill_wgmma_kernel<{t}, {kv or t}, {d}, {tile.block_n}, {tile.stages}, "
+                f"{vt}, {g}>")
+    want = {expr(t, kv, d, vt, g)
             for t in ("__half", "__nv_bfloat16")
             for kv in (None, "cupaged::fp8_e4m3", "cupaged::fp8_e5m2")
             for d in (HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS)

@@ -180,7 +180,7 @@ def test_fp8_specializations_cover_the_launches():
             for vt in (False, True):
                 assert _expr(np.float16, d, vt, plan_.default_tile(d, vt), kv) in exprs
                 for general in (False, True):
-                    assert _expr_wgmma(bfloat16, d, plan_.wgmma_tile(d), vt, general, kv) in exprs
+                    assert _expr_wgmma(bfloat16, d, plan_.wgmma_tile(d, kv, vt), vt, general, kv) in exprs
     assert plan_.fp8_staging_bytes(128, 128, 256) == 2 * 128 * 128
     assert plan_.fp8_staging_bytes(128, 32, 128) == 2 * 32 * 128
 

@@ -53,9 +53,10 @@ VARIANTS = {
     64: [plan_.default_tile(64), TS(4, 2, 64, 2, True, 2), TS(8, 1, 128, 2, True, 1)],
     256: [plan_.default_tile(256), TS(8, 1, 32, 2, False, 1)],
 }
-# wgmma tiles (sm_90): 2 stages (plain; the d128 default) and 3 stages (overlapped; the d64
-# default): plan_.wgmma_tile(d) names the default of each head size
-WGMMA_VARIANTS = [plan_.WgmmaTile(128, 2), plan_.WgmmaTile(128, 3)]
+# wgmma tiles (sm_90): the warp-specialised kernel (the 16-bit default), and
+# prefill_wgmma_kernel with 2 stages (plain) and 3 stages (overlapped): plan_.wgmma_tile(d)
+# names the default of each head size
+WGMMA_VARIANTS = [plan_.WgmmaTile(128, 2, True), plan_.WgmmaTile(128, 2), plan_.WgmmaTile(128, 3)]
 
 
 def tile_label(tile):
@@ -201,6 +202,8 @@ def _hopper():
 
 
 def wgmma_label(tile):
+    if tile.ws:
+        return f"ws 1+2wg x64r n{tile.block_n} s{tile.stages}"
     return f"2wg x64r n{tile.block_n} s{tile.stages}" + (" overlap" if tile.stages == 3 else "")
 
 

@@ -34,7 +34,12 @@ def _expr(dtype, head_dim, v_transposed, tile, kv=None):
 
 
 def _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv=None):
-    """Template name of the sm_90a wgmma kernel (``general``: the score epilogue path)."""
+    """Template name of the sm_90a wgmma kernel of ``tile`` (``general``: the score epilogue
+    path)."""
+    if tile.ws:
+        g = "true" if general else "false"
+        return (f"cupaged::prefill_ws_kernel<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
+                f"{tile.stages}, {g}>")
     flags = ", ".join("true" if f else "false" for f in (v_transposed, general))
     return (f"cupaged::prefill_wgmma_kernel<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
             f"{tile.stages}, {flags}>")
@@ -52,7 +57,7 @@ def kernel_specializations():
         dims = HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS
         specs += [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt), kv))
                   for dt in (float16, bfloat16) for d in dims for vt in (False, True)]
-        specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d), vt, general, kv),
+        specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d, kv, vt), vt, general, kv),
                        hopper=True)
                   for dt in (float16, bfloat16) for d in dims if d in plan_.WGMMA_HEAD_DIMS
                   for vt in (False, True) for general in (False, True)]
@@ -76,12 +81,12 @@ def _window(opts):
     return -1 if opts.window_left >= INT32_MAX else opts.window_left
 
 
-def _tile(dtype, head_dim, v_transposed, backend, tile=None):
+def _tile(dtype, head_dim, v_transposed, backend, tile=None, kv=None):
     """The tile of a launch (``tile`` overrides the default, benchmarks only)."""
     if tile is not None:
         return tile
     if backend == "wgmma":
-        return plan_.wgmma_tile(head_dim)
+        return plan_.wgmma_tile(head_dim, kv, v_transposed)
     return plan_.launch_tile(dtype, head_dim, v_transposed)
 
 
@@ -97,7 +102,7 @@ def host_work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_tra
 def _kernel(dtype, head_dim, v_transposed, tile, backend, general=False, kv=None):
     """(kernel, dynamic smem bytes, threads) of a launch (``general``: the wgmma kernel's
     score epilogue path, ``plan.general_scores``; ``kv``: the caches' fp8 format or None)."""
-    tile = _tile(dtype, head_dim, v_transposed, backend, tile)
+    tile = _tile(dtype, head_dim, v_transposed, backend, tile, kv)
     if backend == "wgmma":
         smem = plan_.wgmma_smem_bytes(head_dim, tile, kv)
         expr = _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv)
@@ -148,7 +153,7 @@ class Launches:
         total_q, hq, d = q.shape
         self.dtype = q.dtype
         group = hq // num_kv_heads
-        self.tile = _tile(q.dtype, d, v_transposed, backend, tile)
+        self.tile = _tile(q.dtype, d, v_transposed, backend, tile, kv)
         self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend,
                                                        plan_.general_scores(opts), kv)
         paged = tables is not None

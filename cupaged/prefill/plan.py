@@ -112,12 +112,16 @@ WGMMA_HEAD_DIMS = (64, 80, 96, 112, 128, 256)
 
 
 class WgmmaTile(NamedTuple):
-    """Tile shape of the wgmma kernel: 2 warpgroups x 64 rows (128 packed rows per item),
-    ``block_n`` keys per K/V tile, ``stages`` K/V buffers (``Config`` in prefill_sm90.cu;
-    2: each wgmma batch waited for at once, 3: the P V batch of one tile overlaps the
-    softmax of the next)."""
+    """Tile shape of the wgmma kernels: 128 packed rows per item, ``block_n`` keys per K/V
+    tile, ``stages`` K/V buffers, ``ws``: the warp-specialised kernel (``prefill_ws_kernel``:
+    a producer warpgroup copying tiles and two consumer warpgroups of 64 rows taking turns at
+    the tensor cores, tiles handed over through mbarriers) rather than ``prefill_wgmma_kernel``
+    (2 warpgroups of 64 rows that copy and compute, a CTA barrier per tile; ``stages`` 2: each
+    wgmma batch waited for at once, 3: the P V batch of one tile overlaps the softmax of the
+    next). ``Config`` in prefill_sm90.cu."""
     block_n: int
     stages: int
+    ws: bool = False
 
     @property
     def block_m(self):
@@ -125,30 +129,46 @@ class WgmmaTile(NamedTuple):
 
     @property
     def threads(self):
-        return 256
+        return WS_THREADS if self.ws else 256
 
 
-def wgmma_tile(head_dim):
-    """wgmma tile of ``head_dim``: 128-key tiles with three stages (P V of one tile
-    overlapping the next softmax) at d64, two at d80..d128 (the faster of the two at d64 and
-    d128, benchmarks/NOTES.md, prefill wgmma w1 s2 / s3; d80..d112 follow d128); d256
-    64-key tiles and two stages (its 128 accumulators a thread leave no room for 128-key
-    scores, and two stages of 128 keys would not fit the shared memory).
-    Its ``block_m`` equals ``default_tile(head_dim).block_m``, so either kernel can run one
-    work list."""
-    if head_dim == 256:
-        return WgmmaTile(64, 2)
-    return WgmmaTile(128, 3 if head_dim == 64 else 2)
+# threads of the warp-specialised kernel: a producer and two consumer warpgroups
+# (prefill_sm90.cu WS_THREADS)
+WS_THREADS = 384
+
+
+def warp_specialised(kv=None, v_transposed=False):
+    """Whether a wgmma call runs the warp-specialised kernel: 16-bit caches with V rows. fp8
+    caches (widened by the copying threads) and the vllm value layout (V^T copies, whose
+    addressing needs more registers than the producer's budget) run ``prefill_wgmma_kernel``."""
+    return kv is None and not v_transposed
+
+
+def wgmma_tile(head_dim, kv=None, v_transposed=False):
+    """wgmma tile of a call. Warp-specialised (:func:`warp_specialised`): 128-key tiles (64
+    at d256, whose 128 accumulators a thread leave no room for 128-key scores), two K and
+    two V stages. Otherwise, ``prefill_wgmma_kernel``'s: 128-key tiles with three stages (P V
+    of one tile overlapping the next softmax) at d64, two at d80..d128 (the faster of the two
+    at d64 and d128, benchmarks/NOTES.md, prefill wgmma w1 s2 / s3; d80..d112 follow d128);
+    d256 64-key tiles and two stages (two stages of 128 keys would not fit the shared
+    memory). Its ``block_m`` equals ``default_tile(head_dim).block_m``, so every kernel can
+    run one work list."""
+    block_n = 64 if head_dim == 256 else 128
+    if warp_specialised(kv, v_transposed):
+        return WgmmaTile(block_n, 2, True)
+    return WgmmaTile(block_n, 3 if head_dim == 64 else 2)
 
 
 def wgmma_smem_bytes(head_dim, tile, kv=None):
-    """Dynamic shared memory of the wgmma kernel: Q ``[128][D]``, ``stages`` K and V tiles
+    """Dynamic shared memory of a wgmma kernel: Q ``[128][D]``, ``stages`` K and V tiles
     ``[block_n][D]`` (16-bit; V^T ``[D][block_n]`` takes as much), from an fp8 cache
-    (format ``kv``) the staging of one tile (:func:`fp8_staging_bytes`), plus 1024 bytes to
-    align the swizzled tiles."""
+    (format ``kv``) the staging of one tile (:func:`fp8_staging_bytes`), the warp-specialised
+    kernel's mbarriers (8 bytes each: Q, and per stage K and V full and empty), plus 1024
+    bytes to align the swizzled tiles."""
     staging = 0 if kv is None else fp8_staging_bytes(head_dim, tile.block_n, tile.threads)
+    barriers = 8 * (1 + 4 * tile.stages) if tile.ws else 0
     return (2 * (tile.block_m * head_dim + 2 * tile.stages * tile.block_n * head_dim) + staging
-            + 1024)
+            + barriers + 1024)
 
 
 def general_scores(opts):
