@@ -522,6 +522,13 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];\n" :: "l"(p));
 }
 
+// The q / out row of sequence b: b, or through the row map of paged_attention's decode
+// launch (DecodeArgs::rows) its token row, -1 for a sequence that is not a decode row there
+// (its one piece has no keys and writes nothing).
+__device__ __forceinline__ int seq_row(const int* __restrict__ rows, int b) {
+  return rows != nullptr ? __ldg(rows + b) : b;
+}
+
 // First visible key of a query at position kv_len - 1.
 __device__ __forceinline__ int first_visible(int kv_len, int window_left) {
   return window_left >= 0 ? max(0, kv_len - 1 - window_left) : 0;
@@ -810,10 +817,12 @@ __device__ __forceinline__ void write_rows(const SoftmaxState<NT, D / 16>& st, i
 // ---------------------------------------------------------------------------- fused merge
 // Called by every thread of a CTA that has just written its partial rows of piece p of row
 // group y (gridDim.y row groups; hpc query heads a row group from head hq_rg, rg_heads of
-// them real): the CTA whose piece arrives last (an atomic count per (sequence, row group),
-// re-armed to 0) merges all of them into out / lse, its nwarps warps one head at a time.
+// them real; out_seq: the sequence's out row, seq_row): the CTA whose piece arrives last (an
+// atomic count per (sequence, row group), re-armed to 0) merges all of them into out / lse,
+// its nwarps warps one head at a time.
 template <typename T, int D>
-__device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ counters, int y,
+__device__ __forceinline__ void merge_if_last(const Piece& p, int out_seq,
+                                              int* __restrict__ counters, int y,
                                               int hq_rg, int hpc, int rg_heads, int num_q_heads,
                                               const float* __restrict__ part_out,
                                               const float* __restrict__ part_lse,
@@ -830,7 +839,7 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
   }
   __syncthreads();
   if (s_last) {
-    const i64 row = (i64)p.b * num_q_heads + hq_rg;
+    const i64 row = (i64)out_seq * num_q_heads + hq_rg;
     merge_group<T, (D + 127) / 128>(part_out, part_lse, p.slot - p.k, p.npieces, gridDim.y, y, hpc,
                                     rg_heads, D, sinks != nullptr ? sinks + hq_rg : nullptr,
                                     out + row * D, lse != nullptr ? lse + row : nullptr,
@@ -842,7 +851,8 @@ __device__ __forceinline__ void merge_if_last(const Piece& p, int* __restrict__ 
 // Both decode kernels take the fields of DecodeArgs (abi.cuh; packed by decode.py): outputs,
 // scratch and counts, work, caches and tables, optional per-head arrays, cache strides in
 // elements (Loader), block-size division, heads, options. Query head h of sequence b is read
-// at q + b * q_stride + h * D.
+// at q + r * q_stride + h * D and written at out + (r * num_q_heads + h) * D, r =
+// seq_row(rows, b) (b without a row map; r < 0: nothing read or written).
 
 // A warp's part in a CTA: its head set hw of the row group's head_warps sets and its token
 // warp tg of tw (warp = tg * head_warps + hw); computes: it serves heads.
@@ -917,8 +927,9 @@ __device__ __forceinline__ void piece_loop(const DecodeArgs<T, KV>& a, Src& src,
     const bool whole = p.npieces == 1;
     if (w.computes && w.tg == 0) src.write(state, p, whole);
     if (!whole && a.fused_merge)
-      merge_if_last<T, D>(p, a.counters, mg.y, mg.hq_rg, mg.hpc, mg.rg_heads, a.num_q_heads,
-                          a.part_out, a.part_lse, a.sinks, a.out, a.lse, s_last, mg.nwarps);
+      merge_if_last<T, D>(p, seq_row(a.rows, p.b), a.counters, mg.y, mg.hq_rg, mg.hpc,
+                          mg.rg_heads, a.num_q_heads, a.part_out, a.part_lse, a.sinks, a.out,
+                          a.lse, s_last, mg.nwarps);
   }
 }
 
@@ -998,7 +1009,8 @@ struct StagedTiles {
     cp_async_commit();
   }
   __device__ __forceinline__ void load_q(const Piece& p) {
-    math.load_q(a.q + (i64)p.b * a.q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
+    const int r = seq_row(a.rows, p.b);
+    if (r >= 0) math.load_q(a.q + (i64)r * a.q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
   }
   __device__ __forceinline__ void tile(int tile, int st, const ScoreMods& mods, State& state) const {
     const KV* k_s = k_stage(st);
@@ -1018,8 +1030,10 @@ struct StagedTiles {
   }
   __device__ __forceinline__ void after_combine() const {}
   __device__ __forceinline__ void write(const State& state, const Piece& p, bool whole) const {
+    const int r = seq_row(a.rows, p.b);
+    if (whole && r < 0) return;
     write_rows<T, D, NT, Math::PERM>(state, warp_heads, v_scale(), whole,
-                         (i64)p.b * a.num_q_heads + hq_warp,
+                         (i64)r * a.num_q_heads + hq_warp,
                          ((i64)p.slot * gridDim.y + y) * hpc + roles.hw * C::HW,
                          a.sinks != nullptr ? a.sinks + hq_warp : nullptr, a.out, a.lse,
                          a.part_out, a.part_lse, lane);
@@ -1222,7 +1236,8 @@ struct PageRing {
     }
   }
   __device__ __forceinline__ void load_q(const Piece& p) {
-    math.load_q(a.q + (i64)p.b * a.q_stride + (i64)hq_warp * D, warp_heads, lane);
+    const int r = seq_row(a.rows, p.b);
+    if (r >= 0) math.load_q(a.q + (i64)r * a.q_stride + (i64)hq_warp * D, warp_heads, lane);
   }
   __device__ __forceinline__ void tile(int tile, int st, const ScoreMods& mods, State& state) const {
     KV* ks = k_stage(st) + roles.hw * head_first;  // this warp's kv head
@@ -1252,8 +1267,10 @@ struct PageRing {
     fence_proxy_async();  // the stage's next copy comes after these accesses
   }
   __device__ __forceinline__ void write(const State& state, const Piece& p, bool whole) const {
+    const int r = seq_row(a.rows, p.b);
+    if (whole && r < 0) return;
     write_rows<T, D, 1, Math::CH>(state, warp_heads, v_scale(), whole,
-                              (i64)p.b * a.num_q_heads + hq_warp,
+                              (i64)r * a.num_q_heads + hq_warp,
                               (i64)p.slot * a.num_q_heads + hq_warp,
                               a.sinks != nullptr ? a.sinks + hq_warp : nullptr, a.out, a.lse,
                               a.part_out, a.part_lse, lane);

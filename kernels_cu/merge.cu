@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(128) merge_states_kernel(CUPAGED_PARAMS_MergeS
 // W = max(NWARPS, WPH) warps, WPH (warps per head) a power of two up to MERGE_MAX_WARPS.
 // CTA (b, y, z) merges the pieces of row group y of sequence b when b was split
 // (seq_info[b] = (npieces, first slot), npieces > 1); the decode kernel wrote every other
-// sequence's rows. Its W / WPH heads (z * W / WPH + warp / WPH of the row group) each take
+// sequence's rows. Out row of sequence b: b, or rows[b] (paged_attention's decode rows; only
+// decode rows are split). Its W / WPH heads (z * W / WPH + warp / WPH of the row group) each take
 // WPH warps, which split the head's pieces into equal runs (merge_pieces_share: one L2
 // round trip a run of up to 16 pieces). With WPH > 1 the runs' shares meet in shared memory
 // and the head's first warp combines them and writes the row. Few sequences have many
@@ -77,7 +78,7 @@ merge_pieces_kernel(CUPAGED_PARAMS_MergePiecesArgs) {
   } else if (h >= heads) {
     return;
   }
-  const i64 orow = (i64)b * num_q_heads + hq;
+  const i64 orow = (i64)(rows != nullptr ? __ldg(rows + b) : b) * num_q_heads + hq;
   write_merged<TO, CH>(r, sinks != nullptr ? sinks[hq] : neg_inf(), dim, out + orow * dim,
                        lse != nullptr ? lse + orow : nullptr, lane);
 }

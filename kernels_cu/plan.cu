@@ -124,15 +124,19 @@ __device__ __forceinline__ bool sequence_ok(int len, int append, const int* tabl
 // skips it, the plan gives it no keys). The last CTA then lays the sequences' visible key
 // tiles end to end and cuts them into shares of max(ceil(total / columns), min_piece tiles,
 // ceil(sqrt(max_tiles * piece_num / piece_den))) tiles (decode_plan.min_piece_tiles), one a
-// column: descriptors as decode_plan.pack_work writes them without a pool.
+// column: descriptors as decode_plan.pack_work writes them without a pool. With a row map
+// (paged_attention's decode launch: rows written by prefill_plan_kernel) a sequence with
+// rows[b] < 0 is not a decode row: not checked here (the prefill plan did), no keys.
 __global__ void __launch_bounds__(THREADS) decode_plan_kernel(CUPAGED_PARAMS_DecodePlanArgs) {
   const DecodePlanArgs a{CUPAGED_FIELDS_DecodePlanArgs};
   __shared__ int s_warp[WARPS + 1];
   __shared__ int s_flag, s_max;
   for (int b = blockIdx.x; b < a.batch; b += gridDim.x) {
     const int len = __ldg(a.seq_lens + b);
-    const bool ok = sequence_ok(len, a.append, a.block_tables + (i64)b * a.bt_stride, a.width,
-                                a.block_size, a.num_blocks, a.err, b);
+    const bool decode_row = a.rows == nullptr || __ldg(a.rows + b) >= 0;  // uniform in the CTA
+    const int* row = a.block_tables + (i64)b * a.bt_stride;
+    const bool ok = decode_row && sequence_ok(len, a.append, row, a.width, a.block_size,
+                                              a.num_blocks, a.err, b);
     if (threadIdx.x == 0) a.lens_out[b] = ok ? len : -1;
   }
   if (!last_cta(a.done, &s_flag)) return;
@@ -235,7 +239,10 @@ __global__ void __launch_bounds__(THREADS) decode_plan_kernel(CUPAGED_PARAMS_Dec
 // keys). Every CTA zeroes its share of the rows past cu_seqlens_q[batch] (padding; LSE
 // -inf). The last CTA then writes one item per (sequence, kv head, block_m packed rows),
 // ordered by the key tiles the item's rows see (counting sort, largest first), and pads the
-// list to `capacity` with sequence -1 (the kernels' CTAs for those return at once).
+// list to `capacity` with sequence -1 (the kernels' CTAs for those return at once). With a
+// row map (`rows`, paged_attention's split) sequences of one query row get no item and the
+// last CTA writes rows[b] = cu_q[b] for them, -1 for the others (all -1 when the prefix sums
+// are bad): the decode launch's rows (prefill.plan.decode_rows is the host twin).
 __device__ __forceinline__ void zero_rows(const PrefillPlanArgs& a, i64 r0, i64 r1, int cta,
                                           int ctas) {
   if (r1 <= r0) return;
@@ -299,12 +306,18 @@ __global__ void __launch_bounds__(THREADS) prefill_plan_kernel(CUPAGED_PARAMS_Pr
   const int padding_from = __ldcg(all_bad) ? 0 : -1;
   __syncthreads();  // every thread has read the flag
   if (threadIdx.x == 0) *all_bad = 0;  // re-armed for the next launch
+  if (a.rows != nullptr)
+    for (int b = threadIdx.x; b < B; b += THREADS) {
+      const int q0 = __ldg(a.cu_q + b);
+      a.rows[b] = padding_from < 0 && __ldg(a.cu_q + b + 1) - q0 == 1 ? q0 : -1;
+    }
   int items = 0;
   if (padding_from < 0) {
     // -- items per sequence, and their first index --
     items = scan(B,
         [&](int b) {
           const int q_len = __ldg(a.cu_q + b + 1) - __ldg(a.cu_q + b);
+          if (a.rows != nullptr && q_len == 1) return 0;  // a row of the decode launch
           return (int)(((i64)q_len * a.group + a.block_m - 1) / a.block_m);
         },
         [&](int b, int prefix, int) { T[b] = prefix; }, s_warp);

@@ -26,7 +26,8 @@ Rows (bf16, H 32 query and kv heads):
   relative error against the bf16 cache's).
 - ``mixed decode + chunk``: issue 20's batch of 63 decode rows at 8K and a 2K-token chunk
   through one ``paged_attention``, beside ``paged_decode`` + ``paged_prefill`` on its parts
-  (``vs_split`` >= 1 is the goal).
+  (``vs_split`` >= 1 is the goal) and ``paged_attention(..., split_decode=False)`` (every
+  row on the prefill launch).
 
 Causal flops count the visible (query, key) pairs: 2 * B * H * S * S * D for equal lengths.
 ``ms`` times the kernel launch alone (work list built once); ``public_ms`` the public call
@@ -277,7 +278,8 @@ def bench_mixed_decode(decode_rows=63, context=8192, chunk=2048):
     prefill chunk of ``chunk`` new tokens (Hq 32, Hk 8, d128 bf16, NHD page 16) through one
     ``paged_attention`` call, beside ``paged_decode`` on the decode rows plus
     ``paged_prefill`` on the chunk (``vs_split``: the split pair's time over the mixed
-    call's; goal >= 1). ``checked``: both give the same rows."""
+    call's; goal >= 1), and the same call with ``split_decode=False`` (every row on the
+    prefill launch, the pre-split path). ``checked``: all give the same rows."""
     import cupy
     import cupaged
     hq, hk, d, bs = 32, 8, 128, 16
@@ -298,6 +300,9 @@ def bench_mixed_decode(decode_rows=63, context=8192, chunk=2048):
     def mixed():
         return cupaged.paged_attention(q, kc, vc, cu, bt, sl, layout="NHD")
 
+    def unsplit():
+        return cupaged.paged_attention(q, kc, vc, cu, bt, sl, layout="NHD", split_decode=False)
+
     def split():
         return (cupaged.paged_decode(q[:decode_rows], kc, vc, dec_bt, dec_sl, layout="NHD"),
                 cupaged.paged_prefill(q[decode_rows:], kc, vc, pre_cu, pre_bt, pre_sl, layout="NHD"))
@@ -306,12 +311,16 @@ def bench_mixed_decode(decode_rows=63, context=8192, chunk=2048):
     dec, pre = split()
     want = cupy.concatenate([_bf16_as_f32(dec), _bf16_as_f32(pre)])
     ok = float(cupy.linalg.norm(got - want)) <= 1e-2 * float(cupy.linalg.norm(want))
-    t_mixed, t_split = time_gpu(mixed), time_gpu(split)
+    ok_unsplit = float(cupy.linalg.norm(_bf16_as_f32(unsplit()) - want)) <= 1e-2 * float(
+        cupy.linalg.norm(want))
+    t_mixed, t_split, t_unsplit = time_gpu(mixed), time_gpu(split), time_gpu(unsplit)
     shape = f"{decode_rows} x L{context} + chunk {chunk}, Hq{hq} Hk{hk} d{d} page {bs}"
     return [dict(op="paged_attention", variant="mixed decode + chunk", shape=shape,
                  ms=t_mixed * 1e3, vs_split=t_split / t_mixed, checked=ok),
             dict(op="decode + prefill", variant="split pair", shape=shape, ms=t_split * 1e3,
-                 checked=ok)]
+                 checked=ok),
+            dict(op="paged_attention", variant="mixed, split_decode=False", shape=shape,
+                 ms=t_unsplit * 1e3, vs_split=t_split / t_unsplit, checked=ok_unsplit)]
 
 
 def bench_tiles(q_lens, head_dim, causal, tiles, label="tiles", peers=True, public=True):

@@ -40,7 +40,10 @@ SCALES = [("const float* __restrict__", "k_scale", NULL),
           ("float", "v_scale_value", 1.0)]
 
 # ----------------------------------------------------------------------------- decode
-# Caches of element type KV: T itself, or an fp8 format (kernels_cu/fp8.cuh).
+# Caches of element type KV: T itself, or an fp8 format (kernels_cu/fp8.cuh). rows (DECODE,
+# MERGE_PIECES, DECODE_PLAN): the row map of paged_attention's decode launch, sequence b's
+# q / out / lse row (its token in the mixed batch), -1 for a sequence that is not a decode
+# row there (no keys, nothing written); null: row b.
 DECODE = Record("DecodeArgs", [
     ("const T* __restrict__", "q"), ("T* __restrict__", "out"),
     ("float* __restrict__", "lse", NULL), ("float* __restrict__", "part_out", NULL),
@@ -57,6 +60,7 @@ DECODE = Record("DecodeArgs", [
     ("int", "head_warps"), ("int", "head_chunks"), ("int", "window_left"),
     ("int", "fused_merge"), ("float", "scale_log2"), ("float", "sm_scale"),
     ("float", "soft_cap"), ("int", "tile_tokens"),
+    ("const int* __restrict__", "rows", NULL),
 ], template="typename T, typename KV")
 
 APPEND = Record("AppendArgs", [
@@ -75,7 +79,7 @@ MERGE_PIECES = Record("MergePiecesArgs", [
     ("const int* __restrict__", "seq_info"), ("const float* __restrict__", "sinks", NULL),
     ("TO* __restrict__", "out"), ("float* __restrict__", "lse", NULL),
     ("int", "num_q_heads"), ("int", "num_kv_heads"), ("int", "head_chunks"), ("int", "hpc"),
-    ("int", "dim"), ("int", "wph"),
+    ("int", "dim"), ("int", "wph"), ("const int* __restrict__", "rows", NULL),
 ], template="typename TO")
 
 MERGE_STATES = Record("MergeStatesArgs", [
@@ -98,6 +102,7 @@ DECODE_PLAN = Record("DecodePlanArgs", [
     ("int", "batch"), ("int", "width"), ("int", "bt_stride"), ("int", "block_size"),
     ("int", "num_blocks"), ("int", "append"), ("int", "window_left"), ("int", "tile"),
     ("int", "columns"), ("int", "min_piece"), ("int", "piece_num"), ("int", "piece_den"),
+    ("const int* __restrict__", "rows", NULL),
 ])
 
 # ----------------------------------------------------------------------------- prefill
@@ -121,6 +126,9 @@ PREFILL = Record("Problem", [
 ], template="typename T, typename KV")
 
 # The device work list of a prefill launch (kernels_cu/plan.cu), as prefill_plan.work_list.
+# With rows (paged_attention's split, prefill.plan.decode_rows): sequences of one query row
+# get no item; rows[b] is their q row, -1 for the others (and for all of them when the
+# prefix sums are bad), for the decode launch.
 PREFILL_PLAN = Record("PrefillPlanArgs", [
     ("const int* __restrict__", "cu_q"), ("const int* __restrict__", "kv_info"),
     ("const int* __restrict__", "block_tables", NULL), ("int4* __restrict__", "work"),
@@ -131,6 +139,7 @@ PREFILL_PLAN = Record("PrefillPlanArgs", [
     ("int", "width"), ("int", "bt_stride"), ("int", "block_size"), ("int", "num_blocks"),
     ("int", "group"), ("int", "num_kv_heads"), ("int", "num_q_heads"), ("int", "block_m"),
     ("int", "block_n"), ("int", "causal"), ("int", "window_left"), ("int", "capacity"),
+    ("int* __restrict__", "rows", NULL),
 ])
 
 # ----------------------------------------------------------------------------- sparse

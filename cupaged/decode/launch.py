@@ -292,6 +292,39 @@ def launch_decode(device, strides, ptrs, out, lse, tables, lens, stream, plan=Tr
         merge(merge_pack(out, lse, sinks), stream)
 
 
+def row_map_buffers(launch, batch, name=None):
+    """``(index, counters, partial rows, partial lses)`` of a device-planned step of
+    ``batch`` sequences on ``launch`` (``plan.DeviceIndex``; counters zeroed, re-armed by
+    the kernels): per-stream scratch under ``name``, or new arrays (a PagedPrefiller's own)."""
+    import cupy
+    layout = plan.DeviceIndex(batch, launch.columns)
+    counters = 1 + batch * launch.row_groups
+    if name is None:
+        part_out, part_lse = _partials(cupy, launch, layout.pieces)
+        return (cupy.empty(layout.size, np.int32), cupy.zeros(counters, np.int32), part_out,
+                part_lse)
+    return (scratch(f"{name}.index", layout.size), scratch(f"{name}.counters", counters, zero=True),
+            *_partials(cupy, launch, layout.pieces, f"{name}.partials"))
+
+
+def row_map_step(launch, dtype, num_q_heads, opts, batch, width, bt_stride, rows, buffers):
+    """The device step of paged_attention's decode launch: decode_plan_kernel cuts the key
+    tiles of the sequences ``b`` with ``rows[b] >= 0`` (``rows``: int32 device ``[batch]``,
+    their q / out rows; the others get no keys and write nothing), then the decode kernel
+    and merge read and write their rows through ``rows``. ``buffers``:
+    :func:`row_map_buffers`. No append (the mixed batch's caches hold the new tokens)."""
+    merge = plan.resolve_merge(None, launch)
+    index, counters, part_out, part_lse = buffers
+    step = planned_on_device(launch, dtype, num_q_heads, launch.head_dim, opts, merge, False,
+                             batch, width, bt_stride, plan.DeviceIndex(batch, launch.columns),
+                             index, counters, part_out, part_lse)
+    r = ptr(rows)
+    return step._replace(
+        plan_args=step.plan_args.bind(rows=r), decode_args=step.decode_args.bind(rows=r),
+        merge_args=None if step.merge_args is None else step.merge_args.bind(rows=r),
+        keep=step.keep + (rows,))
+
+
 def launch_merge(o_first, o_rest, o_strides, l_first, l_rest, l_strides, num_parts, rows,
                   heads, dim, sinks, out, lse):
     """Merge ``num_parts`` states per row into ``out`` ``[rows, dim]`` (and ``lse``)."""

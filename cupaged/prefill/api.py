@@ -37,7 +37,9 @@ from ..core.launch import current_stream, ptr
 from ..core.layouts import (CACHE_DTYPES, CacheGeometry, accepts_cache, cache_geometry,
                             cache_strides, layout_strides, resolve_layout)
 from ..reference import attention as ref
-from .launch import Launches, addresses, choose_backend, host_work, work_capacity
+from ..decode.launch import row_map_buffers
+from .launch import (Launches, addresses, can_split, choose_backend, host_work, split_launches,
+                     work_capacity)
 
 __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller"]
 
@@ -286,12 +288,22 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     lse : array
         float32 ``[total_q, num_q_heads]``, only with ``return_lse``.
     """
+    return _paged(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, causal, sm_scale,
+                  window_left, alibi_slopes, sinks, logits_soft_cap, layout, out, return_lse,
+                  backend, validate, kv_dtype, k_scale, v_scale, False)
+
+
+def _paged(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, causal, sm_scale,
+           window_left, alibi_slopes, sinks, logits_soft_cap, layout, out, return_lse, backend,
+           validate, kv_dtype, k_scale, v_scale, split):
+    """paged_prefill (``split`` False) and paged_attention: the hot path, else the checks."""
     kv_dtype = given_kv_dtype(kv_dtype, k_cache)
     scale_arrays, scale_values = scale_parts(k_scale, v_scale)
     arrays = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, alibi_slopes, sinks,
               *scale_arrays, out)
-    call = hot(errors.strict(validate), arrays, "paged", causal, sm_scale, window_left,
-               logits_soft_cap, layout, bool(return_lse), backend, kv_dtype, scale_values)
+    call = hot(errors.strict(validate), arrays, "mixed" if split else "paged", causal, sm_scale,
+               window_left, logits_soft_cap, layout, bool(return_lse), backend, kv_dtype,
+               scale_values)
     if call is not None:
         hit = _CALLS.get(call.key)
         if hit is not None:  # checked and set up by an earlier call of this signature
@@ -299,15 +311,16 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     return _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                           alibi_slopes, sinks, k_scale, v_scale, out, causal, sm_scale,
                           window_left, logits_soft_cap, layout, return_lse, backend, validate,
-                          kv_dtype, call.key if call is not None else None)
+                          kv_dtype, call.key if call is not None else None, split)
 
 
 @accepts_dlpack
 def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, alibi_slopes,
                    sinks, k_scale, v_scale, out, causal, sm_scale, window_left, logits_soft_cap,
-                   layout, return_lse, backend, validate, kv_dtype, cache_key):
-    """paged_prefill's checks, its launches' setup (cached under ``cache_key`` when planned
-    on the device) and its launches."""
+                   layout, return_lse, backend, validate, kv_dtype, cache_key, split=False):
+    """paged_prefill's and paged_attention's checks, their launches' setup (cached under
+    ``cache_key`` when planned on the device) and their launches (``split``: decode rows
+    on the decode launch, ``prefill.launch.split_launches``, where ``can_split``)."""
     layout = resolve_layout(layout, k_cache, q)
     xp = array_module(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, alibi_slopes,
                       sinks, out)
@@ -331,13 +344,23 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
                                          k_scale=k_scale, v_scale=v_scale,
                                          **_ref_options(opts, causal)), out, return_lse)
     v_t = layout == "vllm" and q.dtype != float32
-    work = None
-    if cu_q is not None:  # strict mode: a host work list
-        work = xp.asarray(host_work(np.diff(cu_q), kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
-                                geo.head_dim, v_t, causal, opts, backend=backend))
-    run = Launches(q, cu_seqlens_q.shape[0] - 1, block_tables, geo.block_size, geo.num_blocks,
-                    0, geo.num_kv_heads, cache_strides(k_cache, v_cache, layout, geo), opts,
-                    causal, v_t, backend, work=work, kv=kv, scales=scales)
+    batch = cu_seqlens_q.shape[0] - 1
+    split = split and can_split(q, k_cache, v_cache, batch)
+    work = rows = None
+    if cu_q is not None:  # strict mode: a host work list (and the decode rows' map)
+        q_lens = np.diff(cu_q)
+        if split:
+            q_lens, rows = plan_.decode_rows(cu_q)
+            rows = xp.asarray(rows)
+        work = xp.asarray(host_work(q_lens, kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
+                                    geo.head_dim, v_t, causal, opts, backend=backend))
+    if split:
+        run = split_launches(q, k_cache, v_cache, batch, block_tables, geo, layout, opts, causal,
+                             v_t, backend, kv, scales, work=work, rows=rows)
+    else:
+        run = Launches(q, batch, block_tables, geo.block_size, geo.num_blocks, 0,
+                       geo.num_kv_heads, cache_strides(k_cache, v_cache, layout, geo), opts,
+                       causal, v_t, backend, work=work, kv=kv, scales=scales)
     if work is None:
         _CALLS.put(cache_key, run)
     return _run(run, q, out, return_lse, (q, k_cache, v_cache, cu_seqlens_q, seq_lens,
@@ -349,12 +372,19 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, causal=True,
                     sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                     logits_soft_cap=0.0, layout=None, out=None, return_lse=False,
-                    backend="auto", validate=None, kv_dtype=None, k_scale=None, v_scale=None):
+                    backend="auto", validate=None, kv_dtype=None, k_scale=None, v_scale=None,
+                    split_decode=True):
     """Attention for a batch mixing decode rows (``q_len = 1``) and prefill rows.
 
-    Same arguments, semantics and results as :func:`paged_prefill`; one launch of the
-    unified prefill kernel serves both kinds of rows (a decode row's query-head group is
-    packed into one tile, so a decode step reads each K/V tile once per kv head).
+    Same arguments, semantics and results as :func:`paged_prefill`. On the device the
+    batch is split without a host read (docs/prefill.md, "Mixed batches"): the prefill
+    plan kernel lists the rows of sequences with ``q_len > 1`` for the prefill kernel and
+    writes a row map of the decode rows, whose keys the split-KV decode kernel streams
+    (persistent grid and merge, as :func:`cupaged.paged_decode`), reading q and writing
+    out / lse through the map. Strict mode splits on the host the same way
+    (``prefill.plan.decode_rows``). Every row stays on the prefill launch with
+    ``split_decode=False``, or where the decode kernel cannot take the arrays
+    (``prefill.launch.can_split``: strides past 32 bits, an empty batch).
 
     Parameters
     ----------
@@ -374,7 +404,11 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
         int32 ``[batch]`` keys per sequence, new tokens included.
     causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, layout, out, \
 return_lse, backend, validate, kv_dtype, k_scale, v_scale
-        As in :func:`paged_prefill`.
+        As in :func:`paged_prefill` (``backend`` picks the prefill kernel; the decode rows
+        take ``paged_decode``'s "auto" kernel).
+    split_decode : bool
+        Decode rows on the split-KV decode launch (default), or all rows on the prefill
+        launch (one launch: the pre-split path).
 
     Returns
     -------
@@ -383,11 +417,10 @@ return_lse, backend, validate, kv_dtype, k_scale, v_scale
     lse : array
         float32 ``[total_q, num_q_heads]``; only with ``return_lse``.
     """
-    return paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens,
-                         causal=causal, sm_scale=sm_scale, window_left=window_left,
-                         alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap,
-                         layout=layout, out=out, return_lse=return_lse, backend=backend,
-                         validate=validate, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+    split = plan_.check_flag("split_decode", split_decode)
+    return _paged(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, causal, sm_scale,
+                  window_left, alibi_slopes, sinks, logits_soft_cap, layout, out, return_lse,
+                  backend, validate, kv_dtype, k_scale, v_scale, split)
 
 
 # ----------------------------------------------------------------------------- plan / run
@@ -437,12 +470,19 @@ class PagedPrefiller:
     max_batch, max_blocks_per_seq : int, optional
         Initial capacity of the buffers (sequences, block-table width); default: the first
         plan's.
+    split_decode : bool
+        Decode rows (``q_len = 1``) on the split-KV decode launch, as in
+        :func:`paged_attention` (default; a host plan lists only the other rows and uploads
+        the decode rows' map, a device plan's kernel writes both at each run; the decode
+        pieces are cut on the device at each run, into buffers the prefiller owns, so a
+        captured run stays valid), or every row on the prefill launch (False; needed
+        where ``prefill.launch.can_split`` refuses the run's arrays after a host plan).
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout=None, *, causal=True, window_left=-1, logits_soft_cap=0.0,
                  sm_scale=None, backend="auto", max_batch=None, max_blocks_per_seq=None,
-                 kv_dtype=None):
+                 kv_dtype=None, split_decode=True):
         self.num_q_heads = check_int("num_q_heads", num_q_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
         self.block_size = check_int("block_size", block_size)
@@ -466,6 +506,9 @@ class PagedPrefiller:
         self._caps = (0 if max_batch is None else check_int("max_batch", max_batch),
                       0 if max_blocks_per_seq is None
                       else check_int("max_blocks_per_seq", max_blocks_per_seq), 0)
+        self.split_decode = plan_.check_flag("split_decode", split_decode)
+        self._decode_owned = (None, None)  # (geometry key, decode buffers) of split runs
+        self._retired = []  # replaced decode buffers (graphs captured earlier point at them)
         self._uploader = Uploader()
         self._runs = CallCache()  # launch setups of this plan by run signature
 
@@ -515,17 +558,21 @@ class PagedPrefiller:
         cu, bt, sl = (np.array(a, np.int32) for a in (cu, bt, sl))  # the plan's own copies
         used = np.arange(bt.shape[1])[None, :] < -(-sl.astype(np.int64) // self.block_size)[:, None]
         on_host = planner != "device"
-        work = host_work(np.diff(cu), sl, self.dtype, self.num_q_heads, self.num_kv_heads,
+        q_lens, rows = np.diff(cu), None
+        if on_host and self.split_decode:
+            q_lens, rows = plan_.decode_rows(cu)
+        work = host_work(q_lens, sl, self.dtype, self.num_q_heads, self.num_kv_heads,
                          self.head_dim, self._v_transposed, self.causal, self._opts) if on_host else None
         self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]) if on_host else None,
                           max_block=int(bt[used].max()) if used.any() else -1)
-        self._device = self._upload(work, cu, sl, bt) if gpu_available() else None
+        self._device = self._upload(work, cu, sl, bt, rows) if gpu_available() else None
         return self
 
     def _grow(self, batch, width, items):
         """The owned buffers, grown (only) to hold ``batch`` sequences, tables ``width`` wide
         and ``items`` work items: ``meta`` int32 ``[cu (S + 1) | lens (S) | tables (S * W) |
-        plan scratch (1 + 2 S) | done (1)]`` and ``work`` int32 ``[N, 4]``, zeroed when made
+        plan scratch (1 + 2 S) | done (1) | decode rows' map (S)]`` and ``work`` int32
+        ``[N, 4]``, zeroed when made
         (the plan kernel's flag and counter start at 0 and are re-armed by it); views of
         their parts at the capacity ``(S, W, N)``."""
         import cupy
@@ -534,7 +581,7 @@ class PagedPrefiller:
         n_seq, n_width, n_items = caps
         b = self._buffers
         if b is None or caps[:2] != old[:2]:
-            meta = cupy.zeros(2 * n_seq + 1 + n_seq * n_width + 2 * n_seq + 2, np.int32)
+            meta = cupy.zeros(2 * n_seq + 1 + n_seq * n_width + 3 * n_seq + 2, np.int32)
         else:
             meta = b["meta"]
         work = b["work"] if b is not None and n_items == old[2] else cupy.zeros((max(n_items, 1), 4), np.int32)
@@ -543,15 +590,16 @@ class PagedPrefiller:
         s = t + n_seq * n_width
         views = dict(meta=meta, work=work, cu=meta[:n_seq + 1], sl=meta[n_seq + 1:t],
                      bt=meta[t:s].reshape(n_seq, n_width), scratch=meta[s:s + 1 + 2 * n_seq],
-                     done=meta[s + 1 + 2 * n_seq:s + 2 + 2 * n_seq])
+                     done=meta[s + 1 + 2 * n_seq:s + 2 + 2 * n_seq],
+                     rows=meta[s + 2 + 2 * n_seq:s + 2 + 3 * n_seq])
         views.update(cu_ptr=ptr(views["cu"]), sl_ptr=ptr(views["sl"]), bt_ptr=ptr(views["bt"]))
         self._buffers = views
         return views
 
-    def _upload(self, work, cu, sl, bt):
+    def _upload(self, work, cu, sl, bt, rows=None):
         """One asynchronous host-to-device copy of the planned arrays, padded to the
-        capacity: prefix sums repeat the last one, lengths 0, tables -1 and (a host work
-        list) items of sequence -1."""
+        capacity: prefix sums repeat the last one, lengths 0, tables -1, (a host work
+        list) items of sequence -1 and (split) the decode rows' map -1."""
         batch, width = bt.shape
         d = self._grow(batch, width, 0 if work is None else len(work))
         n_seq, n_width, n_items = self._caps
@@ -566,6 +614,10 @@ class PagedPrefiller:
             items = np.full((d["work"].shape[0], 4), -1, np.int32)
             items[:len(work)] = work
             parts.append((ptr(d["work"]), items.nbytes, items.ravel()))
+        if rows is not None:
+            image = np.full(n_seq, -1, np.int32)
+            image[:batch] = rows
+            parts.append((ptr(d["rows"]), image.nbytes, image))
         self._uploader.upload_rows(parts)
         return d
 
@@ -596,22 +648,46 @@ class PagedPrefiller:
         """The launches of a run over the owned buffers: the host work list, or the plan
         kernel over every sequence of the capacity writing a list of at least
         :func:`~cupaged.prefill.launch.work_capacity` items (grown here when q has more rows
-        than any earlier run's)."""
-        d = self._buffers
+        than any earlier run's); split (``split_decode``): with the decode launch of the
+        decode rows (``prefill.launch.split_launches``)."""
         n_seq = self._caps[0]
         host_planned = self._host["total_q"] is not None
+        split = self.split_decode and can_split(q, k_cache, v_cache, n_seq)
+        if host_planned and self.split_decode and not split and q.shape[0] and n_seq:
+            raise ValueError("k_cache: expected block strides and a q row stride within 2^31 "
+                             "- 1 elements for a split plan (prefill.launch.can_split); build "
+                             "the PagedPrefiller with split_decode=False for these arrays")
         if not host_planned:
             need = work_capacity(q.shape[0], n_seq, self.num_q_heads // self.num_kv_heads,
                                  self.num_kv_heads, self._tile.block_m)
             if need > self._caps[2]:
                 self._runs.clear()
-                d = self._device = self._grow(0, 0, need)
+                self._device = self._grow(0, 0, need)
+        d = self._device
+        work = d["work"] if host_planned else None
+        owned = None if host_planned else (d["work"], d["scratch"], d["done"])
+        if split:
+            return split_launches(q, k_cache, v_cache, n_seq, d["bt"], geo, self.layout, opts,
+                                  self.causal, self._v_transposed, backend, self.kv_dtype,
+                                  scales, work=work, rows=d["rows"], owned=owned,
+                                  decode_buffers=self._decode_buffers, name="prefiller")
         return Launches(q, n_seq, d["bt"], self.block_size, geo.num_blocks, 0,
                         self.num_kv_heads, cache_strides(k_cache, v_cache, self.layout, geo),
-                        opts, self.causal, self._v_transposed, backend,
-                        work=d["work"] if host_planned else None, name="prefiller",
-                        owned=None if host_planned else (d["work"], d["scratch"], d["done"]),
-                        kv=self.kv_dtype, scales=scales)
+                        opts, self.causal, self._v_transposed, backend, work=work,
+                        name="prefiller", owned=owned, kv=self.kv_dtype, scales=scales)
+
+    def _decode_buffers(self, launch, batch):
+        """The split runs' decode buffers (``decode.launch.row_map_buffers``), owned and
+        kept while the capacity and decode geometry stay (a captured run stays valid)."""
+        key = (batch, launch.columns, launch.row_groups, launch.heads_per_group,
+               launch.head_dim)
+        have, buffers = self._decode_owned
+        if have != key:
+            if buffers is not None:
+                self._retired.append(buffers)
+            buffers = row_map_buffers(launch, batch)
+            self._decode_owned = (key, buffers)
+        return buffers
 
     def _check_run(self, q, k_cache, v_cache, xp):
         if self._host is None:

@@ -17,7 +17,8 @@ from ..core.compile import Spec, kv_types, launcher
 from ..core.device import scratch
 from ..core.fp8 import KV_DTYPES
 from ..core.launch import current_stream, ptr
-from ..core.layouts import layout_strides
+from ..core.layouts import cache_strides, layout_strides
+from ..decode import launch as decode_launch
 
 PLAN_EXPR = "cupaged::plan::prefill_plan_kernel"
 PLAN_CTAS = 64  # CTAs of prefill_plan_kernel: sequences are checked a CTA at a time
@@ -113,11 +114,14 @@ def _kernel(dtype, head_dim, v_transposed, tile, backend, general=False, kv=None
                      smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
 
 
-def work_capacity(total_q, batch, group, num_kv_heads, block_m):
+def work_capacity(total_q, batch, group, num_kv_heads, block_m, split=False):
     """Work items a launch over ``total_q`` query rows of ``batch`` sequences can need:
     ``sum(ceil(q_len * group / block_m)) <= ceil(total_q * group / block_m) + batch`` per
     kv head (the grid of a device-planned launch, which the host sizes without reading the
-    lengths)."""
+    lengths). ``split``: decode rows take no item (paged_attention's split), so at most
+    ``total_q // 2`` sequences have any."""
+    if split:
+        batch = min(batch, total_q // 2)
     return (-(-total_q * group // block_m) + batch) * num_kv_heads
 
 
@@ -145,11 +149,15 @@ class Launches:
         :class:`PagedPrefiller`'s, at fixed addresses) for the plan kernel: ``[capacity, 4]``
         (at least :func:`work_capacity`), ``1 + 2 * batch`` and 1 elements, the last two
         zero when first used.
+    rows : array, optional
+        int32 device ``[batch]``: paged_attention's split (:class:`MixedLaunches`): the plan
+        kernel lists no decode row and writes the decode launch's row map there (a host
+        ``work`` list leaves both to the host: ``plan.decode_rows``).
     """
 
     def __init__(self, q, batch, tables, block_size, num_blocks, total_k, num_kv_heads,
                  strides, opts, causal, v_transposed, backend, tile=None, work=None,
-                 name="prefill", owned=None, kv=None, scales=None):
+                 name="prefill", owned=None, kv=None, scales=None, rows=None):
         total_q, hq, d = q.shape
         self.dtype = q.dtype
         group = hq // num_kv_heads
@@ -160,7 +168,8 @@ class Launches:
         self.plan = None
         if work is None:
             if owned is None:
-                capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m)
+                capacity = work_capacity(total_q, batch, group, num_kv_heads, self.tile.block_m,
+                                         rows is not None)
                 owned = (scratch(f"{name}.work", 4 * capacity)[:4 * capacity].reshape(capacity, 4),
                          scratch(f"{name}.plan", 1 + 2 * batch, zero=True),
                          scratch(f"{name}.done", 1, zero=True))
@@ -175,7 +184,7 @@ class Launches:
                 bt_stride=table_stride(tables), block_size=block_size, num_blocks=num_blocks,
                 group=group, num_kv_heads=num_kv_heads, num_q_heads=hq,
                 block_m=self.tile.block_m, block_n=self.tile.block_n, causal=int(causal),
-                window_left=_window(opts), capacity=capacity))
+                window_left=_window(opts), capacity=capacity, rows=ptr(rows)))
         self.work = work
         self.go = self.kernel.at(work.shape[0], self.threads, self.smem)
         self.args = abi.PREFILL.bind(
@@ -200,6 +209,68 @@ class Launches:
             self.plan[0](self._plan_pack(cu_q, kv_info, tables, out, lse), stream)
         self.go(self._pack(q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, k_scale,
                            v_scale), stream)
+
+
+class MixedLaunches:
+    """paged_attention's launches with its decode rows split off (docs/prefill.md, "Mixed
+    batches"): the prefill launches (``prefill``, a :class:`Launches` with a row map: the
+    plan kernel lists the rows of sequences with ``q_len > 1`` and writes the decode rows'
+    map) and the split-KV decode launches (``decode``, a ``decode.launch.row_map_step``:
+    decode_plan_kernel, the decode kernel and its merge, reading q and writing out / lse
+    through the map). Called as :class:`Launches`."""
+
+    def __init__(self, prefill, decode, strides):
+        self.prefill, self.decode, self.strides = prefill, decode, strides
+        self.dtype = prefill.dtype
+        self.work = prefill.work
+
+    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream,
+                 k_scale=0, v_scale=0):
+        """Launch both on ``stream``, without a host sync (prefill plan and kernel, then
+        decode plan, kernel and merge)."""
+        self.prefill(q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream, k_scale,
+                     v_scale)
+        decode_launch.launch_decode(self.decode, self.strides,
+                                    (q, k, v, 0, 0, alibi, sinks, k_scale, v_scale), out, lse,
+                                    tables, kv_info, stream)
+
+
+def can_split(q, k_cache, v_cache, batch):
+    """Whether paged_attention's decode rows can take the decode launch: a batch with
+    query rows, and q's row stride and the caches' block strides within the decode
+    kernel's 32-bit ints (otherwise every row stays on the prefill launch, which takes
+    64-bit strides)."""
+    strides = [c.strides[0] // c.itemsize for c in (k_cache, v_cache)]
+    return (batch > 0 and q.shape[0] > 0 and max(strides) <= INT32_MAX
+            and token_stride("q", q) <= INT32_MAX)
+
+
+def split_launches(q, k_cache, v_cache, batch, tables, geo, layout, opts, causal, v_transposed,
+                   backend, kv=None, scales=None, work=None, rows=None, owned=None,
+                   decode_buffers=None, name="mixed"):
+    """The :class:`MixedLaunches` of a paged_attention call shape over ``batch`` sequences
+    (block tables ``tables``, cache geometry ``geo``): ``work`` and ``rows`` a host plan's
+    uploads (``plan.decode_rows``), else the plan kernel writes both (``rows``: a device
+    buffer of ``batch`` ints, default per-stream scratch; ``owned`` as in
+    :class:`Launches`); ``decode_buffers``: ``decode.launch.row_map_buffers`` or a callable
+    ``(launch, batch)`` giving them (default per-stream scratch)."""
+    dl = decode_launch
+    if rows is None:
+        rows = scratch(f"{name}.rows", max(batch, 1))[:batch]
+    pre = Launches(q, batch, tables, geo.block_size, geo.num_blocks, 0, geo.num_kv_heads,
+                   cache_strides(k_cache, v_cache, layout, geo), opts, causal, v_transposed,
+                   backend, work=work, name=name, owned=owned, kv=kv, scales=scales,
+                   rows=rows)
+    launch = dl.current_geometry(q.dtype, q.shape[2], layout, geo.block_size, q.shape[1],
+                                 geo.num_kv_heads, "auto", batch, kv)
+    if decode_buffers is None:
+        decode_buffers = dl.row_map_buffers(launch, batch, f"{name}.decode")
+    elif callable(decode_buffers):  # the owner's, for this geometry
+        decode_buffers = decode_buffers(launch, batch)
+    step = dl.row_map_step(launch, q.dtype, q.shape[1],
+                           opts._replace(window_left=_window(opts)), batch, tables.shape[1],
+                           table_stride(tables), rows, decode_buffers)
+    return MixedLaunches(pre, step, dl.call_strides(q, k_cache, v_cache, None, None, scales))
 
 
 def addresses(*arrays):

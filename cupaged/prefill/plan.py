@@ -266,6 +266,17 @@ def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left
     return items
 
 
+def decode_rows(cu_seqlens_q):
+    """The host twin of paged_attention's split (``prefill_plan_kernel`` with a row map):
+    ``(q_lens, rows)``, the query lengths with the decode rows' (one query row) set to 0 for
+    :func:`work_list` (the prefill launch gets no item of theirs), and the decode launch's
+    row map, int32 ``[batch]``: ``cu_seqlens_q[b]`` for a decode row, -1 for the others."""
+    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    q_lens = np.diff(cu)
+    one = q_lens == 1
+    return np.where(one, 0, q_lens), np.where(one, cu[:-1], -1).astype(np.int32)
+
+
 # ----------------------------------------------------------------------------- strides
 # ----------------------------------------------------------------------------- checks
 def check_flag(name, value):
