@@ -1000,17 +1000,26 @@ struct StagedTiles {
   __device__ __forceinline__ void load_q(const Piece& p) {
     math.load_q(a.q + (i64)p.b * a.q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
   }
+  // The warp's head tiles in use (1 .. NT; a computing warp has at least one) reach the
+  // math as a compile-time count: a run-time count predicates the .aligned ldmatrix and
+  // mma, and ptxas then puts a WARPSYNC before each, which keeps them from overlapping.
   __device__ __forceinline__ void tile(int tile, int st, const ScoreMods& mods, State& state) const {
+    if (NT == 1 || nt_used == NT) tile_with<NT>(tile, st, mods, state);
+    else tile_with<1>(tile, st, mods, state);
+  }
+  template <int USED>
+  __device__ __forceinline__ void tile_with(int tile, int st, const ScoreMods& mods,
+                                            State& state) const {
     const KV* k_s = k_stage(st);
     const KV* v_s = v_stage(st);
     for (int mt = roles.tg; mt < C::MTILES; mt += roles.tw) {
       const int tok0 = tile * C::TILE + mt * 16;
       if (tok0 + 16 <= mods.lo || tok0 >= mods.kv_len) continue;  // all masked (warp-uniform)
       float s[NT][4];
-      math.scores(k_s + mt * 16 * C::KROW, s, nt_used, lane);
+      math.scores(k_s + mt * 16 * C::KROW, s, USED, lane);
       mods.apply(s, slope, tok0, lane >> 2);
-      state.update(s, nt_used);
-      math.pv(v_s, mt * 16, s, state.acc, nt_used, lane);
+      state.update(s, USED);
+      math.pv(v_s, mt * 16, s, state.acc, USED, lane);
     }
   }
   __device__ __forceinline__ float* combine_buffer(int st) const {
