@@ -1052,14 +1052,16 @@ struct StagedTiles {
   __device__ __forceinline__ void load_q(const Piece& p) {
     math.load_q(a.q + (i64)p.b * a.q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
   }
-  // The warp's head tiles in use (1 .. NT; a computing warp has at least one) reach the
-  // math as a compile-time count: a run-time count predicates the .aligned ldmatrix and
-  // mma, and ptxas then puts a WARPSYNC before each, which keeps them from overlapping.
+  // The warp's head tiles in use (1 .. NT; a computing warp has at least one). With one
+  // head tile and D <= 128 they reach the math as the compile-time 1: a run-time count
+  // predicates the .aligned ldmatrix and mma, and ptxas then puts a WARPSYNC before each,
+  // which keeps them from overlapping. Elsewhere (NT = 2, d256) the unpredicated loop
+  // spills registers on sm_80, so the count stays a run-time one (USED = 0).
+  static constexpr bool FIXED_USED = NT == 1 && D <= 128;
   __device__ __forceinline__ void tile(int tile, int st, const ScoreMods& mods, State& state) const {
-    if (NT == 1 || nt_used == NT) tile_with<NT>(tile, st, mods, state);
-    else tile_with<1>(tile, st, mods, state);
+    tile_with<FIXED_USED ? 1 : 0>(tile, st, mods, state);
   }
-  template <int USED>
+  template <int USED>  // the head tiles in use, or 0: nt_used
   __device__ __forceinline__ void tile_with(int tile, int st, const ScoreMods& mods,
                                             State& state) const {
     const KV* k_s = k_stage(st);
@@ -1068,10 +1070,11 @@ struct StagedTiles {
       const int tok0 = tile * C::TILE + mt * 16;
       if (tok0 + 16 <= mods.lo || tok0 >= mods.kv_len) continue;  // all masked (warp-uniform)
       float s[NT][4];
-      math.scores(k_s + mt * 16 * C::KROW, s, USED, lane);
+      const int used = USED > 0 ? USED : nt_used;
+      math.scores(k_s + mt * 16 * C::KROW, s, used, lane);
       mods.apply(s, slope, tok0, lane >> 2);
-      state.update(s, USED);
-      math.pv(v_s, mt * 16, s, state.acc, USED, lane);
+      state.update(s, used);
+      math.pv(v_s, mt * 16, s, state.acc, used, lane);
     }
   }
   __device__ __forceinline__ float* combine_buffer(int st) const {
