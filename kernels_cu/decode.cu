@@ -235,7 +235,7 @@ struct SimtMath {
 // Fragments from unpadded rows (a block as the cache stores it, rows D elements apart or
 // further): ldmatrix would hit one bank group with all 8 rows, so each lane reads 16-byte
 // chunks of its own rows with ld.shared (CH = 16 / sizeof(KV) elements: 8 of a 16-bit
-// cache, 16 of an fp8 one, widened to W = CH / 2 words of T pairs, ChunkWords) and the head
+// cache, 16 of an fp8 one, converted to W = CH / 2 words of float16 pairs, MathWords) and the head
 // dim is permuted inside the products so that the chunks are mma fragments as read (2-way
 // bank conflicts instead of 8-way):
 //   lane (qr, r) reads chunk j (dims 4CH j + CH r + [0, CH), words w0..w(W-1)) of rows qr,
@@ -258,18 +258,60 @@ __device__ __forceinline__ void lds16(u32 (&w)[4], const void* p) {
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(smem_addr(p)));
 }
 
+// q of type T as words of M pairs (MathTypeOf<T, KV>: float16 for an fp8 cache). T == M:
+// as read. bf16 q into float16 operands: each head's row times a power of two 2^e that
+// puts its largest magnitude in [2^14, 2^15), inside float16's range, so that every element
+// down to 2^-28 of it converts exactly (bf16 has 8 significant bits, float16's normals
+// 11); scores() multiplies the dot products back by 2^-e (exact in fp32).
+template <typename T, typename M> struct QWords;
+template <typename T> struct QWords<T, T> {
+  static constexpr bool SCALED = false;
+  template <int N>
+  __device__ static __forceinline__ void convert(u32 (&)[N], float (&unscale)[2], int) {
+    unscale[0] = unscale[1] = 1.f;
+  }
+};
+template <> struct QWords<__nv_bfloat16, __half> {
+  static constexpr bool SCALED = true;
+  // words: a lane's share of head qr's row (the same row on the 4 lanes of a quad);
+  // unscale[j]: 2^-e of head 2r + j, the heads of the lane's scores.
+  template <int N>
+  __device__ static __forceinline__ void convert(u32 (&words)[N], float (&unscale)[2], int lane) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      amax = fmaxf(amax, fmaxf(fabsf(lo(words[i])), fabsf(hi(words[i]))));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const int exponent = (int)(__float_as_uint(amax) >> 23) - 127;  // amax >= 0
+    const int e = amax > 0.f ? min(max(14 - exponent, -126), 126) : 0;
+    const float up = __uint_as_float((u32)(127 + e) << 23);
+    const float down = __uint_as_float((u32)(127 - e) << 23);
+#pragma unroll
+    for (int i = 0; i < N; ++i) words[i] = pack2<__half>(lo(words[i]) * up, hi(words[i]) * up);
+    unscale[0] = __shfl_sync(0xffffffffu, down, 8 * (lane & 3));      // head 2r's lanes
+    unscale[1] = __shfl_sync(0xffffffffu, down, 8 * (lane & 3) + 4);  // head 2r + 1's
+  }
+  __device__ static __forceinline__ float lo(u32 w) { return __uint_as_float(w << 16); }
+  __device__ static __forceinline__ float hi(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
+};
+
 template <typename T, typename KV, int D>
 struct PageMath {
-  using Words = ChunkWords<T, KV>;
+  using M = typename MathTypeOf<T, KV>::type;  // the products' operand type
+  using Words = MathWords<KV>;
+  using Q = QWords<T, M>;
   static constexpr int CH = 16 / sizeof(KV);  // dims a chunk holds
-  static constexpr int W = Words::W;          // its words of T pairs
+  static constexpr int W = Words::W;          // its words of M pairs
   static_assert(D % (4 * CH) == 0, "whole 16-byte chunks per lane");
   static constexpr int J = D / (4 * CH);      // chunks per lane and row
   u32 qf[J][W];
+  float q_unscale[2];  // scores of heads 2r, 2r + 1 times these (QWords)
 
   // q_rows: the warp's first query head [heads][D] in global memory.
   __device__ void load_q(const T* __restrict__ q_rows, int heads, int lane) {
     const int qr = lane >> 2, r = lane & 3;
+    u32 words[J * W];
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -277,12 +319,18 @@ struct PageMath {
         const uint4 w = qr < heads
             ? reinterpret_cast<const uint4*>(q_rows + qr * D + 4 * CH * j + CH * r)[i]
             : make_uint4(0, 0, 0, 0);
-        qf[j][4 * i] = w.x; qf[j][4 * i + 1] = w.y; qf[j][4 * i + 2] = w.z; qf[j][4 * i + 3] = w.w;
+        u32* o = words + j * W + 4 * i;
+        o[0] = w.x; o[1] = w.y; o[2] = w.z; o[3] = w.w;
       }
+    Q::convert(words, q_unscale, lane);
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int i = 0; i < W; ++i) qf[j][i] = words[j * W + i];
   }
 
   // Chunk j of the lane's rows qr (lo) and qr + 8 (hi) of the 16 rows at `rows`, `stride`
-  // elements apart, as stored (ChunkWords::pair makes words of T pairs of them).
+  // elements apart, as stored (MathWords::pair makes words of M pairs of them).
   __device__ __forceinline__ void chunk(const KV* rows, int stride, int j, u32 (&lo)[4],
                                         u32 (&hi)[4], int lane) const {
     const KV* a = rows + (lane >> 2) * stride + CH * (lane & 3) + 4 * CH * j;
@@ -302,16 +350,19 @@ struct PageMath {
         u32 f[4];  // words 2u, 2u + 1 of rows qr (f[0], f[2]) and qr + 8 (f[1], f[3])
         Words::pair(lo, u, f[0], f[2]);
         Words::pair(hi, u, f[1], f[3]);
-        mma_16816<T>(s[0], f, qf[j][2 * u], qf[j][2 * u + 1]);
+        mma_16816<M>(s[0], f, qf[j][2 * u], qf[j][2 * u + 1]);
       }
     }
+    if constexpr (Q::SCALED)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[0][k] *= q_unscale[k & 1];
   }
 
   // acc += V^T P^T over the 16 rows at v_rows; p holds probabilities in the s layout.
   __device__ void pv(const KV* v_rows, int stride, const float (&p)[1][4],
                      float (&acc)[D / 16][1][4], int lane) const {
-    const u32 pb0 = movmatrix_trans(pack2<T>(p[0][0], p[0][1]));  // tokens 0-7
-    const u32 pb1 = movmatrix_trans(pack2<T>(p[0][2], p[0][3]));  // tokens 8-15
+    const u32 pb0 = movmatrix_trans(pack2<M>(p[0][0], p[0][1]));  // tokens 0-7
+    const u32 pb1 = movmatrix_trans(pack2<M>(p[0][2], p[0][3]));  // tokens 8-15
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       u32 lo[4], hi[4];
@@ -323,7 +374,7 @@ struct PageMath {
         Words::pair(hi, q2, f[2], f[3]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) f[i] = movmatrix_trans(f[i]);
-        mma_16816<T>(acc[(W / 2) * j + q2][0], f, pb0, pb1);
+        mma_16816<M>(acc[(W / 2) * j + q2][0], f, pb0, pb1);
       }
     }
   }
@@ -350,17 +401,18 @@ struct Fp8Math {
   __device__ void pv(const KV* v_tile, int row0, const float (&p)[NT][4],
                      float (&acc)[C::DT][NT][4], int, int lane) const {
     if constexpr (VT) {
-      const u32 pb0 = movmatrix_trans(pack2<T>(p[0][0], p[0][1]));  // tokens 0-7
-      const u32 pb1 = movmatrix_trans(pack2<T>(p[0][2], p[0][3]));  // tokens 8-15
+      using M = typename Chunks::M;
+      const u32 pb0 = movmatrix_trans(pack2<M>(p[0][0], p[0][1]));  // tokens 0-7
+      const u32 pb1 = movmatrix_trans(pack2<M>(p[0][2], p[0][3]));  // tokens 8-15
       const KV* lane_row = v_tile + (lane >> 2) * C::VTROW + row0 + 2 * (lane & 3);
 #pragma unroll
       for (int dt = 0; dt < C::DT; ++dt) {
         const KV* a = lane_row + dt * 16 * C::VTROW;  // dim dt * 16 + qr, tokens 2r, 2r + 1
-        const u32 f[4] = {widen_fp8x2_low<T, KV>(lds_pair(a)),
-                          widen_fp8x2_low<T, KV>(lds_pair(a + 8 * C::VTROW)),
-                          widen_fp8x2_low<T, KV>(lds_pair(a + 8)),
-                          widen_fp8x2_low<T, KV>(lds_pair(a + 8 * C::VTROW + 8))};
-        mma_16816<T>(acc[dt][0], f, pb0, pb1);
+        const u32 f[4] = {fp8x2_to_half2<KV>(lds_pair(a)),
+                          fp8x2_to_half2<KV>(lds_pair(a + 8 * C::VTROW)),
+                          fp8x2_to_half2<KV>(lds_pair(a + 8)),
+                          fp8x2_to_half2<KV>(lds_pair(a + 8 * C::VTROW + 8))};
+        mma_16816<M>(acc[dt][0], f, pb0, pb1);
       }
     } else {
       chunks.pv(v_tile + row0 * C::KROW, C::KROW, p, acc, lane);
@@ -1012,17 +1064,29 @@ struct StagedTiles {
     const int r = seq_row(a.rows, p.b);
     if (r >= 0) math.load_q(a.q + (i64)r * a.q_stride + (i64)hq_warp * D, warp_heads, q_smem, lane);
   }
+  // The warp's head tiles in use (1 .. NT; a computing warp has at least one). With one
+  // head tile and D <= 128 they reach the math as the compile-time 1: a run-time count
+  // predicates the .aligned ldmatrix and mma, and ptxas then puts a WARPSYNC before each,
+  // which keeps them from overlapping. Elsewhere (NT = 2, d256) the unpredicated loop
+  // spills registers on sm_80, so the count stays a run-time one (USED = 0).
+  static constexpr bool FIXED_USED = NT == 1 && D <= 128;
   __device__ __forceinline__ void tile(int tile, int st, const ScoreMods& mods, State& state) const {
+    tile_with<FIXED_USED ? 1 : 0>(tile, st, mods, state);
+  }
+  template <int USED>  // the head tiles in use, or 0: nt_used
+  __device__ __forceinline__ void tile_with(int tile, int st, const ScoreMods& mods,
+                                            State& state) const {
     const KV* k_s = k_stage(st);
     const KV* v_s = v_stage(st);
     for (int mt = roles.tg; mt < C::MTILES; mt += roles.tw) {
       const int tok0 = tile * C::TILE + mt * 16;
       if (tok0 + 16 <= mods.lo || tok0 >= mods.kv_len) continue;  // all masked (warp-uniform)
       float s[NT][4];
-      math.scores(k_s + mt * 16 * C::KROW, s, nt_used, lane);
+      const int used = USED > 0 ? USED : nt_used;
+      math.scores(k_s + mt * 16 * C::KROW, s, used, lane);
       mods.apply(s, slope, tok0, lane >> 2);
-      state.update(s, nt_used);
-      math.pv(v_s, mt * 16, s, state.acc, nt_used, lane);
+      state.update(s, used);
+      math.pv(v_s, mt * 16, s, state.acc, used, lane);
     }
   }
   __device__ __forceinline__ float* combine_buffer(int st) const {

@@ -11,12 +11,16 @@
 // integer and float operations rather than cuda_fp8.h (not includable by every NVRTC here)
 // or cvt.satfinite (sm_89+), so that sm_80 builds the same code.
 //
-// Reading: every e4m3 and e5m2 value is exact in float16 and in bfloat16, so a code is
-// widened by placing its bits in a 16-bit word and multiplying by a power of two (one
+// Reading: every e4m3 and e5m2 value is exact in float16 and in bfloat16. Decode's products
+// on an fp8 cache run in float16 whatever q's type (MathTypeOf; bf16 q is scaled into
+// float16's range by a power of two per head, decode.cu QWords): sm_89+ converts two e4m3
+// codes to a float16 pair in one cvt.rn.f16x2.e4m3x2, an e5m2 code is the top byte of its
+// float16 (one prmt a pair); sm_80 widens e4m3 by bits (below). Prefill widens to T by
+// placing a code's bits in a 16-bit word and multiplying by a power of two (one
 // fma.rn.f16x2 / bf16x2 with a -0 addend, a product: sm_80 has no bf16x2 mul; subnormals
-// included; e5m2 into float16 needs none); the scale is applied in fp32 by the kernels
+// included; e5m2 into float16 needs none). The scale is applied in fp32 by the kernels
 // (scores and outputs), never to the elements. NaN and infinity codes (never written for
-// non-NaN input) do not read back as NaN or infinity.
+// non-NaN input) do not read back as NaN or infinity by bits (the cvt keeps them).
 #pragma once
 #include "common.cuh"
 #include "abi.cuh"
@@ -122,15 +126,66 @@ __device__ __forceinline__ u32 widen_fp8x2_low(u32 v) {
   return widen_fp8x2<T, KV>(__byte_perm(v, 0u, 0x1404));
 }
 
-// A 16-byte chunk of cache elements as tensor-core words of T pairs: W = 4 words as read
-// for a 16-bit cache, 8 words widened for an fp8 one (codes 2i, 2i + 1 in word i). pair(u)
-// gives words 2u and 2u + 1, widened only when asked (fewer registers live at once).
-template <typename T, typename KV>
-struct ChunkWords {
+// ---- decode's products on fp8 caches run in float16, whatever q's type (bf16 q is scaled
+// into float16's range by the kernel, decode.cu PageMath): every e4m3 and e5m2 value is a
+// float16 value, and sm_89+ converts two e4m3 codes in one cvt.
+template <typename T, typename KV> struct MathTypeOf { using type = T; };
+template <typename T> struct MathTypeOf<T, fp8_e4m3> { using type = __half; };
+template <typename T> struct MathTypeOf<T, fp8_e5m2> { using type = __half; };
+
+// Whether a code is the top byte of the float16 of its value (e5m2: float16's sign,
+// exponent and bias with 2 of its 10 mantissa bits).
+template <typename KV>
+__device__ __forceinline__ constexpr bool half_top_byte() {
+  return Fp8Traits<KV>::M == Bits16<__half>::MANT - 8 && Fp8Traits<KV>::BIAS == Bits16<__half>::BIAS;
+}
+
+// Four codes (bytes of v) -> float16 pairs lo (codes 0, 1) and hi (codes 2, 3), exact: e4m3
+// by cvt.rn.f16x2.e4m3x2 (sm_89+; the low code to the low half), e5m2 by placing each code
+// in the high byte of a half (e5m2 is float16's top byte).
+template <typename KV>
+__device__ __forceinline__ void fp8x4_to_half2(u32 v, u32& lo, u32& hi) {
+  if constexpr (half_top_byte<KV>()) {
+    lo = __byte_perm(v, 0u, 0x1404);
+    hi = __byte_perm(v, 0u, 0x3424);
+  } else {
+#if __CUDA_ARCH__ >= 890
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\n"
+        "cvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(v));
+#else
+    widen_fp8x4<__half, KV>(v, lo, hi);
+#endif
+  }
+}
+
+// Two codes in the low 16 bits of v -> one float16 pair (code 0 low).
+template <typename KV>
+__device__ __forceinline__ u32 fp8x2_to_half2(u32 v) {
+  if constexpr (half_top_byte<KV>()) {
+    return __byte_perm(v, 0u, 0x1404);
+  } else {
+#if __CUDA_ARCH__ >= 890
+    u32 d;
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}\n"
+        : "=r"(d) : "r"(v));
+    return d;
+#else
+    return widen_fp8x2_low<__half, KV>(v);
+#endif
+  }
+}
+
+// A 16-byte chunk of cache elements as tensor-core words of M pairs (M: MathTypeOf): W = 4
+// words as read for a 16-bit cache, 8 words converted for an fp8 one (codes 2i, 2i + 1 in
+// word i, M = float16). pair(u) gives words 2u and 2u + 1, converted only when asked
+// (fewer registers live at once).
+template <typename KV>
+struct MathWords {
   static constexpr int W = Fp8Traits<KV>::FP8 ? 8 : 4;
   __device__ static __forceinline__ void pair(const u32 (&raw)[4], int u, u32& a, u32& b) {
     if constexpr (Fp8Traits<KV>::FP8) {
-      widen_fp8x4<T, KV>(raw[u], a, b);
+      fp8x4_to_half2<KV>(raw[u], a, b);
     } else {
       a = raw[2 * u];
       b = raw[2 * u + 1];

@@ -362,6 +362,29 @@ def test_demo_model_defaults_by_backend():
     assert res.exit_code == 2
 
 
+def test_demo_fp8_cache_on_cpu():
+    res = invoke("demo", "--device", "cpu", "--requests", 6, "--kv-dtype", "fp8_e4m3",
+                 "--max-prompt", 60, "--max-output", 8)
+    assert res.exit_code == 0, res.output
+    assert summary_rows(res.output)["requests finished"] == "6"
+    with pytest.raises(ValueError, match="kv_dtype"):
+        DemoConfig(model="tiny", kv_dtype="fp8_e5m2").validate()
+    with pytest.raises(ValueError, match="kv_dtype"):
+        DemoConfig(kv_dtype="fp8").validate()
+    from cupaged.engine.demo import resolve_model
+    assert resolve_model(DemoConfig(kv_dtype="fp8_e4m3"), object()) == "none"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype, dtype", [("fp8_e4m3", "bfloat16"), ("fp8_e5m2", "float16")])
+def test_demo_fp8_cache_on_gpu_matches_reference(kv_dtype, dtype):
+    res = invoke("demo", "--device", "gpu", "--requests", 12, "--kv-dtype", kv_dtype,
+                 "--dtype", dtype, "--head-dim", 128, "--max-prompt", 120, "--max-output", 24,
+                 "--check")
+    assert res.exit_code == 0, res.output
+    assert "cupy (CUDA kernels)" in res.output and "max rel. error vs reference" in res.output
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

@@ -2,10 +2,10 @@
 same quantised cache on the GPU.
 
 The cache is quantised once (``reference.fp8.quantize``) and both sides read the same bytes:
-the reference dequantises them in float64, the kernels widen them to 16 bits and scale in
-fp32, so the tolerances are the 16-bit ones of test_decode. Every slot no sequence may read
-holds the code of NaN (e4m3 reads it back as +-480 in the kernels, e5m2 as NaN or a large
-finite value), so a kernel reading an invisible token fails; outputs are NaN-poisoned.
+the reference dequantises them in float64, the kernels convert them to float16 (bf16 q
+scaled into float16's range) and scale in fp32, so the tolerances are the 16-bit ones of
+test_decode. Every slot no sequence may read holds the code of NaN (the decode kernels read
+it back as NaN), so a kernel reading an invisible token fails; outputs are NaN-poisoned.
 """
 import numpy as np
 import pytest

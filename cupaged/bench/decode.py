@@ -77,9 +77,9 @@ def _paged_batch(batch, length, page, seed):
     return ids.reshape(batch, per_seq), np.full(batch, length, np.int32)
 
 
-def _fp8_fill(k, v, layout, seed):
-    """Fill uint8 caches with the e4m3 codes of N(0, 1) values over FP8_SCALE, written by
-    ``write_kv_cache`` a chunk of tokens at a time."""
+def _fp8_fill(k, v, layout, seed, kv_dtype=FP8):
+    """Fill uint8 caches with the ``kv_dtype`` codes of N(0, 1) values over FP8_SCALE,
+    written by ``write_kv_cache`` a chunk of tokens at a time."""
     import cupy
     nb = k.shape[0]
     page, hk = (k.shape[1], k.shape[2]) if layout == "NHD" else (k.shape[2], k.shape[1])
@@ -89,7 +89,7 @@ def _fp8_fill(k, v, layout, seed):
         n = min(step, nb * page - t0)
         rows = rs.standard_normal((2, n, hk, HEAD_DIM), dtype=cupy.float32).astype(DTYPE)
         write_kv_cache(rows[0], rows[1], k, v, cupy.arange(t0, t0 + n, dtype=cupy.int64),
-                       layout=layout, kv_dtype=FP8, k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+                       layout=layout, kv_dtype=kv_dtype, k_scale=FP8_SCALE, v_scale=FP8_SCALE)
     return k, v
 
 
@@ -151,7 +151,8 @@ def bench_paged(batch, length, heads, page=16, variant=DEFAULT_VARIANT, layout="
 
     def make():
         if kv_dtype is not None:
-            return _fp8_fill(cupy.empty(shape, np.uint8), cupy.empty(shape, np.uint8), layout, 1)
+            return _fp8_fill(cupy.empty(shape, np.uint8), cupy.empty(shape, np.uint8), layout, 1,
+                             kv_dtype)
         return _random_fill(cupy.empty(shape, DTYPE), 1), _random_fill(cupy.empty(shape, DTYPE), 2)
 
     sets = _kv_sets(make, nbytes)

@@ -27,12 +27,14 @@ import numpy as np
 from ..core.arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cupy_module,
     gpu_available, host)
 from ..core.checks import check_int
+from ..core.fp8 import KV_DTYPES
 from ..core.layouts import LAYOUTS
 
 # relative tolerance ||out - ref|| / ||ref|| of the --check comparison, per dtype: of each
 # step's attention output (--model none), of the chosen tokens' logits (--model tiny)
 CHECK_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
 MODELS = ("auto", "tiny", "none")
+FP8_SCALE = 1 / 32  # the demo's fp8 k_scale and v_scale: N(0, 1) keys and values well inside both ranges
 NUMPY_BACKEND = "numpy (reference)"
 
 
@@ -54,6 +56,9 @@ class DemoConfig:
     dtype: str = _opt("float16", "Cache and activation dtype.",
                       ["float16", "bfloat16", "float32"])
     layout: str = _opt("NHD", "KV cache layout.", list(LAYOUTS))
+    kv_dtype: str = _opt("none", "KV cache elements: none (the dtype) or an fp8 format (scales "
+                         f"{FP8_SCALE:g}; --model none, float16/bfloat16 on the GPU).",
+                         ["none", *KV_DTYPES])
     max_seqs: int = _opt(16, "Requests running at once.")
     max_batch_tokens: int = _opt(256, "Token budget of a step (decode tokens + prefill chunks).")
     min_prompt: int = _opt(8, "Shortest prompt.")
@@ -89,6 +94,10 @@ class DemoConfig:
         as_dtype(self.dtype)
         check_choice("layout", self.layout, LAYOUTS)
         check_choice("model", self.model, MODELS)
+        check_choice("kv_dtype", self.kv_dtype, ("none", *KV_DTYPES))
+        if self.kv_dtype != "none" and self.model == "tiny":
+            raise ValueError(f"kv_dtype: the tiny model keeps 16/32-bit caches; an fp8 cache "
+                             f"runs with --model none (or auto), got {self.kv_dtype!r}")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads = "
                              f"{self.num_q_heads}, got {self.num_kv_heads}")
@@ -313,19 +322,20 @@ def launch_step(plan, cache, xp, gen, cfg):
     q = _randn(gen, (t, cfg.num_q_heads, cfg.head_dim), dtype)
     k = _randn(gen, (t, cfg.num_kv_heads, cfg.head_dim), dtype)
     v = _randn(gen, (t, cfg.num_kv_heads, cfg.head_dim), dtype)
-    cupaged.write_kv_cache(k, v, cache.k, cache.v, xp.asarray(plan.slot_mapping),
-                           layout=cfg.layout)
-    return q, cupaged.paged_attention(q, cache.k, cache.v, xp.asarray(plan.cu_seqlens_q),
+    cupaged.write_kv_cache(k, v, cache, xp.asarray(plan.slot_mapping))  # layout, fp8 scales
+    return q, cupaged.paged_attention(q, cache, xp.asarray(plan.cu_seqlens_q),
                                       xp.asarray(plan.block_tables),
-                                      xp.asarray(plan.seq_lens), causal=True,
-                                      layout=cfg.layout)
+                                      xp.asarray(plan.seq_lens), causal=True)
 
 
 def reference_error(plan, q, out, cache, cfg) -> float:
     """Relative error ``||out - ref|| / ||ref||`` of a step against the NumPy reference."""
     from ..reference.attention import paged_attention
+    fp8 = ({} if cache.kv_dtype is None else
+           dict(kv_dtype=cache.kv_dtype, k_scale=cache.k_scale, v_scale=cache.v_scale))
     ref = paged_attention(host(q), host(cache.k), host(cache.v), plan.cu_seqlens_q,
-                          plan.block_tables, plan.seq_lens, causal=True, layout=cfg.layout)
+                          plan.block_tables, plan.seq_lens, causal=True, layout=cfg.layout,
+                          **fp8)
     ref = np.asarray(ref, np.float64)
     diff = host(out).astype(np.float64) - ref
     return float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-30))
@@ -339,8 +349,10 @@ class AttentionOnly:
         from .kv_cache import PagedKVCache
         self.cfg, self.xp = cfg, xp
         self.gen = xp.random.default_rng(cfg.seed + 1)
+        fp8 = ({} if cfg.kv_dtype == "none" else
+               dict(kv_dtype=cfg.kv_dtype, k_scale=FP8_SCALE, v_scale=FP8_SCALE))
         self.cache = PagedKVCache(cfg.num_blocks, cfg.block_size, cfg.num_kv_heads,
-                                  cfg.head_dim, dtype=cfg.dtype, layout=cfg.layout, xp=xp)
+                                  cfg.head_dim, dtype=cfg.dtype, layout=cfg.layout, xp=xp, **fp8)
         self.pool = self.cache.pool
 
     def run(self, plan, stats):
@@ -450,15 +462,16 @@ class ModelSteps:
 def resolve_model(cfg, xp):
     """``"tiny"`` or ``"none"``: ``cfg.model`` with ``"auto"`` decided by the backend."""
     if cfg.model == "auto":
-        return "none" if xp is np else "tiny"
+        return "none" if xp is np or cfg.kv_dtype != "none" else "tiny"
     return cfg.model
 
 
 def cache_bytes(cfg, model) -> int:
     """Bytes of a run's K and V caches: one cache (``model="none"``), one a layer (``"tiny"``)."""
     layers = cfg.layers if model == "tiny" else 1
+    itemsize = as_dtype(cfg.dtype).itemsize if cfg.kv_dtype == "none" else 1
     return (2 * cfg.num_blocks * cfg.block_size * cfg.num_kv_heads * cfg.head_dim
-            * as_dtype(cfg.dtype).itemsize * layers)
+            * itemsize * layers)
 
 
 def free_memory(xp) -> tuple[int | None, str]:
