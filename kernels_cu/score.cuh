@@ -8,9 +8,10 @@
 // The ALiBi term is added where the kernel knows j and p (prefill's transform_scores and
 // prefill_simt, the wgmma prefill's Rows::scores, decode's ScoreMods), always in that form.
 //
-// The plain case (positive scale, no soft-cap, no ALiBi: the sparse kernel, and the plain
-// paths of the mma.sync and wgmma prefills) keeps raw dot products and folds scale_log2
-// into the exponential instead; that is the same score.
+// The plain case (positive scale, no soft-cap, no ALiBi: the plain paths of the sparse
+// kernel and of the mma.sync and wgmma prefills) keeps raw dot products and folds
+// scale_log2 into the exponential instead; that is the same score. The sparse kernel's
+// general path (sparse_attention.cu, mask_keys) adds ALiBi in the form above too.
 #pragma once
 #include "common.cuh"
 

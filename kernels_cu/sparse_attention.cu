@@ -1,5 +1,6 @@
 // Block-sparse attention on tensor cores: vertical+slash (MInference) and batched BSR
-// patterns over dense packed or paged K/V, GQA, sinks, fp16/bf16.
+// patterns over dense packed or paged K/V, GQA, sinks, window_left, ALiBi, soft-cap
+// (score.cuh's epilogue), fp16/bf16.
 //
 // A CTA computes 128 query rows of one head, the 64-row tiles 2c (half a) and 2c + 1 (half
 // b) of a sequence (bsr_attention also runs 64-row CTAs of one half, 4 warps x 16 rows), with the tile core of the dense kernel (attn_tile.cuh: 4 warps x 32 rows,
@@ -12,6 +13,7 @@
 // (BsrSource, BsrStream of sparse_plan.cuh). Only tiles that cross a warp's diagonal (or are
 // not full) are masked; a tile past every row of a warp is skipped.
 #include "attn_tile.cuh"
+#include "score.cuh"
 #include "sparse_plan.cuh"
 
 namespace cupaged {
@@ -39,6 +41,26 @@ struct SparseRows {
   __device__ __forceinline__ int head(int) const { return h; }
 };
 
+// What the CTA's scores need besides the dots (in shared memory, SparseLoop::rs): the
+// position of its first row (tile row r at pos + r), causal and window_left (docs/design.md's
+// visibility), and the score epilogue of score.cuh (the general kernel's; the plain one
+// keeps raw dots and folds scale_log2 into the exponential).
+struct RowScores {
+  ScoreEpilogue epi;
+  float slope;      // ALiBi slope of the CTA's head in log2 units (0: none)
+  int pos, window;  // window < 0: none
+  bool causal;
+
+  template <typename T>
+  __device__ __forceinline__ void init(const SparseArgs<T>& P, int h, int pos0) {
+    epi.init(P.sm_scale, P.soft_cap);
+    slope = P.alibi != nullptr ? __ldg(P.alibi + h) * LOG2E : 0.f;
+    pos = pos0;
+    window = P.window_left;
+    causal = P.causal != 0;
+  }
+};
+
 // Per-CTA state the main loop reads from shared memory rather than holding in registers.
 template <typename T, int BN>
 struct SparseLoop {
@@ -48,6 +70,7 @@ struct SparseLoop {
   const int* cols;      // the head's vertical row (gathered tiles)
   int page_size, page_shift;   // page_shift >= 0: power-of-two pages
   u32 page_stride, tok_stride;
+  RowScores rs;         // scores of the CTA's rows
   int2 desc[3];         // descriptor of the walk's tile i in slot i % 3 (width 0: the end)
   __align__(8) int keys[2][BN];  // key of each K/V row of a stage (EMPTY_KEY: none)
 
@@ -233,30 +256,40 @@ __device__ __forceinline__ void issue_tile(SparseLoop<T, C::BLOCK_N>& st, int i,
   else load_rows<T, C, true>(st, d, st.keys[stage], sK, sV);
 }
 
-// Scores of one m-tile whose keys (keys[column]) pass a row's last visible key (lim0: row g,
-// lim1: row g + 8) -> -inf; the others times pre (1 unless the scale is not positive).
-template <int NT_S>
-__device__ __forceinline__ void mask_keys(float (&s)[NT_S][4], const int* keys, int lim0, int lim1, float pre,
+
+// Scores of one m-tile whose first row (lane / 4 of it) sits at p0: keys a row does not see
+// (past p when causal, EMPTY_KEY rows; GENERAL: also before p - window_left) -> -inf; the
+// others, when GENERAL, through the score epilogue (log2 units, + slope * (j - p)).
+template <int NT_S, bool GENERAL>
+__device__ __forceinline__ void mask_keys(float (&s)[NT_S][4], const int* keys, int p0, const RowScores& rs,
                                           int lane) {
+  // row p0 sees keys [lo, hi], row p0 + 8 keys [lo + lo_step, hi + hi_step]
+  const int hi = rs.causal ? p0 : EMPTY_KEY - 1, hi_step = rs.causal ? 8 : 0;
+  const int lo = GENERAL && rs.window >= 0 ? p0 - rs.window : -EMPTY_KEY;
+  const int lo_step = GENERAL && rs.window >= 0 ? 8 : 0;
 #pragma unroll
   for (int nt = 0; nt < NT_S; ++nt) {
     const int2 kk = *reinterpret_cast<const int2*>(keys + nt * 8 + 2 * (lane % 4));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int key = (e & 1) ? kk.y : kk.x;
-      s[nt][e] = key > (e < 2 ? lim0 : lim1) ? neg_inf() : s[nt][e] * pre;
+      if constexpr (GENERAL) {
+        const bool out = e < 2 ? key > hi || key < lo : key > hi + hi_step || key < lo + lo_step;
+        const float x = rs.epi(s[nt][e]) + rs.slope * (float)(key - p0 - (e < 2 ? 0 : 8));
+        s[nt][e] = out ? neg_inf() : x;
+      } else {
+        s[nt][e] = key > (e < 2 ? hi : hi + hi_step) ? neg_inf() : s[nt][e];
+      }
     }
   }
 }
 
-// One K/V tile for the warp's m-tiles: S = Q K^T, then (masked) keys past a row's last visible
-// key -> -inf and scores times pre, online softmax (sc: scale in the exponential), O += P V.
-// lim: last visible key of the warp's first row (rows below see one more key each when
-// causal, else all see lim).
-template <typename T, int D, typename C>
+// One K/V tile for the warp's m-tiles: S = Q K^T, then (masked: some row does not see every
+// key, or GENERAL) mask_keys, online softmax (sc: scale in the exponential), O += P V.
+template <typename T, int D, typename C, bool GENERAL>
 __device__ __forceinline__ void attend_tile(float (&o)[C::MT][D / 8][4], float (&m)[C::MT][2], float (&l)[C::MT][2],
-                                            u32 sQw, u32 sK, u32 sV, const int* keys, bool masked, int lim,
-                                            bool causal, float pre, float sc, int lane) {
+                                            u32 sQw, u32 sK, u32 sV, const int* keys, bool masked,
+                                            const RowScores& rs, int first, float sc, int lane) {
   constexpr int NT_S = C::BLOCK_N / 8;
   u32 qf[1][1][4];  // Q fragments are re-read from sQ (C::Q_REGS is false)
   float s[C::MT][NT_S][4];
@@ -266,8 +299,7 @@ __device__ __forceinline__ void attend_tile(float (&o)[C::MT][D / 8][4], float (
   // -- mask, online softmax, p -> A fragments --
 #pragma unroll
   for (int mt = 0; mt < C::MT; ++mt) {
-    const int lim0 = causal ? lim + 16 * mt + lane / 4 : lim;
-    if (masked) mask_keys<NT_S>(s[mt], keys, lim0, causal ? lim0 + 8 : lim0, pre, lane);
+    if (masked) mask_keys<NT_S, GENERAL>(s[mt], keys, rs.pos + first + 16 * mt + lane / 4, rs, lane);
     online_softmax<NT_S, D / 8>(s[mt], o[mt], m[mt], l[mt], sc);
     pack_p<T, C::BLOCK_N / 16>(pf[mt], s[mt]);
   }
@@ -276,7 +308,10 @@ __device__ __forceinline__ void attend_tile(float (&o)[C::MT][D / 8][4], float (
 }
 
 // Body of sparse_attention and bsr_attention (see the header and the kernels' comments).
-template <typename T, int D, typename S, typename Src>
+// GENERAL: window_left and scores through the score epilogue (the launch picks the kernel:
+// cupaged.sparse.launch.general_scores), else causal masking alone and raw dots with the
+// scale in the exponential (the plain kernel's registers stay those of the causal loop).
+template <typename T, int D, typename S, typename Src, bool GENERAL>
 __device__ __forceinline__ void sparse_mma(const SparseArgs<T>& P) {
   using C = MmaConfig<T, D, S, false>;
   constexpr int HALVES = C::BLOCK_M / HALF_ROWS;
@@ -296,7 +331,10 @@ __device__ __forceinline__ void sparse_mma(const SparseArgs<T>& P) {
   const int q_len = cs.q_len, m0 = cs.c * C::BLOCK_M;
   if (m0 >= q_len) return;
   const SparseRows rows{(i64)cs.q0 + m0, h, min(C::BLOCK_M, q_len - m0)};
-  if (threadIdx.x == 0) st.init(P, cs.b, h);
+  if (threadIdx.x == 0) {
+    st.init(P, cs.b, h);
+    st.rs.init(P, h, cs.kv_len - q_len + m0);
+  }
   src.template init<HALVES>(P, cs, hh, BN);
 
   // -- prologue: Q and the descriptors of the first two tiles; then all of the first tile --
@@ -311,15 +349,15 @@ __device__ __forceinline__ void sparse_mma(const SparseArgs<T>& P) {
   if (st.desc[0].y & TILE_WIDTH) issue_tile<T, C>(st, 0, 0, sK0, sV0);
   cp_async_commit();
 
-  // the warp's rows: last visible key of its first and of its last valid row
+  // the warp's rows: last visible key of its first and of its last valid row (their first
+  // visible keys under a window: pos0 - window_left, lim_hi - window_left)
   const int pos0 = cs.kv_len - q_len + m0 + first;
   const int my_rows = min(16 * MT, rows.rows - first);
   const int lim_lo = P.causal ? pos0 : EMPTY_KEY - 1;
   const int lim_hi = P.causal ? pos0 + my_rows - 1 : EMPTY_KEY - 1;
   const int half_bit = 1 << (first / HALF_ROWS);
-  // plain path: raw dots, the scale folded into the exponential; else scores scaled first
-  const bool plain = P.scale_log2 > 0.f;
-  const float sc = plain ? P.scale_log2 : 1.f;
+  // plain path: raw dots, the scale folded into the exponential; else log2-unit scores first
+  const float sc = GENERAL ? 1.f : P.scale_log2;
 
   float o[MT][D / 8][4], m[MT][2], l[MT][2];
 #pragma unroll
@@ -343,11 +381,17 @@ __device__ __forceinline__ void sparse_mma(const SparseArgs<T>& P) {
     const int w = d.y & TILE_WIDTH;
     const bool gather = (d.y & TILE_GATHER) != 0;
     const int k_first = gather ? keys[0] : d.x, k_last = gather ? keys[w - 1] : d.x + w - 1;
-    if (((d.y >> 8) & half_bit) && my_rows > 0 && k_first <= lim_hi) {
-      const bool mask = w < BN || k_last > lim_lo;  // some row does not see every key
-      attend_tile<T, D, C>(o, m, l, sQw, sK0 + stage * C::K_BYTES, sV0 + stage * C::V_BYTES, keys,
-                           mask || !plain, P.causal ? lim_lo : EMPTY_KEY - 1, P.causal != 0,
-                           plain ? 1.f : P.scale_log2, sc, lane);
+    // a row sees some key of the tile / some row does not see every key (GENERAL: window)
+    bool sees = ((d.y >> 8) & half_bit) && my_rows > 0 && k_first <= lim_hi;
+    bool mask = w < BN || k_last > lim_lo;
+    if constexpr (GENERAL) {
+      const int wl = st.rs.window;
+      sees = sees && (wl < 0 || k_last >= pos0 - wl);
+      mask = mask || (wl >= 0 && k_first < pos0 + my_rows - 1 - wl);
+    }
+    if (sees) {
+      attend_tile<T, D, C, GENERAL>(o, m, l, sQw, sK0 + stage * C::K_BYTES, sV0 + stage * C::V_BYTES, keys,
+                           mask || GENERAL, st.rs, first, sc, lane);
     }
   }
 
@@ -366,20 +410,20 @@ __device__ __forceinline__ void sparse_mma(const SparseArgs<T>& P) {
 // head0 + x, with c = gridDim.y - 1 - y over its tile list (ListSource; the query heads of a
 // kv head are neighbours in x, so they share K/V tiles in L2). Each warp holds S::MT m-tiles
 // of scores, running max/sum and O accumulators in registers (attn_tile.cuh).
-template <typename T, int D, typename S>
+template <typename T, int D, typename S, bool GENERAL>
 __global__ void __launch_bounds__(32 * S::WARPS, S::CTAS) sparse_attention(CUPAGED_PARAMS_SparseArgs) {
   const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};
-  sparse_mma<T, D, S, ListSource>(P);
+  sparse_mma<T, D, S, ListSource, GENERAL>(P);
 }
 
 // grid (num_q_heads, cta_bound), block 32 * S::WARPS, shared memory as sparse_attention (Q
 // [BLOCK_M][D + 8]): the same loop over a batched BSR pattern (BsrSource), CTAs of BLOCK_M =
 // 128 or 64 query rows placed by bsr_prepare's map (64: for block rows of 64 or an odd
 // multiple of it, whose neighbours keep other blocks).
-template <typename T, int D, typename S>
+template <typename T, int D, typename S, bool GENERAL>
 __global__ void __launch_bounds__(32 * S::WARPS, S::CTAS) bsr_attention(CUPAGED_PARAMS_SparseArgs) {
   const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};
-  sparse_mma<T, D, S, BsrSource>(P);
+  sparse_mma<T, D, S, BsrSource, GENERAL>(P);
 }
 
 }  // namespace cupaged

@@ -16,7 +16,7 @@ from cupaged.core.checks import AttentionOptions
 from cupaged.reference import bsr as ref
 from cupaged.sparse import bsr
 from test_reference_bsr import _batch, _cu, _full, _pattern, _to_paged
-from test_sparse_gpu import TOL, _check_close, _rand, _rel_err
+from test_sparse_gpu import FEATURES, TOL, _check_close, _rand, _rel_err, on_device, score_options
 
 
 
@@ -91,23 +91,41 @@ def test_bad_arguments_raise_naming_them(rng, edit, error, match):
         cupaged.varlen_block_sparse_attention(**kw)
 
 
-@pytest.mark.parametrize("opts,match", [
-    (dict(window_left=3), "window_left: the CUDA BSR kernel does not take it yet"),
-    (dict(alibi_slopes=np.ones(4, np.float32)), "alibi_slopes"),
-    (dict(logits_soft_cap=2.0), "logits_soft_cap"),
-])
-def test_gpu_limits_are_named(opts, match):
+def test_gpu_limits_are_named():
     """What the CUDA kernel does not take is refused before any launch (the check is host
     only, so it runs here on NumPy stand-ins)."""
     q = np.zeros((10, 4, 64), np.float16)
     pattern = bsr.Pattern(None, None, 64, 64, 1)
-    base = dict(sm_scale=0.1, window_left=-1, alibi_slopes=None, sinks=None, logits_soft_cap=0.0)
-    with pytest.raises(ValueError, match=match):
-        bsr._check_gpu(q, pattern, AttentionOptions(**(base | opts)))
+    bsr._check_gpu(q, pattern)                   # window, ALiBi and soft-cap are taken
     with pytest.raises(ValueError, match="block_m: the CUDA kernel needs a multiple of 64"):
-        bsr._check_gpu(q, bsr.Pattern(None, None, 32, 64, 1), AttentionOptions(**base))
+        bsr._check_gpu(q, bsr.Pattern(None, None, 32, 64, 1))
     with pytest.raises(TypeError, match="float16 or bfloat16"):
-        bsr._check_gpu(q.astype(np.float32), pattern, AttentionOptions(**base))
+        bsr._check_gpu(q.astype(np.float32), pattern)
+
+
+@pytest.mark.parametrize("edit,error,match", [
+    (dict(window_left=-2), ValueError, r"window_left: expected an int >= -1 \(-1: no window\), got -2"),
+    (dict(window_left=2.5), ValueError, "window_left: expected an int"),
+    (dict(logits_soft_cap=-1.0), ValueError, r"logits_soft_cap: expected a finite float >= 0"),
+    (dict(logits_soft_cap=float("nan")), ValueError, "logits_soft_cap"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes: expected shape \[4\], got \(3,\)"),
+    (dict(alibi_slopes=np.ones(4, np.float64)), TypeError, "alibi_slopes: expected dtype float32"),
+])
+def test_score_options_are_checked_by_name(rng, edit, error, match):
+    kw = dict(_case(rng), pattern_heads=2) | edit
+    with pytest.raises(error, match=match):
+        cupaged.varlen_block_sparse_attention(**kw)
+
+
+def test_score_options_pick_the_general_kernel():
+    from cupaged.sparse import launch
+    base = AttentionOptions(0.1, -1, None, None, 0.0)
+    assert not launch.general_scores(base)
+    for edit in (dict(window_left=0), dict(alibi_slopes=np.ones(2, np.float32)),
+                 dict(logits_soft_cap=1.0), dict(sm_scale=-0.1), dict(sm_scale=0.0)):
+        assert launch.general_scores(base._replace(**edit)), edit
+    assert launch.attention_expr(np.float16, 128).endswith(", false>")
+    assert launch.attention_expr(np.float16, 128, "bsr_attention", 64, True).endswith(", true>")
 
 
 @pytest.mark.parametrize("words, text", [
@@ -138,8 +156,7 @@ def _want_varlen(q, k, v, cu_q, cu_k, indptr, indices, bm, bn, heads, **opts):
 
 def _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, bm, bn, heads, **opts):
     dev = [cp.asarray(x) for x in (q, k, v, cu_q, cu_k, indptr, indices)]
-    if opts.get("sinks") is not None:
-        opts = dict(opts, sinks=cp.asarray(opts["sinks"]))
+    opts = on_device(cp, opts)
     out = cp.full(q.shape, np.nan, dtype=q.dtype)
     got, lse = cupaged.varlen_block_sparse_attention(*dev, bm, bn, pattern_heads=heads, out=out,
                                                      return_lse=True, **opts)
@@ -171,6 +188,58 @@ def test_varlen_matches_reference(cp, rng, dtype, d, bm, bn, heads, causal, sink
     got = _run_varlen(cp, *case, bm, bn, h_p, **opts)
     _check(got, _want_varlen(*case, bm, bn, h_p, **opts), dtype)
     cupaged.check_errors()                       # a good pattern reports nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("dtype,d,bm,bn,heads,causal", [
+    (np.float16, 64, 64, 64, "q", True),
+    (bfloat16, 80, 128, 32, "kv", False),
+    (np.float16, 96, 192, 48, "shared", True),
+    (bfloat16, 112, 64, 96, "q", True),
+    (np.float16, 128, 128, 64, "kv", True),
+    (bfloat16, 128, 64, 64, "shared", False),
+    (np.float16, 256, 64, 64, "q", True),
+])
+def test_varlen_score_options_match_reference(cp, rng, feature, dtype, d, bm, bn, heads, causal):
+    """window_left, ALiBi, soft-cap and a negative scale, alone and together, causal or not,
+    on both CTA heights (block_m 64 / 192: 64-row CTAs; 128: 128-row CTAs)."""
+    hq, hk = 8, 2
+    h_p = {"q": hq, "kv": hk, "shared": 1}[heads]
+    case = _gpu_case(rng, Q_LENS, KV_LENS, hq, hk, d, dtype, bm, bn, h_p, 0.5)
+    opts = dict(causal=causal, **score_options(rng, hq, feature))
+    got = _run_varlen(cp, *case, bm, bn, h_p, **opts)
+    _check(got, _want_varlen(*case, bm, bn, h_p, **opts), dtype)
+    cupaged.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("page", [16, 24])
+def test_paged_score_options_equal_ragged(cp, rng, layout, page):
+    q_lens, kv_lens = [70, 0, 129, 1, 9], [500, 33, 200, 64, 4]
+    q, k, v, cu_q, cu_k, indptr, indices = _gpu_case(rng, q_lens, kv_lens, 8, 2, 128,
+                                                     bfloat16, 128, 64, 2, 0.5)
+    kc, vc, tables = _to_paged(rng, k, v, kv_lens, layout, page)
+    lens = np.array(kv_lens, np.int32)
+    opts = score_options(rng, 8, "all")
+    got = _run_paged(cp, q, kc, vc, cu_q, tables, lens, indptr, indices, 128, 64, 2, layout, **opts)
+    ragged = _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, 128, 64, 2, **opts)
+    np.testing.assert_array_equal(got[0], ragged[0])
+    np.testing.assert_array_equal(got[1], ragged[1])
+    _check(got, _want_varlen(q, k, v, cu_q, cu_k, indptr, indices, 128, 64, 2, **opts), bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_full_pattern_with_options_equals_dense_prefill(cp, rng, dtype):
+    q_lens, kv_lens = [300, 1, 129], [300, 64, 700]
+    q, k, v, cu_q, cu_k = _batch(rng, q_lens, kv_lens, 8, 2, 128, dtype)
+    indptr, indices = _full(q_lens, kv_lens, 64, 64, 1)
+    opts = on_device(cp, score_options(rng, 8, "all"))
+    got, _ = _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, 64, 64, 1, **opts)
+    dense = cupaged.varlen_prefill(*(cp.asarray(x) for x in (q, k, v, cu_q, cu_k)), **opts)
+    _check_close(got, cp.asnumpy(dense).astype(np.float64), dtype)
 
 
 @pytest.mark.gpu
@@ -262,6 +331,7 @@ def test_torch_in_torch_out(rng):
 # ----------------------------------------------------------------------------- GPU: paged
 def _run_paged(cp, q, kc, vc, cu_q, tables, lens, indptr, indices, bm, bn, heads, layout, **opts):
     dev = [cp.asarray(x) for x in (q, kc, vc, cu_q, tables, lens, indptr, indices)]
+    opts = on_device(cp, opts)
     out = cp.full(q.shape, np.nan, dtype=q.dtype)
     got, lse = cupaged.paged_block_sparse_attention(*dev, bm, bn, pattern_heads=heads,
                                                     layout=layout, out=out, return_lse=True, **opts)
@@ -443,7 +513,8 @@ def recorded(monkeypatch):
     monkeypatch.setattr(tiles, "address", fake_ptr)
     monkeypatch.setattr(bsr, "launcher", lambda stem, expr, record, **kw: _Recorder(record, calls))
     monkeypatch.setattr(launch, "attention_kernel",
-                        lambda dtype, d, kind="sparse_attention", rows=128: _Recorder(abi.SPARSE, calls))
+                        lambda dtype, d, kind="sparse_attention", rows=128, general=False:
+                        _Recorder(abi.SPARSE, calls))
     monkeypatch.setattr(bsr, "error_word", lambda: np.zeros(8, np.int64))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty))
     return calls

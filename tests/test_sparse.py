@@ -216,6 +216,43 @@ def test_full_pattern_equals_dense(rng, q_len, kv_len):
     np.testing.assert_allclose(out2, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("opts", [dict(window_left=17), dict(window_left=0),
+                                  dict(logits_soft_cap=1.5, sm_scale=0.5),
+                                  dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], np.float32)),
+                                  dict(sm_scale=-0.2),
+                                  dict(window_left=30, logits_soft_cap=2.0,
+                                       alibi_slopes=np.array([0.5, 0.1, 0.0, 1.0], np.float32))])
+@pytest.mark.parametrize("q_len,kv_len", [(150, 150), (70, 200)])
+def test_full_pattern_with_score_options_equals_dense(rng, opts, q_len, kv_len):
+    """Window, soft-cap, ALiBi and the scale apply inside the pattern as in dense attention."""
+    q, k, v = _qkv(rng, q_len, kv_len)
+    s_all = np.tile(np.arange(kv_len, dtype=np.int32), (4, 1))
+    sinks = rng.standard_normal(4).astype(np.float32)
+    out, lse = sparse.vertical_slash_attention(q, k, v, s_all[:, :1].copy(), s_all, sinks=sinks,
+                                               return_lse=True, **opts)
+    want, want_lse = ra.attend(q, k, v, causal=True, sinks=sinks, **opts)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
+    indptr = np.arange(-(-q_len // 64) + 1, dtype=np.int32) * -(-kv_len // 64)
+    indices = np.tile(np.arange(-(-kv_len // 64), dtype=np.int32), -(-q_len // 64))
+    bsr_out = sparse.block_sparse_attention(q, k, v, indptr, indices, 64, 64, sinks=sinks, **opts)
+    np.testing.assert_allclose(bsr_out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_window_on_top_of_the_pattern(rng):
+    """A window hides pattern keys left of p - w; the pattern still hides keys inside it."""
+    q, k, v = _qkv(rng, 140, 140)
+    v_idx = np.sort(rng.choice(140, (4, 10), replace=False), axis=1).astype(np.int32)
+    s_idx = np.sort(rng.choice(140, (4, 6), replace=False), axis=1).astype(np.int32)
+    out = sparse.vertical_slash_attention(q, k, v, v_idx, s_idx, window_left=40)
+    window = ra.visible_keys(140, 140, causal=True, window_left=40)
+    for h in range(4):
+        bc, bo, cc, ci = ref.vertical_slash_index([140], v_idx[None, h:h + 1], s_idx[None, h:h + 1], 140)
+        mask = ref.vertical_slash_mask(bc[0], bo[0], cc[0], ci[0], 140, 140)[0] & window
+        want, _ = ra.attend_masked(q[:, h:h + 1], k[:, h // 2:h // 2 + 1], v[:, h // 2:h // 2 + 1], mask)
+        np.testing.assert_allclose(out[:, h], want[:, 0], rtol=1e-5, atol=1e-6)
+
+
 def test_pattern_attention_is_masked_dense(rng):
     q, k, v = _qkv(rng, 140, 140)
     v_idx = np.sort(rng.choice(140, (4, 10)), axis=1).astype(np.int32)
@@ -465,6 +502,18 @@ def test_bad_attention_arguments(rng):
         sparse.vertical_slash_attention(q, k, v[:, :1], idx, idx)
     with pytest.raises(ValueError, match="sinks"):
         sparse.vertical_slash_attention(q, k, v, idx, idx, sinks=np.zeros(3, np.float32))
+    for kw, error, match in [
+            (dict(window_left=-3), ValueError, r"window_left: expected an int >= -1 \(-1: no window\), got -3"),
+            (dict(logits_soft_cap=-0.5), ValueError, r"logits_soft_cap: expected a finite float >= 0 \(0: off\), got -0.5"),
+            (dict(alibi_slopes=np.zeros(3, np.float32)), ValueError, r"alibi_slopes: expected shape \[4\], got \(3,\)"),
+            (dict(alibi_slopes=np.zeros(4, np.float64)), TypeError, "alibi_slopes: expected dtype float32")]:
+        with pytest.raises(error, match=match):
+            sparse.vertical_slash_attention(q, k, v, idx, idx, **kw)
+        with pytest.raises(error, match=match):
+            sparse.paged_vertical_slash_attention(
+                q, np.zeros((3, 8, 2, 64), np.float32), np.zeros((3, 8, 2, 64), np.float32),
+                idx[None], idx[None], np.array([0, 20], np.int32), np.zeros((1, 3), np.int32),
+                np.array([20], np.int32), **kw)
     with pytest.raises(ValueError, match="out"):
         sparse.vertical_slash_attention(q, k, v, idx, idx, out=np.zeros((20, 4, 32), np.float32))
     with pytest.raises(ValueError, match="seq_lens"):

@@ -390,3 +390,96 @@ def test_quest_gpu_equals_numpy(cp, rng):
     got_pol.update_bounds(dev[1], dev[3], dev[4], layout="HND")
     got = got_pol.decode(*dev, layout="HND")
     _check_close(_host(cp, got), want, np.float16)
+
+
+# ----------------------------------------------------------------------------- score options
+def score_options(rng, hq, feature):
+    """NumPy options of one test case: ``feature`` in window, window0, alibi, soft_cap,
+    negative_scale, all (window + ALiBi + soft-cap + sinks)."""
+    opts = {}
+    if feature in ("window", "all"):
+        opts["window_left"] = 45
+    if feature == "window0":
+        opts["window_left"] = 0                      # the diagonal key alone
+    if feature in ("alibi", "all"):
+        opts["alibi_slopes"] = (2.0 ** -np.linspace(1, 8, hq)).astype(np.float32)
+    if feature in ("soft_cap", "all"):
+        opts.update(logits_soft_cap=2.5, sm_scale=0.4)   # scores large enough to saturate
+    if feature == "negative_scale":
+        opts["sm_scale"] = -0.09
+    if feature == "all":
+        opts["sinks"] = rng.standard_normal(hq).astype(np.float32)
+    return opts
+
+
+def on_device(cp, opts):
+    return {k: cp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in opts.items()}
+
+
+FEATURES = ["window", "window0", "alibi", "soft_cap", "negative_scale", "all"]
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("dtype,d,hq,hk,q_len,kv_len", [
+    (np.float16, 64, 4, 2, 333, 333),
+    (bfloat16, 80, 2, 1, 200, 450),
+    (np.float16, 96, 3, 1, 130, 131),
+    (bfloat16, 112, 2, 2, 257, 300),
+    (np.float16, 128, 8, 2, 500, 777),
+    (bfloat16, 256, 2, 1, 190, 260),
+])
+def test_vertical_slash_score_options_match_reference(cp, rng, feature, dtype, d, hq, hk, q_len,
+                                                      kv_len):
+    """window_left, ALiBi, soft-cap and a negative scale, alone and together, against the
+    float64 reference (poisoned outputs, odd sizes, GQA)."""
+    q, k, v = (_rand(rng, s, dtype) for s in ((q_len, hq, d), (kv_len, hk, d), (kv_len, hk, d)))
+    v_idx, s_idx = _random_pattern(rng, hq, kv_len, 20, 12)
+    opts = score_options(rng, hq, feature)
+    got, lse = _vs_gpu(cp, q, k, v, v_idx, s_idx, **on_device(cp, opts))
+    want, want_lse = sparse.vertical_slash_attention(
+        *(x.astype(np.float32) for x in (q, k, v)), v_idx, s_idx, return_lse=True, **opts)
+    _check_close(got, want, dtype)
+    np.testing.assert_allclose(lse, want_lse, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_vertical_slash_score_options(cp, rng, layout):
+    """The paged op with every option equals the packed op bit for bit, and the reference."""
+    q_lens, kv_lens = [70, 128, 1], [500, 128, 33]
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = _rand(rng, (cu_q[-1], 8, 128), bfloat16)
+    k, v = (_rand(rng, (cu_k[-1], 2, 128), bfloat16) for _ in range(2))
+    kc, vc, tables = _paged(rng, k, v, cu_k, 16, 80, layout, cp)
+    pats = [_random_pattern(rng, 8, n, min(n, 20), min(n, 12)) for n in kv_lens]
+    v_idx = sparse.pad_indices([p[0] for p in pats])
+    s_idx = sparse.pad_indices([p[1] for p in pats])
+    opts = score_options(rng, 8, "all")
+    dev = on_device(cp, opts)
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)
+    sparse.paged_vertical_slash_attention(cp.asarray(q), kc, vc, cp.asarray(v_idx), cp.asarray(s_idx),
+                                          cp.asarray(cu_q), cp.asarray(tables),
+                                          cp.asarray(np.array(kv_lens, np.int32)), layout=layout,
+                                          out=out, **dev)
+    dense = cp.full(q.shape, np.nan, dtype=q.dtype)
+    sparse.vertical_slash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(v_idx),
+                                    cp.asarray(s_idx), cu_seqlens_q=cp.asarray(cu_q),
+                                    cu_seqlens_k=cp.asarray(cu_k), out=dense, **dev)
+    np.testing.assert_array_equal(_host(cp, out), _host(cp, dense))
+    want = sparse.vertical_slash_attention(*(x.astype(np.float32) for x in (q, k, v)), v_idx, s_idx,
+                                           cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **opts)
+    _check_close(_host(cp, out), want, bfloat16)
+
+
+def test_full_pattern_with_options_equals_dense_prefill(cp, rng):
+    """Every key kept: the sparse kernel's general path is varlen_prefill's result."""
+    import cupaged
+    q_len, kv_len, hq, hk, d = 300, 420, 4, 2, 128
+    q, k, v = (_rand(rng, s, np.float16) for s in ((q_len, hq, d), (kv_len, hk, d), (kv_len, hk, d)))
+    v_idx = np.tile(np.arange(kv_len, dtype=np.int32), (hq, 1))
+    s_idx = np.tile(np.arange(kv_len, dtype=np.int32), (hq, 1))
+    opts = on_device(cp, score_options(rng, hq, "all"))
+    got, _ = _vs_gpu(cp, q, k, v, v_idx, s_idx, **opts)
+    cu_q, cu_k = (cp.asarray(np.array([0, n], np.int32)) for n in (q_len, kv_len))
+    dense = cupaged.varlen_prefill(cp.asarray(q), cp.asarray(k), cp.asarray(v), cu_q, cu_k, **opts)
+    _check_close(got, _host(cp, dense).astype(np.float64), np.float16)

@@ -1,9 +1,12 @@
 """Benchmark of vertical+slash sparse prefill (MInference) against dense causal prefill.
 
-One row per (S, budget): S 32K (``--quick``), else 32K, 128K, 512K; Hq 32, Hk 8, d 128,
-bf16; budgets ``adaptive 0.3`` (the ``MInferencePolicy`` default: ``0.06 S`` verticals and
-``0.24 S`` slashes, so at least ~42% of the causal pairs at any length) and ``fixed
-1000/6096`` (the contract's sizes).
+One row per (S, inputs, budget): S 32K (``--quick``), else 32K and 128K (512K with
+``--long``: minutes, kept out of the default run); Hq 32, Hk 8, d 128, bf16; budgets
+``fixed 1000/6096`` (the contract's sizes, issue 22's figures) and, on the structured inputs,
+``adaptive 0.3`` (the ``MInferencePolicy`` default: ``0.06 S`` verticals and ``0.24 S``
+slashes, so at least ~42% of the causal pairs at any length). ``inputs``: ``structured``
+(below) or ``random`` (standard normal q/k/v: scattered top diagonals, a pattern that keeps
+most blocks; the case where sparse must not be slower than dense).
 
 Inputs are structured like the attention of a language model rather than random: relative
 to a query at ``p``, key ``j`` scores ``-(j - p) / 2900`` nats (a linear recency bias with
@@ -16,13 +19,14 @@ scattered diagonals, each costing a 64-wide band.
 
 Columns: ``est_ms`` (pattern estimate), ``index_ms`` (sort, run preparation and the tile
 lists of ``sparse.tiles``, host syncs included), ``kernel_ms`` (the sparse kernel),
-``sparse_ms`` (all three), ``op_ms`` (the public ``vertical_slash_attention`` with its
+``sparse_ms`` (all three), ``est_share`` (estimate over ``sparse_ms``), ``op_ms`` (the public ``vertical_slash_attention`` with its
 argument checks, plus the estimate), ``dense_ms`` (our ``varlen_prefill``, causal, default
 backend: the wgmma kernel on sm_90) and ``vs_dense`` (dense over ``sparse_ms``; issue 7's
 goal: >= 5 at 128K with the contract's budget), ``mma_ms`` (the same with the mma.sync kernel,
 whose tile core the sparse kernel shares), ``cudnn_ms`` / ``vs_cudnn`` (torch SDPA cuDNN,
-GQA), ``diag_frac`` (slashes kept over S), ``density`` (pairs the kernel computes, whole
-tiles, over the causal pairs), ``pair_ratio`` (pairs per second of the sparse kernel over the
+GQA; the same run), ``diag_frac`` (slashes kept over S), ``kept`` (the kept fraction: pairs
+the kernel computes, whole tiles, over the causal pairs; printed beside every figure),
+``pair_ratio`` (pairs per second of the sparse kernel over the
 mma.sync dense kernel's causal pairs per second: its efficiency per computed pair, ~1 when
 the inner loops match), ``mass`` (share of the causal softmax mass
 the pattern keeps, last query block of heads 0-3) and ``checked`` (the kernel's rows there
@@ -49,8 +53,8 @@ prefill), ``bounds_last_ms`` (the last pages: once per step and layer), ``select
 ``paged_decode`` of the same batch), ``vs_dense`` (dense over ``quest_ms``),
 ``step_vs_dense`` (dense over ``quest_ms + bounds_last_ms``) and ``checked`` (a Quest decoder
 keeping every page against dense, relative error < 1e-2).
-Run: ``python -m cupaged.bench.sparse [--quick] [--quest]`` (``--quest``: the Quest rows
-alone).
+Run: ``python -m cupaged.bench.sparse [--quick] [--long] [--quest]`` (``--quest``: the Quest
+rows alone; ``--long``: 512K as well).
 """
 from __future__ import annotations
 
@@ -191,10 +195,21 @@ def _ratio(a, b):
     return None if a is None or b is None else a / b
 
 
-def bench_length(seqlen, budgets, reps):
-    """Rows of one sequence length, one per budget."""
+def _random_inputs(seqlen, seed=0):
+    """bf16 standard normal q [S, HQ, D], k and v [S, HK, D]."""
+    import cupy
+    rs = cupy.random.RandomState(seed)
+    return tuple(rs.standard_normal((seqlen, h, D), dtype=cupy.float32).astype(bfloat16)
+                 for h in (HQ, HK, HK))
+
+
+INPUTS = {"structured": _inputs, "random": _random_inputs}
+
+
+def bench_length(seqlen, budgets, reps, inputs="structured"):
+    """Rows of one sequence length and kind of inputs, one per budget."""
     from .. import sparse
-    q, k, v = _inputs(seqlen)
+    q, k, v = INPUTS[inputs](seqlen)
     dense = _dense_seconds(q, k, v, reps)
     dense_mma = _dense_seconds(q, k, v, reps, backend="mma")
     cudnn = _cudnn_seconds(q, k, v, reps)
@@ -210,12 +225,13 @@ def bench_length(seqlen, budgets, reps):
         mass, ok = _probe(q, k, v, out, v_idx, s_idx)
         total = est + t_index + t_kernel
         rows.append(dict(
-            S=seqlen, budget=label, nv=v_idx.shape[1], ns=s_idx.shape[1],
+            S=seqlen, inputs=inputs, budget=label, nv=v_idx.shape[1], ns=s_idx.shape[1],
             diag_frac=s_idx.shape[1] / seqlen, est_ms=est * 1e3, index_ms=t_index * 1e3,
-            kernel_ms=t_kernel * 1e3, sparse_ms=total * 1e3, op_ms=(est + op) * 1e3,
+            kernel_ms=t_kernel * 1e3, sparse_ms=total * 1e3, est_share=est / total,
+            op_ms=(est + op) * 1e3,
             dense_ms=dense * 1e3, vs_dense=dense / total, mma_ms=dense_mma * 1e3,
             cudnn_ms=None if cudnn is None else cudnn * 1e3, vs_cudnn=_ratio(cudnn, total),
-            density=pairs / causal_pairs,
+            kept=pairs / causal_pairs,
             pair_ratio=(pairs / t_kernel) / (causal_pairs / dense_mma),
             mass=mass, checked=ok))
     return rows
@@ -344,26 +360,34 @@ def run_quest(quick=False):
             for row in bench_quest(layout, *shape, reps=5 if quick else 20)]
 
 
-def run(quick=False):
-    """Rows for S 32K (quick) or 32K, 128K, 512K, each budget; then the batched BSR rows and
-    the Quest decode rows."""
+LONG = 524288                      # --long only
+
+
+def run(quick=False, long=False):
+    """Rows for S 32K (quick) or 32K and 128K (and 512K with ``long``): each budget on the
+    structured inputs, the fixed budget on random ones; then the batched BSR rows and the
+    Quest decode rows."""
     rows = []
-    for seqlen in ((32768,) if quick else (32768, 131072, 524288)):
-        rows += bench_length(seqlen, list(BUDGETS), reps=3 if seqlen <= 131072 else 1)
+    lengths = (32768,) if quick else (32768, 131072) + ((LONG,) if long else ())
+    for seqlen in lengths:
+        reps = 3 if seqlen <= 131072 else 1
+        rows += bench_length(seqlen, list(BUDGETS), reps)
+        rows += bench_length(seqlen, ["fixed 1000/6096"], reps, inputs="random")
     rows += [bench_bsr(keep, reps=3 if quick else 10) for keep in BSR_KEEP]
     return rows + run_quest(quick)
 
 
-COLUMNS = ["S", "budget", "nv", "ns", "diag_frac", "est_ms", "index_ms", "kernel_ms", "sparse_ms",
-           "op_ms", "dense_ms", "vs_dense", "mma_ms", "cudnn_ms", "vs_cudnn", "density", "pair_ratio",
-           "mass", "checked", "B", "kept", "busy", "bsr_ms", "bsr128_ms", "block_ratio",
-           "bounds_ms", "bounds_last_ms", "select_ms", "quest_ms", "step_vs_dense"]
+COLUMNS = ["S", "inputs", "budget", "nv", "ns", "diag_frac", "kept", "est_ms", "index_ms",
+           "kernel_ms", "sparse_ms", "est_share", "op_ms", "dense_ms", "vs_dense", "mma_ms",
+           "cudnn_ms", "vs_cudnn", "pair_ratio", "mass", "checked", "B", "busy", "bsr_ms",
+           "bsr128_ms", "block_ratio", "bounds_ms", "bounds_last_ms", "select_ms", "quest_ms", "step_vs_dense"]
 
 
 def main(argv=None):
-    """``--quest``: the Quest rows alone."""
+    """``--quest``: the Quest rows alone; ``--long``: also S 512K."""
     argv = sys.argv[1:] if argv is None else argv
-    bench_main(run_quest if "--quest" in argv else run, argv, COLUMNS)
+    long = "--long" in argv
+    bench_main(run_quest if "--quest" in argv else lambda quick: run(quick, long), argv, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,8 @@ PREFILL_PLAN = Record("PrefillPlanArgs", [
 # batched BSR pattern (indptr, indices, with bsr_meta from bsr_prepare). Keys: dense rows
 # (cu_k; table null) or pages (block_tables); key j of kv head hk at hk * head_stride +
 # j * tok_stride (dense) or table[j / page_size] * page_stride + (j % page_size) * tok_stride.
+# Scores: scale_log2 = sm_scale * log2(e) on the plain path; sm_scale, soft_cap and alibi
+# (float32 [Hq] slopes) feed score.cuh's epilogue; window_left as in the dense prefill.
 SPARSE = Record("SparseArgs", [
     ("const T* __restrict__", "q"), ("const T* __restrict__", "k"),
     ("const T* __restrict__", "v"), ("T* __restrict__", "out"),
@@ -165,6 +167,8 @@ SPARSE = Record("SparseArgs", [
     ("int", "nnz", 0), ("int", "pattern_group", 1), ("int", "block_m", 64),
     ("int", "block_n", 64), ("int", "cta_bound", 0), ("int", "causal"),
     ("float", "scale_log2"), ("const float* __restrict__", "sinks", NULL),
+    ("float", "sm_scale", 0.0), ("int", "window_left", -1), ("float", "soft_cap", 0.0),
+    ("const float* __restrict__", "alibi", NULL),
 ], template="typename T")
 
 # The device schedule of a batched BSR launch (sparse_index.cu, bsr_prepare): lengths and

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import attend_masked, gather_kv, query_positions
+from .attention import attend_masked, gather_kv, query_positions, visible_keys
 
 PAD = np.iinfo(np.int32).max
 """Padding value of batched vertical/slash index rows (ignored: it is ``>= kv_len``)."""
@@ -280,23 +280,31 @@ def _causal(q_len, kv_len):
 
 
 # ----------------------------------------------------------------------------- attention
-def _masked(q, k, v, visible, sm_scale, sinks):
-    """Per-head masked attention: visible ``[Hq, q_len, kv_len]``; float64 out and lse."""
+def _masked(q, k, v, visible, sm_scale, sinks, window_left=-1, alibi_slopes=None,
+            logits_soft_cap=0.0):
+    """Per-head masked attention: visible ``[Hq, q_len, kv_len]`` (the pattern, causality
+    applied), ``window_left`` on top; float64 out and lse."""
     out = np.zeros(q.shape, np.float64)
     lse = np.zeros(q.shape[:2], np.float64)
     group = q.shape[1] // k.shape[1]
+    window = visible_keys(q.shape[0], k.shape[0], causal=False, window_left=window_left)
     for h in range(q.shape[1]):
         kh = slice(h // group, h // group + 1)
-        sink = None if sinks is None else np.asarray(sinks)[h:h + 1]
-        o, l_ = attend_masked(q[:, h:h + 1], k[:, kh], v[:, kh], visible[h], sm_scale=sm_scale,
-                              sinks=sink)
+        per_head = {name: None if x is None else np.asarray(x)[h:h + 1]
+                    for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes))}
+        o, l_ = attend_masked(q[:, h:h + 1], k[:, kh], v[:, kh], visible[h] & window,
+                              sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, **per_head)
         out[:, h], lse[:, h] = o[:, 0], l_[:, 0]
     return out, lse
 
 
 def vertical_slash_attention(q, k, v, v_idx, s_idx, *, block_m=64, block_n=64, sm_scale=None,
-                             sinks=None):
+                             sinks=None, window_left=-1, alibi_slopes=None, logits_soft_cap=0.0):
     """Causal attention of one sequence restricted to its vertical+slash pattern.
+
+    Inside the pattern (causality applied) everything of ``cupaged.reference.attention``
+    holds: ``window_left`` (keys ``j >= p - w``) masks on top, ``sm_scale``, soft-cap, ALiBi
+    ``slope_h (j - p)``, sinks in the denominator.
 
     Parameters
     ----------
@@ -316,7 +324,7 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, block_m=64, block_n=64, s
     bc, bo, cc, ci = vertical_slash_index([q_len], v_idx[None], s_idx[None], max(q_len, 1),
                                           block_m, block_n, kv_seqlens=[kv_len])
     mask = vertical_slash_mask(bc[0], bo[0], cc[0], ci[0], q_len, kv_len, block_m, block_n)
-    return _masked(q, k, v, mask, sm_scale, sinks)
+    return _masked(q, k, v, mask, sm_scale, sinks, window_left, alibi_slopes, logits_soft_cap)
 
 
 def varlen_vertical_slash_attention(q, k, v, v_idx, s_idx, cu_seqlens_q, cu_seqlens_k, **kw):
@@ -352,7 +360,8 @@ def _per_sequence(q, cu_seqlens_q, kv_of, v_idx, s_idx, kw):
 
 
 def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal=True,
-                           sm_scale=None, sinks=None):
+                           sm_scale=None, sinks=None, window_left=-1, alibi_slopes=None,
+                           logits_soft_cap=0.0):
     """Attention of one sequence restricted to a block-sparse-row (BSR) pattern.
 
     Parameters
@@ -367,6 +376,8 @@ def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal
         int32 ``[nnz]`` key block ids in ``[0, ceil(kv_len / block_n))``, shared by all heads.
     causal : bool
         Also hide keys ``j > p`` (bottom-right aligned).
+    sm_scale, sinks, window_left, alibi_slopes, logits_soft_cap
+        As in ``cupaged.reference.attention.attend``, inside the kept blocks.
 
     Returns
     -------
@@ -374,4 +385,5 @@ def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal
         float64 ``[q_len, Hq, D]`` and ``[q_len, Hq]``.
     """
     mask = bsr_mask(indptr, indices, q.shape[0], k.shape[0], block_m, block_n, causal)
-    return _masked(q, k, v, np.broadcast_to(mask, (q.shape[1],) + mask.shape), sm_scale, sinks)
+    return _masked(q, k, v, np.broadcast_to(mask, (q.shape[1],) + mask.shape), sm_scale, sinks,
+                   window_left, alibi_slopes, logits_soft_cap)

@@ -74,6 +74,13 @@ def _outputs(q, out, return_lse, xp):
     return out, lse
 
 
+def reference_options(opts):
+    """The reference's keywords of checked options (``core.checks.AttentionOptions``)."""
+    return dict(sm_scale=opts.sm_scale, window_left=opts.window_left,
+                alibi_slopes=opts.alibi_slopes, sinks=opts.sinks,
+                logits_soft_cap=opts.logits_soft_cap)
+
+
 def _finish_reference(result, out, lse):
     o, l_ = result
     out[...] = o.astype(out.dtype)
@@ -89,7 +96,7 @@ def launch(q, kv, out, lse, cu_q, kv_lens, batch, lists, opts, causal=True):
     if int(batch.q_lens.max(initial=0)) == 0 or lists.heads == 0:
         return
     d = batch.head_dim
-    kern = kernels.attention_kernel(q.dtype, d)
+    kern = kernels.attention_kernel(q.dtype, d, general=kernels.general_scores(opts))
     kern((lists.heads, lists.num_c, batch.size), kernels.attention_tile(d).threads,
          kernels.attention_smem(d), cu_q=ptr(cu_q), kv_lens=ptr(kv_lens),
          **kernels.common_fields(q, out, lse, kv, batch.num_kv_heads, opts, causal),
@@ -114,8 +121,9 @@ def _device_lengths(xp, q_len, kv_len):
 # ----------------------------------------------------------------------------- public ops
 @accepts_dlpack
 def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                             sm_scale=None, sinks=None, block_m=64, block_n=64,
-                             return_lse=False, out=None):
+                             sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
+                             logits_soft_cap=0.0, block_m=64, block_n=64, return_lse=False,
+                             out=None):
     """Causal attention restricted to a vertical+slash pattern (MInference's kernel).
 
     The pattern of each query block is given by :func:`vertical_slash_index` on
@@ -135,8 +143,15 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
         int32 ``[B + 1]`` row offsets of a packed batch (both or neither).
     sm_scale : float, optional
         Default ``D ** -0.5``.
+    window_left : int
+        ``w >= 0``: query ``p`` also sees only keys ``j >= p - w`` (on top of the pattern);
+        -1: no window (docs/design.md, as the dense ops).
+    alibi_slopes : array, optional
+        float32 ``[Hq]``: ALiBi adds ``slope_h * (j - p)`` to each score.
     sinks : array, optional
         float32 ``[Hq]`` sink logits (one extra softmax denominator term).
+    logits_soft_cap : float
+        ``cap > 0``: scores become ``cap * tanh(s / cap)`` (before ALiBi); 0: off.
     block_m, block_n : int
         Pattern tile (the CUDA kernel needs ``block_m`` a multiple of 64).
     return_lse : bool
@@ -149,7 +164,8 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
     out : array
         ``[tokens, Hq, D]`` in q's dtype; ``(out, lse)`` with ``return_lse``.
     """
-    xp = array_module(q, k, v, v_idx, s_idx, cu_seqlens_q, cu_seqlens_k, sinks, out)
+    xp = array_module(q, k, v, v_idx, s_idx, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks,
+                      out)
     _, hq, d = check_query("q", q, xp)
     _check_kv(k, v, q, xp)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -168,10 +184,11 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
     batch = Batch(hq, k.shape[1], d, q_lens, kv_lens)
     _check_vs_indices(v_idx, s_idx, batch, xp, batched)
     block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
-    opts = check_options(xp, hq, d, sm_scale=sm_scale, sinks=sinks)
+    opts = check_options(xp, hq, d, sm_scale=sm_scale, window_left=window_left,
+                         alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
     out, lse = _outputs(q, out, return_lse, xp)
     if xp is np:
-        kw = dict(block_m=block_m, block_n=block_n, sm_scale=opts.sm_scale, sinks=sinks)
+        kw = dict(block_m=block_m, block_n=block_n, **reference_options(opts))
         if batched:
             result = ref.varlen_vertical_slash_attention(q, k, v, v_idx, s_idx, cu_q, cu_k, **kw)
         else:
@@ -192,7 +209,8 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
 
 @accepts_dlpack
 def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens_q, block_tables,
-                                   seq_lens, *, layout=None, sm_scale=None, sinks=None,
+                                   seq_lens, *, layout=None, sm_scale=None, window_left=-1,
+                                   alibi_slopes=None, sinks=None, logits_soft_cap=0.0,
                                    block_m=64, block_n=64, return_lse=False, out=None):
     """Vertical+slash attention of new queries against a paged KV cache (chunked prefill).
 
@@ -215,7 +233,8 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
         int32 ``[B]`` keys per sequence, ``>= q_len_b``.
     layout : {"NHD", "HND"}, optional
         Default "NHD", refused (ValueError) when k_cache's shape also reads validly as HND.
-    sm_scale, sinks, block_m, block_n, return_lse, out
+    sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, block_m, block_n,
+    return_lse, out
         As in :func:`vertical_slash_attention`.
 
     Returns
@@ -225,7 +244,7 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
     """
     layout = resolve_layout(layout, k_cache, q)
     xp = array_module(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens_q, block_tables, seq_lens,
-                      sinks, out)
+                      alibi_slopes, sinks, out)
     _, hq, d = check_query("q", q, xp)
     geo = cache_geometry(k_cache, v_cache, layout)
     if k_cache.dtype != q.dtype or geo.head_dim != d:
@@ -239,12 +258,13 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
     batch = Batch(hq, geo.num_kv_heads, d, q_lens, kv_lens)
     _check_vs_indices(v_idx, s_idx, batch, xp, True)
     block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
-    opts = check_options(xp, hq, d, sm_scale=sm_scale, sinks=sinks)
+    opts = check_options(xp, hq, d, sm_scale=sm_scale, window_left=window_left,
+                         alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
     out, lse = _outputs(q, out, return_lse, xp)
     if xp is np:
         result = ref.paged_vertical_slash_attention(
             q, k_cache, v_cache, v_idx, s_idx, cu_q, block_tables, kv_host, layout,
-            block_m=block_m, block_n=block_n, sm_scale=opts.sm_scale, sinks=sinks)
+            block_m=block_m, block_n=block_n, **reference_options(opts))
         return _finish_reference(result, out, lse)
     _check_gpu(q, block_m)
     if layout not in ("NHD", "HND"):

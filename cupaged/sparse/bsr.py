@@ -28,7 +28,7 @@ from ..core.launch import ptr
 from ..core.layouts import cache_geometry, resolve_layout
 from ..reference import bsr as ref
 from . import launch as kernels
-from .attention import _check_kv, _finish_reference, _outputs
+from .attention import _check_kv, _finish_reference, _outputs, reference_options
 from .index import check_block_size, check_bsr_batch
 
 MAX_CTA_ROWS = 65535         # grid.y of bsr_attention
@@ -51,19 +51,13 @@ def _check_pattern(indptr, indices, block_m, block_n, pattern_heads, hq, hk, len
     return Pattern(indptr, indices, block_m, block_n, int(pattern_heads))
 
 
-def _check_gpu(q, pattern, opts):
+def _check_gpu(q, pattern):
     """What the CUDA kernel does not take (the reference does)."""
     if q.dtype not in kernels.KERNEL_DTYPES:
         raise TypeError(f"q: the CUDA kernel takes float16 or bfloat16, got {q.dtype}")
     if pattern.block_m % kernels.ROWS:
         raise ValueError(f"block_m: the CUDA kernel needs a multiple of {kernels.ROWS}, got "
                          f"{pattern.block_m}")
-    for name, given, off in (("window_left", opts.window_left != -1, -1),
-                             ("alibi_slopes", opts.alibi_slopes is not None, None),
-                             ("logits_soft_cap", opts.logits_soft_cap != 0, 0.0)):
-        if given:
-            raise ValueError(f"{name}: the CUDA BSR kernel does not take it yet (NumPy inputs "
-                             f"run the reference), expected {off!r}, got {getattr(opts, name)!r}")
 
 
 # ----------------------------------------------------------------------------- launch
@@ -107,7 +101,7 @@ def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal,
          table_width=kv.table.shape[1] if paged else 0,
          num_blocks=kv.k.shape[0] if paged else 0, num_q_heads=hq, cta_rows=rows,
          pattern_heads=pattern.heads, **sizes)
-    kern = kernels.attention_kernel(q.dtype, d, "bsr_attention", rows)
+    kern = kernels.attention_kernel(q.dtype, d, "bsr_attention", rows, kernels.general_scores(opts))
     kern((hq, cta_bound), kernels.attention_tile(d, rows).threads, kernels.attention_smem(d, rows),
          cu_q=ptr(cu_q), indptr=ptr(pattern.indptr), indices=ptr(pattern.indices),
          bsr_meta=ptr(meta), err=ptr(err), pattern_group=hq // pattern.heads,
@@ -145,8 +139,9 @@ def varlen_block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, indptr, i
     pattern_heads : int
         ``H_p`` in ``{Hq, Hk, 1}``: query head ``h`` reads pattern head ``h // (Hq / H_p)``.
     causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap
-        docs/design.md's options, applied inside the kept blocks (the CUDA kernel: causal or
-        not, ``sm_scale`` and float32 ``[Hq]`` sinks; no window, ALiBi or soft-cap yet).
+        docs/design.md's options, applied inside the kept blocks, with the dense ops' names
+        and meaning (``alibi_slopes``, ``sinks``: float32 ``[Hq]``; ``window_left`` -1: no
+        window; ``logits_soft_cap`` 0: off).
     return_lse : bool
         Also return the float32 ``[total_q, Hq]`` natural-log LSE.
     out : array, optional
@@ -179,18 +174,12 @@ def varlen_block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, indptr, i
     if xp is np:
         return _finish_reference(ref.varlen_block_sparse_attention(
             q, k, v, cu_q, cu_k, indptr, indices, pattern.block_m, pattern.block_n,
-            pattern_heads=pattern.heads, causal=bool(causal), **_reference_options(opts)),
+            pattern_heads=pattern.heads, causal=bool(causal), **reference_options(opts)),
             out, lse)
-    _check_gpu(q, pattern, opts)
+    _check_gpu(q, pattern)
     _launch(q, kernels.dense_kv(k, v, cu_seqlens_k), k.shape[1], cu_seqlens_q, None, k.shape[0],
             pattern, opts, causal, out, lse)
     return out if lse is None else (out, lse)
-
-
-def _reference_options(opts):
-    return dict(sm_scale=opts.sm_scale, window_left=opts.window_left,
-                alibi_slopes=opts.alibi_slopes, sinks=opts.sinks,
-                logits_soft_cap=opts.logits_soft_cap)
 
 
 @accepts_dlpack
@@ -257,8 +246,8 @@ def paged_block_sparse_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables
             q, k_cache, v_cache, cu_q, block_tables, kv_lens, indptr, indices, pattern.block_m,
             pattern.block_n, pattern_heads=pattern.heads, causal=bool(causal), layout=layout,
             kv_dtype=None if fmt is None else fmt.name, k_scale=scales[0], v_scale=scales[1],
-            **_reference_options(opts)), out, lse)
-    _check_gpu(q, pattern, opts)
+            **reference_options(opts)), out, lse)
+    _check_gpu(q, pattern)
     if fmt is not None or layout not in ("NHD", "HND"):
         raise ValueError(f"k_cache: the CUDA kernel reads 'NHD' or 'HND' caches of q's dtype, got "
                          f"layout {layout!r} and kv_dtype {None if fmt is None else fmt.name!r}")
@@ -273,7 +262,8 @@ def paged_block_sparse_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables
 
 @accepts_dlpack
 def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal=True,
-                           sm_scale=None, sinks=None, return_lse=False, out=None):
+                           sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
+                           logits_soft_cap=0.0, return_lse=False, out=None):
     """Attention of one sequence under a BSR pattern shared by all heads: the batch of one
     of :func:`varlen_block_sparse_attention` (``pattern_heads=1``).
 
@@ -291,7 +281,7 @@ def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal
         increasing within a row.
     block_m, block_n : int
         Block shape (the CUDA kernel needs ``block_m`` a multiple of 64).
-    causal, sm_scale, sinks, return_lse, out
+    causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, return_lse, out
         As in :func:`varlen_block_sparse_attention`.
 
     Returns
@@ -299,7 +289,7 @@ def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal
     out : array
         ``[q_len, Hq, D]``; ``(out, lse)`` with ``return_lse``.
     """
-    xp = array_module(q, k, v, indptr, indices, sinks, out)
+    xp = array_module(q, k, v, indptr, indices, alibi_slopes, sinks, out)
     check_query("q", q, xp)
     check_array("k", k, ndim=3, xp=xp)
     block_m = check_block_size("block_m", block_m)
@@ -312,4 +302,6 @@ def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal
     cu_k = xp.asarray([0, k.shape[0]], dtype=np.int32)
     return varlen_block_sparse_attention(q, k, v, cu_q, cu_k, indptr, indices, block_m, block_n,
                                          pattern_heads=1, causal=causal, sm_scale=sm_scale,
-                                         sinks=sinks, return_lse=return_lse, out=out)
+                                         window_left=window_left, alibi_slopes=alibi_slopes,
+                                         sinks=sinks, logits_soft_cap=logits_soft_cap,
+                                         return_lse=return_lse, out=out)

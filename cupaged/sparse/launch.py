@@ -47,10 +47,20 @@ def attention_tile(head_dim, rows=CTA_ROWS):
     return TileShape(4, 2, 64, 2, False, 2)
 
 
-def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS):
-    """``kernel``: ``"sparse_attention"`` (tile lists) or ``"bsr_attention"`` (batched BSR)."""
+def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS, general=False):
+    """``kernel``: ``"sparse_attention"`` (tile lists) or ``"bsr_attention"`` (batched BSR);
+    ``general``: scores through the score epilogue (:func:`general_scores`)."""
     tile = attention_tile(head_dim, rows)
-    return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {tile.cpp()}>"
+    flag = "true" if general else "false"
+    return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {tile.cpp()}, {flag}>"
+
+
+def general_scores(opts):
+    """Whether a call needs the attention kernels' general path: ``window_left``, or scores
+    through ``score.cuh``'s epilogue (soft-cap, ALiBi, a scale that is not positive). The
+    plain path masks causally and folds the scale into the exponential."""
+    return (not opts.sm_scale > 0 or opts.logits_soft_cap > 0 or opts.alibi_slopes is not None
+            or opts.window_left >= 0)
 
 
 def estimate_expr(dtype, head_dim):
@@ -114,10 +124,11 @@ def kernel_specializations():
     for dtype in KERNEL_DTYPES:
         for d in HEAD_DIMS:
             specs.append(Spec("sparse_estimate", estimate_expr(dtype, d)))
-            specs.append(Spec("sparse_attention", attention_expr(dtype, d)))
-            for rows in (CTA_ROWS, ROWS):
-                specs.append(Spec("sparse_attention",
-                                  attention_expr(dtype, d, "bsr_attention", rows)))
+            for general in (False, True):
+                specs.append(Spec("sparse_attention", attention_expr(dtype, d, general=general)))
+                for rows in (CTA_ROWS, ROWS):
+                    specs.append(Spec("sparse_attention", attention_expr(
+                        dtype, d, "bsr_attention", rows, general)))
     return specs
 
 
@@ -126,7 +137,9 @@ def common_fields(q, out, lse, kv, num_kv_heads, opts, causal):
     from ..core.checks import token_stride
     return dict(q=ptr(q), out=ptr(out), lse=ptr(lse), q_tok=token_stride("q", q),
                 num_q_heads=q.shape[1], group=q.shape[1] // num_kv_heads, causal=int(causal),
-                scale_log2=opts.sm_scale * LOG2E, sinks=ptr(opts.sinks), **kv.fields())
+                scale_log2=opts.sm_scale * LOG2E, sm_scale=opts.sm_scale,
+                window_left=opts.window_left, soft_cap=opts.logits_soft_cap,
+                alibi=ptr(opts.alibi_slopes), sinks=ptr(opts.sinks), **kv.fields())
 
 
 def bsr_meta_size(batch, cta_bound):
@@ -135,12 +148,12 @@ def bsr_meta_size(batch, cta_bound):
     return 4 * (batch + 1) + cta_bound
 
 
-def attention_kernel(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS):
+def attention_kernel(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS, general=False):
     """The :class:`cupaged.core.launch.Kernel` of ``sparse_attention.cu`` (``kind``: tile
-    lists or ``"bsr_attention"``; ``rows`` query rows per CTA), its shared memory reserved;
-    arguments ``abi.SPARSE``."""
-    return launcher("sparse_attention", attention_expr(dtype, head_dim, kind, rows), abi.SPARSE,
-                    smem=attention_smem(head_dim, rows), carveout=True)
+    lists or ``"bsr_attention"``; ``rows`` query rows per CTA; ``general``: the score
+    epilogue's path), its shared memory reserved; arguments ``abi.SPARSE``."""
+    return launcher("sparse_attention", attention_expr(dtype, head_dim, kind, rows, general),
+                    abi.SPARSE, smem=attention_smem(head_dim, rows), carveout=True)
 
 
 def kernel(stem, expr, smem=0):
