@@ -138,6 +138,27 @@ struct KVRows {
     }
     if constexpr (V_T && VP) load_vt(P, j0, blk[RPT], sV);
   }
+  // One part (K: KP, else V rows) of the tile at key j0 -> dst, as `issue` does, each row's
+  // block-table entry read just before its copy: no entries kept across prefill_ws's waits
+  // for a free stage (its producer runs in few registers).
+  template <bool KP, typename Prob>
+  __device__ __forceinline__ void issue_part(const Prob& P, int j0, u32 dst) const {
+    static_assert(!V_T && !F::FP8, "V rows of a 16-bit cache");
+    const int c = threadIdx.x % F::CL, r0 = threadIdx.x / F::CL;
+    if (F::CL != F::CH && c >= F::CH) return;
+    const KV* base = KP ? kb + c * (int)P.k_chunk : vb + c * F::PER * (int)P.v_dim;
+    const u32 block = KP ? (u32)P.k_block : (u32)P.v_block, tok = KP ? (u32)P.k_tok : (u32)P.v_tok;
+#pragma unroll 4
+    for (int i = 0; i < RPT; ++i) {
+      const int r = r0 + i * F::ROW_STEP, jc = key(j0, i);
+      int b = 0, off = jc;
+      if (table != nullptr) {
+        b = block_of(P, jc);
+        off = offset_in_block(P, jc);
+      }
+      cp_async16(dst + swizzled<BN, C::SW>(r, c), base + wide(b, block) + wide(off, tok), j0 + r < kv_len ? 16 : 0);
+    }
+  }
   // V^T tile of keys [j0, j0 + BN) from the vllm value layout (paged; keys contiguous:
   // v_tok 1, v_dim the block size) -> sV, swizzled [D][BN]: KVChunks' V^T chunks, one
   // 16-byte cp.async each (keys past kv_len zero-filled; to the staging for fp8) with
@@ -569,12 +590,15 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 
 
 // ------------------------------------------------------------ warp-specialised (prefill_ws)
-// Warpgroup 0 produces, warpgroups 1 and 2 consume (WS_THREADS threads, register budgets
-// WS_PRODUCER_REGS / WS_CONSUMER_REGS, set by setmaxnreg). The producer's 128 threads copy Q
+// Warpgroup 0 produces, warpgroups 1 and 2 consume (WS_THREADS threads; the producer's
+// register budget PRODUCER_REGS, the consumers' the rest, set by setmaxnreg). The producer's 128 threads copy Q
 // and the K/V tiles with cp.async (KVRows of 128 loaders) into STAGES K and STAGES V
 // buffers; the consumers run the wgmma loop of loop_overlap on them. They meet only at
 // mbarriers: no CTA barrier per tile.
-constexpr int WS_THREADS = 384, WS_PRODUCER_REGS = 72, WS_CONSUMER_REGS = 216;
+constexpr int WS_THREADS = 384;
+// The consumers' budget beside a producer budget of PRODUCER_REGS: the register file's
+// 64K registers over the three warpgroups, in setmaxnreg's multiples of 8.
+__host__ __device__ constexpr int ws_consumer_regs(int producer_regs) { return ((65536 / 128 - producer_regs) / 2) & ~7; }
 
 // The mbarriers (8 bytes each, after the tiles): Q landed; per stage s, its K and its V tile
 // landed (full: an arrival from each producer thread as its copies land) and read (empty:
@@ -615,7 +639,7 @@ struct Turns {
 };
 
 // Producer: Q, then per tile its K and its V part, each once the consumers are done with the
-// stage's previous tile; the block-table entries of the next tile are read while it waits.
+// stage's previous tile.
 template <typename T, typename KV, typename C, typename Src, typename Prob>
 __device__ __forceinline__ void ws_produce(const Prob& P, const WorkItem& it, const Src& src,
                                            const WsBarriers<C::BUFFERS>& bar, u32 sQ, u32 sKV, int n_first,
@@ -623,18 +647,15 @@ __device__ __forceinline__ void ws_produce(const Prob& P, const WorkItem& it, co
   constexpr int BN = C::KEYS, STAGES = C::BUFFERS;
   load_q<T, C::HEAD, C>(P, it, sQ);
   cp_async_arrive(bar.q());
-  int blk[Src::RPT + C::TRANSPOSED_V];
-  if (n_last >= n_first) src.lookup(P, n_last * BN, blk);
   for (int n = n_last, i = 0; n >= n_first; --n, ++i) {
     const int st = i % STAGES, u = i / STAGES;
-    const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
+    const u32 sK = sKV + 2 * st * C::KV_BYTES;
     if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
-    src.template issue<true, false>(P, n * BN, blk, sK, sV);
+    src.template issue_part<true>(P, n * BN, sK);
     cp_async_arrive(bar.k_full(st));
     if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
-    src.template issue<false, true>(P, n * BN, blk, sK, sV);
+    src.template issue_part<false>(P, n * BN, sK + C::KV_BYTES);
     cp_async_arrive(bar.v_full(st));
-    if (n > n_first) src.lookup(P, (n - 1) * BN, blk);
   }
   cp_async_wait_all();
 }
@@ -691,7 +712,7 @@ __device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const 
   drain<D>(o, pf);
 }
 
-template <typename T, typename KV, typename C>
+template <typename T, typename KV, typename C, int PRODUCER_REGS>
 __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P) {
   static_assert(!Fp8Traits<KV>::FP8 && !C::TRANSPOSED_V, "16-bit caches, V rows (else prefill_wgmma)");
   constexpr int BN = C::KEYS;
@@ -712,14 +733,14 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P) {
   __syncthreads();
 
   if (wg == 0) {
-    setmaxnreg_dec<WS_PRODUCER_REGS>();
+    setmaxnreg_dec<PRODUCER_REGS>();
     const int bs = P.block_size;
     const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
                                                    P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
                                                    it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
     ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
   } else {
-    setmaxnreg_inc<WS_CONSUMER_REGS>();
+    setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
     Rows rows;
     rows.gk.init(it, 64 * g, 64, P.window_left, P.causal);
@@ -773,11 +794,11 @@ namespace cupaged {
 // (warpgroup 0 copies, 1 and 2 compute: prefill_ws); dynamic smem: Config::SMEM bytes
 // (Q [128][D], then STAGES K [BN][D] and V [BN][D] tiles, all swizzled,
 // 1024-byte aligned) plus the WsBarriers after them. 16-bit caches with V rows (not the
-// vllm value layout: its V^T copies need more producer registers than WS_PRODUCER_REGS).
-template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL>
+// vllm value layout: its V^T copies need more producer registers than it can spare).
+template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
 __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_kernel(CUPAGED_PARAMS_Problem) {
   const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
   if (item_is_padding(P)) return;
-  sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>>(P);
+  sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>, PRODUCER_REGS>(P);
 }
 }  // namespace cupaged

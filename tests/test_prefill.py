@@ -752,7 +752,8 @@ def test_wgmma_tile_shares_work_list_and_fits():
         tile = plan_.wgmma_tile(d, kv, vt == "true")
         if kv is None and vt == "false":
             assert tile.ws and tile.threads == 384
-            return f"cupaged::prefill_ws_kernel<{t}, {t}, {d}, {tile.block_n}, {tile.stages}, {g}>"
+            return (f"cupaged::prefill_ws_kernel<{t}, {t}, {d}, {tile.block_n}, {tile.stages}, {g}, "
+                    f"{plan_.ws_producer_regs(d)}>")
         assert not tile.ws and tile.threads == 256
         return (f"cupaged::prefill_wgmma_kernel<{t}, {kv or t}, {d}, {tile.block_n}, {tile.stages}, "
                 f"{vt}, {g}>")

@@ -40,7 +40,7 @@ def _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv=None):
     if tile.ws:
         g = "true" if general else "false"
         return (f"cupaged::prefill_ws_kernel<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
-                f"{tile.stages}, {g}>")
+                f"{tile.stages}, {g}, {tile.producer_regs}>")
     flags = ", ".join("true" if f else "false" for f in (v_transposed, general))
     return (f"cupaged::prefill_wgmma_kernel<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
             f"{tile.stages}, {flags}>")

@@ -122,6 +122,7 @@ class WgmmaTile(NamedTuple):
     block_n: int
     stages: int
     ws: bool = False
+    producer_regs: int = 0  # ws: the producer warpgroup's setmaxnreg budget
 
     @property
     def block_m(self):
@@ -135,6 +136,14 @@ class WgmmaTile(NamedTuple):
 # threads of the warp-specialised kernel: a producer and two consumer warpgroups
 # (prefill_sm90.cu WS_THREADS)
 WS_THREADS = 384
+
+
+def ws_producer_regs(head_dim):
+    """The producer warpgroup's register budget in the warp-specialised kernel (the
+    consumers take the rest of the register file, ``ws_consumer_regs`` in prefill_sm90.cu):
+    the largest with which both compile without spilling, 72 (consumers 216), and 64
+    (consumers 224) at d112, whose general score path needs more."""
+    return 64 if head_dim == 112 else 72
 
 
 def warp_specialised(kv=None, v_transposed=False):
@@ -155,7 +164,7 @@ def wgmma_tile(head_dim, kv=None, v_transposed=False):
     run one work list."""
     block_n = 64 if head_dim == 256 else 128
     if warp_specialised(kv, v_transposed):
-        return WgmmaTile(block_n, 2, True)
+        return WgmmaTile(block_n, 2, True, ws_producer_regs(head_dim))
     return WgmmaTile(block_n, 3 if head_dim == 64 else 2)
 
 
