@@ -16,6 +16,7 @@
 #include "common.cuh"
 #include "abi.cuh"
 #include "index_checks.cuh"
+#include "block_scan.cuh"
 
 namespace cupaged {
 namespace plan {
@@ -23,36 +24,6 @@ namespace plan {
 constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
 constexpr int BUCKETS = 2048;  // prefill cost buckets (key tiles; longer items share the last)
-
-// Exclusive prefix sum of x over the CTA in thread order; `total` gets the CTA's sum. Every
-// thread calls; s_warp holds WARPS + 1 ints.
-__device__ __forceinline__ int block_scan(int x, int* s_warp, int& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = x;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const int w = lane < WARPS ? s_warp[lane] : 0;
-    int wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, wi, o);
-      if (lane >= o) wi += y;
-    }
-    if (lane < WARPS) s_warp[lane] = wi - w;
-    if (lane == WARPS - 1) s_warp[WARPS] = wi;
-  }
-  __syncthreads();
-  const int r = s_warp[warp] + incl - x;
-  total = s_warp[WARPS];
-  __syncthreads();
-  return r;
-}
 
 // Exclusive scan of get(i) over i in [0, n): put(i, prefix, value) for each; returns the sum.
 template <typename Get, typename Put>
@@ -62,7 +33,7 @@ __device__ int scan(int n, Get get, Put put, int* s_warp) {
     const int i = base + threadIdx.x;
     const int x = i < n ? get(i) : 0;
     int total;
-    const int ex = block_scan(x, s_warp, total);
+    const int ex = block_scan<THREADS>(x, s_warp, total);
     if (i < n) put(i, carry + ex, x);
     carry += total;
   }

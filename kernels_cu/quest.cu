@@ -13,6 +13,7 @@
 #include "common.cuh"
 #include "abi.cuh"
 #include "index_checks.cuh"
+#include "block_scan.cuh"
 
 namespace cupaged {
 namespace quest {
@@ -120,31 +121,6 @@ __device__ __forceinline__ u32 page_key(int i, int n, int first, float s) {
   return i == n - 1 ? LAST_KEY : (i < first ? FIRST_KEY : order_key(s));
 }
 
-// Inclusive sum of x over the CTA in thread order; `total` gets the CTA's sum. Every thread
-// calls; s_warp holds THREADS / 32 ints.
-template <int THREADS>
-__device__ __forceinline__ int block_inclusive_sum(int x, int* s_warp, int& total) {
-  constexpr int WARPS = THREADS / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) s_warp[warp] = x;
-  __syncthreads();
-  int before = 0;
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < WARPS; ++w) {
-    const int s = s_warp[w];
-    before += w < warp ? s : 0;
-    total += s;
-  }
-  __syncthreads();
-  return before + x;
-}
-
 // grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS;
 // dynamic shared memory group * D floats (the group's queries); bounds TB (float or bf16).
 // CTA ((b, h), c) scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv
@@ -232,7 +208,7 @@ template <int THREADS>
 __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
   const QuestSelectArgs a{CUPAGED_FIELDS_QuestSelectArgs};
   __shared__ int s_hist[256];
-  __shared__ int s_warp[THREADS / 32];
+  __shared__ int s_warp[THREADS / 32 + 1];
   const int b = blockIdx.x / a.num_kv_heads, h = blockIdx.x - b * a.num_kv_heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int* table = a.block_tables + (i64)b * a.bt_stride;
@@ -307,7 +283,7 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
     if (i < n) key = page_key(i, n, a.first_pages, row_scores[i]);
     const int gt = i < n && key > threshold, eq = i < n && key == threshold;
     int total;
-    const int incl = block_inclusive_sum<THREADS>(gt | eq << 16, s_warp, total);
+    const int incl = block_scan<THREADS>(gt | eq << 16, s_warp, total) + (gt | eq << 16);
     const int gt_before = carry_gt + (incl & 0xffff) - gt;
     const int eq_before = carry_eq + (incl >> 16) - eq;
     if (gt || (eq && eq_before < ties)) {
