@@ -7,28 +7,11 @@
 // launch's lengths and block tables and schedules its CTAs.
 #include "sparse_plan.cuh"
 #include "abi.cuh"
+#include "block_scan.cuh"
 
 namespace cupaged {
 
 constexpr int PREP_THREADS = 256;
-
-// Exclusive scan over the block of one int per thread (sum, or max when MAX), identity id;
-// *total gets the reduction of all. Every thread of the block must call it.
-template <bool MAX>
-__device__ __forceinline__ int block_scan(int x, int id, int* buf, int& total) {
-  buf[threadIdx.x] = x;
-  __syncthreads();
-  for (int o = 1; o < PREP_THREADS; o <<= 1) {
-    const int y = threadIdx.x >= o ? buf[threadIdx.x - o] : id;
-    __syncthreads();
-    buf[threadIdx.x] = MAX ? max(buf[threadIdx.x], y) : buf[threadIdx.x] + y;
-    __syncthreads();
-  }
-  const int excl = threadIdx.x > 0 ? buf[threadIdx.x - 1] : id;
-  total = buf[PREP_THREADS - 1];
-  __syncthreads();
-  return excl;
-}
 
 // grid rows (= batch * heads of the index arrays), block PREP_THREADS. Block -> one row;
 // thread t owns the contiguous chunk t of the row and walks it twice around a block scan.
@@ -51,7 +34,7 @@ __global__ void __launch_bounds__(PREP_THREADS) vs_prepare(
   auto keep = [&](int i) { return v[i] < kv_len && (i == 0 || v[i] != v[i - 1]); };
   int count = 0;
   for (int i = v0; i < v1; ++i) count += keep(i);
-  int at = block_scan<false>(count, 0, buf, total);
+  int at = block_scan<PREP_THREADS>(count, buf, total);
   for (int i = v0; i < v1; ++i)
     if (keep(i)) vu[at++] = v[i];
   if (threadIdx.x == 0) v_count[row] = total;
@@ -65,7 +48,7 @@ __global__ void __launch_bounds__(PREP_THREADS) vs_prepare(
   int last = -1;
   for (int i = s0; i < s1; ++i)
     if (starts(i)) last = i;
-  int cur = block_scan<true>(last, -1, buf, total);
+  int cur = block_scan<PREP_THREADS, true>(last, buf, total, -1);
   for (int i = s0; i < s1; ++i) {
     if (starts(i)) cur = i;
     rf[i] = cur;
@@ -216,8 +199,8 @@ __global__ void __launch_bounds__(PREP_THREADS, 1) bsr_prepare(CUPAGED_PARAMS_Bs
     rows += (n + a.block_m - 1) / a.block_m;
     ctas += (n + a.cta_rows - 1) / a.cta_rows;
   }
-  int row_at = block_scan<false>(rows, 0, buf, total_rows);
-  int cta_at = block_scan<false>(ctas, 0, buf, total_ctas);
+  int row_at = block_scan<PREP_THREADS>(rows, buf, total_rows);
+  int cta_at = block_scan<PREP_THREADS>(ctas, buf, total_ctas);
   for (int b = b0; b < b1; ++b) {
     const int n = bad ? 0 : __ldg(a.cu_q + b + 1) - __ldg(a.cu_q + b), nc = (n + a.cta_rows - 1) / a.cta_rows;
     seq[b] = make_int4(a.pattern_heads * row_at, bsr_kv_len(a, b), cta_at, 0);
