@@ -290,18 +290,20 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     """
     return _paged(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, causal, sm_scale,
                   window_left, alibi_slopes, sinks, logits_soft_cap, layout, out, return_lse,
-                  backend, validate, kv_dtype, k_scale, v_scale, False)
+                  backend, validate, kv_dtype, k_scale, v_scale, None)
 
 
 def _paged(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, causal, sm_scale,
            window_left, alibi_slopes, sinks, logits_soft_cap, layout, out, return_lse, backend,
            validate, kv_dtype, k_scale, v_scale, split):
-    """paged_prefill (``split`` False) and paged_attention: the hot path, else the checks."""
+    """paged_prefill (``split`` None) and paged_attention (``split``: its split_decode): the
+    hot path, else the checks."""
     kv_dtype = given_kv_dtype(kv_dtype, k_cache)
     scale_arrays, scale_values = scale_parts(k_scale, v_scale)
     arrays = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, alibi_slopes, sinks,
               *scale_arrays, out)
-    call = hot(errors.strict(validate), arrays, "mixed" if split else "paged", causal, sm_scale,
+    op = "paged" if split is None else ("mixed split" if split else "mixed")
+    call = hot(errors.strict(validate), arrays, op, causal, sm_scale,
                window_left, logits_soft_cap, layout, bool(return_lse), backend, kv_dtype,
                scale_values)
     if call is not None:
@@ -317,10 +319,12 @@ def _paged(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, causal, sm
 @accepts_dlpack
 def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, alibi_slopes,
                    sinks, k_scale, v_scale, out, causal, sm_scale, window_left, logits_soft_cap,
-                   layout, return_lse, backend, validate, kv_dtype, cache_key, split=False):
-    """paged_prefill's and paged_attention's checks, their launches' setup (cached under
-    ``cache_key`` when planned on the device) and their launches (``split``: decode rows
-    on the decode launch, ``prefill.launch.split_launches``, where ``can_split``)."""
+                   layout, return_lse, backend, validate, kv_dtype, cache_key, split=None):
+    """paged_prefill's (``split`` None) and paged_attention's checks, their launches' setup
+    (cached under ``cache_key`` when planned on the device) and their launches (``split``:
+    decode rows on the decode launch, ``prefill.launch.split_launches``, where
+    ``can_split``). paged_attention's prefill launch takes ``plan.wgmma_tile``'s tile for
+    batches with decode rows."""
     layout = resolve_layout(layout, k_cache, q)
     xp = array_module(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, alibi_slopes,
                       sinks, out)
@@ -345,7 +349,9 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
                                          **_ref_options(opts, causal)), out, return_lse)
     v_t = layout == "vllm" and q.dtype != float32
     batch = cu_seqlens_q.shape[0] - 1
-    split = split and can_split(q, k_cache, v_cache, batch)
+    tile = (plan_.wgmma_tile(geo.head_dim, kv, v_t, decode_rows=True)
+            if split is not None and backend == "wgmma" else None)
+    split = bool(split) and can_split(q, k_cache, v_cache, batch)
     work = rows = None
     if cu_q is not None:  # strict mode: a host work list (and the decode rows' map)
         q_lens = np.diff(cu_q)
@@ -356,11 +362,11 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
                                     geo.head_dim, v_t, causal, opts, backend=backend))
     if split:
         run = split_launches(q, k_cache, v_cache, batch, block_tables, geo, layout, opts, causal,
-                             v_t, backend, kv, scales, work=work, rows=rows)
+                             v_t, backend, kv, scales, work=work, rows=rows, tile=tile)
     else:
         run = Launches(q, batch, block_tables, geo.block_size, geo.num_blocks, 0,
                        geo.num_kv_heads, cache_strides(k_cache, v_cache, layout, geo), opts,
-                       causal, v_t, backend, work=work, kv=kv, scales=scales)
+                       causal, v_t, backend, tile=tile, work=work, kv=kv, scales=scales)
     if work is None:
         _CALLS.put(cache_key, run)
     return _run(run, q, out, return_lse, (q, k_cache, v_cache, cu_seqlens_q, seq_lens,
@@ -373,18 +379,21 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
                     sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                     logits_soft_cap=0.0, layout=None, out=None, return_lse=False,
                     backend="auto", validate=None, kv_dtype=None, k_scale=None, v_scale=None,
-                    split_decode=True):
+                    split_decode=False):
     """Attention for a batch mixing decode rows (``q_len = 1``) and prefill rows.
 
-    Same arguments, semantics and results as :func:`paged_prefill`. On the device the
-    batch is split without a host read (docs/prefill.md, "Mixed batches"): the prefill
+    Same arguments, semantics and results as :func:`paged_prefill`. By default one prefill
+    launch serves every row, on a kernel for batches with decode rows
+    (``plan.wgmma_tile(..., decode_rows=True)``). With ``split_decode=True`` the
+    batch is split on the device without a host read (docs/prefill.md, "Mixed batches"): the prefill
     plan kernel lists the rows of sequences with ``q_len > 1`` for the prefill kernel and
     writes a row map of the decode rows, whose keys the split-KV decode kernel streams
     (persistent grid and merge, as :func:`cupaged.paged_decode`), reading q and writing
     out / lse through the map. Strict mode splits on the host the same way
-    (``prefill.plan.decode_rows``). Every row stays on the prefill launch with
-    ``split_decode=False``, or where the decode kernel cannot take the arrays
-    (``prefill.launch.can_split``: strides past 32 bits, an empty batch).
+    (``prefill.plan.decode_rows``). Every row stays on the prefill launch where the decode
+    kernel cannot take the arrays (``prefill.launch.can_split``: strides past 32 bits, an
+    empty batch). The split is not the default: it has not yet met the one launch's speed
+    (docs/prefill.md, "Mixed batches").
 
     Parameters
     ----------
@@ -407,8 +416,8 @@ return_lse, backend, validate, kv_dtype, k_scale, v_scale
         As in :func:`paged_prefill` (``backend`` picks the prefill kernel; the decode rows
         take ``paged_decode``'s "auto" kernel).
     split_decode : bool
-        Decode rows on the split-KV decode launch (default), or all rows on the prefill
-        launch (one launch: the pre-split path).
+        Decode rows on the split-KV decode launch, or all rows on the prefill launch (one
+        launch, the default).
 
     Returns
     -------
@@ -482,7 +491,7 @@ class PagedPrefiller:
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout=None, *, causal=True, window_left=-1, logits_soft_cap=0.0,
                  sm_scale=None, backend="auto", max_batch=None, max_blocks_per_seq=None,
-                 kv_dtype=None, split_decode=True):
+                 kv_dtype=None, split_decode=False):
         self.num_q_heads = check_int("num_q_heads", num_q_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
         self.block_size = check_int("block_size", block_size)

@@ -247,20 +247,21 @@ def can_split(q, k_cache, v_cache, batch):
 
 def split_launches(q, k_cache, v_cache, batch, tables, geo, layout, opts, causal, v_transposed,
                    backend, kv=None, scales=None, work=None, rows=None, owned=None,
-                   decode_buffers=None, name="mixed"):
+                   decode_buffers=None, name="mixed", tile=None):
     """The :class:`MixedLaunches` of a paged_attention call shape over ``batch`` sequences
     (block tables ``tables``, cache geometry ``geo``): ``work`` and ``rows`` a host plan's
     uploads (``plan.decode_rows``), else the plan kernel writes both (``rows``: a device
     buffer of ``batch`` ints, default per-stream scratch; ``owned`` as in
-    :class:`Launches`); ``decode_buffers``: ``decode.launch.row_map_buffers`` or a callable
-    ``(launch, batch)`` giving them (default per-stream scratch)."""
+    :class:`Launches`; ``tile``: the prefill launch's, as there); ``decode_buffers``:
+    ``decode.launch.row_map_buffers`` or a callable ``(launch, batch)`` giving them
+    (default per-stream scratch)."""
     dl = decode_launch
     if rows is None:
         rows = scratch(f"{name}.rows", max(batch, 1))[:batch]
     pre = Launches(q, batch, tables, geo.block_size, geo.num_blocks, 0, geo.num_kv_heads,
                    cache_strides(k_cache, v_cache, layout, geo), opts, causal, v_transposed,
-                   backend, work=work, name=name, owned=owned, kv=kv, scales=scales,
-                   rows=rows)
+                   backend, tile=tile, work=work, name=name, owned=owned, kv=kv,
+                   scales=scales, rows=rows)
     launch = dl.current_geometry(q.dtype, q.shape[2], layout, geo.block_size, q.shape[1],
                                  geo.num_kv_heads, "auto", batch, kv)
     if decode_buffers is None:

@@ -146,14 +146,17 @@ def ws_producer_regs(head_dim):
     return 64 if head_dim == 112 else 72
 
 
-def warp_specialised(kv=None, v_transposed=False):
-    """Whether a wgmma call runs the warp-specialised kernel: 16-bit caches with V rows. fp8
-    caches (widened by the copying threads) and the vllm value layout (V^T copies, whose
-    addressing needs more registers than the producer's budget) run ``prefill_wgmma_kernel``."""
-    return kv is None and not v_transposed
+def warp_specialised(kv=None, v_transposed=False, decode_rows=False):
+    """Whether a wgmma call runs the warp-specialised kernel: 16-bit caches with V rows, in
+    batches without decode rows. fp8 caches (widened by the copying threads), the vllm value
+    layout (V^T copies, whose addressing needs more registers than the producer's budget) and
+    paged_attention's batches (``decode_rows``: an item of one query row's heads keeps a
+    warpgroup idle, and ``prefill_wgmma_kernel`` skips its tiles where the warp-specialised
+    kernel computes them) run ``prefill_wgmma_kernel``."""
+    return kv is None and not v_transposed and not decode_rows
 
 
-def wgmma_tile(head_dim, kv=None, v_transposed=False):
+def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False):
     """wgmma tile of a call. Warp-specialised (:func:`warp_specialised`): 128-key tiles (64
     at d256, whose 128 accumulators a thread leave no room for 128-key scores), two K and
     two V stages. Otherwise, ``prefill_wgmma_kernel``'s: 128-key tiles with three stages (P V
@@ -163,7 +166,7 @@ def wgmma_tile(head_dim, kv=None, v_transposed=False):
     memory). Its ``block_m`` equals ``default_tile(head_dim).block_m``, so every kernel can
     run one work list."""
     block_n = 64 if head_dim == 256 else 128
-    if warp_specialised(kv, v_transposed):
+    if warp_specialised(kv, v_transposed, decode_rows):
         return WgmmaTile(block_n, 2, True, ws_producer_regs(head_dim))
     return WgmmaTile(block_n, 3 if head_dim == 64 else 2)
 
