@@ -431,6 +431,24 @@ struct Rows {
   float sc;
   int lane;
 
+  // The rows of warpgroup g's warp `warp`: tile rows 64 g + 16 warp + lane / 4 (+ 8) (no
+  // row: sees nothing); sm: the score scale.
+  template <typename C, typename Prob>
+  __device__ __forceinline__ void init(const Prob& P, const WorkItem& it, int g, int warp, int lane_, float sm) {
+    gk.init(it, 64 * g, 64, P.window_left, P.causal);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = 64 * g + 16 * warp + lane_ / 4 + 8 * hr;
+      const bool valid = r < it.rows;
+      p[hr] = valid ? it.position(r) : 0;
+      lo[hr] = valid ? visible_lo(p[hr], P.window_left) : 0;
+      hi[hr] = valid ? visible_hi(p[hr], it.kv_len, P.causal) : 0;
+      slope[hr] = valid && P.alibi != nullptr ? __ldg(P.alibi + it.head(r)) * LOG2E : 0.f;
+    }
+    epi.init(sm, P.soft_cap);
+    sc = C::GENERAL_SCORES ? 1.f : sm * LOG2E;
+    lane = lane_;
+  }
   // raw dots of tile j0 -> scores in log2 units (general path), keys the rows do not see -> -inf
   template <typename C>
   __device__ __forceinline__ void scores(float (&s)[C::KEYS / 2], int j0) const {
@@ -537,24 +555,10 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
                              P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table, it.kv_len,
                              (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, sS};
   Rows rows;
-  rows.gk.init(it, 64 * wg, 64, P.window_left, P.causal);
-  // the thread's rows: tile rows 64 wg + 16 warp + lane / 4 (+ 8); no row: sees nothing
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = 64 * wg + 16 * warp + lane / 4 + 8 * hr;
-    const bool valid = r < it.rows;
-    const int p = valid ? it.position(r) : 0;
-    rows.lo[hr] = valid ? visible_lo(p, P.window_left) : 0;
-    rows.hi[hr] = valid ? visible_hi(p, it.kv_len, P.causal) : 0;
-    rows.p[hr] = p;
-    rows.slope[hr] = valid && P.alibi != nullptr ? __ldg(P.alibi + it.head(r)) * LOG2E : 0.f;
-  }
   // an fp8 cache's k_scale joins the score scale (s = sm_scale * q . (k_scale * code))
   const float sm = FP8 ? P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk)
                        : P.sm_scale;
-  rows.epi.init(sm, P.soft_cap);
-  rows.sc = C::GENERAL_SCORES ? 1.f : sm * LOG2E;
-  rows.lane = lane;
+  rows.init<C>(P, it, wg, warp, lane, sm);
 
   // key tiles n_first .. n_last hold every key a row of the CTA sees
   const int j_begin = visible_lo(it.position(0), P.window_left);
@@ -743,20 +747,7 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P) {
     setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
     Rows rows;
-    rows.gk.init(it, 64 * g, 64, P.window_left, P.causal);
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = 64 * g + 16 * warp + lane / 4 + 8 * hr;
-      const bool valid = r < it.rows;
-      const int p = valid ? it.position(r) : 0;
-      rows.lo[hr] = valid ? visible_lo(p, P.window_left) : 0;
-      rows.hi[hr] = valid ? visible_hi(p, it.kv_len, P.causal) : 0;
-      rows.p[hr] = p;
-      rows.slope[hr] = valid && P.alibi != nullptr ? __ldg(P.alibi + it.head(r)) * LOG2E : 0.f;
-    }
-    rows.epi.init(P.sm_scale, P.soft_cap);
-    rows.sc = C::GENERAL_SCORES ? 1.f : P.sm_scale * LOG2E;
-    rows.lane = lane;
+    rows.init<C>(P, it, g, warp, lane, P.sm_scale);
     float o[C::HEAD / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < C::HEAD / 2; ++i) o[i] = 0.f;
