@@ -146,27 +146,27 @@ def ws_producer_regs(head_dim):
     return 64 if head_dim == 112 else 72
 
 
-def warp_specialised(kv=None, v_transposed=False, decode_rows=False):
+def warp_specialised(head_dim, kv=None, v_transposed=False, decode_rows=False):
     """Whether a wgmma call runs the warp-specialised kernel: 16-bit caches with V rows, in
-    batches without decode rows. fp8 caches (widened by the copying threads), the vllm value
+    batches without decode rows, head sizes below 256 (d256 ran at 347 TFLOP/s on it, 1.12x
+    SDPA flash, against 1.24x for ``prefill_wgmma_kernel``: benchmarks/NOTES.md). fp8 caches (widened by the copying threads), the vllm value
     layout (V^T copies, whose addressing needs more registers than the producer's budget) and
     paged_attention's batches (``decode_rows``: an item of one query row's heads keeps a
     warpgroup idle, and ``prefill_wgmma_kernel`` skips its tiles where the warp-specialised
     kernel computes them) run ``prefill_wgmma_kernel``."""
-    return kv is None and not v_transposed and not decode_rows
+    return head_dim != 256 and kv is None and not v_transposed and not decode_rows
 
 
 def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False):
-    """wgmma tile of a call. Warp-specialised (:func:`warp_specialised`): 128-key tiles (64
-    at d256, whose 128 accumulators a thread leave no room for 128-key scores), two K and
-    two V stages. Otherwise, ``prefill_wgmma_kernel``'s: 128-key tiles with three stages (P V
+    """wgmma tile of a call. Warp-specialised (:func:`warp_specialised`): 128-key tiles, two
+    K and two V stages. Otherwise, ``prefill_wgmma_kernel``'s: 128-key tiles with three stages (P V
     of one tile overlapping the next softmax) at d64, two at d80..d128 (the faster of the two
     at d64 and d128, benchmarks/NOTES.md, prefill wgmma w1 s2 / s3; d80..d112 follow d128);
-    d256 64-key tiles and two stages (two stages of 128 keys would not fit the shared
-    memory). Its ``block_m`` equals ``default_tile(head_dim).block_m``, so every kernel can
+    d256 64-key tiles and two stages (its 128 accumulators a thread leave no room for
+    128-key scores, and two stages of 128 keys would not fit the shared memory). Its ``block_m`` equals ``default_tile(head_dim).block_m``, so every kernel can
     run one work list."""
     block_n = 64 if head_dim == 256 else 128
-    if warp_specialised(kv, v_transposed, decode_rows):
+    if warp_specialised(head_dim, kv, v_transposed, decode_rows):
         return WgmmaTile(block_n, 2, True, ws_producer_regs(head_dim))
     return WgmmaTile(block_n, 3 if head_dim == 64 else 2)
 
