@@ -111,8 +111,7 @@ struct KVRows {
   // staging slots (fp8), from the entries `lookup` gave. Block and token strides fit in 32
   // bits (the host checks): 32 x 32 -> 64-bit multiplies; the row offset in a block is a
   // mask for power-of-two block sizes.
-  // (KP, VP: the K and the V part; prefill_ws issues them apart)
-  template <bool KP = true, bool VP = true, typename Prob>
+  template <typename Prob>
   __device__ __forceinline__ void issue(const Prob& P, int j0, const int (&blk)[RPT + V_T], u32 sK, u32 sV) const {
     const int c = threadIdx.x % F::CL, r0 = threadIdx.x / F::CL;
     if (F::CL == F::CH || c < F::CH) {
@@ -128,15 +127,14 @@ struct KVRows {
         }
         const u32 at = swizzled<BN, C::SW>(r, c);
         const int bytes = j0 + r < kv_len ? 16 : 0;
-        if (KP)
-          cp_async16(F::FP8 ? F::slot(staging, i) : sK + at, kc + wide(b, (u32)P.k_block) + wide(off, (u32)P.k_tok),
-                     bytes);
-        if (!V_T && VP)
+        cp_async16(F::FP8 ? F::slot(staging, i) : sK + at, kc + wide(b, (u32)P.k_block) + wide(off, (u32)P.k_tok),
+                   bytes);
+        if (!V_T)
           cp_async16(F::FP8 ? F::slot(staging, RPT + i) : sV + at,
                      vc + wide(b, (u32)P.v_block) + wide(off, (u32)P.v_tok), bytes);
       }
     }
-    if constexpr (V_T && VP) load_vt(P, j0, blk[RPT], sV);
+    if constexpr (V_T) load_vt(P, j0, blk[RPT], sV);
   }
   // One part (K: KP, else V rows) of the tile at key j0 -> dst, as `issue` does, each row's
   // block-table entry read just before its copy: no entries kept across prefill_ws's waits
@@ -595,9 +593,9 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 
 // ------------------------------------------------------------ warp-specialised (prefill_ws)
 // Warpgroup 0 produces, warpgroups 1 and 2 consume (WS_THREADS threads; the producer's
-// register budget PRODUCER_REGS, the consumers' the rest, set by setmaxnreg). The producer's 128 threads copy Q
-// and the K/V tiles with cp.async (KVRows of 128 loaders) into STAGES K and STAGES V
-// buffers; the consumers run the wgmma loop of loop_overlap on them. They meet only at
+// register budget PRODUCER_REGS, the consumers' the rest, set by setmaxnreg). The
+// producer's 128 threads copy Q and the K/V tiles with cp.async (KVRows of 128 loaders)
+// into STAGES K and STAGES V buffers; the consumers run the wgmma loop of loop_overlap on them. They meet only at
 // mbarriers: no CTA barrier per tile.
 constexpr int WS_THREADS = 384;
 // The consumers' budget beside a producer budget of PRODUCER_REGS: the register file's

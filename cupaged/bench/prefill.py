@@ -57,7 +57,8 @@ VARIANTS = {
 # wgmma tiles (sm_90): the warp-specialised kernel (the 16-bit default), and
 # prefill_wgmma_kernel with 2 stages (plain) and 3 stages (overlapped): plan_.wgmma_tile(d)
 # names the default of each head size
-WGMMA_VARIANTS = [plan_.WgmmaTile(128, 2, True, 72), plan_.WgmmaTile(128, 2), plan_.WgmmaTile(128, 3)]
+WGMMA_VARIANTS = [plan_.WgmmaTile(128, 2, True, plan_.ws_producer_regs(128)), plan_.WgmmaTile(128, 2),
+                  plan_.WgmmaTile(128, 3)]
 
 
 def tile_label(tile):

@@ -58,7 +58,8 @@ def kernel_specializations():
         dims = HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS
         specs += [Spec("prefill", _expr(dt, d, vt, plan_.default_tile(d, vt), kv))
                   for dt in (float16, bfloat16) for d in dims for vt in (False, True)]
-        specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.wgmma_tile(d, kv, vt), vt, general, kv),
+        specs += [Spec("prefill_sm90",
+                       _expr_wgmma(dt, d, plan_.wgmma_tile(d, kv, vt), vt, general, kv),
                        hopper=True)
                   for dt in (float16, bfloat16) for d in dims if d in plan_.WGMMA_HEAD_DIMS
                   for vt in (False, True) for general in (False, True)]

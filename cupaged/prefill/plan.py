@@ -147,23 +147,25 @@ def ws_producer_regs(head_dim):
 
 
 def warp_specialised(head_dim, kv=None, v_transposed=False, decode_rows=False):
-    """Whether a wgmma call runs the warp-specialised kernel: 16-bit caches with V rows, in
-    batches without decode rows, head sizes below 256 (d256 ran at 347 TFLOP/s on it, 1.12x
-    SDPA flash, against 1.24x for ``prefill_wgmma_kernel``: benchmarks/NOTES.md). fp8 caches (widened by the copying threads), the vllm value
-    layout (V^T copies, whose addressing needs more registers than the producer's budget) and
-    paged_attention's batches (``decode_rows``: an item of one query row's heads keeps a
-    warpgroup idle, and ``prefill_wgmma_kernel`` skips its tiles where the warp-specialised
-    kernel computes them) run ``prefill_wgmma_kernel``."""
+    """Whether a wgmma call runs the warp-specialised kernel: 16-bit caches with V rows,
+    head sizes below 256, batches without decode rows. The others run
+    ``prefill_wgmma_kernel`` (docs/prefill.md, "Kernel choice"): fp8 caches (widened by the
+    copying threads), the vllm value layout (V^T copies need more registers than the
+    producer's budget), d256 (slower warp-specialised) and paged_attention's batches
+    (``decode_rows``: an item of one query row's heads keeps a warpgroup idle, and
+    ``prefill_wgmma_kernel`` skips its tiles where the warp-specialised kernel computes
+    them)."""
     return head_dim != 256 and kv is None and not v_transposed and not decode_rows
 
 
 def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False):
     """wgmma tile of a call. Warp-specialised (:func:`warp_specialised`): 128-key tiles, two
-    K and two V stages. Otherwise, ``prefill_wgmma_kernel``'s: 128-key tiles with three stages (P V
-    of one tile overlapping the next softmax) at d64, two at d80..d128 (the faster of the two
-    at d64 and d128, benchmarks/NOTES.md, prefill wgmma w1 s2 / s3; d80..d112 follow d128);
-    d256 64-key tiles and two stages (its 128 accumulators a thread leave no room for
-    128-key scores, and two stages of 128 keys would not fit the shared memory). Its ``block_m`` equals ``default_tile(head_dim).block_m``, so every kernel can
+    K and two V stages. Otherwise ``prefill_wgmma_kernel``'s: 128-key tiles with three
+    stages (P V of one tile overlapping the next softmax) at d64, two at d80..d128 (the
+    faster of the two at d64 and d128, benchmarks/NOTES.md, prefill wgmma w1 s2 / s3;
+    d80..d112 follow d128); d256 64-key tiles and two stages (its 128 accumulators a thread
+    leave no room for 128-key scores, and two stages of 128 keys would not fit the shared
+    memory). Its ``block_m`` equals ``default_tile(head_dim).block_m``, so every kernel can
     run one work list."""
     block_n = 64 if head_dim == 256 else 128
     if warp_specialised(head_dim, kv, v_transposed, decode_rows):
