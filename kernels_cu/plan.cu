@@ -208,9 +208,9 @@ __global__ void __launch_bounds__(THREADS) decode_plan_kernel(CUPAGED_PARAMS_Dec
 // (ragged), or the length and its block ids (paged); a bad prefix sum makes every row
 // unusable, a bad length or block id only its sequence (whose items are flagged w = 1: no
 // keys). Every CTA zeroes its share of the rows past cu_seqlens_q[batch] (padding; LSE
-// -inf). The last CTA then writes one item per (sequence, kv head, block_m packed rows),
-// ordered by the key tiles the item's rows see (counting sort, largest first), and pads the
-// list to `capacity` with sequence -1 (the kernels' CTAs for those return at once). With a
+// -inf). The last CTA then writes one item per (sequence, kv head, block_m packed rows), in
+// sections of section_heads kv heads (prefill_plan.work_list), each section ordered by the
+// key tiles the item's rows see (counting sort, largest first), and pads the list to `capacity` with sequence -1 (the kernels' CTAs for those return at once). With a
 // row map (`rows`, paged_attention's split) sequences of one query row get no item and the
 // last CTA writes rows[b] = cu_q[b] for them, -1 for the others (all -1 when the prefix sums
 // are bad): the decode launch's rows (prefill.plan.decode_rows is the host twin).
@@ -320,11 +320,15 @@ __global__ void __launch_bounds__(THREADS) prefill_plan_kernel(CUPAGED_PARAMS_Pr
     // -- bucket offsets, the largest cost first --
     scan(BUCKETS, [&](int c) { return s_bucket[BUCKETS - 1 - c]; },
          [&](int c, int prefix, int) { s_bucket[BUCKETS - 1 - c] = prefix; }, s_warp);
+    // -- the list: section by section of section_heads kv heads, each in bucket order --
     for (int i = threadIdx.x; i < items; i += THREADS) {
       int b, row0, flag;
       const int pos = atomicAdd(&s_bucket[cost(i, b, row0, flag)], 1);
-      for (int hk = 0; hk < a.num_kv_heads; ++hk)
-        list[(i64)pos * a.num_kv_heads + hk] = make_int4(b, hk, row0, flag);
+      for (int h0 = 0; h0 < a.num_kv_heads; h0 += a.section_heads) {
+        const int hs = min(a.section_heads, a.num_kv_heads - h0);
+        for (int hk = h0; hk < h0 + hs; ++hk)
+          list[(i64)items * h0 + (i64)pos * hs + (hk - h0)] = make_int4(b, hk, row0, flag);
+      }
     }
   } else {
     zero_rows(a, 0, a.total_q, 0, 1);

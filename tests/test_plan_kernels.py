@@ -2,8 +2,8 @@
 
 decode_plan_kernel must write exactly the descriptors and piece info of
 ``decode_plan.equal_share_plan``; prefill_plan_kernel the items of
-``prefill_plan.work_list`` (as a set: items of one cost may come in any order), longest
-first, the rest of its capacity padded with sequence -1.
+``prefill_plan.work_list`` (as a set: items of one cost may come in any order), each
+section of kv heads longest first, the rest of its capacity padded with sequence -1.
 """
 import numpy as np
 import pytest
@@ -79,24 +79,30 @@ def test_prefill_work_matches_host(rng, cp, paged, q_lens, kv_extra, causal, win
     opts = cupaged.core.checks.check_options(cp, hq, d, window_left=window)
     if paged:
         tables, nb = tables_for(rng, kv_lens, bs)
-        work = prefill._device_work(q, out, None, cp.asarray(cu_q), cp.asarray(kv_lens.astype(np.int32)),
+        work, heads = prefill._device_work(q, out, None, cp.asarray(cu_q), cp.asarray(kv_lens.astype(np.int32)),
                                     cp.asarray(tables), bs, nb, 0, hk, tile, causal, opts)
     else:
         cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
-        work = prefill._device_work(q, out, None, cp.asarray(cu_q), cp.asarray(cu_k), None, 1,
+        work, heads = prefill._device_work(q, out, None, cp.asarray(cu_q), cp.asarray(cu_k), None, 1,
                                     0, int(cu_k[-1]), hk, tile, causal, opts)
     got = work.get()
     want = pp.work_list(q_lens, kv_lens, group=hq // hk, num_kv_heads=hk, tile=tile,
-                        causal=causal, window_left=window)
+                        causal=causal, window_left=window, section_heads=heads)
     n = len(want)
     assert got.shape[0] == prefill.work_capacity(q.shape[0], len(q_lens), hq // hk, hk,
                                                  tile.block_m)
     assert (got[n:, 0] == -1).all()
     as_set = lambda w: sorted(map(tuple, w.tolist()))
     assert as_set(got[:n]) == as_set(want)
-    cost = pp.item_tiles(got[:n:hk, 0], got[:n:hk, 2].astype(np.int64), q_lens, kv_lens,
-                         group=hq // hk, tile=tile, causal=causal, window_left=window)
-    assert (np.diff(cost) <= 0).all()  # longest first
+    per_head = n // hk
+    for h0 in range(0, hk, heads):  # each section: its heads' items, longest first
+        hs = min(heads, hk - h0)
+        part = got[per_head * h0:per_head * (h0 + hs)]
+        assert as_set(part) == as_set(want[per_head * h0:per_head * (h0 + hs)])
+        assert (part[:, 1] == np.tile(np.arange(h0, h0 + hs), per_head)).all()
+        cost = pp.item_tiles(part[::hs, 0], part[::hs, 2].astype(np.int64), q_lens, kv_lens,
+                             group=hq // hk, tile=tile, causal=causal, window_left=window)
+        assert (np.diff(cost) <= 0).all()
     assert not cp.isnan(out[int(cu_q[-1]):].astype(cp.float32)).any()  # padding zeroed
     assert float(cp.abs(out[int(cu_q[-1]):].astype(cp.float32)).max()) == 0.0
     cupaged.check_errors()

@@ -134,23 +134,36 @@ def _covered_rows(items, q_lens, group, block_m):
 
 
 @pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("heads, sections", [(2, None), (5, 2), (3, 1)])
 @pytest.mark.parametrize("group, causal, window", [(1, True, -1), (4, True, 50), (8, False, -1), (3, False, 7)])
-def test_work_list_covers_every_row_once_longest_first(rng, group, causal, window, tile):
+def test_work_list_covers_every_row_once_longest_first(rng, group, causal, window, tile, heads,
+                                                        sections):
     q_lens = rng.integers(0, 300, 6)
     kv_lens = q_lens + rng.integers(0, 200, 6)
     kv_lens[0] = 0
-    items = plan_.work_list(q_lens, kv_lens, group=group, num_kv_heads=2, tile=tile,
-                            causal=causal, window_left=window)
+    items = plan_.work_list(q_lens, kv_lens, group=group, num_kv_heads=heads, tile=tile,
+                            causal=causal, window_left=window, section_heads=sections)
     assert items.dtype == np.int32 and items.shape[1] == 4
     seen = _covered_rows(items, q_lens, group, tile.block_m)
-    want = {(b, h, r) for b in range(6) for h in range(2) for r in range(q_lens[b] * group)}
+    want = {(b, h, r) for b in range(6) for h in range(heads) for r in range(q_lens[b] * group)}
     assert set(seen) == want and set(seen.values()) <= {1}
-    cost = []
-    for b, _, r0, _ in items:
-        lo, hi = _tile_keys(q_lens[b], kv_lens[b], group, r0, causal, window, tile.block_m)
-        bn = tile.block_n
-        cost.append(max(0, -(-hi // bn) - lo // bn) if hi > lo else 0)
-    assert (np.diff(cost) <= 0).all()
+    per_head, hs = len(items) // heads, sections or heads
+    for h0 in range(0, heads, hs):  # sections of hs heads in order, each longest first
+        part = items[per_head * h0:per_head * min(h0 + hs, heads)]
+        assert set(part[:, 1]) == set(range(h0, min(h0 + hs, heads)))
+        cost = []
+        for b, _, r0, _ in part:
+            lo, hi = _tile_keys(q_lens[b], kv_lens[b], group, r0, causal, window, tile.block_m)
+            bn = tile.block_n
+            cost.append(max(0, -(-hi // bn) - lo // bn) if hi > lo else 0)
+        assert (np.diff(cost) <= 0).all()
+
+
+@pytest.mark.parametrize("tokens, d, itemsize, heads, l2, want", [
+    (16384, 128, 2, 32, 50 << 20, 3), (16384, 128, 1, 32, 50 << 20, 6),
+    (100, 64, 2, 8, 50 << 20, 8), (1 << 22, 256, 2, 8, 50 << 20, 1), (0, 128, 2, 4, 1, 1)])
+def test_section_heads_fill_a_share_of_the_l2(tokens, d, itemsize, heads, l2, want):
+    assert plan_.section_heads(tokens, d, itemsize, heads, l2) == want
 
 
 def _tile_keys(q_len, kv_len, group, row0, causal, window, block_m):

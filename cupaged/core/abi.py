@@ -125,7 +125,8 @@ PREFILL = Record("Problem", [
     *SCALES,
 ], template="typename T, typename KV")
 
-# The device work list of a prefill launch (kernels_cu/plan.cu), as prefill_plan.work_list.
+# The device work list of a prefill launch (kernels_cu/plan.cu), as prefill_plan.work_list
+# (kv heads in sections of section_heads).
 # With rows (paged_attention's split, prefill.plan.decode_rows): sequences of one query row
 # get no item; rows[b] is their q row, -1 for the others (and for all of them when the
 # prefix sums are bad), for the decode launch.
@@ -139,7 +140,7 @@ PREFILL_PLAN = Record("PrefillPlanArgs", [
     ("int", "width"), ("int", "bt_stride"), ("int", "block_size"), ("int", "num_blocks"),
     ("int", "group"), ("int", "num_kv_heads"), ("int", "num_q_heads"), ("int", "block_m"),
     ("int", "block_n"), ("int", "causal"), ("int", "window_left"), ("int", "capacity"),
-    ("int* __restrict__", "rows", NULL),
+    ("int* __restrict__", "rows", NULL), ("int", "section_heads"),
 ])
 
 # ----------------------------------------------------------------------------- sparse

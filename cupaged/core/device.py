@@ -1,7 +1,7 @@
 """Device facts and device memory the ops keep between calls.
 
-- :func:`current` - the current device's id, compute capability and multiprocessor count
-  (read once per device).
+- :func:`current` - the current device's id, compute capability, multiprocessor count and
+  L2 size (read once per device).
 - :func:`scratch` - per-stream buffers an op reuses from call to call (a device plan's
   work list, split-KV partial rows, counters its kernels re-arm). Calls on one stream run
   in order, so they can share; calls on another stream get their own. A buffer that has
@@ -22,13 +22,16 @@ class DeviceFacts(NamedTuple):
     id: int
     compute_capability: str  # "90"
     sms: int
+    l2_bytes: int
 
 
 @functools.lru_cache(maxsize=None)
 def _facts(device_id):
     import cupy
     device = cupy.cuda.Device(device_id)
-    return DeviceFacts(device_id, device.compute_capability, device.attributes["MultiProcessorCount"])
+    attributes = device.attributes
+    return DeviceFacts(device_id, device.compute_capability, attributes["MultiProcessorCount"],
+                       attributes["L2CacheSize"])
 
 
 def current():

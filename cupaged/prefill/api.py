@@ -359,7 +359,7 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
             q_lens, rows = plan_.decode_rows(cu_q)
             rows = xp.asarray(rows)
         work = xp.asarray(host_work(q_lens, kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
-                                    geo.head_dim, v_t, causal, opts, backend=backend))
+                                    geo.head_dim, v_t, causal, opts, backend=backend, kv=kv))
     if split:
         run = split_launches(q, k_cache, v_cache, batch, block_tables, geo, layout, opts, causal,
                              v_t, backend, kv, scales, work=work, rows=rows, tile=tile)
@@ -571,7 +571,8 @@ class PagedPrefiller:
         if on_host and self.split_decode:
             q_lens, rows = plan_.decode_rows(cu)
         work = host_work(q_lens, sl, self.dtype, self.num_q_heads, self.num_kv_heads,
-                         self.head_dim, self._v_transposed, self.causal, self._opts) if on_host else None
+                         self.head_dim, self._v_transposed, self.causal, self._opts,
+                         kv=self.kv_dtype) if on_host else None
         self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]) if on_host else None,
                           max_block=int(bt[used].max()) if used.any() else -1)
         self._device = self._upload(work, cu, sl, bt, rows) if gpu_available() else None

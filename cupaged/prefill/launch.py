@@ -11,10 +11,10 @@ import numpy as np
 
 from ..core import abi, errors
 from . import plan as plan_
-from ..core.arrays import HEAD_DIMS, bfloat16, float16, float32
+from ..core.arrays import HEAD_DIMS, bfloat16, float16, float32, gpu_available
 from ..core.checks import INT32_MAX, table_stride, token_stride
 from ..core.compile import Spec, kv_types, launcher
-from ..core.device import scratch
+from ..core.device import current, scratch
 from ..core.fp8 import KV_DTYPES
 from ..core.launch import current_stream, ptr
 from ..core.layouts import cache_strides, layout_strides
@@ -92,13 +92,25 @@ def _tile(dtype, head_dim, v_transposed, backend, tile=None, kv=None):
     return plan_.launch_tile(dtype, head_dim, v_transposed)
 
 
+def sections(kv_tokens, head_dim, dtype, kv, num_kv_heads):
+    """kv heads per section of a launch's work list (``plan.section_heads``) on the current
+    device, for ``kv_tokens`` keys per head in q's ``dtype`` or the fp8 format ``kv``; None
+    (one section) without a device, where no list is launched."""
+    if not gpu_available():
+        return None
+    itemsize = 1 if kv is not None else np.dtype(dtype).itemsize
+    return plan_.section_heads(kv_tokens, head_dim, itemsize, num_kv_heads, current().l2_bytes)
+
+
 def host_work(q_lens, kv_lens, dtype, num_q_heads, num_kv_heads, head_dim, v_transposed, causal,
-              opts, tile=None, backend="mma"):
-    """Host work list for one launch."""
+              opts, tile=None, backend="mma", kv=None):
+    """Host work list for one launch (``kv``: the caches' fp8 format or None)."""
     tile = _tile(dtype, head_dim, v_transposed, backend, tile)
     return plan_.work_list(q_lens, kv_lens, group=num_q_heads // num_kv_heads,
                            num_kv_heads=num_kv_heads, tile=tile, causal=causal,
-                           window_left=_window(opts))
+                           window_left=_window(opts),
+                           section_heads=sections(int(np.sum(kv_lens)), head_dim, dtype, kv,
+                                                  num_kv_heads))
 
 
 def _kernel(dtype, head_dim, v_transposed, tile, backend, general=False, kv=None):
@@ -176,6 +188,8 @@ class Launches:
                          scratch(f"{name}.done", 1, zero=True))
             work, plan_scratch, done = owned
             capacity = work.shape[0]
+            self.section_heads = self._sections(batch, tables, block_size, num_blocks, total_k,
+                                                d, kv, num_kv_heads)
             self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN).at(
                 min(max(batch, 1), PLAN_CTAS), 512), abi.PREFILL_PLAN.bind(
                 work=ptr(work), scratch=ptr(plan_scratch),
@@ -185,7 +199,8 @@ class Launches:
                 bt_stride=table_stride(tables), block_size=block_size, num_blocks=num_blocks,
                 group=group, num_kv_heads=num_kv_heads, num_q_heads=hq,
                 block_m=self.tile.block_m, block_n=self.tile.block_n, causal=int(causal),
-                window_left=_window(opts), capacity=capacity, rows=ptr(rows)))
+                window_left=_window(opts), capacity=capacity, rows=ptr(rows),
+                section_heads=self.section_heads))
         self.work = work
         self.go = self.kernel.at(work.shape[0], self.threads, self.smem)
         self.args = abi.PREFILL.bind(
@@ -201,6 +216,14 @@ class Launches:
                                       "block_tables", "alibi", "sinks", "k_scale", "v_scale")
         self._plan_pack = None if self.plan is None else self.plan[1].packer(
             "cu_q", "kv_info", "block_tables", "out", "lse")
+
+    def _sections(self, batch, tables, block_size, num_blocks, total_k, head_dim, kv,
+                  num_kv_heads):
+        """kv heads per section of the device list: the keys per head are ``total_k``
+        (ragged) or bounded by the blocks the tables can name (paged)."""
+        if tables is not None:
+            total_k = min(num_blocks, batch * tables.shape[1]) * block_size
+        return sections(total_k, head_dim, self.dtype, kv, num_kv_heads) or num_kv_heads
 
     def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream,
                  k_scale=0, v_scale=0):
@@ -282,14 +305,15 @@ def addresses(*arrays):
 
 def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, total_k,
                  num_kv_heads, tile, causal, opts, name="prefill"):
-    """The device work list of a call (the plan kernel alone; tests of its output)."""
+    """The device work list of a call (the plan kernel alone; tests of its output) and its
+    kv heads per section."""
     strides = layout_strides("ragged", 1, num_kv_heads, q.shape[2], q.itemsize)
     run = Launches(q, cu_q.shape[0] - 1, tables, block_size, num_blocks, total_k,
                    num_kv_heads, strides, opts, causal, False, "mma", tile=tile, name=name)
     go, args = run.plan
     go(args.pack(cu_q=ptr(cu_q), kv_info=ptr(kv_info), block_tables=ptr(tables), out=ptr(out),
                  lse=ptr(lse)), current_stream())
-    return run.work
+    return run.work, run.section_heads
 
 
 def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides, opts,

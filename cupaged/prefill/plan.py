@@ -243,8 +243,27 @@ def item_tiles(seq, row0, q_lens, kv_lens, *, group, tile, causal, window_left):
     return np.where(j_end > j_begin, (j_end - 1) // bn - j_begin // bn + 1, 0)
 
 
-def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left):
-    """Tile work items of a batch, longest first.
+# The K/V of the kv heads whose items run together fill at most this share of the L2, so
+# that the CTAs of a section find most of their tiles there (FlashAttention-3's head swizzle).
+L2_SHARE = 0.5
+
+
+def section_heads(kv_tokens, head_dim, kv_itemsize, num_kv_heads, l2_bytes):
+    """kv heads per section of a work list: as many as keep ``L2_SHARE`` of the L2
+    (``l2_bytes``) over their K and V rows (``kv_tokens`` keys per head: all sequences' keys,
+    or a bound on them), at least 1, at most ``num_kv_heads``."""
+    per_head = max(int(kv_tokens), 1) * head_dim * kv_itemsize * 2
+    return int(min(num_kv_heads, max(1, int(l2_bytes * L2_SHARE) // per_head)))
+
+
+def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left,
+              section_heads=None):
+    """Tile work items of a batch: kv heads in sections, each section's items longest first.
+
+    A section is ``section_heads`` consecutive kv heads (:func:`section_heads`; None: all of
+    them): its items are listed before the next section's, longest first with the heads
+    innermost, so the CTAs that run together read the K/V of few heads, and each section
+    ends with its shortest items.
 
     Parameters
     ----------
@@ -258,6 +277,7 @@ def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left
     causal : bool
     window_left : int
         ``-1`` for no window.
+    section_heads : int, optional
 
     Returns
     -------
@@ -273,11 +293,16 @@ def work_list(q_lens, kv_lens, *, group, num_kv_heads, tile, causal, window_left
     n_tiles = item_tiles(seq, row0, q_lens, kv_lens, group=group, tile=tile, causal=causal,
                          window_left=window_left)
     order = np.argsort(-(n_tiles + 1), kind="stable")
-    items = np.zeros((len(order) * num_kv_heads, 4), dtype=np.int32)
-    items[:, 0] = np.repeat(seq[order], num_kv_heads)
-    items[:, 1] = np.tile(np.arange(num_kv_heads), len(order))
-    items[:, 2] = np.repeat(row0[order], num_kv_heads)
-    return items
+    hs = num_kv_heads if section_heads is None else section_heads
+    sections = []
+    for h0 in range(0, num_kv_heads, hs):
+        heads = np.arange(h0, min(h0 + hs, num_kv_heads))
+        items = np.zeros((len(order) * len(heads), 4), dtype=np.int32)
+        items[:, 0] = np.repeat(seq[order], len(heads))
+        items[:, 1] = np.tile(heads, len(order))
+        items[:, 2] = np.repeat(row0[order], len(heads))
+        sections.append(items)
+    return np.concatenate(sections) if sections else np.zeros((0, 4), dtype=np.int32)
 
 
 def decode_rows(cu_seqlens_q):
