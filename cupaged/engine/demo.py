@@ -411,7 +411,7 @@ class ModelSteps:
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
         self.k, self.v = self.model.allocate_cache(cfg.num_blocks, cfg.block_size)
         self.prompts, self.logits = {}, {}
-        # chosen tokens' logits, for the reference check and the 16-bit cache comparison
+        # chosen tokens' logits, for the reference check and the comparison with a dtype cache
         self.keep_logits = (cfg.check and xp is not np) or cfg.kv_dtype != "none"
         self.stream = self.graphs = None
         if xp is not np:  # every step on one stream: eager steps and graph replays in order

@@ -82,7 +82,7 @@ class PagedKVCache(CacheView):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by ``k`` and ``v``."""
+        """Bytes held by ``k`` and ``v`` (one byte an element in an fp8 cache)."""
         return int(self.k.nbytes + self.v.nbytes)
 
     def write(self, key, value, slots):
