@@ -204,7 +204,9 @@ def _demo_options(fn):
 @library_errors
 def demo(device, **options):
     """Continuous batching over the paged cache: a tiny random-weight Llama-style model
-    (or random q/k/v with --model none) serving random requests; greedy tokens."""
+    (or random q/k/v with --model none) serving random requests; greedy tokens. With
+    --kv-dtype the cache is fp8, and the tiny model's logits and tokens are compared with
+    the same model on a cache of --dtype."""
     from .engine.demo import (CHECK_TOLERANCE, DemoConfig, array_module_for, check_run,
         resolve_model, run_demo)
     cfg = DemoConfig(**options)

@@ -366,23 +366,70 @@ def test_demo_fp8_cache_on_cpu():
     res = invoke("demo", "--device", "cpu", "--requests", 6, "--kv-dtype", "fp8_e4m3",
                  "--max-prompt", 60, "--max-output", 8)
     assert res.exit_code == 0, res.output
-    assert summary_rows(res.output)["requests finished"] == "6"
-    with pytest.raises(ValueError, match="kv_dtype"):
-        DemoConfig(model="tiny", kv_dtype="fp8_e5m2").validate()
-    with pytest.raises(ValueError, match="kv_dtype"):
+    rows = summary_rows(res.output)
+    assert rows["requests finished"] == "6" and rows["model"].startswith("none")
+    assert rows["kv cache"] == "fp8_e4m3 (1 byte; k_scale = v_scale = 0.03125), 0.8 MiB"
+    with pytest.raises(ValueError, match="kv_dtype: expected one of"):
         DemoConfig(kv_dtype="fp8").validate()
     from cupaged.engine.demo import resolve_model
-    assert resolve_model(DemoConfig(kv_dtype="fp8_e4m3"), object()) == "none"
+    assert resolve_model(DemoConfig(kv_dtype="fp8_e4m3"), object()) == "tiny"
+
+
+def test_demo_tiny_model_fp8_cache_on_cpu():
+    """The tiny model on an fp8 cache prints the cache and how its logits and greedy tokens
+    compare with the same model on a cache of --dtype."""
+    res = invoke("demo", "--device", "cpu", "--model", "tiny", "--kv-dtype", "fp8_e5m2",
+                 "--dtype", "bfloat16", "--layout", "vllm", "--requests", 3, "--seed", 1,
+                 "--max-prompt", 30, "--max-output", 5, "--num-q-heads", 4, "--layers", 1)
+    assert res.exit_code == 0, res.output
+    rows = summary_rows(res.output)
+    assert rows["kv cache"] == ("fp8_e5m2 (1 byte; scales per layer and kv head, from the "
+                                "weights), 0.8 MiB")
+    diff, rel = rows["logits vs bfloat16 cache"].removeprefix("max |diff| ").split(", rel. ")
+    assert 0 < float(diff) < 1 and 0 < float(rel) < 6e-2
+    agree, total = rows["argmax vs bfloat16 cache"].split(" tokens agree")[0].split(" of ")
+    assert int(total) == int(rows["decode tokens"]) + 3     # a token per prompt, per decode
+    assert int(agree) >= int(total) - 1
+    plain = summary_rows(invoke("demo", "--device", "cpu", "--model", "tiny", "--requests", 2,
+                                "--max-prompt", 20, "--max-output", 4, "--layers", 1).output)
+    assert plain["kv cache"] == "float16, 1.5 MiB" and "logits vs float16 cache" not in plain
+
+
+def test_demo_fp8_cache_limits_on_the_gpu_are_refused_up_front():
+    from cupaged.engine.demo import check_run
+    gpu = object()  # any module but numpy runs the kernels
+    with pytest.raises(ValueError, match="dtype: expected float16 or bfloat16 with kv_dtype "
+                                         "'fp8_e4m3' on the GPU, got 'float32'"):
+        check_run(DemoConfig(kv_dtype="fp8_e4m3", dtype="float32"), gpu)
+    with pytest.raises(ValueError, match=r"head_dim: expected one of \(64, 128\) with kv_dtype "
+                                         r"'fp8_e5m2' on the GPU, got 96"):
+        check_run(DemoConfig(kv_dtype="fp8_e5m2", head_dim=96), gpu)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype, dtype", [("fp8_e4m3", "bfloat16"), ("fp8_e5m2", "float16")])
 def test_demo_fp8_cache_on_gpu_matches_reference(kv_dtype, dtype):
-    res = invoke("demo", "--device", "gpu", "--requests", 12, "--kv-dtype", kv_dtype,
+    res = invoke("demo", "--device", "gpu", "--model", "none", "--requests", 12, "--kv-dtype",
+                 kv_dtype,
                  "--dtype", dtype, "--head-dim", 128, "--max-prompt", 120, "--max-output", 24,
                  "--check")
     assert res.exit_code == 0, res.output
     assert "cupy (CUDA kernels)" in res.output and "max rel. error vs reference" in res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype, dtype, layout", [("fp8_e4m3", "bfloat16", "NHD"),
+                                                     ("fp8_e5m2", "float16", "vllm")])
+def test_demo_tiny_model_fp8_cache_on_gpu(kv_dtype, dtype, layout):
+    """The default GPU model on an fp8 cache: checked against the NumPy model on the same
+    format, and compared with a cache of --dtype on the GPU."""
+    res = invoke("demo", "--device", "gpu", "--requests", 12, "--kv-dtype", kv_dtype,
+                 "--dtype", dtype, "--layout", layout, "--max-prompt", 120, "--max-output", 24,
+                 "--check")
+    assert res.exit_code == 0, res.output
+    rows = summary_rows(res.output)
+    assert rows["model"].startswith("tiny llama") and rows["kv cache"].startswith(kv_dtype)
+    assert "max rel. error vs reference" in rows and f"logits vs {dtype} cache" in rows
 
 
 @pytest.mark.gpu

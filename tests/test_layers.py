@@ -5,7 +5,7 @@ import pytest
 import cupaged
 from cupaged.engine import layers
 from cupaged.core.arrays import bfloat16
-from cupaged.core.layouts import LAYOUTS, cache_shapes
+from cupaged.core.layouts import LAYOUTS, cache_shapes, k_as_nhd, v_as_nhd
 from cupaged.reference import attention as aref
 from cupaged.reference import cache as cref
 from cupaged.reference import rope as rref
@@ -53,8 +53,9 @@ def metadata(batch, xp=np):
                                     xp.asarray(batch["tables"]), xp.asarray(batch["slots"]))
 
 
-def composed_reference(batch, layer, layout, positions=None, rope=None, alibi=None):
-    """(RoPE) -> write_kv_cache -> paged_attention with the reference ops, copies of caches."""
+def composed_reference(batch, layer, layout, positions=None, rope=None, alibi=None, **fp8):
+    """(RoPE) -> write_kv_cache -> paged_attention with the reference ops, copies of caches
+    (``fp8``: the layer's ``kv_dtype`` and scales for both ops)."""
     n, hq, hk, d = sum(Q_LENS), layer.num_heads, layer.num_kv_heads, layer.head_size
     q = batch["query"][:n].reshape(n, hq, d)
     k = batch["key"][:n].reshape(n, hk, d)
@@ -62,19 +63,36 @@ def composed_reference(batch, layer, layout, positions=None, rope=None, alibi=No
     if rope is not None:
         q, k = rref.apply_rope(positions[:n], q, k, **rope)
     kc, vc = batch["key_cache"].copy(), batch["value_cache"].copy()
-    cref.write_kv_cache(k, v, kc, vc, batch["slots"][:n], layout)
+    cref.write_kv_cache(k, v, kc, vc, batch["slots"][:n], layout, **fp8)
     o = aref.paged_attention(q, kc, vc, batch["cu"], batch["tables"], batch["seq_lens"],
                              causal=True, sm_scale=layer.scale, window_left=layer.window_left,
-                             alibi_slopes=alibi, layout=layout)
+                             alibi_slopes=alibi, layout=layout, **fp8)
     out = np.zeros(batch["query"].shape, q.dtype)
     out[:n] = o.reshape(n, hq * d)
     return out, kc, vc
 
 
-def rope_layer(layout, window=None, scaling=None, neox=True):
+def rope_layer(layout, window=None, scaling=None, neox=True, kv_dtype=None):
     return layers.PagedAttentionWithRoPE(8, 64, 0.11, rotary_dim=32, max_position=64, base=500,
                                          num_kv_heads=2, is_neox_style=neox, rope_scaling=scaling,
-                                         sliding_window=window, layout=layout)
+                                         sliding_window=window, layout=layout, kv_dtype=kv_dtype)
+
+
+def fp8_caches(batch, kv_dtype, layout, xp=np):
+    """The batch's caches quantised into fp8 ones of ``kv_dtype`` in ``layout`` (1-byte
+    elements of ``xp``: float8 in NumPy, uint8 in CuPy)."""
+    from cupaged.core.fp8 import cache_element_dtype, fp8_format
+    from cupaged.reference.fp8 import quantize
+    from test_decode import from_nhd
+    codes = from_nhd(quantize(k_as_nhd(batch["key_cache"], layout), FP8_K_SCALE, kv_dtype),
+                     quantize(v_as_nhd(batch["value_cache"], layout), FP8_V_SCALE, kv_dtype),
+                     layout)
+    elements = cache_element_dtype(fp8_format(kv_dtype), xp)
+    return tuple(xp.asarray(c.view(elements)) for c in codes)
+
+
+FP8_K_SCALE = np.array([0.02, 0.03], np.float32)   # per kv head: N(0, 1) rows well in range
+FP8_V_SCALE = np.float32(0.025)
 
 
 ROPE_KW = dict(rotary_dim=32, base=500.0, max_position=64)
@@ -280,3 +298,112 @@ def test_layer_takes_the_cache_object(rng):
         layers.PagedAttention(16, 64, 0.1, num_kv_heads=16)(
             square["query"], square["key"], square["value"], square["key_cache"],
             square["value_cache"], metadata(square))
+
+
+# ----------------------------------------------------------------------------- fp8 caches
+FP8_SCALES = dict(k_scale=FP8_K_SCALE, v_scale=FP8_V_SCALE)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_rope_layer_matches_composition(rng, layout, kv_dtype):
+    """A layer with ``kv_dtype`` writes quantised keys and values and attends over the fp8
+    cache as the reference ops given the same format and scales."""
+    batch = mixed_batch(rng, np.float16, layout)
+    batch["key_cache"], batch["value_cache"] = fp8_caches(batch, kv_dtype, layout)
+    layer = rope_layer(layout, window=6, kv_dtype=kv_dtype)
+    meta = metadata(batch)
+    positions = np.concatenate([meta.positions, np.zeros(PADDING, np.int32)])
+    kc, vc = batch["key_cache"].copy(), batch["value_cache"].copy()
+    out = layer(positions, batch["query"], batch["key"], batch["value"], kc, vc, meta,
+                **FP8_SCALES)
+    want, want_kc, want_vc = composed_reference(
+        batch, layer, layout, positions, dict(ROPE_KW, is_neox=True), kv_dtype=kv_dtype,
+        **FP8_SCALES)
+    np.testing.assert_allclose(out, want, atol=1e-6)
+    np.testing.assert_array_equal(kc.view(np.uint8), want_kc.view(np.uint8))
+    np.testing.assert_array_equal(vc.view(np.uint8), want_vc.view(np.uint8))
+    assert (out[sum(Q_LENS):] == 0).all()
+
+
+def test_fp8_layer_takes_the_cache_object(rng):
+    """An fp8 PagedKVCache brings its format and scales; the layer's format must match it."""
+    batch = mixed_batch(rng, np.float16, "NHD")
+    cache = cupaged.PagedKVCache(12, 16, 2, 64, dtype="float16", xp=np, kv_dtype="fp8_e4m3",
+                                 **FP8_SCALES)
+    cache.k[...], cache.v[...] = fp8_caches(batch, "fp8_e4m3", "NHD")
+    raw = (cache.k.copy(), cache.v.copy())
+    layer = layers.PagedAttention(8, 64, 0.1, num_kv_heads=2, kv_dtype="fp8_e4m3")
+    want = layer(batch["query"], batch["key"], batch["value"], *raw, metadata(batch),
+                 **FP8_SCALES)
+    got = layer(batch["query"], batch["key"], batch["value"], cache, metadata(batch))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(cache.k.view(np.uint8), raw[0].view(np.uint8))
+    with pytest.raises(ValueError, match="kv_dtype 'fp8_e5m2', got a 'fp8_e4m3'"):
+        layers.PagedAttention(8, 64, 0.1, num_kv_heads=2, kv_dtype="fp8_e5m2")(
+            batch["query"], batch["key"], batch["value"], cache, metadata(batch))
+    with pytest.raises(ValueError, match="k_scale: expected None with a PagedKVCache"):
+        layer(batch["query"], batch["key"], batch["value"], cache, metadata(batch),
+              k_scale=0.5)
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_fp8_bad_arguments_leave_cache_untouched(rng, case):
+    batch = mixed_batch(rng, np.float16, "NHD")
+    k8, v8 = fp8_caches(batch, "fp8_e4m3", "NHD")
+    plain = layers.PagedAttention(8, 64, 0.1, num_kv_heads=2)
+    fp8 = layers.PagedAttention(8, 64, 0.1, num_kv_heads=2, kv_dtype="fp8_e4m3")
+    layer, caches, scales, exc, msg = [
+        (plain, (k8, v8), {}, TypeError, "key_cache: expected dtype float16 like query, got "
+                                         "float8_e4m3fn .an fp8 cache needs the layer's kv_dtype"),
+        (plain, (batch["key_cache"], batch["value_cache"]), dict(k_scale=0.5), ValueError,
+         "k_scale, v_scale: expected None for a layer without kv_dtype"),
+        (fp8, (batch["key_cache"], batch["value_cache"]), {}, TypeError,
+         "key_cache: expected dtype uint8 or float8_e4m3fn for kv_dtype 'fp8_e4m3', got float16"),
+        (fp8, (k8, v8), dict(k_scale=np.ones(3, np.float32)), ValueError,
+         r"k_scale: expected shape \[\], \[1\] or \[2\]"),
+        (fp8, (k8, v8.view(np.uint8)), {}, TypeError, "v_cache: expected dtype float8_e4m3fn"),
+    ][case]
+    before = [c.copy() for c in caches]
+    with pytest.raises(exc, match=msg):
+        layer(batch["query"], batch["key"], batch["value"], *caches, metadata(batch), **scales)
+    for c, b in zip(caches, before):
+        np.testing.assert_array_equal(c.view(np.uint8), b.view(np.uint8))
+
+
+def test_fp8_bad_kv_dtype_names_the_argument():
+    with pytest.raises(ValueError, match=r"kv_dtype: expected one of \('fp8_e4m3', "
+                                         r"'fp8_e5m2'\), got 'fp8'"):
+        rope_layer("NHD", kv_dtype="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kv_dtype, dtype", [("fp8_e4m3", bfloat16), ("fp8_e5m2", np.float16)])
+def test_gpu_fp8_rope_layer_mixed_batch(rng, cp, layout, kv_dtype, dtype):
+    """The CuPy layer over uint8 fp8 caches against the reference ops on the same bytes:
+    outputs within the 16-bit tolerance, values quantised bit for bit, rotated keys (whose
+    16-bit rounding may differ) within one fp8 step."""
+    from cupaged.core.fp8 import fp8_format
+    from cupaged.reference.fp8 import dequantize
+    batch = mixed_batch(rng, dtype, layout)
+    batch["key_cache"], batch["value_cache"] = fp8_caches(batch, kv_dtype, layout)
+    layer = rope_layer(layout, window=6, kv_dtype=kv_dtype)
+    meta = metadata(batch)
+    positions = np.concatenate([meta.positions, np.zeros(PADDING, np.int32)])
+    want, want_kc, want_vc = composed_reference(
+        batch, layer, layout, positions, dict(ROPE_KW, is_neox=True), kv_dtype=kv_dtype,
+        **FP8_SCALES)
+    dev = {name: cp.asarray(a.view(np.uint8) if a.dtype.itemsize == 1 else a)
+           for name, a in batch.items()}
+    out = layer(cp.asarray(positions), dev["query"], dev["key"], dev["value"],
+                dev["key_cache"], dev["value_cache"], metadata(dev, cp),
+                k_scale=cp.asarray(FP8_K_SCALE), v_scale=float(FP8_V_SCALE))
+    assert out.dtype == dtype and out.shape == want.shape
+    assert_close(out.get(), want, dtype)
+    np.testing.assert_array_equal(dev["value_cache"].get(), want_vc.view(np.uint8))
+    fmt = fp8_format(kv_dtype)
+    got_k, want_k = (dequantize(k_as_nhd(c, layout), FP8_K_SCALE, kv_dtype)
+                     for c in (dev["key_cache"].get(), want_kc.view(np.uint8)))
+    np.testing.assert_allclose(got_k, want_k, rtol=2.0 ** -fmt.mantissa_bits,
+                               atol=fmt.min_subnormal * FP8_K_SCALE.max())

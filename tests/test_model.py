@@ -3,10 +3,18 @@ import numpy as np
 import pytest
 
 from cupaged.engine.demo import CHECK_TOLERANCE, DemoConfig, run_demo
+from dataclasses import replace
+
+from cupaged.core.fp8 import FP8_FORMATS
+from cupaged.core.layouts import cache_shapes
 from cupaged.engine.model import (TinyLlama, TinyLlamaConfig, check_generation, generate,
-    init_weights, score)
+    init_weights, kv_scales, score)
 
 SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
+# ||logits(fp8 cache) - logits(16-bit cache)|| / ||logits(16-bit cache)||: a quantised element
+# is off by up to 2^-4 (e4m3) or 2^-3 (e5m2) of itself, and attention averages the errors of
+# many keys and values; these bounds leave about three times the error seen at SMALL sizes
+FP8_TOLERANCE = {"fp8_e4m3": 3e-2, "fp8_e5m2": 6e-2}
 
 
 def small(**kw):
@@ -90,12 +98,13 @@ def test_check_generation_flags_wrong_tokens_and_logits():
     cfg = small(dtype="float32")
     p = prompts_of((7,))[0]
     tokens, logits = generate(TinyLlama(cfg, np), [p], 5)
-    err, matches, total = check_generation(cfg, [(p, tokens[0], logits[0])])
-    assert err < 1e-5 and matches == total == 5
+    c = check_generation(cfg, [(p, tokens[0], logits[0])])
+    assert c.max_rel_error < 1e-5 and c.max_abs_error < 1e-4 and c.matches == c.total == 5
     bad = tokens[0].copy()
     bad[-1] = (bad[-1] + 1) % cfg.vocab_size     # the last token feeds nothing: logits unchanged
-    err, matches, _ = check_generation(cfg, [(p, bad, logits[0] * 1.01)])
-    assert matches == 4 and 5e-3 < err < 2e-2
+    c = check_generation(cfg, [(p, bad, logits[0] * 1.01)])
+    assert c.matches == 4 and 5e-3 < c.max_rel_error < 2e-2
+    assert np.isclose(c.max_abs_error, 0.01 * np.abs(logits[0]).max(), rtol=1e-3)
 
 
 def test_weights_depend_on_seed_only():
@@ -108,7 +117,7 @@ def test_weights_depend_on_seed_only():
     (dict(num_kv_heads=3), "num_kv_heads"), (dict(head_dim=48), "head_dim"),
     (dict(dtype="int8"), "dtype"), (dict(layout="NDH"), "layout"),
     (dict(num_layers=0), "num_layers"), (dict(vocab_size=0), "vocab_size"),
-    (dict(rms_eps=0.0), "rms_eps")])
+    (dict(rms_eps=0.0), "rms_eps"), (dict(kv_dtype="fp8"), "kv_dtype: expected one of")])
 def test_config_errors_name_the_field(bad, field):
     with pytest.raises((ValueError, TypeError), match=field):
         TinyLlama(small(**bad), np)
@@ -139,6 +148,62 @@ def test_demo_engine_tokens_follow_the_dense_model():
         np.testing.assert_array_equal(out, dense_logits(mcfg, seq)[r.prompt_len - 1:].argmax(-1))
 
 
+# ----------------------------------------------------------------------------- fp8 caches
+@pytest.mark.parametrize("layout", ["NHD", "vllm"])
+def test_fp8_caches_are_one_byte(layout):
+    cfg = small(kv_dtype="fp8_e5m2", layout=layout)
+    k, v = TinyLlama(cfg, np).allocate_cache(6, 16)
+    plain_k, plain_v = TinyLlama(replace(cfg, kv_dtype=None), np).allocate_cache(6, 16)
+    assert k.dtype == v.dtype == FP8_FORMATS["fp8_e5m2"].dtype
+    assert k.shape == (cfg.num_layers, *cache_shapes(layout, 6, 16, 2, 64, "fp8_e5m2")[0])
+    assert 2 * (k.nbytes + v.nbytes) == plain_k.nbytes + plain_v.nbytes
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_kv_scales_bound_every_key_and_value(kv_dtype):
+    """Whatever the residual stream holds, a layer's rotated keys and values over their
+    head's scale stay inside the format's range."""
+    cfg = small(kv_dtype=kv_dtype)
+    w = init_weights(cfg)
+    rng = np.random.default_rng(5)
+    t, d, hq, hk = 64, cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
+    for layer, (ks, vs) in zip(w["layers"], kv_scales(cfg, w)):
+        assert ks.dtype == vs.dtype == np.float32 and ks.shape == vs.shape == (hk,)
+        x = rng.standard_normal((t, cfg.hidden_size)) * rng.uniform(1e-3, 1e3, (t, 1))
+        x[0] = np.sign(layer["wqkv"][:, hq * d]) * 1e4   # aligned with one key column
+        qkv = _rms(x, layer["attn_norm"], cfg.rms_eps) @ layer["wqkv"]
+        k = _rope(qkv[:, hq * d:(hq + hk) * d].reshape(t, hk, d), cfg.rope_base)
+        v = qkv[:, (hq + hk) * d:].reshape(t, hk, d)
+        fmax = FP8_FORMATS[kv_dtype].max
+        assert np.abs(k / ks[:, None]).max() <= fmax and np.abs(v / vs[:, None]).max() <= fmax
+        assert np.abs(k / ks[:, None]).max() > fmax / 4      # the aligned row nears the bound
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("layout, dtype", [("NHD", "float16"), ("vllm", "bfloat16"),
+                                           ("HND", "float32")])
+def test_fp8_cache_logits_stay_close_to_16bit_cache(kv_dtype, layout, dtype):
+    """The NumPy model on an fp8 cache against the same model on a cache of its dtype, teacher
+    forced on the fp8 run's tokens: logits within FP8_TOLERANCE, greedy choices agreeing."""
+    cfg = small(dtype=dtype, layout=layout, kv_dtype=kv_dtype)
+    prompts = prompts_of((5, 17, 33))
+    tokens, logits = generate(TinyLlama(cfg, np), prompts, 8, block_size=8)
+    c = check_generation(replace(cfg, kv_dtype=None), list(zip(prompts, tokens, logits)))
+    assert 1e-4 < c.max_rel_error < FP8_TOLERANCE[kv_dtype]   # quantised, but close
+    assert c.matches >= c.total - 1
+
+
+def test_demo_engine_compares_fp8_with_16bit_cache():
+    cfg = DemoConfig(requests=3, max_prompt=40, max_output=6, max_batch_tokens=24, max_seqs=3,
+                     model="tiny", num_q_heads=4, num_kv_heads=2, seed=12, kv_dtype="fp8_e4m3")
+    stats = run_demo(cfg, np)
+    check, dtype = stats.fp8_vs_plain
+    assert dtype == "float16" and check.total == sum(map(len, stats.tokens.values()))
+    assert check.max_rel_error < FP8_TOLERANCE["fp8_e4m3"] and check.matches >= check.total - 1
+    assert "fp8_e4m3 (1 byte" in stats.kv_cache
+    assert run_demo(replace(cfg, kv_dtype="none"), np).fp8_vs_plain is None
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
@@ -156,6 +221,49 @@ def test_gpu_greedy_tokens_match_numpy(cp, dtype, head_dim, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm"])
+@pytest.mark.parametrize("kv_dtype, dtype, head_dim, seed", [
+    ("fp8_e4m3", "float16", 64, 1), ("fp8_e4m3", "bfloat16", 64, 1),
+    ("fp8_e5m2", "float16", 64, 1), ("fp8_e5m2", "bfloat16", 64, 1),
+    ("fp8_e4m3", "float16", 128, 4), ("fp8_e4m3", "bfloat16", 128, 3),
+    ("fp8_e5m2", "float16", 128, 4), ("fp8_e5m2", "bfloat16", 128, 4)])
+def test_gpu_fp8_greedy_tokens_match_numpy(cp, kv_dtype, dtype, head_dim, seed, layout):
+    """The CuPy model on uint8 fp8 caches (device per-head scales) against the NumPy model
+    on float8 caches of the same format and scales: the same tokens, logits within the
+    16-bit tolerance (both sides quantise the same 16-bit rows bit for bit). Prompt seeds
+    chosen where the reference's closest top-2 logits differ by more than 0.05."""
+    cfg = small(dtype=dtype, head_dim=head_dim, layout=layout, kv_dtype=kv_dtype)
+    prompts = prompts_of((5, 17, 33), seed=seed)
+    ref_tokens, ref_logits = generate(TinyLlama(cfg, np), prompts, 8)
+    top2 = np.sort(ref_logits, -1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() > 0.05, "near tie in the reference: change seed"
+    model = TinyLlama(cfg, cp)
+    assert model.allocate_cache(2, 16)[0].dtype == np.uint8
+    tokens, logits = generate(model, prompts, 8)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    assert _rel(logits, ref_logits) < CHECK_TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_fp8_demo_engine_matches_numpy(cp, dtype):
+    """The demo's mixed steps and decodes on an e4m3 cache: the NumPy engine's
+    tokens (seed 12: the reference's closest top-2 logits differ by >= 0.3), the check
+    within tolerance, and the comparison with the 16-bit cache made on the GPU."""
+    cfg = DemoConfig(requests=3, max_prompt=40, max_output=8, max_batch_tokens=24, max_seqs=3,
+                     model="tiny", dtype=dtype, num_q_heads=4, num_kv_heads=2, check=True,
+                     seed=12, kv_dtype="fp8_e4m3")
+    gpu, ref = run_demo(cfg, cp), run_demo(cfg, np)
+    assert gpu.tokens == ref.tokens and len(gpu.tokens) == 3
+    assert gpu.max_rel_error < CHECK_TOLERANCE[dtype]
+    assert gpu.argmax_matches[0] == gpu.argmax_matches[1] == sum(map(len, ref.tokens.values()))
+    plain, ref_plain = gpu.fp8_vs_plain[0], ref.fp8_vs_plain[0]
+    assert plain.max_rel_error < FP8_TOLERANCE["fp8_e4m3"] and plain.total == ref_plain.total
+    # each side's 16-bit and fp8 runs differ from the NumPy ones within the tolerance
+    assert abs(plain.max_rel_error - ref_plain.max_rel_error) < 2 * CHECK_TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_gpu_demo_engine_matches_numpy(cp, dtype):
     # seed 12: the reference's closest top-2 logits differ by >= 0.3 (fp32 and bf16)
@@ -169,19 +277,24 @@ def test_gpu_demo_engine_matches_numpy(cp, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["NHD", "vllm"])
-def test_gpu_decode_graphs_match_eager_steps(cp, layout):
+@pytest.mark.parametrize("layout, kv_dtype", [("NHD", None), ("vllm", None),
+                                              ("NHD", "fp8_e4m3"), ("vllm", "fp8_e5m2")])
+def test_gpu_decode_graphs_match_eager_steps(cp, layout, kv_dtype):
     """Decode steps replayed from CUDA graphs (captured per power-of-two batch, replayed with
-    other sequences, lengths and tokens) give the eager step's logits and cache writes."""
+    other sequences, lengths and tokens) give the eager step's logits and cache writes
+    (an fp8 cache: its values compared, within one step of the format)."""
     from cupaged.engine.layers import AttentionMetadata
     from cupaged.engine.model import DecodeGraphs
-    cfg = small(layout=layout)
+    from cupaged.reference.fp8 import quantize
+    cfg = small(layout=layout, kv_dtype=kv_dtype)
     model = TinyLlama(cfg, cp)
     rng = np.random.default_rng(3)
     bs, width, num_seqs = 16, 8, 6
     k, v = model.allocate_cache(num_seqs * width, bs)
-    k[...] = cp.asarray(rng.standard_normal(k.shape), k.dtype)
-    v[...] = cp.asarray(rng.standard_normal(v.shape), v.dtype)
+    for c in (k, v):
+        past = rng.standard_normal(c.shape)
+        c[...] = cp.asarray(past if kv_dtype is None else quantize(past, np.float32(1), kv_dtype),
+                            c.dtype)
     k_eager, v_eager = k.copy(), v.copy()
     tables = rng.permutation(num_seqs * width).astype(np.int32).reshape(num_seqs, width)
     lens = rng.integers(5, 90, num_seqs).astype(np.int32)
@@ -200,9 +313,12 @@ def test_gpu_decode_graphs_match_eager_steps(cp, layout):
         assert got.shape == want.shape == (batch, cfg.vocab_size)
         assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want), batch
     assert graphs.replays == 3
+    fmt = None if kv_dtype is None else FP8_FORMATS[kv_dtype]
     for got, want in ((k, k_eager), (v, v_eager)):
-        np.testing.assert_allclose(got.get().astype(np.float32), want.get().astype(np.float32),
-                                   rtol=1e-2, atol=1e-2)
+        got, want = (c.get() if fmt is None else c.get().view(fmt.dtype) for c in (got, want))
+        tol = 1e-2 if fmt is None else 2.0 ** -fmt.mantissa_bits
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol,
+                                   atol=1e-2 if fmt is None else fmt.min_subnormal)
 
 
 @pytest.mark.gpu

@@ -89,6 +89,12 @@ def fp8_format(kv_dtype, name="kv_dtype") -> Fp8Format:
     return FP8_FORMATS[kv_dtype]
 
 
+def cache_element_dtype(fmt, xp) -> np.dtype:
+    """Element dtype of a new fp8 cache of format ``fmt`` in array module ``xp``: the
+    format's float8 dtype in NumPy, ``uint8`` elsewhere (CuPy has no float8 dtype)."""
+    return fmt.dtype if xp is np else uint8
+
+
 def check_fp8_cache(name, cache, fmt):
     """An fp8 cache must have a 1-byte dtype: uint8, or ``fmt``'s own float8 dtype."""
     if cache.dtype not in (uint8, fmt.dtype):

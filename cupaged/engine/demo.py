@@ -14,13 +14,20 @@ CPU) attends random queries, keys and values, measuring the cache and attention 
 NumPy runs the reference backend, CuPy the CUDA kernels. ``--check`` compares a GPU run with
 the reference: each attention step (``none``) or each chosen token's logits against the
 NumPy model scoring the same tokens (``tiny``).
+
+``--kv-dtype fp8_e4m3|fp8_e5m2`` keeps the cache in fp8 (1-byte elements). The tiny model's
+scales are fixed per layer and kv head from its weights (``cupaged.engine.model.kv_scales``:
+the bound every key and value of an RMS-normalised input obeys); random q/k/v, drawn from
+N(0, 1), take ``FP8_SCALE``. After a tiny-model run the same model with a cache of ``dtype``
+scores the generated tokens on the same backend, and the demo prints how far the fp8 run's
+logits and greedy choices are from it.
 """
 from __future__ import annotations
 
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -29,6 +36,7 @@ from ..core.arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cu
 from ..core.checks import check_int
 from ..core.fp8 import KV_DTYPES
 from ..core.layouts import LAYOUTS
+from ..decode.plan import FP8_HEAD_DIMS
 
 # relative tolerance ||out - ref|| / ||ref|| of the --check comparison, per dtype: of each
 # step's attention output (--model none), of the chosen tokens' logits (--model tiny)
@@ -56,8 +64,10 @@ class DemoConfig:
     dtype: str = _opt("float16", "Cache and activation dtype.",
                       ["float16", "bfloat16", "float32"])
     layout: str = _opt("NHD", "KV cache layout.", list(LAYOUTS))
-    kv_dtype: str = _opt("none", "KV cache elements: none (the dtype) or an fp8 format (scales "
-                         f"{FP8_SCALE:g}; --model none, float16/bfloat16 on the GPU).",
+    kv_dtype: str = _opt("none", "KV cache elements: none (the dtype) or an fp8 format (tiny: "
+                         "per-head scales from the weights, logits compared with a --dtype "
+                         f"cache; none: scales {FP8_SCALE:g}; on the GPU float16/bfloat16 "
+                         f"and head dim {' or '.join(map(str, FP8_HEAD_DIMS))}).",
                          ["none", *KV_DTYPES])
     max_seqs: int = _opt(16, "Requests running at once.")
     max_batch_tokens: int = _opt(256, "Token budget of a step (decode tokens + prefill chunks).")
@@ -95,9 +105,6 @@ class DemoConfig:
         check_choice("layout", self.layout, LAYOUTS)
         check_choice("model", self.model, MODELS)
         check_choice("kv_dtype", self.kv_dtype, ("none", *KV_DTYPES))
-        if self.kv_dtype != "none" and self.model == "tiny":
-            raise ValueError(f"kv_dtype: the tiny model keeps 16/32-bit caches; an fp8 cache "
-                             f"runs with --model none (or auto), got {self.kv_dtype!r}")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads = "
                              f"{self.num_q_heads}, got {self.num_kv_heads}")
@@ -248,6 +255,7 @@ class DemoStats:
     """
     backend: str
     model: str = "none"
+    kv_cache: str = ""
     steps: int = 0
     finished: int = 0
     prefill_tokens: int = 0
@@ -261,6 +269,7 @@ class DemoStats:
     tokens: dict = field(default_factory=dict)       # tiny model: request id -> generated ids
     argmax_matches: tuple | None = None              # tiny model, check: (matching, tokens)
     graph_steps: int = 0                             # decode steps replayed from CUDA graphs
+    fp8_vs_plain: tuple | None = None                # tiny model, fp8: (GenerationCheck, dtype)
 
     @property
     def tokens_per_s(self) -> float:
@@ -272,7 +281,7 @@ class DemoStats:
         occ = np.asarray(self.occupancy or [0.0])
         fill = np.asarray(self.batch_fill or [(0.0, 0)], dtype=np.float64)
         limits = f" of {cfg.max_batch_tokens} tokens" if cfg is not None else ""
-        rows = [("backend", self.backend), ("model", self.model),
+        rows = [("backend", self.backend), ("model", self.model), ("kv cache", self.kv_cache),
                 ("requests finished", self.finished),
                 ("steps", self.steps), ("prefill tokens", self.prefill_tokens),
                 ("decode tokens", self.decode_tokens),
@@ -289,6 +298,11 @@ class DemoStats:
             rows.append(("max rel. error vs reference", f"{self.max_rel_error:.2e}"))
         if self.argmax_matches is not None:
             rows.append(("reference argmax matches", "{} of {} tokens".format(*self.argmax_matches)))
+        if self.fp8_vs_plain is not None:
+            c, dtype = self.fp8_vs_plain
+            rows.append((f"logits vs {dtype} cache", f"max |diff| {c.max_abs_error:.3g}, rel. "
+                                                      f"{c.max_rel_error:.2e}"))
+            rows.append((f"argmax vs {dtype} cache", f"{c.matches} of {c.total} tokens agree"))
         return rows
 
 
@@ -373,7 +387,8 @@ def model_config(cfg):
                            num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
                            head_dim=cfg.head_dim,
                            intermediate_size=2 * cfg.num_q_heads * cfg.head_dim,
-                           dtype=cfg.dtype, layout=cfg.layout, seed=cfg.seed)
+                           dtype=cfg.dtype, layout=cfg.layout, seed=cfg.seed,
+                           kv_dtype=None if cfg.kv_dtype == "none" else cfg.kv_dtype)
 
 
 def prompt_tokens(cfg, request):
@@ -396,6 +411,8 @@ class ModelSteps:
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
         self.k, self.v = self.model.allocate_cache(cfg.num_blocks, cfg.block_size)
         self.prompts, self.logits = {}, {}
+        # chosen tokens' logits, for the reference check and the comparison with a dtype cache
+        self.keep_logits = (cfg.check and xp is not np) or cfg.kv_dtype != "none"
         self.stream = self.graphs = None
         if xp is not np:  # every step on one stream: eager steps and graph replays in order
             from .model import DecodeGraphs
@@ -437,7 +454,7 @@ class ModelSteps:
         for i, row_logits in zip(emit, logits):
             rid = plan.rows[i][0].rid
             stats.tokens.setdefault(rid, []).append(int(row_logits.argmax()))
-            if self.cfg.check and xp is not np:
+            if self.keep_logits:
                 self.logits.setdefault(rid, []).append(row_logits)
 
     def _forward(self, plan, ids, emit):
@@ -449,20 +466,27 @@ class ModelSteps:
         return host(self.model.forward(ids, md, self.k, self.v, logits_rows=rows))
 
     def finish(self, requests, stats):
-        """With ``check`` on the GPU: the NumPy model scores every request's tokens."""
+        """With ``check`` on the GPU: the NumPy model scores every request's tokens. With an
+        fp8 cache: the model with a cache of ``dtype`` scores them on the same backend."""
+        if not self.keep_logits:
+            return
+        from .model import check_generation
+        runs = [(self.prompts[r.rid], stats.tokens[r.rid], np.stack(self.logits[r.rid]))
+                for r in requests]
+        config, bs = self.model.config, self.cfg.block_size
         if self.cfg.check and self.xp is not np:
-            from .model import check_generation
-            runs = [(self.prompts[r.rid], stats.tokens[r.rid], np.stack(self.logits[r.rid]))
-                    for r in requests]
-            err, matches, total = check_generation(self.model.config, runs,
-                                                   block_size=self.cfg.block_size)
-            stats.max_rel_error, stats.argmax_matches = err, (matches, total)
+            c = check_generation(config, runs, block_size=bs)
+            stats.max_rel_error, stats.argmax_matches = c.max_rel_error, (c.matches, c.total)
+        if config.kv_dtype is not None:
+            plain = check_generation(replace(config, kv_dtype=None), runs, block_size=bs,
+                                     xp=self.xp)
+            stats.fp8_vs_plain = (plain, self.cfg.dtype)
 
 
 def resolve_model(cfg, xp):
     """``"tiny"`` or ``"none"``: ``cfg.model`` with ``"auto"`` decided by the backend."""
     if cfg.model == "auto":
-        return "none" if xp is np or cfg.kv_dtype != "none" else "tiny"
+        return "none" if xp is np else "tiny"
     return cfg.model
 
 
@@ -472,6 +496,17 @@ def cache_bytes(cfg, model) -> int:
     itemsize = as_dtype(cfg.dtype).itemsize if cfg.kv_dtype == "none" else 1
     return (2 * cfg.num_blocks * cfg.block_size * cfg.num_kv_heads * cfg.head_dim
             * itemsize * layers)
+
+
+def kv_cache_label(cfg, model) -> str:
+    """What a run's K/V caches hold and their bytes (:func:`cache_bytes`)."""
+    if cfg.kv_dtype == "none":
+        held = cfg.dtype
+    elif model == "tiny":
+        held = f"{cfg.kv_dtype} (1 byte; scales per layer and kv head, from the weights)"
+    else:
+        held = f"{cfg.kv_dtype} (1 byte; k_scale = v_scale = {FP8_SCALE:g})"
+    return f"{held}, {cache_bytes(cfg, model) / 2**20:,.1f} MiB"
 
 
 def free_memory(xp) -> tuple[int | None, str]:
@@ -497,6 +532,13 @@ def check_run(cfg, xp):
     """Raise ValueError before anything is allocated: a bad field of ``cfg``
     (``DemoConfig.validate``), or caches larger than the memory ``xp`` has free."""
     cfg.validate()
+    if cfg.kv_dtype != "none" and xp is not np:
+        if as_dtype(cfg.dtype).itemsize != 2:
+            raise ValueError(f"dtype: expected float16 or bfloat16 with kv_dtype "
+                             f"{cfg.kv_dtype!r} on the GPU, got {cfg.dtype!r}")
+        if cfg.head_dim not in FP8_HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {FP8_HEAD_DIMS} with kv_dtype "
+                             f"{cfg.kv_dtype!r} on the GPU, got {cfg.head_dim}")
     need = cache_bytes(cfg, resolve_model(cfg, xp))
     free, where = free_memory(xp)
     if free is not None and need > free:
@@ -529,12 +571,13 @@ def run_demo(cfg=DemoConfig(), xp=None, progress=None) -> DemoStats:
     from .blocks import BlockTable
     xp = array_module_for("auto") if xp is None else xp
     check_run(cfg, xp)
-    engine = (ModelSteps if resolve_model(cfg, xp) == "tiny" else AttentionOnly)(cfg, xp)
+    model = resolve_model(cfg, xp)
+    engine = (ModelSteps if model == "tiny" else AttentionOnly)(cfg, xp)
     table = BlockTable(engine.pool, cfg.max_seqs, blocks_for(cfg.max_seq_len, cfg.block_size))
     requests = make_requests(cfg, np.random.default_rng(cfg.seed))
     sched = Scheduler(cfg, requests, table)
     stats = DemoStats(backend=NUMPY_BACKEND if xp is np else "cupy (CUDA kernels)",
-                      model=engine.label)
+                      model=engine.label, kv_cache=kv_cache_label(cfg, model))
     start, step = time.perf_counter(), 0
     while not sched.finished:
         step = sched.arrive(step) + 1

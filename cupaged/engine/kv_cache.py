@@ -5,7 +5,7 @@ import numpy as np
 
 from ..core.arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available
 from ..core.checks import check_int
-from ..core.fp8 import check_scale, fp8_format, is_host_scale
+from ..core.fp8 import cache_element_dtype, check_scale, fp8_format, is_host_scale
 from .blocks import BlockPool
 from ..cache_ops.api import copy_blocks, write_kv_cache
 from ..core.layouts import LAYOUTS, CacheView, cache_shapes
@@ -72,7 +72,7 @@ class PagedKVCache(CacheView):
                 check_scale(name, scale, self.num_kv_heads)
         self.kv_dtype = None if fmt is None else fmt.name
         self.k_scale, self.v_scale = k_scale, v_scale
-        elements = self.dtype if fmt is None else (fmt.dtype if xp is np else np.uint8)
+        elements = self.dtype if fmt is None else cache_element_dtype(fmt, xp)
         k_shape, v_shape = cache_shapes(layout, self.num_blocks, self.block_size,
                                         self.num_kv_heads, self.head_dim,
                                         self.dtype if fmt is None else fmt.name)
@@ -82,7 +82,7 @@ class PagedKVCache(CacheView):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by ``k`` and ``v``."""
+        """Bytes held by ``k`` and ``v`` (one byte an element in an fp8 cache)."""
         return int(self.k.nbytes + self.v.nbytes)
 
     def write(self, key, value, slots):

@@ -9,7 +9,9 @@ attends every valid token to its sequence's cached keys. Unlike the vLLM layer c
 zero.
 
 ``forward`` = (RoPE) -> ``write_kv_cache`` -> ``paged_attention``, on NumPy (reference) or CuPy
-(kernels) alike. A sliding window of ``W`` tokens (the layer contract's ``sliding_window``,
+(kernels) alike. A layer built with ``kv_dtype`` (vLLM's ``kv_cache_dtype``) keeps its cache in
+that fp8 format: the write quantises with the ``k_scale`` / ``v_scale`` that ``forward`` takes
+(or that a CacheView / PagedKVCache brings) and attention reads the cache back through them. A sliding window of ``W`` tokens (the layer contract's ``sliding_window``,
 xformers' local attention) lets a query at position ``p`` see keys ``p - W + 1 .. p``:
 ``window_left = W - 1``. Layers are plain objects, called like modules; CUDA tensors of
 torch or JAX go in and come back as the ops take them (on the caller's stream).
@@ -22,7 +24,8 @@ import numpy as np
 
 from ..core.arrays import accepts_dlpack, array_module, check_array, check_head_dim, check_range
 from ..core.checks import check_block_tables, check_gqa
-from ..core.layouts import LAYOUTS, accepts_cache, cache_geometry
+from ..core.fp8 import check_fp8_cache, fp8_format
+from ..core.layouts import CACHE_DTYPES, LAYOUTS, accepts_cache, cache_geometry
 from ..rope.api import check_scaling
 from ..core.step import BatchStep
 
@@ -69,10 +72,14 @@ class PagedAttention:
     layout : {"NHD", "HND", "vllm"}, optional
         Cache layout (``cupaged.layouts``); default "NHD", and then raw caches whose shape
         also reads validly as HND are refused (a CacheView or PagedKVCache brings its layout).
+    kv_dtype : {None, "fp8_e4m3", "fp8_e5m2"}, optional
+        The caches' fp8 format (1-byte caches: uint8 or the format's float8 dtype); None:
+        caches of query's dtype. The kernels take fp8 caches under float16 / bfloat16 query
+        and head sizes 64 and 128 (docs/design.md, fp8 caches).
     """
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, sliding_window=None,
-                 layout=None):
+                 layout=None, kv_dtype=None):
         self.num_heads = int(num_heads)
         self.head_size = int(head_size)
         self.num_kv_heads = self.num_heads if num_kv_heads is None else int(num_kv_heads)
@@ -90,6 +97,7 @@ class PagedAttention:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         self.sliding_window, self.layout = sliding_window, layout
         self.window_left = -1 if sliding_window is None else int(sliding_window) - 1
+        self.kv_dtype = None if kv_dtype is None else fp8_format(kv_dtype).name
 
     def alibi_slopes(self, xp):
         """float32 ``[num_heads]`` ALiBi slopes in ``xp``, or None."""
@@ -99,7 +107,8 @@ class PagedAttention:
         return self.forward(*args, **kwargs)
 
     @accepts_cache(4, owner=True, names=("key_cache", "value_cache"))
-    def forward(self, query, key, value, key_cache, value_cache, metadata):
+    def forward(self, query, key, value, key_cache, value_cache, metadata, *, k_scale=None,
+                v_scale=None):
         """Cache write and attention of one batch step.
 
         Parameters
@@ -112,24 +121,32 @@ class PagedAttention:
         key_cache, value_cache : array or None
             Paged caches in ``layout``; None for both skips the cache (prompt-only steps
             whose sequences have no past: ``seq_lens == q_lens``). ``key_cache`` may be a
-            CacheView or PagedKVCache in the layer's layout (``value_cache`` left out).
+            CacheView or PagedKVCache in the layer's layout and format (``value_cache``
+            left out).
         metadata : AttentionMetadata
             The step (a :class:`cupaged.step.BatchStep`).
+        k_scale, v_scale : float or array, optional
+            fp8 layers only (default 1.0, or the CacheView's): a float, or float32 ``[]``
+            or ``[num_kv_heads]`` in the caches' array module; the cache holds
+            ``key / k_scale`` and ``value / v_scale``.
 
         Returns
         -------
         array
             ``[num_tokens, num_heads * head_size]`` in query's dtype; padding rows zero.
         """
-        return self._forward(None, query, key, value, key_cache, value_cache, metadata)
+        return self._forward(None, query, key, value, key_cache, value_cache, metadata,
+                             k_scale, v_scale)
 
     # -- steps --
     def _rotate(self, positions, q, k):
         return q, k
 
     @accepts_dlpack
-    def _forward(self, positions, query, key, value, key_cache, value_cache, metadata):
+    def _forward(self, positions, query, key, value, key_cache, value_cache, metadata, k_scale,
+                 v_scale):
         xp = array_module(query, key, value, key_cache, value_cache)
+        scales = (k_scale, v_scale)
         if xp is not metadata.xp:
             raise TypeError(f"query: expected {metadata.xp.__name__} arrays like the metadata, "
                             f"got {xp.__name__} arrays")
@@ -145,6 +162,9 @@ class PagedAttention:
             check_array("positions", positions, shape=(t,), dtypes=(np.int32, np.int64), xp=xp)
         if (key_cache is None) != (value_cache is None):
             raise ValueError("key_cache, value_cache: expected both or neither, got only one")
+        if self.kv_dtype is None and any(s is not None for s in scales):
+            raise ValueError("k_scale, v_scale: expected None for a layer without kv_dtype, "
+                             "got a scale")
         if key_cache is not None:
             self._check_cache(key_cache, value_cache, q.dtype, metadata, t)
         elif metadata.host is not None and (metadata.host["seq_lens"]
@@ -153,7 +173,7 @@ class PagedAttention:
                              "(seq_lens == query lengths)")
         if positions is not None:
             q, k = self._rotate(positions, q, k)
-        return self._attend(q, k, v, key_cache, value_cache, metadata, xp).reshape(
+        return self._attend(q, k, v, key_cache, value_cache, metadata, xp, scales).reshape(
             t, self.num_heads * self.head_size)
 
     def _split_heads(self, query, key, value, xp):
@@ -173,12 +193,18 @@ class PagedAttention:
     def _check_cache(self, key_cache, value_cache, dtype, metadata, rows):
         """The caches against the layer, and host metadata against the caches (block ids,
         lengths, slots: before anything is written)."""
-        geo = cache_geometry(key_cache, value_cache, self.layout)
+        geo = cache_geometry(key_cache, value_cache, self.layout, CACHE_DTYPES)
         if (geo.num_kv_heads, geo.head_dim) != (self.num_kv_heads, self.head_size):
             raise ValueError(f"key_cache: expected {self.num_kv_heads} kv heads of size "
                              f"{self.head_size}, got {geo.num_kv_heads} of {geo.head_dim}")
-        if key_cache.dtype != dtype:
-            raise TypeError(f"key_cache: expected dtype {dtype} like query, got {key_cache.dtype}")
+        if self.kv_dtype is not None:
+            fmt = fp8_format(self.kv_dtype)
+            check_fp8_cache("key_cache", key_cache, fmt)
+            check_fp8_cache("value_cache", value_cache, fmt)
+        elif key_cache.dtype != dtype:
+            raise TypeError(f"key_cache: expected dtype {dtype} like query, got {key_cache.dtype}"
+                            + (" (an fp8 cache needs the layer's kv_dtype)"
+                               if key_cache.dtype.itemsize == 1 else ""))
         h = metadata.host
         if h is not None:  # once per step and cache geometry, at its first layer
             def check():
@@ -189,10 +215,11 @@ class PagedAttention:
             metadata.plan(("checked", geo, rows), check)
         return geo
 
-    def _attend(self, q, k, v, key_cache, value_cache, metadata, xp):
+    def _attend(self, q, k, v, key_cache, value_cache, metadata, xp, scales):
         """Cache write then attention of every row: the step's decode plan (one query a
         sequence) or its prefill plan, made at the first layer of the step; padding rows
-        come out as zeros."""
+        come out as zeros. ``scales`` are ``(k_scale, v_scale)`` of an fp8 cache; a step
+        without a cache attends the new, unquantised keys and values."""
         from ..cache_ops.api import write_kv_cache
         from ..decode.api import PagedDecoder
         from ..prefill.api import PagedPrefiller, varlen_prefill
@@ -201,11 +228,12 @@ class PagedAttention:
             return varlen_prefill(q, k, v, cu, cu, causal=True, sm_scale=self.scale,
                                   window_left=self.window_left,
                                   alibi_slopes=self.alibi_slopes(xp))
+        fp8 = {} if self.kv_dtype is None else dict(k_scale=scales[0], v_scale=scales[1])
         write_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping[:q.shape[0]],
-                       layout=self.layout)
-        geo = cache_geometry(key_cache, value_cache, self.layout)
+                       layout=self.layout, kv_dtype=self.kv_dtype, **fp8)
+        geo = cache_geometry(key_cache, value_cache, self.layout, CACHE_DTYPES)
         key = (self.num_heads, self.num_kv_heads, self.head_size, geo.block_size, q.dtype,
-               self.layout, self.window_left, self.scale, metadata.is_decode)
+               self.layout, self.window_left, self.scale, metadata.is_decode, self.kv_dtype)
         src = metadata.host if metadata.host is not None else dict(
             cu_seqlens_q=metadata.cu_seqlens_q, seq_lens=metadata.seq_lens,
             block_tables=metadata.block_tables)
@@ -213,24 +241,26 @@ class PagedAttention:
             dec = metadata.plan(key, lambda: PagedDecoder(
                 self.num_heads, self.num_kv_heads, self.head_size, geo.block_size,
                 dtype=q.dtype, layout=self.layout, window_left=self.window_left,
-                sm_scale=self.scale, max_batch=max(metadata.num_seqs, 1), xp=xp).plan(
+                sm_scale=self.scale, max_batch=max(metadata.num_seqs, 1), xp=xp,
+                kv_dtype=self.kv_dtype).plan(
                     src["block_tables"], src["seq_lens"]))
             n = metadata.num_seqs
             out = xp.zeros(q.shape, q.dtype) if q.shape[0] > n else None
             o = dec.run(q[:n], key_cache, value_cache, alibi_slopes=self.alibi_slopes(xp),
-                        out=None if out is None else out[:n])
+                        out=None if out is None else out[:n], **fp8)
             return o if out is None else out
         pre = metadata.plan(key, lambda: PagedPrefiller(
             self.num_heads, self.num_kv_heads, self.head_size, geo.block_size, dtype=q.dtype,
-            layout=self.layout, window_left=self.window_left, sm_scale=self.scale).plan(
+            layout=self.layout, window_left=self.window_left, sm_scale=self.scale,
+            kv_dtype=self.kv_dtype).plan(
                 src["cu_seqlens_q"], src["block_tables"], src["seq_lens"]))
         n = metadata.num_valid_tokens
         if n is None or n == q.shape[0]:
-            return pre.run(q, key_cache, value_cache, alibi_slopes=self.alibi_slopes(xp))
+            return pre.run(q, key_cache, value_cache, alibi_slopes=self.alibi_slopes(xp), **fp8)
         out = xp.zeros(q.shape, q.dtype)
         if n:
             pre.run(q[:n], key_cache, value_cache, alibi_slopes=self.alibi_slopes(xp),
-                    out=out[:n])
+                    out=out[:n], **fp8)
         return out
 
 
@@ -239,7 +269,7 @@ class PagedAttentionWithRoPE(PagedAttention):
 
     Parameters
     ----------
-    num_heads, head_size, scale, num_kv_heads, sliding_window, layout
+    num_heads, head_size, scale, num_kv_heads, sliding_window, layout, kv_dtype
         As :class:`PagedAttention`.
     rotary_dim : int
         Even number of rotated leading dimensions (``<= head_size``).
@@ -255,8 +285,9 @@ class PagedAttentionWithRoPE(PagedAttention):
 
     def __init__(self, num_heads, head_size, scale, rotary_dim, max_position=8192, base=10000,
                  num_kv_heads=None, is_neox_style=True, rope_scaling=None, sliding_window=None,
-                 layout=None):
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, layout)
+                 layout=None, kv_dtype=None):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, layout,
+                         kv_dtype)
         if not isinstance(rotary_dim, (int, np.integer)) or rotary_dim < 2 or rotary_dim % 2 \
                 or rotary_dim > self.head_size:
             raise ValueError(f"rotary_dim: expected an even int in [2, {self.head_size}], got {rotary_dim!r}")
@@ -265,10 +296,12 @@ class PagedAttentionWithRoPE(PagedAttention):
         self.rope_scaling = check_scaling(rope_scaling, self.max_position, self.rotary_dim)
 
     @accepts_cache(5, owner=True, names=("key_cache", "value_cache"))
-    def forward(self, positions, query, key, value, key_cache, value_cache, metadata):
+    def forward(self, positions, query, key, value, key_cache, value_cache, metadata, *,
+                k_scale=None, v_scale=None):
         """As :meth:`PagedAttention.forward`, rotating by ``positions`` int32/int64
         ``[num_tokens]`` first (padding entries are not read)."""
-        return self._forward(positions, query, key, value, key_cache, value_cache, metadata)
+        return self._forward(positions, query, key, value, key_cache, value_cache, metadata,
+                             k_scale, v_scale)
 
     def _rotate(self, positions, q, k):
         from ..rope.api import apply_rope
@@ -282,14 +315,16 @@ class PagedAttentionWithALiBi(PagedAttention):
 
     Parameters
     ----------
-    num_heads, head_size, scale, num_kv_heads
+    num_heads, head_size, scale, num_kv_heads, layout, kv_dtype
         As :class:`PagedAttention`.
     slopes : sequence of float
         ``[num_heads]`` ALiBi slopes.
     """
 
-    def __init__(self, num_heads, head_size, scale, slopes, num_kv_heads=None, layout=None):
-        super().__init__(num_heads, head_size, scale, num_kv_heads, layout=layout)
+    def __init__(self, num_heads, head_size, scale, slopes, num_kv_heads=None, layout=None,
+                 kv_dtype=None):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, layout=layout,
+                         kv_dtype=kv_dtype)
         slopes = np.asarray(slopes, dtype=np.float32)
         if slopes.shape != (self.num_heads,) or not np.isfinite(slopes).all():
             raise ValueError(f"slopes: expected {self.num_heads} finite floats, got {slopes.tolist()}")

@@ -12,6 +12,13 @@ The residual stream and the matmuls are float32; queries, keys, values and the c
 in the configured dtype, as in an engine whose attention runs in half precision. The LM
 head is scaled so that logits spread over a few units and greedy choices are not near-ties.
 
+With ``kv_dtype`` the caches are fp8 (1-byte elements, docs/design.md "fp8 caches"), and
+each layer's ``k_scale`` / ``v_scale`` are float32 ``[num_kv_heads]`` fixed from the weights
+(:func:`kv_scales`): an attention input is RMS-normalised, so the weights bound every key
+and value it can produce, and a scale of that bound over the format's largest value keeps
+every write inside the format's range without a calibration pass (the same scales on
+NumPy and CuPy, and in a captured CUDA graph).
+
 ``generate`` (prefill every prompt in one step, then decode) and ``score`` (teacher-forced
 logits of one sequence) drive a model without a scheduler; ``cupaged demo`` drives it with
 one (``cupaged.engine.demo``).
@@ -19,14 +26,17 @@ one (``cupaged.engine.demo``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from ..core.arrays import as_dtype, check_choice, check_head_dim, cupy_module, gpu_available, host
 from ..core.checks import check_int
+from ..core.fp8 import cache_element_dtype, fp8_format
 from ..core.layouts import LAYOUTS, cache_shapes
 
-__all__ = ["TinyLlamaConfig", "TinyLlama", "generate", "score", "check_generation"]
+__all__ = ["TinyLlamaConfig", "TinyLlama", "kv_scales", "generate", "score",
+           "check_generation", "GenerationCheck"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +44,9 @@ class TinyLlamaConfig:
     """Sizes of a ``TinyLlama``; the defaults make a 2-layer, 512-wide model.
 
     ``hidden_size = num_q_heads * head_dim``. ``dtype`` is the dtype of queries, keys,
-    values and caches (float16, bfloat16 or float32); ``layout`` the cache layout.
+    values and caches (float16, bfloat16 or float32); ``layout`` the cache layout;
+    ``kv_dtype`` None (caches of ``dtype``) or an fp8 format, "fp8_e4m3" or "fp8_e5m2", of
+    the caches (the kernels take them under float16 / bfloat16 and head_dim 64 or 128).
     """
     vocab_size: int = 512
     num_layers: int = 2
@@ -49,6 +61,7 @@ class TinyLlamaConfig:
     dtype: str = "float16"
     layout: str = "NHD"
     seed: int = 0
+    kv_dtype: str | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -66,6 +79,8 @@ class TinyLlamaConfig:
                              f"{self.num_q_heads}, got {self.num_kv_heads}")
         as_dtype(self.dtype)
         check_choice("layout", self.layout, LAYOUTS)
+        if self.kv_dtype is not None:
+            fp8_format(self.kv_dtype)
         for name in ("rope_base", "rms_eps", "logit_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a float > 0, got {getattr(self, name)!r}")
@@ -103,6 +118,44 @@ def init_weights(config):
                 lm_head=normal((h, config.vocab_size), config.logit_scale * h ** -0.5))
 
 
+def kv_scales(config, weights=None):
+    """Per-layer fp8 scales that no key or value of the model exceeds.
+
+    A layer's attention input ``rms_norm(x) * attn_norm`` has Euclidean norm at most
+    ``sqrt(hidden) * max|attn_norm|`` whatever ``x`` is, so output column ``j`` of ``wqkv``
+    is at most that times ``||wqkv[:, j]||`` in magnitude (Cauchy-Schwarz). RoPE turns the
+    key pair ``(j, j + head_dim / 2)`` in its plane: a rotated key is bounded by the pair's
+    joint bound. A head's scale is its largest bound over the format's largest finite value,
+    so writes saturate only by the rounding of the 16-bit rows, and typical keys and values
+    (about ``sqrt(hidden)`` times smaller than the bound) stay in the format's normal range.
+
+    Parameters
+    ----------
+    config : TinyLlamaConfig
+        A configuration with ``kv_dtype`` set.
+    weights : dict, optional
+        :func:`init_weights` of ``config`` (drawn here when not given).
+
+    Returns
+    -------
+    list of (numpy.ndarray, numpy.ndarray)
+        Per layer ``(k_scale, v_scale)``, each float32 ``[num_kv_heads]``.
+    """
+    fmt = fp8_format(config.kv_dtype)
+    w = init_weights(config) if weights is None else weights
+    hq, hk, d = config.num_q_heads, config.num_kv_heads, config.head_dim
+    scales = []
+    for layer in w["layers"]:
+        reach = np.sqrt(config.hidden_size) * np.abs(layer["attn_norm"].astype(np.float64)).max()
+        cols = reach * np.linalg.norm(layer["wqkv"].astype(np.float64), axis=0)
+        k = cols[hq * d:(hq + hk) * d].reshape(hk, 2, d // 2)
+        v = cols[(hq + hk) * d:].reshape(hk, d)
+        k_bound = np.sqrt((k * k).sum(axis=1)).max(axis=1)   # neox pairs (j, j + d/2)
+        scales.append(((k_bound / fmt.max).astype(np.float32),
+                       (v.max(axis=1) / fmt.max).astype(np.float32)))
+    return scales
+
+
 def _default_module():
     return cupy_module() if gpu_available() else np
 
@@ -116,6 +169,12 @@ class TinyLlama:
     xp : module, optional
         ``numpy`` (reference backend) or ``cupy`` (kernels); default cupy when a GPU is
         usable.
+
+    Attributes
+    ----------
+    kv_scales : list of dict
+        Per layer ``{"k_scale": ..., "v_scale": ...}``, float32 ``[num_kv_heads]`` in ``xp``
+        (:func:`kv_scales`) for an fp8 ``config.kv_dtype``; empty dicts otherwise.
     """
 
     def __init__(self, config=TinyLlamaConfig(), xp=None):
@@ -132,7 +191,9 @@ class TinyLlama:
         self.attention = PagedAttentionWithRoPE(
             config.num_q_heads, d, d ** -0.5, rotary_dim=d, max_position=config.max_position,
             base=config.rope_base, num_kv_heads=config.num_kv_heads, is_neox_style=True,
-            layout=config.layout)
+            layout=config.layout, kv_dtype=config.kv_dtype)
+        self.kv_scales = ([dict(k_scale=up(k), v_scale=up(v)) for k, v in kv_scales(config, w)]
+                          if config.kv_dtype is not None else [{}] * config.num_layers)
 
     def allocate_cache(self, num_blocks, block_size):
         """Zeroed key and value caches of every layer.
@@ -140,15 +201,22 @@ class TinyLlama:
         Returns
         -------
         k_cache, v_cache : array
-            ``[num_layers, *cache_shape]`` in the model's dtype and array module, where
+            ``[num_layers, *cache_shape]`` in the model's array module, where
             ``cache_shape`` is ``cupaged.layouts.cache_shapes(layout, num_blocks, block_size,
-            num_kv_heads, head_dim, dtype)``; ``k_cache[l]`` is layer ``l``'s cache.
+            num_kv_heads, head_dim, kv_dtype or dtype)``; ``k_cache[l]`` is layer ``l``'s
+            cache. Elements are the model's dtype, or with ``kv_dtype`` 1 byte (the
+            format's float8 dtype in NumPy, uint8 in CuPy).
         """
         config = self.config
+        if config.kv_dtype is None:
+            elements, shape_dtype = self.dtype, self.dtype
+        else:
+            elements = cache_element_dtype(fp8_format(config.kv_dtype), self.xp)
+            shape_dtype = config.kv_dtype
         k_shape, v_shape = cache_shapes(config.layout, num_blocks, block_size, config.num_kv_heads,
-                                        config.head_dim, self.dtype)
-        return (self.xp.zeros((config.num_layers, *k_shape), self.dtype),
-                self.xp.zeros((config.num_layers, *v_shape), self.dtype))
+                                        config.head_dim, shape_dtype)
+        return (self.xp.zeros((config.num_layers, *k_shape), elements),
+                self.xp.zeros((config.num_layers, *v_shape), elements))
 
     def _rms_norm(self, x, weight):
         xp = self.xp
@@ -160,8 +228,8 @@ class TinyLlama:
         qd, kd = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         qkv = mm(self._rms_norm(x, layer["attn_norm"]), layer["wqkv"]).astype(self.dtype)
         q, k, v = qkv[:, :qd], qkv[:, qd:qd + kd], qkv[:, qd + kd:]
-        out = self.attention.forward(positions, q, k, v,
-                                     k_cache[l], v_cache[l], metadata)
+        out = self.attention.forward(positions, q, k, v, k_cache[l], v_cache[l], metadata,
+                                     **self.kv_scales[l])
         return mm(out.astype(np.float32), layer["wo"])
 
     def _mlp(self, layer, x, mm):
@@ -489,35 +557,51 @@ def score(model, tokens, *, block_size=16):
     return host(session.step([(0, tokens)], lambda cu: np.arange(cu[-1])))
 
 
-def check_generation(config, runs, *, block_size=16):
-    """Compare generated tokens and their logits with the NumPy model (teacher forcing).
+class GenerationCheck(NamedTuple):
+    """How generated logits compare with a reference model's (:func:`check_generation`).
+
+    ``max_rel_error`` is the largest ``||logits - ref|| / ||ref||`` over the requests,
+    ``max_abs_error`` the largest ``|logits - ref|`` of any element, ``matches`` the generated
+    tokens equal to the reference's argmax, ``total`` all generated tokens.
+    """
+    max_rel_error: float
+    max_abs_error: float
+    matches: int
+    total: int
+
+
+def check_generation(config, runs, *, block_size=16, xp=np):
+    """Compare generated tokens and their logits with a reference model (teacher forcing).
 
     Parameters
     ----------
     config : TinyLlamaConfig
-        The configuration (and so the weights) of the model that generated.
+        The reference's configuration (the weights, dtype, cache format): the generating
+        model's to check a backend, or the same with another ``kv_dtype`` to measure a cache
+        format.
     runs : sequence of (prompt, tokens, logits)
         Per request: int ``[p]`` prompt ids, int ``[n]`` generated ids and float32
         ``[n, vocab_size]`` logits each token was chosen from (host arrays).
     block_size : int
         Cache block size of the reference runs.
+    xp : module
+        Array module of the reference model (default ``numpy``, the reference backend).
 
     Returns
     -------
-    max_rel_error : float
-        Largest ``||logits - ref|| / ||ref||`` over the requests, where ``ref`` are the
-        reference model's logits of the same sequence (prompt + tokens[:-1]).
-    matches, total : int
-        Generated tokens that equal the reference argmax, and all generated tokens.
+    GenerationCheck
+        Errors of the logits against the reference model's logits of the same sequence
+        (prompt + tokens[:-1]), and the tokens that equal the reference argmax.
     """
-    ref_model = TinyLlama(config, np)
-    worst, matches, total = 0.0, 0, 0
+    ref_model = TinyLlama(config, xp)
+    worst, worst_abs, matches, total = 0.0, 0.0, 0, 0
     for prompt, tokens, logits in runs:
         tokens = np.asarray(tokens)
         seq = np.concatenate([np.asarray(prompt), tokens[:-1]])
         ref = score(ref_model, seq, block_size=block_size)[len(prompt) - 1:]
-        diff = np.linalg.norm(np.asarray(logits, np.float64) - ref)
-        worst = max(worst, float(diff / max(np.linalg.norm(ref), 1e-30)))
+        diff = np.asarray(logits, np.float64) - ref
+        worst = max(worst, float(np.linalg.norm(diff) / max(np.linalg.norm(ref), 1e-30)))
+        worst_abs = max(worst_abs, float(np.abs(diff).max(initial=0.0)))
         matches += int((ref.argmax(axis=-1) == tokens).sum())
         total += len(tokens)
-    return worst, matches, total
+    return GenerationCheck(worst, worst_abs, matches, total)
