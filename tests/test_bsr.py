@@ -511,11 +511,11 @@ def recorded(monkeypatch):
     for module in (bsr, launch, attention):
         monkeypatch.setattr(module, "ptr", fake_ptr)
     monkeypatch.setattr(tiles, "address", fake_ptr)
-    monkeypatch.setattr(bsr, "launcher", lambda stem, expr, record, **kw: _Recorder(record, calls))
+    monkeypatch.setattr(launch, "launcher", lambda stem, expr, record, **kw: _Recorder(record, calls))
     monkeypatch.setattr(launch, "attention_kernel",
                         lambda dtype, d, kind="sparse_attention", rows=128, general=False:
                         _Recorder(abi.SPARSE, calls))
-    monkeypatch.setattr(bsr, "error_word", lambda: np.zeros(8, np.int64))
+    monkeypatch.setattr(launch, "error_word", lambda: np.zeros(8, np.int64))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty))
     return calls
 

@@ -110,14 +110,13 @@ def test_index_kernel_equals_reference(cp, rng, block_m, block_n):
 def _schedule(cp, q_lens, kv_lens, hq):
     """``bsr_prepare``'s schedule of a packed batch (q/k of zeros): ``(meta, cta_bound,
     cu_q)`` on the device."""
-    from cupaged.sparse import attention, launch
+    from cupaged.sparse import launch
     cu_q = cp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
     cu_k = cp.asarray(np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32))
     q = cp.zeros((int(np.sum(q_lens)), hq, 64), np.float16)
     k = cp.zeros((int(np.sum(kv_lens)), 1, 64), np.float16)
-    batch = attention.Batch(hq, 1, 64, len(q_lens), int(k.shape[0]))
-    meta, cta_bound = attention.schedule(q, cp.empty_like(q), None, cu_q, launch.dense_kv(k, k, cu_k),
-                                         None, int(k.shape[0]), batch)
+    meta, cta_bound, _ = launch.schedule(q, cp.empty_like(q), None, cu_q, launch.dense_kv(k, k, cu_k),
+                                         None, int(k.shape[0]), launch.CTA_ROWS)
     return meta, cta_bound, cu_q
 
 

@@ -155,7 +155,7 @@ SPARSE = Record("SparseArgs", [
     ("const T* __restrict__", "q"), ("const T* __restrict__", "k"),
     ("const T* __restrict__", "v"), ("T* __restrict__", "out"),
     ("float* __restrict__", "lse", NULL), ("const int* __restrict__", "cu_q"),
-    ("const int* __restrict__", "kv_lens", NULL), ("const int* __restrict__", "cu_k", NULL),
+    ("const int* __restrict__", "cu_k", NULL),
     ("const int* __restrict__", "block_tables", NULL), ("int", "table_stride", 0),
     ("int", "page_size", 1), ("i64", "page_stride", 0), ("i64", "tok_stride"),
     ("i64", "head_stride"), ("i64", "q_tok"), ("int", "num_q_heads"), ("int", "group"),

@@ -346,6 +346,9 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, block_m=64, block_n=64, s
         ``[kv_len, Hk, D]``, ``kv_len >= q_len``.
     v_idx, s_idx : numpy.ndarray
         int32 ``[Hq, nv]`` and ``[Hq, ns]`` (padding ``>= kv_len`` allowed).
+    dense_threshold : float, optional
+        Heads keeping more than this fraction of their causal blocks see every causal key
+        (:func:`dense_heads`); None: the pattern always.
 
     Returns
     -------

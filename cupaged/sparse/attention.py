@@ -28,11 +28,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
-from ..core import abi
 from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
     check_out, check_query, table_stride)
-from ..core.compile import launcher
-from ..core.errors import error_word, strict
+from ..core.errors import strict
 from ..core.launch import ptr
 from ..core.layouts import cache_geometry, resolve_layout
 from ..reference import sparse as ref
@@ -40,7 +38,6 @@ from . import launch as kernels, tiles
 from .index import check_block_size, check_pattern_indices, prepare
 
 DENSE_THRESHOLD = 0.5        # kept fraction of causal blocks above which a head runs dense
-MAX_CTA_ROWS = 65535         # grid.y of sparse_attention
 
 
 class Batch(NamedTuple):
@@ -132,33 +129,9 @@ def launch(q, kv, out, lse, cu_q, meta, batch, cta_bound, lists, opts):
          **lists.fields())
 
 
-def schedule(q, out, lse, cu_q, kv, seq_lens, total_k, batch):
-    """``bsr_prepare`` for a vertical+slash launch (no pattern frame): device lengths and
-    block tables checked, a CTA map entry per 128 query rows, padding rows zeroed. Returns
-    ``(meta, cta_bound)``."""
-    import cupy
-    total_q, hq, d = q.shape
-    cta_bound = -(-total_q // kernels.CTA_ROWS) + batch.size
-    if cta_bound > MAX_CTA_ROWS:
-        raise ValueError(f"q: the CUDA kernel takes at most {MAX_CTA_ROWS} CTA rows "
-                         f"(ceil(total_q / {kernels.CTA_ROWS}) + batch), got {cta_bound}")
-    meta = cupy.empty(kernels.bsr_meta_size(batch.size, cta_bound), np.int32)
-    paged = kv.table is not None
-    prep = launcher("sparse_index", kernels.BSR_PREPARE_EXPR, abi.BSR_PREPARE)
-    prep(1, kernels.PREP_THREADS, cu_q=ptr(cu_q), cu_k=ptr(kv.cu_k), seq_lens=ptr(seq_lens),
-         block_tables=ptr(kv.table), indptr=0, meta=ptr(meta), err=ptr(error_word()),
-         out=ptr(out), lse=ptr(lse), row_bytes=hq * d * q.itemsize, batch=batch.size,
-         total_q=total_q, total_k=total_k, table_stride=kv.table_stride,
-         page_size=kv.page_size, table_width=kv.table.shape[1] if paged else 0,
-         num_blocks=kv.k.shape[0] if paged else 0, num_q_heads=hq, pattern_heads=1,
-         block_m=kernels.CTA_ROWS, cta_rows=kernels.CTA_ROWS, indptr_len=0, nnz=0,
-         cta_bound=cta_bound)
-    return meta, cta_bound
-
-
 def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, seq_lens, total_k, batch, opts, out, lse,
                        block_m, block_n, dense_threshold, list_budget=None):
-    """The CuPy path, no host read: schedule (:func:`schedule`), index rows prepared and the
+    """The CuPy path, no host read: ``launch.schedule``, index rows prepared and the
     dense rows decided (``index.prepare``), then per head group (``tiles.vs_lists``, at most
     ``list_budget`` bytes of lists) its lists and its attention launch.
 
@@ -167,10 +140,11 @@ def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, seq_lens, total_k, batch, opts
     """
     if q.shape[0] == 0:
         return
-    meta, cta_bound = schedule(q, out, lse, cu_q, kv, seq_lens, total_k, batch)
+    meta, cta_bound, err = kernels.schedule(q, out, lse, cu_q, kv, seq_lens, total_k,
+                                            kernels.CTA_ROWS)
     # meta[4 b + 1] keys and meta[4 b + 3] queries of sequence b, as checked
     prep = prepare(v_idx, s_idx, meta[1:], block_m, q_lens=meta[3:], len_stride=4,
-                   block_n=block_n, dense_threshold=dense_threshold, err=error_word())
+                   block_n=block_n, dense_threshold=dense_threshold, err=err)
     tile_n = kernels.attention_tile(batch.head_dim).block_n
     for lists in tiles.vs_lists(prep, prep.dense, meta, batch.size, cta_bound, batch.max_kv,
                                 block_n, tile_n, list_budget):
