@@ -381,10 +381,10 @@ def test_long_sequence_rows_match_reference(cp, rng):
 
 # ----------------------------------------------------------------------------- no host read
 def _fallback_batch(rng, dtype=bfloat16, hq=6, hk=2, d=128):
-    """A packed batch of odd lengths (one empty sequence, 7 padding rows) whose heads 1 and 4
+    """A packed batch of odd lengths (one empty sequence, 7 padding rows) whose heads 1, 4, ...
     spread their slashes (dense fallback) while the others keep a band and a few columns, and
-    head 5 of sequence 2 has an empty pattern."""
-    q_lens, kv_lens = [333, 0, 517, 65], [400, 17, 517, 1000]
+    the last head of sequence 2 has an empty pattern."""
+    q_lens, kv_lens = [733, 0, 1029, 65], [900, 17, 1029, 1000]
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
     q = _rand(rng, (cu_q[-1] + 7, hq, d), dtype)
@@ -393,11 +393,11 @@ def _fallback_batch(rng, dtype=bfloat16, hq=6, hk=2, d=128):
     for n in kv_lens:
         vr = np.sort(rng.integers(0, n, (hq, 9)), axis=1).astype(np.int32)
         sr = np.tile(np.arange(24, dtype=np.int32), (hq, 1))
-        sr[[1, 4]] = np.arange(24) * (n // 24 + 1)
+        sr[1::3] = np.arange(24) * (n // 24 + 1)
         rows_v.append(vr)
         rows_s.append(sr)
     v_idx, s_idx = sparse.pad_indices(rows_v), sparse.pad_indices(rows_s)
-    v_idx[2, 5], s_idx[2, 5] = sparse.PAD, sparse.PAD
+    v_idx[2, hq - 1], s_idx[2, hq - 1] = sparse.PAD, sparse.PAD
     return q, k, v, v_idx, s_idx, cu_q, cu_k
 
 

@@ -246,7 +246,9 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
     if batched:
         cu_q_d, cu_k_d = cu_seqlens_q, cu_seqlens_k
     else:
-        cu_q_d, cu_k_d = (xp.asarray([0, n], dtype=np.int32) for n in (q.shape[0], k.shape[0]))
+        # [0, n] computed on the device: no upload
+        cu_q_d, cu_k_d = (xp.arange(2, dtype=np.int32) * np.int32(n)
+                          for n in (q.shape[0], k.shape[0]))
         v_idx, s_idx = v_idx[None], s_idx[None]
     run_vertical_slash(q, kernels.dense_kv(k, v, cu_k_d), v_idx, s_idx, cu_q_d, None, k.shape[0],
                        batch, opts, out, lse, block_m, block_n, threshold)
