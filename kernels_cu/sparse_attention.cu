@@ -93,31 +93,41 @@ struct SparseLoop {
 // hands thread 0 one descriptor at a time (issue: into a ring slot, visible to the CTA after
 // the next cp.async wait and barrier; width 0 once the walk is over).
 
-// The tile lists of sparse_index.cu: CTA (x, y, z) is sequence z, CTA row num_c - 1 - y
-// (longest rows first); its list is tiles[plan_ptr[r] .. plan_ptr[r + 1]) of plan row
-// r = (z * plan_heads + (plan_heads > 1 ? x : 0)) * num_c + c, issued from the end.
+// The CTA of grid row y: entry cta_bound - 1 - y of bsr_prepare's CTA map (the last rows of
+// the last sequences first), false past the last CTA; keys and queries as checked there.
+template <typename T>
+__device__ __forceinline__ bool locate_mapped(const SparseArgs<T>& P, CtaSeq& s) {
+  const int at = P.cta_bound - 1 - (int)blockIdx.y;
+  s.b = __ldg(P.bsr_meta + 4 * (P.batch + 1) + at);
+  if (s.b < 0) return false;
+  const int4 info = __ldg(reinterpret_cast<const int4*>(P.bsr_meta) + s.b);
+  s.c = at - info.z;
+  s.q0 = __ldg(P.cu_q + s.b);
+  s.q_len = info.w;
+  s.kv_len = info.y;
+  return true;
+}
+
+// The tile lists of sparse_index.cu: CTA (x, y) takes its map entry at (locate_mapped) and
+// query head head0 + x; its list is tiles[item * list_cap ..] of list_counts[item] tiles,
+// item = x * cta_bound + at, issued from the end (a row that runs dense has the dense
+// kernel's tile sequence there).
 struct ListSource {
   const int2* tiles;
-  i64 next;  // list index of the next tile to issue; < 0: none left
+  int next;  // list index of the next tile to issue; < 0: none left
 
   template <typename T>
   __device__ __forceinline__ static bool locate(const SparseArgs<T>& P, CtaSeq& s) {
-    s.b = blockIdx.z;
-    s.c = P.num_c - 1 - blockIdx.y;
-    s.q0 = P.cu_q[s.b];
-    s.q_len = P.cu_q[s.b + 1] - s.q0;
-    s.kv_len = P.kv_lens[s.b];
-    return true;
+    return locate_mapped(P, s);
   }
 
   template <int HALVES, typename T>
-  __device__ __forceinline__ void init(const SparseArgs<T>& P, const CtaSeq& s, int hh, int) {
+  __device__ __forceinline__ void init(const SparseArgs<T>& P, const CtaSeq&, int hh, int) {
     static_assert(HALVES == 2, "tile lists are built for 128-row CTAs");
     if (threadIdx.x != 0) return;
-    const i64 prow = ((i64)s.b * P.plan_heads + (P.plan_heads > 1 ? hh : 0)) * P.num_c + s.c;
-    const i64 t0 = P.plan_ptr[prow];
-    tiles = P.tiles + t0;
-    next = P.plan_ptr[prow + 1] - t0 - 1;
+    const i64 item = (i64)hh * P.cta_bound + (P.cta_bound - 1 - (int)blockIdx.y);
+    tiles = P.tiles + item * P.list_cap;
+    next = __ldg(P.list_counts + item) - 1;
   }
 
   __device__ __forceinline__ void issue(int2* slot) {
@@ -127,8 +137,8 @@ struct ListSource {
 };
 
 // A batched BSR pattern (cupaged/reference/bsr.py) with bsr_prepare's schedule in bsr_meta:
-// CTA (x, y) takes entry cta_bound - 1 - y of the CTA map (the last rows of the last
-// sequences first) and query head head0 + x, whose pattern head is h / pattern_group; it
+// CTA (x, y) takes its map entry (locate_mapped) and query head head0 + x, whose pattern
+// head is h / pattern_group; it
 // has HALVES 64-row halves (one: half b keeps no block). Its halves' CSR rows are checked
 // first (every entry it follows: indptr within [0, nnz] and
 // ordered, block ids within the sequence's columns and strictly increasing); a bad row is
@@ -138,15 +148,7 @@ struct BsrSource {
 
   template <typename T>
   __device__ __forceinline__ static bool locate(const SparseArgs<T>& P, CtaSeq& s) {
-    const int at = P.cta_bound - 1 - (int)blockIdx.y;
-    s.b = __ldg(P.bsr_meta + 4 * (P.batch + 1) + at);
-    if (s.b < 0) return false;
-    const int4 info = __ldg(reinterpret_cast<const int4*>(P.bsr_meta) + s.b);
-    s.c = at - info.z;
-    s.q0 = __ldg(P.cu_q + s.b);
-    s.q_len = __ldg(P.cu_q + s.b + 1) - s.q0;
-    s.kv_len = info.y;
-    return true;
+    return locate_mapped(P, s);
   }
 
   template <int HALVES, typename T>
@@ -404,11 +406,11 @@ __device__ __forceinline__ void sparse_mma(const SparseArgs<T>& P) {
   }
 }
 
-// grid (heads in this call, ceil(max q_len / 128), batch), block 32 * S::WARPS; dynamic smem:
-// Q [128][D + 8], then two K and two V stages [BLOCK_N][D + 8]; static smem: SparseLoop and
-// the source. CTA (x, y, b) computes query rows [128 c, 128 c + 128) of sequence b, head
-// head0 + x, with c = gridDim.y - 1 - y over its tile list (ListSource; the query heads of a
-// kv head are neighbours in x, so they share K/V tiles in L2). Each warp holds S::MT m-tiles
+// grid (heads in this call, cta_bound), block 32 * S::WARPS; dynamic smem: Q [128][D + 8],
+// then two K and two V stages [BLOCK_N][D + 8]; static smem: SparseLoop and the source. CTA
+// (x, y) computes the 128 query rows of its CTA map entry, head head0 + x, over its tile list
+// (ListSource; the query heads of a kv head are neighbours in x, so they share K/V tiles in
+// L2). Each warp holds S::MT m-tiles
 // of scores, running max/sum and O accumulators in registers (attn_tile.cuh).
 template <typename T, int D, typename S, bool GENERAL>
 __global__ void __launch_bounds__(32 * S::WARPS, S::CTAS) sparse_attention(CUPAGED_PARAMS_SparseArgs) {

@@ -1,10 +1,11 @@
 // Vertical+slash index conversion (MInference) and the tile lists of the attention kernel.
 //
 // vs_prepare turns sorted index rows into what the walks of sparse_plan.cuh need (unique
-// verticals, the runs of the slash row); vs_index_kernel writes MInference's block_offset /
-// column_index lists; vs_plan_kernel writes the per-CTA tile lists of sparse_attention.cu (a
-// counting launch sizes them, a second launch fills them); bsr_prepare checks a batched BSR
-// launch's lengths and block tables and schedules its CTAs.
+// verticals, the runs of the slash row) and decides which rows run dense; vs_index_kernel
+// writes MInference's block_offset / column_index lists; vs_plan_kernel writes the per-CTA
+// tile lists of sparse_attention.cu into slots of a length bounded from shapes (no count
+// goes back to the host); bsr_prepare checks a batched launch's lengths and block tables and
+// schedules its CTAs (BSR, and vertical+slash without a pattern frame).
 #include "sparse_plan.cuh"
 #include "abi.cuh"
 #include "block_scan.cuh"
@@ -13,25 +14,56 @@ namespace cupaged {
 
 constexpr int PREP_THREADS = 256;
 
+// Block counts of one query block's pattern (vs_block_lists): key blocks and columns.
+struct BlockCount {
+  i64 nblk, ncol;
+  int bn;
+  __device__ __forceinline__ void blocks(i64 rs, i64 re) { nblk += (re - rs) / bn; }
+  __device__ __forceinline__ void columns(int a, int b) { ncol += b - a; }
+};
+
 // grid rows (= batch * heads of the index arrays), block PREP_THREADS. Block -> one row;
 // thread t owns the contiguous chunk t of the row and walks it twice around a block scan.
+// Lengths of sequence b: kv_lens[b * len_stride] (and q_lens[b * len_stride]).
 // Verticals: the unique values < kv_len, packed at the front of v_unique's row, their number
 // in v_count. Slashes: run_first[i] = first index of i's run (gaps <= bm, sparse_plan.cuh).
-__global__ void __launch_bounds__(PREP_THREADS) vs_prepare(
-    const int* __restrict__ v_sorted, int nv, const int* __restrict__ s_sorted, int ns,
-    const int* __restrict__ kv_lens, int heads, int bm, int* __restrict__ v_unique,
-    int* __restrict__ v_count, int* __restrict__ run_first) {
+// A row holding a negative index is reported to err (argument v_idx or s_idx) and emptied
+// (no vertical; its slashes set to PAD, past every key). With dense (the attention path):
+// dense[row] = 1 when the row's pattern keeps more than dense_threshold of its causal
+// blocks (cupaged.reference.sparse.dense_heads: per query block m, its key blocks plus
+// ceil(columns / bn), against ceil(min(end_m, kv_len) / bn)); the threads take the query
+// blocks in turn. (Minimum one CTA an SM: ptxas would otherwise cap the walks' registers
+// and spill.)
+__global__ void __launch_bounds__(PREP_THREADS, 1) vs_prepare(
+    const int* __restrict__ v_sorted, int nv, int* __restrict__ s_sorted, int ns,
+    const int* __restrict__ kv_lens, const int* __restrict__ q_lens, int len_stride, int heads,
+    int bm, int bn, double dense_threshold, int* __restrict__ v_unique, int* __restrict__ v_count,
+    int* __restrict__ run_first, int* __restrict__ dense, long long* __restrict__ err) {
   __shared__ int buf[PREP_THREADS];
+  __shared__ unsigned long long sums[2];
   const i64 row = blockIdx.x;
-  const int kv_len = kv_lens[row / heads];
+  const int b = (int)(row / heads);
+  const int kv_len = kv_lens[(i64)b * len_stride];
   int total;
 
-  // -- verticals: keep first occurrences below kv_len --
+  // -- negative entries (the rows are sorted: the first entry is the least) --
   const int* v = v_sorted + row * nv;
+  int* s = s_sorted + row * ns;
+  const bool bad_v = nv > 0 && v[0] < 0, bad_s = ns > 0 && s[0] < 0;
+  if (threadIdx.x == 0 && bad_v)
+    report_error(err, error_code(ARG_V_IDX, CHECK_RANGE), row, 0, v[0], 0x7fffffff);
+  if (threadIdx.x == 0 && bad_s && !bad_v)
+    report_error(err, error_code(ARG_S_IDX, CHECK_RANGE), row, 0, s[0], 0x7fffffff);
+  __syncthreads();  // s[0] read by every thread before a bad row's slashes are overwritten
+  const bool bad = bad_v || bad_s;
+  if (bad)
+    for (int i = threadIdx.x; i < ns; i += PREP_THREADS) s[i] = 0x7fffffff;
+
+  // -- verticals: keep first occurrences below kv_len --
   int* vu = v_unique + row * nv;
   const int pv = (nv + PREP_THREADS - 1) / PREP_THREADS;
   const int v0 = min(nv, (int)threadIdx.x * pv), v1 = min(nv, v0 + pv);
-  auto keep = [&](int i) { return v[i] < kv_len && (i == 0 || v[i] != v[i - 1]); };
+  auto keep = [&](int i) { return !bad && v[i] < kv_len && (i == 0 || v[i] != v[i - 1]); };
   int count = 0;
   for (int i = v0; i < v1; ++i) count += keep(i);
   int at = block_scan<PREP_THREADS>(count, buf, total);
@@ -40,7 +72,6 @@ __global__ void __launch_bounds__(PREP_THREADS) vs_prepare(
   if (threadIdx.x == 0) v_count[row] = total;
 
   // -- slashes: run starts, carried over the chunks by a max scan --
-  const int* s = s_sorted + row * ns;
   int* rf = run_first + row * ns;
   const int ps = (ns + PREP_THREADS - 1) / PREP_THREADS;
   const int s0 = min(ns, (int)threadIdx.x * ps), s1 = min(ns, s0 + ps);
@@ -53,6 +84,26 @@ __global__ void __launch_bounds__(PREP_THREADS) vs_prepare(
     if (starts(i)) cur = i;
     rf[i] = cur;
   }
+  if (dense == nullptr) return;
+
+  // -- dense fallback: kept and causal blocks of the row's query blocks --
+  if (threadIdx.x < 2) sums[threadIdx.x] = 0;
+  __syncthreads();  // the row's v_unique, v_count and run_first written; sums zeroed
+  VsRow p;
+  p.init(s_sorted, run_first, ns, v_unique, v_count, nv, row);
+  const int q_len = q_lens[(i64)b * len_stride];
+  i64 kept = 0, causal = 0;
+  for (int m = threadIdx.x; (i64)m * bm < q_len; m += PREP_THREADS) {
+    BlockCount n{0, 0, bn};
+    vs_block_lists(p, m, q_len, kv_len, bm, bn, n);
+    const i64 limit = imin((i64)kv_len - q_len + (i64)m * bm + bm, kv_len);
+    kept += n.nblk + (n.ncol + bn - 1) / bn;
+    causal += (imax(limit, 0) + bn - 1) / bn;
+  }
+  atomicAdd(&sums[0], (unsigned long long)kept);
+  atomicAdd(&sums[1], (unsigned long long)causal);
+  __syncthreads();
+  if (threadIdx.x == 0) dense[row] = (double)sums[0] > dense_threshold * (double)sums[1];
 }
 
 // MInference lists of one query block written by a whole warp (lanes write in parallel;
@@ -100,12 +151,8 @@ __global__ void __launch_bounds__(128) vs_index_kernel(
 }
 
 // ----------------------------------------------------------------------------- tile lists
-// Tile sinks of the plan kernels (a warp per list; every lane walks alike): count, or write
-// the tiles of each piece with the lanes in parallel.
-struct TileCount {
-  i64 n;
-  __device__ __forceinline__ void piece(int x, int y, int, int tile_n) { n += (y - x + tile_n - 1) / tile_n; }
-};
+// Tile sink of the plan kernel (a warp per list; every lane walks alike): the tiles of each
+// piece written with the lanes in parallel.
 struct TileWrite {
   int2* t;
   __device__ __forceinline__ void piece(int x, int y, int f, int tile_n) {
@@ -118,29 +165,42 @@ struct TileWrite {
   }
 };
 
-// grid ceil(batch * heads * num_c / 4), block 128: warp -> CTA list (b, head0 + h, c), c
-// fastest (vs_cta_tiles); index rows [batch, total_heads, n]. Counts (ptr[item] = number of
-// tiles) when tiles is nullptr, else writes the list at tiles + ptr[item].
-__global__ void __launch_bounds__(128) vs_plan_kernel(
-    const int* __restrict__ cu_q, const int* __restrict__ kv_lens, const int* __restrict__ s_sorted,
+// grid ceil(heads * cta_bound / 4), block 128: warp -> the list of (query head head0 + h,
+// CTA map entry at), at fastest, for the CTA's sequence and row of bsr_prepare's schedule in
+// meta; index rows [batch, total_heads, n]. The list goes to tiles[item * cap ..] (cap:
+// tiles.list_bound, from shapes), its length to counts[item] (0 past the last CTA): the
+// CTA's vs_cta_tiles, or for a row that runs dense (dense[b * total_heads + head]; nullptr:
+// none) the dense kernel's sequence, every tile_n keys below the CTA's causal clip held by
+// both halves (at most ceil(max_kv / tile_n) <= cap tiles). (One CTA an SM at least, as
+// vs_prepare.)
+__global__ void __launch_bounds__(128, 1) vs_plan_kernel(
+    const int* __restrict__ meta, const int* __restrict__ s_sorted,
     const int* __restrict__ run_first, int ns, const int* __restrict__ v_unique,
-    const int* __restrict__ v_count, int nv, int batch, int total_heads, int head0, int heads,
-    int num_c, int bm, int bn, int tile_n, i64* __restrict__ ptr, int2* __restrict__ tiles) {
+    const int* __restrict__ v_count, int nv, const int* __restrict__ dense, int batch,
+    int total_heads, int head0, int heads, int cta_bound, int bm, int bn, int tile_n, int cap,
+    int* __restrict__ counts, int2* __restrict__ tiles) {
   const i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  if (item >= (i64)batch * heads * num_c) return;
-  const int c = (int)(item % num_c);
-  const int h = (int)(item / num_c % heads), b = (int)(item / num_c / heads);
-  VsRow p;
-  p.init(s_sorted, run_first, ns, v_unique, v_count, nv, (i64)b * total_heads + head0 + h);
-  const int q_len = cu_q[b + 1] - cu_q[b], kv_len = kv_lens[b];
-  if (tiles == nullptr) {
-    TileCount n{0};
-    vs_cta_tiles(p, c, q_len, kv_len, bm, bn, tile_n, n);
-    if (threadIdx.x % 32 == 0) ptr[item] = n.n;
-  } else {
-    TileWrite w{tiles + ptr[item]};
-    vs_cta_tiles(p, c, q_len, kv_len, bm, bn, tile_n, w);
+  if (item >= (i64)heads * cta_bound) return;
+  const int at = (int)(item % cta_bound), h = (int)(item / cta_bound);
+  const int b = meta[4 * (batch + 1) + at];
+  if (b < 0) {
+    if (threadIdx.x % 32 == 0) counts[item] = 0;
+    return;
   }
+  const int4 info = reinterpret_cast<const int4*>(meta)[b];  // (row, kv_len, first CTA, q_len)
+  const i64 row = (i64)b * total_heads + head0 + h;
+  const int c = at - info.z;
+  int2* base = tiles + item * cap;
+  TileWrite w{base};
+  if (dense != nullptr && dense[row]) {
+    const i64 clip = (i64)info.y - info.w + imin((i64)c * 128 + 128, info.w);
+    w.piece(0, (int)imax(imin(clip, info.y), 0), TILE_A | TILE_B, tile_n);
+  } else {
+    VsRow p;
+    p.init(s_sorted, run_first, ns, v_unique, v_count, nv, row);
+    vs_cta_tiles(p, c, info.w, info.y, bm, bn, tile_n, w);
+  }
+  if (threadIdx.x % 32 == 0) counts[item] = (int)(w.t - base);
 }
 
 // ----------------------------------------------------------------------------- batched BSR
@@ -171,9 +231,10 @@ __device__ __forceinline__ int bsr_kv_len(const BsrPrepareArgs& a, int b) {
   return len;
 }
 
-// grid 1, block PREP_THREADS: the schedule of a batched BSR launch of sparse_attention, in
-// meta: int4 [batch] per sequence (first CSR row, keys, first CTA, 0), int4 at [batch] for
-// the pattern (1 if indptr fits the lengths, CSR rows, CTAs, 0), then int [cta_bound]: the
+// grid 1, block PREP_THREADS: the schedule of a batched launch of sparse_attention, in
+// meta: int4 [batch] per sequence (first CSR row, keys, first CTA, queries; keys and queries
+// 0 when bad), int4 at [batch] for the pattern (1 if indptr fits the lengths, CSR rows,
+// CTAs, 0; not written without indptr: vertical+slash), then int [cta_bound]: the
 // sequence of each CTA (cta_rows query rows), -1 past the last. Thread t owns the sequences of
 // chunk t. A bad cu_seqlens_q gives every sequence no CTA (rows unknown); bad key lengths or
 // block ids give the sequence no keys (zeros); an indptr of the wrong size or ends gives no
@@ -203,7 +264,7 @@ __global__ void __launch_bounds__(PREP_THREADS, 1) bsr_prepare(CUPAGED_PARAMS_Bs
   int cta_at = block_scan<PREP_THREADS>(ctas, buf, total_ctas);
   for (int b = b0; b < b1; ++b) {
     const int n = bad ? 0 : __ldg(a.cu_q + b + 1) - __ldg(a.cu_q + b), nc = (n + a.cta_rows - 1) / a.cta_rows;
-    seq[b] = make_int4(a.pattern_heads * row_at, bsr_kv_len(a, b), cta_at, 0);
+    seq[b] = make_int4(a.pattern_heads * row_at, bsr_kv_len(a, b), cta_at, n);
     for (int c = 0; c < nc; ++c) cta_map[cta_at + c] = b;
     row_at += (n + a.block_m - 1) / a.block_m;
     cta_at += nc;
@@ -228,7 +289,7 @@ __global__ void __launch_bounds__(PREP_THREADS, 1) bsr_prepare(CUPAGED_PARAMS_Bs
   }
 
   // -- the pattern's frame: indptr sized by the lengths, from 0 to nnz --
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && a.indptr != nullptr) {
     const int n_rows = a.pattern_heads * total_rows;
     bool ok = !bad;
     if (ok && n_rows + 1 != a.indptr_len) {

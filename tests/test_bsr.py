@@ -511,11 +511,11 @@ def recorded(monkeypatch):
     for module in (bsr, launch, attention):
         monkeypatch.setattr(module, "ptr", fake_ptr)
     monkeypatch.setattr(tiles, "address", fake_ptr)
-    monkeypatch.setattr(bsr, "launcher", lambda stem, expr, record, **kw: _Recorder(record, calls))
+    monkeypatch.setattr(launch, "launcher", lambda stem, expr, record, **kw: _Recorder(record, calls))
     monkeypatch.setattr(launch, "attention_kernel",
                         lambda dtype, d, kind="sparse_attention", rows=128, general=False:
                         _Recorder(abi.SPARSE, calls))
-    monkeypatch.setattr(bsr, "error_word", lambda: np.zeros(8, np.int64))
+    monkeypatch.setattr(launch, "error_word", lambda: np.zeros(8, np.int64))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty))
     return calls
 
@@ -555,12 +555,14 @@ def test_cta_rows_follow_the_block_rows():
 def test_vertical_slash_launch_packs_its_record(rng, recorded):
     from cupaged.sparse import attention, launch, tiles
     q, k, v, cu_q, cu_k = _batch(rng, [130], [130], 4, 2, 64, np.float16)
-    lists = tiles.TileLists(np.zeros(5, np.int64), np.zeros((1, 2), np.int32), 0, 4, 4, 2,
+    lists = tiles.TileLists(np.zeros(8, np.int32), np.zeros((8 * 7, 2), np.int32), 0, 4, 7,
                             np.zeros((1, 4, 3), np.int32), 4, 3)
-    batch = attention.Batch(4, 2, 64, np.array([130]), np.array([130]))
+    batch = attention.Batch(4, 2, 64, 1, 130)
     opts = AttentionOptions(0.125, -1, None, None, 0.0)
-    attention.launch(q, launch.dense_kv(k, v, cu_k), np.empty_like(q), None, cu_q,
-                     np.array([130], np.int32), batch, lists, opts)
+    meta = np.zeros(launch.bsr_meta_size(1, 3), np.int32)
+    attention.launch(q, launch.dense_kv(k, v, cu_k), np.empty_like(q), None, cu_q, meta, batch, 3,
+                     lists, opts)
     (name, grid, _, _, fields), = recorded
-    assert name == "SparseArgs" and grid == (4, 2, 1)
-    assert fields["plan_heads"] == 4 and fields["cols_width"] == 3 and fields["lse"] == 0
+    assert name == "SparseArgs" and grid == (4, 3)
+    assert fields["list_cap"] == 7 and fields["cols_width"] == 3 and fields["lse"] == 0
+    assert fields["cta_bound"] == 3 and fields["batch"] == 1 and fields["bsr_meta"] == id(meta)

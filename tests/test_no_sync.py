@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import cupaged
+from cupaged import sparse
 from cupaged.core.arrays import bfloat16
 
 SPIN_MS = 50
@@ -73,6 +74,9 @@ def _paged(rng, xp, lens=(300, 17, 2048, 0, 513), hq=32, hk=8, d=128, bs=16, dty
                 bsr_ptr=xp.asarray(np.arange(hk * int((q_lens > 0).sum()) + 1, dtype=np.int32)),
                 bsr_idx=xp.asarray(np.zeros(hk * int((q_lens > 0).sum()), np.int32)),
                 k8=xp.zeros((nb, bs, hk, d), np.uint8), v8=xp.zeros((nb, bs, hk, d), np.uint8),
+                # vertical+slash: a band of 8 diagonals and 4 sink columns, per sequence
+                vs_v=xp.asarray(np.tile(np.arange(4, dtype=np.int32), (len(lens), hq, 1))),
+                vs_s=xp.asarray(np.tile(np.arange(8, dtype=np.int32), (len(lens), hq, 1))),
                 k_scale=xp.asarray(np.full(hk, 0.05, np.float32)),
                 v_scale=xp.asarray(np.array(0.1, np.float32)))
 
@@ -133,6 +137,14 @@ def _calls(c):
         "varlen_block_sparse_attention": lambda: cupaged.varlen_block_sparse_attention(
             c["qp"], c["kv"], c["kv"], c["cu"], c["cu"], c["bsr_ptr"], c["bsr_idx"], 64, 64,
             pattern_heads=8),
+        "vertical_slash_attention": lambda: sparse.vertical_slash_attention(
+            c["qp"], c["kv"], c["kv"], c["vs_v"][0], c["vs_s"][0], validate=False),
+        "varlen_vertical_slash_attention": lambda: sparse.vertical_slash_attention(
+            c["qp"], c["kv"], c["kv"], c["vs_v"], c["vs_s"], cu_seqlens_q=c["cu"],
+            cu_seqlens_k=c["cu"], validate=False),
+        "paged_vertical_slash_attention": lambda: sparse.paged_vertical_slash_attention(
+            c["qp"], c["kc"], c["vc"], c["vs_v"], c["vs_s"], c["cu"], c["tables"], c["lens"],
+            layout="NHD", validate=False),
         "paged_block_sparse_attention": lambda: cupaged.paged_block_sparse_attention(
             c["qp"], c["kc"], c["vc"], c["cu"], c["tables"], c["lens"], c["bsr_ptr"], c["bsr_idx"],
             64, 64, pattern_heads=8, layout="NHD"),
@@ -157,7 +169,9 @@ NAMES = ["paged_decode", "paged_decode_append", "paged_attention", "paged_attent
          "prefiller_host_plan_run", "prefiller_device_plan_run", "merge_states",
          "copy_blocks_host_pairs", "copy_blocks_device_pairs", "swap_out_memcpy",
          "swap_in_kernel", "sink_softmax", "sink_attention", "layer_step",
-         "varlen_block_sparse_attention", "paged_block_sparse_attention", "paged_decode_fp8",
+         "varlen_block_sparse_attention", "paged_block_sparse_attention",
+         "vertical_slash_attention", "varlen_vertical_slash_attention",
+         "paged_vertical_slash_attention", "paged_decode_fp8",
          "paged_decode_append_fp8", "write_kv_cache_fp8", "decoder_fp8_plan_run"]
 
 

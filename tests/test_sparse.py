@@ -257,7 +257,7 @@ def test_pattern_attention_is_masked_dense(rng):
     q, k, v = _qkv(rng, 140, 140)
     v_idx = np.sort(rng.choice(140, (4, 10)), axis=1).astype(np.int32)
     s_idx = np.sort(rng.choice(140, (4, 6)), axis=1).astype(np.int32)
-    out = sparse.vertical_slash_attention(q, k, v, v_idx, s_idx)
+    out = sparse.vertical_slash_attention(q, k, v, v_idx, s_idx, dense_threshold=None)
     for h in range(4):
         bc, bo, cc, ci = ref.vertical_slash_index([140], v_idx[None, h:h + 1], s_idx[None, h:h + 1], 140)
         mask = ref.vertical_slash_mask(bc[0], bo[0], cc[0], ci[0], 140, 140)[0]
@@ -545,3 +545,50 @@ def test_bad_policy_arguments(rng):
         sparse.QuestPolicy(2).page_scores(q, tables, lens)
     with pytest.raises(ValueError, match="block_tables"):
         sparse.QuestPolicy(2).update_bounds(k, tables + 100, lens, layout="NHD")
+
+
+# ----------------------------------------------------------------------------- dense fallback
+def test_dense_heads_count_kept_and_causal_blocks():
+    """q_len = kv_len = 256, 64 x 64 blocks: 1 + 2 + 3 + 4 = 10 causal blocks. Head 0 keeps
+    the diagonal blocks (4, one per query block); head 1 also two columns in block 3 (one
+    more block); head 2 keeps them all."""
+    bc = np.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 2, 3, 4]])
+    cc = np.array([[0, 0, 0, 0], [0, 0, 0, 2], [0, 0, 0, 0]])
+    got = ref.dense_heads(bc, cc, 256, 256, 64, 64, 0.45)
+    assert got.tolist() == [False, True, True]              # 4, 5, 10 of 10 blocks
+    assert ref.dense_heads(bc, cc, 256, 256, 64, 64, 0.4).tolist() == [False, True, True]
+    assert ref.dense_heads(bc, cc, 256, 256, 64, 64, 0.5).tolist() == [False, False, True]
+    assert not ref.dense_heads(bc, cc, 256, 256, 64, 64, None).any()
+    assert not ref.dense_heads(bc, cc, 256, 256, 64, 64, 1.0).any()  # "more than"
+
+
+def test_fallback_heads_are_dense_the_others_their_pattern(rng):
+    """Heads whose pattern keeps more than the threshold get full causal attention (with the
+    options); the others their pattern, as with no threshold."""
+    q, k, v = _qkv(rng, 700, 901)
+    v_idx = np.tile(np.array([0, 1, 2], np.int32), (4, 1))
+    s_idx = np.tile(np.arange(20, dtype=np.int32), (4, 1))  # a band: few blocks
+    s_idx[1] = np.arange(0, 901, 40)[:20]                   # spread: most blocks
+    s_idx[3] = np.arange(0, 901, 45)[:20]
+    bc, _, cc, _ = ref.vertical_slash_index([700], v_idx[None], s_idx[None], 700, kv_seqlens=[901])
+    dense = ref.dense_heads(bc[0], cc[0], 700, 901, 64, 64, sparse.DENSE_THRESHOLD)
+    assert dense.tolist() == [False, True, False, True]
+    sinks = rng.standard_normal(4).astype(np.float32)
+    out, lse = sparse.vertical_slash_attention(q, k, v, v_idx, s_idx, sinks=sinks, window_left=90,
+                                               return_lse=True)
+    exact = sparse.vertical_slash_attention(q, k, v, v_idx, s_idx, sinks=sinks, window_left=90,
+                                            dense_threshold=None)
+    full, full_lse = ra.attend(q, k, v, causal=True, sinks=sinks, window_left=90)
+    for h in range(4):
+        want = full[:, h] if dense[h] else exact[:, h]
+        np.testing.assert_allclose(out[:, h], want, rtol=1e-5, atol=1e-6)
+        if dense[h]:
+            np.testing.assert_allclose(lse[:, h], full_lse[:, h], rtol=1e-5, atol=1e-6)
+
+
+def test_dense_threshold_is_checked(rng):
+    q, k, v = _qkv(rng, 20, 20)
+    idx = np.zeros((4, 2), np.int32)
+    for bad in (1.5, -0.1, "half", True):
+        with pytest.raises(ValueError, match="dense_threshold"):
+            sparse.vertical_slash_attention(q, k, v, idx, idx, dense_threshold=bad)

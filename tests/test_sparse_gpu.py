@@ -107,32 +107,78 @@ def test_index_kernel_equals_reference(cp, rng, block_m, block_n):
         np.testing.assert_array_equal(_host(cp, g), w, err_msg=name)
 
 
-@pytest.mark.parametrize("block_m,tile_n", [(64, 64), (128, 64), (64, 32)])
-def test_device_tile_lists_cover_the_pattern(cp, rng, block_m, tile_n):
-    """vs_prepare + vs_plan_kernel: every 64-row half of every CTA holds its pattern's keys once."""
-    q_lens = np.array([300, 0, 1, 700, 129], np.int32)
-    kv_lens = np.array([300, 50, 64, 1200, 640], np.int32)
+def _schedule(cp, q_lens, kv_lens, hq):
+    """``bsr_prepare``'s schedule of a packed batch (q/k of zeros): ``(meta, cta_bound,
+    cu_q)`` on the device."""
+    from cupaged.sparse import launch
+    cu_q = cp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+    cu_k = cp.asarray(np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32))
+    q = cp.zeros((int(np.sum(q_lens)), hq, 64), np.float16)
+    k = cp.zeros((int(np.sum(kv_lens)), 1, 64), np.float16)
+    meta, cta_bound, _ = launch.schedule(q, cp.empty_like(q), None, cu_q, launch.dense_kv(k, k, cu_k),
+                                         None, int(k.shape[0]), launch.CTA_ROWS)
+    return meta, cta_bound, cu_q
+
+
+def _batch_rows(rng, kv_lens, heads, nv=40, ns=30, band=70):
     rows_v, rows_s = [], []
     for n in kv_lens:
-        rows_v.append(rng.integers(0, n + 2, (3, 40)).astype(np.int32))    # duplicates, padding
-        rows_s.append(np.concatenate([rng.integers(0, n, (3, 30)), np.tile(np.arange(70), (3, 1))],
-                                     axis=1).astype(np.int32))
-    v_idx, s_idx = sparse.pad_indices(rows_v), sparse.pad_indices(rows_s)
-    cu_q = cp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
-    kv_d = cp.asarray(kv_lens)
-    prep = index.prepare(cp.asarray(v_idx), cp.asarray(s_idx), kv_d, block_m)
-    (lists,) = tiles.vs_lists(prep, cu_q, kv_d, len(q_lens), int(q_lens.max()), 64, tile_n)
-    ptr, t_all, cols = (_host(cp, x) for x in (lists.ptr, lists.tiles, lists.cols))
-    counts = _host(cp, prep.v_count)
+        rows_v.append(rng.integers(0, n + 2, (heads, nv)).astype(np.int32))   # duplicates, padding
+        rows_s.append(np.concatenate([rng.integers(0, n, (heads, ns)),
+                                      np.tile(np.arange(band), (heads, 1))], axis=1).astype(np.int32))
+    return sparse.pad_indices(rows_v), sparse.pad_indices(rows_s)
+
+
+@pytest.mark.parametrize("block_m,tile_n", [(64, 64), (128, 64), (64, 32)])
+def test_device_tile_lists_cover_the_pattern(cp, rng, block_m, tile_n):
+    """vs_prepare + vs_plan_kernel: every 64-row half of every CTA holds its pattern's keys
+    once, in a slot of list_bound tiles."""
+    q_lens = np.array([300, 0, 1, 700, 129], np.int32)
+    kv_lens = np.array([300, 50, 64, 1200, 640], np.int32)
+    v_idx, s_idx = _batch_rows(rng, kv_lens, 3)
+    meta, cta_bound, _ = _schedule(cp, q_lens, kv_lens, 3)
+    max_kv = int(kv_lens.sum())
+    prep = index.prepare(cp.asarray(v_idx), cp.asarray(s_idx), meta[1:], block_m, q_lens=meta[3:],
+                         len_stride=4)
+    (lists,) = tiles.vs_lists(prep, None, meta, len(q_lens), cta_bound, max_kv, 64, tile_n)
+    assert lists.cap == tiles.list_bound(max_kv, v_idx.shape[2], s_idx.shape[2], block_m, tile_n)
+    counts = _host(cp, lists.counts)
+    t_all = _host(cp, lists.tiles)[:3 * cta_bound * lists.cap].reshape(3 * cta_bound, lists.cap, 2)
+    cols, vcount, m = _host(cp, lists.cols), _host(cp, prep.v_count), _host(cp, meta)
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        assert m[4 * b + 1] == kv_len and m[4 * b + 3] == q_len
         bc, bo, cc, ci = ref.vertical_slash_index([q_len], v_idx[b:b + 1], s_idx[b:b + 1],
                                                   max(q_len, 1), block_m, 64, kv_seqlens=[kv_len])
         masks = ref.vertical_slash_mask(bc[0], bo[0], cc[0], ci[0], q_len, kv_len, block_m, 64)
         for h in range(3):
             def list_of(c, b=b, h=h):
-                row = (b * 3 + h) * lists.num_c + c
-                return t_all[ptr[row]:ptr[row + 1]], cols[b, h, :counts[b, h]]
+                item = h * cta_bound + m[4 * b + 2] + c
+                return t_all[item, :counts[item]], cols[b, h, :vcount[b, h]]
             check_lists(list_of, -(-int(q_len) // 128), masks[h], int(q_len), int(kv_len), tile_n)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 64), (128, 32), (192, 100)])
+def test_device_dense_decision_equals_reference(cp, rng, block_m, block_n):
+    """vs_prepare's dense flags are reference.sparse.dense_heads', bit for bit, on bands
+    (sparse) and spread slashes (dense) in odd lengths."""
+    q_lens = np.array([333, 0, 1, 517, 129], np.int32)
+    kv_lens = np.array([400, 17, 64, 517, 900], np.int32)
+    v_idx, s_idx = _batch_rows(rng, kv_lens, 4, nv=30, ns=0, band=25)
+    for b, n in enumerate(kv_lens):                   # heads 1 and 3 spread: most blocks
+        for h in (1, 3):
+            s_idx[b, h, :25] = np.arange(25) * (n // 25 + 1)
+    meta, _, _ = _schedule(cp, q_lens, kv_lens, 4)
+    prep = index.prepare(cp.asarray(v_idx), cp.asarray(s_idx), meta[1:], block_m, q_lens=meta[3:],
+                         len_stride=4, block_n=block_n, dense_threshold=sparse.DENSE_THRESHOLD)
+    got = _host(cp, prep.dense).astype(bool)
+    want = np.zeros_like(got)
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        bc, _, cc, _ = ref.vertical_slash_index([q_len], v_idx[b:b + 1], s_idx[b:b + 1],
+                                                max(q_len, 1), block_m, block_n, kv_seqlens=[kv_len])
+        want[b] = ref.dense_heads(bc[0], cc[0], int(q_len), int(kv_len), block_m, block_n,
+                                  sparse.DENSE_THRESHOLD)
+    np.testing.assert_array_equal(got, want)
+    assert want.any() and not want.all()
 
 
 # ----------------------------------------------------------------------------- attention
@@ -316,7 +362,7 @@ def test_long_sequence_rows_match_reference(cp, rng):
     dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
     v_idx, s_idx = sparse.estimate_vertical_slash(dq, dk, vertical_size=1, slash_size=1,
                                                   adaptive_budget=0.05)
-    got = _host(cp, sparse.vertical_slash_attention(dq, dk, dv, v_idx, s_idx))
+    got = _host(cp, sparse.vertical_slash_attention(dq, dk, dv, v_idx, s_idx, dense_threshold=None))
     bc, bo, cc, ci = (_host(cp, x) for x in sparse.vertical_slash_index(
         cp.asarray(np.array([n], np.int32)), v_idx[None], s_idx[None], n))
     k64, v64 = k.astype(np.float64), v.astype(np.float64)
@@ -331,6 +377,112 @@ def test_long_sequence_rows_match_reference(cp, rng):
             w = np.exp(s - s.max())
             want = w @ v64[keys, 0] / w.sum()
             assert _rel_err(got[row, h], want) < 1e-2, (row, h)
+
+
+# ----------------------------------------------------------------------------- no host read
+def _fallback_batch(rng, dtype=bfloat16, hq=6, hk=2, d=128):
+    """A packed batch of odd lengths (one empty sequence, 7 padding rows) whose heads 1, 4, ...
+    spread their slashes (dense fallback) while the others keep a band and a few columns, and
+    the last head of sequence 2 has an empty pattern."""
+    q_lens, kv_lens = [733, 0, 1029, 65], [900, 17, 1029, 1000]
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = _rand(rng, (cu_q[-1] + 7, hq, d), dtype)
+    k, v = (_rand(rng, (cu_k[-1], hk, d), dtype) for _ in range(2))
+    rows_v, rows_s = [], []
+    for n in kv_lens:
+        vr = np.sort(rng.integers(0, n, (hq, 9)), axis=1).astype(np.int32)
+        sr = np.tile(np.arange(24, dtype=np.int32), (hq, 1))
+        sr[1::3] = np.arange(24) * (n // 24 + 1)
+        rows_v.append(vr)
+        rows_s.append(sr)
+    v_idx, s_idx = sparse.pad_indices(rows_v), sparse.pad_indices(rows_s)
+    v_idx[2, hq - 1], s_idx[2, hq - 1] = sparse.PAD, sparse.PAD
+    return q, k, v, v_idx, s_idx, cu_q, cu_k
+
+
+def _fallback_run(cp, q, k, v, v_idx, s_idx, cu_q, cu_k, sinks, **kw):
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)
+    got, lse = sparse.vertical_slash_attention(
+        *(cp.asarray(x) for x in (q, k, v, v_idx, s_idx)), cu_seqlens_q=cp.asarray(cu_q),
+        cu_seqlens_k=cp.asarray(cu_k), sinks=cp.asarray(sinks), out=out, return_lse=True,
+        validate=False, **kw)
+    return _host(cp, got), _host(cp, lse)
+
+
+def test_dense_fallback_for_some_heads_matches_reference(cp, rng):
+    """Fallback heads (full causal attention) beside pattern heads, an empty sequence, an
+    empty pattern and padding rows, against the float64 reference."""
+    q, k, v, v_idx, s_idx, cu_q, cu_k = _fallback_batch(rng)
+    sinks = rng.standard_normal(q.shape[1]).astype(np.float32)
+    got, lse = _fallback_run(cp, q, k, v, v_idx, s_idx, cu_q, cu_k, sinks)
+    n = cu_q[-1]
+    f32 = [x.astype(np.float32) for x in (q[:n], k, v)]
+    want, want_lse = sparse.vertical_slash_attention(*f32, v_idx, s_idx, cu_seqlens_q=cu_q,
+                                                     cu_seqlens_k=cu_k, sinks=sinks, return_lse=True)
+    _check_close(got[:n], want, bfloat16)
+    np.testing.assert_allclose(lse[:n], want_lse, rtol=1e-3, atol=1e-3)
+    assert (got[n:] == 0).all() and np.isneginf(lse[n:]).all()            # padding rows
+    rows = slice(cu_q[2], cu_q[3])
+    assert (got[rows, 5] == 0).all() and np.allclose(lse[rows, 5], sinks[5])  # empty pattern
+    dense = []
+    for b in range(4):                                 # the reference's decision is mixed
+        ql, kl = int(cu_q[b + 1] - cu_q[b]), int(cu_k[b + 1] - cu_k[b])
+        bc, _, cc, _ = ref.vertical_slash_index([ql], v_idx[b:b + 1], s_idx[b:b + 1], max(ql, 1),
+                                                kv_seqlens=[kl])
+        dense.append(ref.dense_heads(bc[0], cc[0], ql, kl, 64, 64, sparse.DENSE_THRESHOLD))
+    dense = np.array(dense)
+    assert dense[[0, 2, 3]][:, [1, 4]].all() and not dense[[0, 2, 3]][:, [0, 2, 3]].any()
+
+
+def test_head_groups_of_a_small_budget_give_the_same_result(cp, rng, monkeypatch):
+    """A list budget of one head's slots: a list launch and an attention launch per head, the
+    buffers reused; the result equals the one-group run bit for bit."""
+    q, k, v, v_idx, s_idx, cu_q, cu_k = _fallback_batch(rng, np.float16, hq=4, hk=1, d=64)
+    sinks = np.zeros(4, np.float32)
+    one, one_lse = _fallback_run(cp, q, k, v, v_idx, s_idx, cu_q, cu_k, sinks)
+    from cupaged.sparse import launch
+    calls = []
+    real = tiles.vs_lists
+
+    def counted(*a, **kw):
+        for g in real(*a, **kw):
+            calls.append(g.heads)
+            yield g
+    monkeypatch.setattr(tiles, "vs_lists", counted)
+    monkeypatch.setattr(tiles, "LIST_BUDGET", 1)
+    got, lse = _fallback_run(cp, q, k, v, v_idx, s_idx, cu_q, cu_k, sinks)
+    assert calls == [1, 1, 1, 1] and launch.CTA_ROWS == 128
+    np.testing.assert_array_equal(got, one)
+    np.testing.assert_array_equal(lse, one_lse)
+
+
+@pytest.mark.parametrize("which", ["v_idx", "s_idx"])
+def test_negative_device_index_goes_to_the_error_word(cp, rng, which):
+    """A negative index is found on the device (no host read): its (sequence, head) comes out
+    as zeros, the others as the reference, and check_errors names the argument; strict mode
+    raises on the host first."""
+    import cupaged
+    cupaged.check_errors()
+    q, k, v, v_idx, s_idx, cu_q, cu_k = _fallback_batch(rng)
+    sinks = np.zeros(q.shape[1], np.float32)
+    bad_v, bad_s = v_idx.copy(), s_idx.copy()
+    (bad_v if which == "v_idx" else bad_s)[2, 3, 1] = -5
+    got, _ = _fallback_run(cp, q, k, v, bad_v, bad_s, cu_q, cu_k, sinks)
+    with pytest.raises(cupaged.DeviceIndexError, match=which):
+        cupaged.check_errors()
+    n = cu_q[-1]
+    want, _ = sparse.vertical_slash_attention(*(x.astype(np.float32) for x in (q[:n], k, v)), v_idx,
+                                              s_idx, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=sinks,
+                                              return_lse=True)
+    rows = slice(cu_q[2], cu_q[3])
+    assert (got[rows, 3] == 0).all()
+    want[rows, 3] = 0
+    _check_close(got[:n], want, bfloat16)
+    with pytest.raises(ValueError, match=which):
+        sparse.vertical_slash_attention(*(cp.asarray(x) for x in (q[:n], k, v, bad_v, bad_s)),
+                                        cu_seqlens_q=cp.asarray(cu_q), cu_seqlens_k=cp.asarray(cu_k),
+                                        validate=True)
 
 
 # ----------------------------------------------------------------------------- BSR

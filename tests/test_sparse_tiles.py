@@ -217,8 +217,52 @@ def test_band_lists_are_mostly_shared_full_tiles(plan_lib):
 
 
 def test_head_groups_fit_the_budget():
-    assert tiles.head_groups([10, 10, 10], budget=1 << 30) == [(0, 3)]
-    per = [5, 5, 5, 5]                                 # 40 bytes each
-    assert tiles.head_groups(per, budget=80) == [(0, 2), (2, 2)]
-    assert tiles.head_groups([100, 1, 1], budget=80) == [(0, 1), (1, 2)]   # a head alone may exceed
-    assert tiles.head_groups([]) == []
+    assert tiles.head_groups(3, 10, 1 << 30) == [(0, 3)]
+    assert tiles.head_groups(5, 40, 80) == [(0, 2), (2, 2), (4, 1)]
+    assert tiles.head_groups(3, 100, 80) == [(0, 1), (1, 1), (2, 1)]   # a head alone may exceed
+    assert tiles.head_groups(0, 8, 80) == []
+
+
+def test_list_bound_arithmetic():
+    """ceil(K / tile_n) + 4R key tiles, R = min(ns, ceil(K / (block_m + 1))) ranges a half,
+    and min(nv, nv // tile_n + 4R + 3) column tiles."""
+    assert tiles.list_bound(0, 0, 0, 64, 64) == 1
+    assert tiles.list_bound(1000, 0, 0, 64, 64) == 16            # the dense sequence
+    assert tiles.list_bound(1000, 10, 3, 64, 64) == 16 + 12 + 10
+    # 128K, the fixed 1000 / 6096 budget: R = ceil(131072 / 65) = 2017 < 6096
+    assert tiles.list_bound(131072, 1000, 6096, 64, 64) == 2048 + 4 * 2017 + 1000
+    assert tiles.list_bound(1000, 500, 3, 128, 32) == 32 + 12 + (15 + 12 + 3)
+
+
+def _adversarial_rows(rng, kv_len, kind):
+    """Index rows built to cut lists into many short tiles."""
+    if kind == "spread":          # one slash per run, runs just over block_m apart
+        s_row = np.arange(0, kv_len, 65)
+    elif kind == "dense":         # every diagonal
+        s_row = np.arange(kv_len)
+    elif kind == "pairs":         # runs of two slashes 63 apart, 130 apart
+        s_row = np.sort(np.concatenate([np.arange(0, kv_len, 130), np.arange(63, kv_len, 130)]))
+    else:
+        s_row = rng.integers(0, kv_len, int(rng.integers(1, 200)))
+    v_row = rng.integers(0, kv_len, int(rng.integers(0, 3 * kv_len // 2 + 1)))
+    return v_row.astype(np.int32), s_row.astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", ["spread", "dense", "pairs", "random"])
+def test_lists_fit_the_bound(plan_lib, rng, kind):
+    """Every CTA's list (the host build of vs_cta_tiles) fits list_bound's slot, for block
+    rows of 64 and 128 and tiles of 64 and 32 keys, in sequences of one chunk or of a
+    prefix."""
+    for it in range(16):
+        q_len = int(rng.integers(1, 900))
+        kv_len = q_len + int(rng.integers(0, 400)) * (it % 2)
+        bm, tile_n = (64, 128)[it % 2], (64, 32)[(it // 2) % 2]
+        v_row, s_row = _adversarial_rows(rng, kv_len, kind)
+        s, rf, ns, vu, nvu = prepare_row(v_row, s_row, kv_len, bm)
+        cap = tiles.list_bound(kv_len + int(rng.integers(0, 50)), len(v_row), len(s_row), bm,
+                               tile_n)
+        xy = np.zeros((4 * cap + 1024, 2), np.int32)
+        for c in range(-(-q_len // 128)):
+            n = plan_lib.vs_tiles(s, rf, ns, vu, nvu, c, q_len, kv_len, bm, 64, tile_n,
+                                  xy.reshape(-1))
+            assert n <= cap, (kind, it, c, n, cap)

@@ -17,15 +17,19 @@ over the most recent key, whatever the distance) and 16 random keys per kv head 
 band) plus the sink and landmark columns, as it does on real models; random q/k would give
 scattered diagonals, each costing a 64-wide band.
 
-Columns: ``est_ms`` (pattern estimate), ``index_ms`` (sort, run preparation and the tile
-lists of ``sparse.tiles``, host syncs included), ``kernel_ms`` (the sparse kernel),
+Columns: ``est_ms`` (pattern estimate), ``index_ms`` (``bsr_prepare``'s schedule, the sort,
+run preparation with the dense decision and the tile lists of ``sparse.tiles``: device work
+only, no host sync; one head group), ``kernel_ms`` (the sparse kernel),
 ``sparse_ms`` (all three), ``est_share`` (estimate over ``sparse_ms``), ``op_ms`` (the public ``vertical_slash_attention`` with its
 argument checks, plus the estimate), ``dense_ms`` (our ``varlen_prefill``, causal, default
 backend: the wgmma kernel on sm_90) and ``vs_dense`` (dense over ``sparse_ms``; issue 7's
 goal: >= 5 at 128K with the contract's budget), ``mma_ms`` (the same with the mma.sync kernel,
 whose tile core the sparse kernel shares), ``cudnn_ms`` / ``vs_cudnn`` (torch SDPA cuDNN,
 GQA; the same run), ``diag_frac`` (slashes kept over S), ``kept`` (the kept fraction: pairs
-the kernel computes, whole tiles, over the causal pairs; printed beside every figure),
+the kernel computes, whole tiles, over the causal pairs, the dense fallback's heads
+included; printed beside every figure), ``dense_frac`` (the share of heads whose pattern
+keeps more than ``sparse.DENSE_THRESHOLD`` of their causal blocks: they run every causal
+tile),
 ``pair_ratio`` (pairs per second of the sparse kernel over the
 mma.sync dense kernel's causal pairs per second: its efficiency per computed pair, ~1 when
 the inner loops match), ``mass`` (share of the causal softmax mass
@@ -114,35 +118,40 @@ def _inputs(seqlen, seed=0):
 
 
 def _split_times(q, k, v, v_idx, s_idx, reps):
-    """Median (index seconds, kernel seconds), computed pairs and the output of the op's steps."""
+    """Median (index seconds, kernel seconds), computed pairs, the heads that run dense (host
+    bool ``[Hq]``) and the output of the op's steps, with a list budget of one head group."""
     import cupy
     from ..core.checks import check_options
     from ..sparse import attention as sa, index, launch as kernels, tiles
     n = q.shape[0]
-    batch = sa.Batch(HQ, HK, D, np.array([n]), np.array([n]))
+    batch = sa.Batch(HQ, HK, D, 1, n)
     cu = cupy.asarray([0, n], dtype=np.int32)
-    kv_lens = cupy.asarray([n], dtype=np.int32)
     kv, opts, out = kernels.dense_kv(k, v, cu), check_options(cupy, HQ, D), cupy.empty_like(q)
     tile_n = kernels.attention_tile(D).block_n
+    cta_bound = -(-n // kernels.CTA_ROWS) + 1
+    budget = HQ * cta_bound * tiles.TILE_BYTES * tiles.list_bound(
+        n, v_idx.shape[1], s_idx.shape[1], 64, tile_n)
     runs = []
     for _ in range(reps):
         a, b, c = cupy.cuda.Event(), cupy.cuda.Event(), cupy.cuda.Event()
         a.record()
-        prep = index.prepare(v_idx[None], s_idx[None], kv_lens, 64)
-        groups = list(tiles.vs_lists(prep, cu, kv_lens, 1, n, 64, tile_n))
+        meta, cta_bound, err = kernels.schedule(q, out, None, cu, kv, None, n, kernels.CTA_ROWS)
+        prep = index.prepare(v_idx[None], s_idx[None], meta[1:], 64, q_lens=meta[3:],
+                             len_stride=4, dense_threshold=sa.DENSE_THRESHOLD, err=err)
+        (lists,) = tiles.vs_lists(prep, prep.dense, meta, 1, cta_bound, n, 64, tile_n, budget)
         b.record()
-        for lists in groups:
-            sa.launch(q, kv, out, None, cu, kv_lens, batch, lists, opts)
+        sa.launch(q, kv, out, None, cu, meta, batch, cta_bound, lists, opts)
         c.record()
         c.synchronize()
         runs.append((cupy.cuda.get_elapsed_time(a, b) * 1e-3, cupy.cuda.get_elapsed_time(b, c) * 1e-3))
-    pairs = sum(tiles.computed_pairs(g) for g in groups)
+    pairs = tiles.computed_pairs(lists, cta_bound)
     t_index, t_kernel = (float(np.median([r[i] for r in runs])) for i in range(2))
-    return t_index, t_kernel, pairs, out
+    return t_index, t_kernel, pairs, prep.dense.get()[0].astype(bool), out
 
 
-def _probe(q, k, v, out, v_idx, s_idx):
-    """(mass kept, output close) on the last query block of heads 0-3."""
+def _probe(q, k, v, out, v_idx, s_idx, dense):
+    """(mass kept, output close) on the last query block of heads 0-3 (every causal key of
+    the heads that run dense)."""
     import cupy
     n = q.shape[0]
     end = -(-n // 64) * 64                      # the last query block is rows [end - 64, n)
@@ -151,7 +160,7 @@ def _probe(q, k, v, out, v_idx, s_idx):
     for h in range(PROBE_HEADS):
         blocks = ref.slash_blocks(s_idx[h].get(), end, n, 64, 64)
         cols = ref.vertical_columns(v_idx[h].get(), blocks, end, n, 64)
-        covered = cupy.zeros(n + 64, bool)
+        covered = cupy.full(n + 64, bool(dense[h]))
         for st in blocks:
             covered[st:st + 64] = True
         covered[cupy.asarray(cols, dtype=np.int64)] = True
@@ -221,8 +230,8 @@ def bench_length(seqlen, budgets, reps, inputs="structured"):
         v_idx, s_idx = sparse.estimate_vertical_slash(q, k, **opts)
         op = time_gpu(lambda: sparse.vertical_slash_attention(q, k, v, v_idx, s_idx), warmup=1,
                       reps=reps)
-        t_index, t_kernel, pairs, out = _split_times(q, k, v, v_idx, s_idx, reps)
-        mass, ok = _probe(q, k, v, out, v_idx, s_idx)
+        t_index, t_kernel, pairs, dense_heads, out = _split_times(q, k, v, v_idx, s_idx, reps)
+        mass, ok = _probe(q, k, v, out, v_idx, s_idx, dense_heads)
         total = est + t_index + t_kernel
         rows.append(dict(
             S=seqlen, inputs=inputs, budget=label, nv=v_idx.shape[1], ns=s_idx.shape[1],
@@ -231,7 +240,7 @@ def bench_length(seqlen, budgets, reps, inputs="structured"):
             op_ms=(est + op) * 1e3,
             dense_ms=dense * 1e3, vs_dense=dense / total, mma_ms=dense_mma * 1e3,
             cudnn_ms=None if cudnn is None else cudnn * 1e3, vs_cudnn=_ratio(cudnn, total),
-            kept=pairs / causal_pairs,
+            kept=pairs / causal_pairs, dense_frac=float(dense_heads.mean()),
             pair_ratio=(pairs / t_kernel) / (causal_pairs / dense_mma),
             mass=mass, checked=ok))
     return rows

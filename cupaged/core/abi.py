@@ -15,7 +15,7 @@ NULL = 0
 # bad entry found is recorded in the device's error word (cupaged.errors), as
 # (code, row, column, value, bound): code = argument << 4 | check.
 ERROR_ARGUMENTS = ("block_tables", "seq_lens", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping",
-                   "positions", "block_mapping", "indptr", "indices")
+                   "positions", "block_mapping", "indptr", "indices", "v_idx", "s_idx")
 ERROR_CHECKS = ("range", "order", "start", "end", "table", "increasing", "size", "last")
 ERROR_WORDS = 8  # int64 words of the error record (5 used)
 
@@ -144,9 +144,10 @@ PREFILL_PLAN = Record("PrefillPlanArgs", [
 ])
 
 # ----------------------------------------------------------------------------- sparse
-# Block-sparse attention (kernels_cu/sparse_attention.cu): a CTA's K/V tiles come from the
-# tile lists of sparse_index.cu (vertical+slash: plan_ptr, tiles, cols) or straight from a
-# batched BSR pattern (indptr, indices, with bsr_meta from bsr_prepare). Keys: dense rows
+# Block-sparse attention (kernels_cu/sparse_attention.cu): CTAs placed by bsr_prepare's
+# schedule (bsr_meta, cta_bound); a CTA's K/V tiles come from the tile lists of
+# sparse_index.cu (vertical+slash: list_counts, tiles in slots of list_cap, cols) or
+# straight from a batched BSR pattern (indptr, indices). Keys: dense rows
 # (cu_k; table null) or pages (block_tables); key j of kv head hk at hk * head_stride +
 # j * tok_stride (dense) or table[j / page_size] * page_stride + (j % page_size) * tok_stride.
 # Scores: scale_log2 = sm_scale * log2(e) on the plain path; sm_scale, soft_cap and alibi
@@ -155,12 +156,13 @@ SPARSE = Record("SparseArgs", [
     ("const T* __restrict__", "q"), ("const T* __restrict__", "k"),
     ("const T* __restrict__", "v"), ("T* __restrict__", "out"),
     ("float* __restrict__", "lse", NULL), ("const int* __restrict__", "cu_q"),
-    ("const int* __restrict__", "kv_lens", NULL), ("const int* __restrict__", "cu_k", NULL),
+    ("const int* __restrict__", "cu_k", NULL),
     ("const int* __restrict__", "block_tables", NULL), ("int", "table_stride", 0),
     ("int", "page_size", 1), ("i64", "page_stride", 0), ("i64", "tok_stride"),
     ("i64", "head_stride"), ("i64", "q_tok"), ("int", "num_q_heads"), ("int", "group"),
-    ("int", "head0", 0), ("int", "plan_heads", 0), ("int", "num_c", 0),
-    ("const i64* __restrict__", "plan_ptr", NULL), ("const int2* __restrict__", "tiles", NULL),
+    ("int", "head0", 0), ("const int* __restrict__", "list_counts", NULL),
+    ("int", "list_cap", 0),
+    ("const int2* __restrict__", "tiles", NULL),
     ("const int* __restrict__", "cols", NULL), ("int", "cols_heads", 0),
     ("int", "cols_width", 0), ("const int* __restrict__", "indptr", NULL),
     ("const int* __restrict__", "indices", NULL), ("const int* __restrict__", "bsr_meta", NULL),

@@ -261,6 +261,36 @@ def vertical_slash_mask(block_count, block_offset, column_count, column_index, q
     return mask & _causal(q_len, kv_len)[None]
 
 
+def dense_heads(block_count, column_count, q_len, kv_len, block_m, block_n, threshold):
+    """Heads of one sequence that run dense: those whose pattern keeps more than
+    ``threshold`` of its causal blocks.
+
+    Query block ``m`` keeps ``block_count[h, m] + ceil(column_count[h, m] / block_n)``
+    blocks of the ``ceil(min(end_m, kv_len) / block_n)`` it could see (``end_m`` as in the
+    module docstring); a head runs dense iff its kept sum exceeds ``threshold`` times its
+    causal sum (float64 product; None: no head).
+
+    Parameters
+    ----------
+    block_count, column_count : numpy.ndarray
+        int ``[H, M]`` (one sequence of :func:`vertical_slash_index`).
+
+    Returns
+    -------
+    numpy.ndarray
+        bool ``[H]``.
+    """
+    heads = block_count.shape[0]
+    if threshold is None:
+        return np.zeros(heads, bool)
+    rows = -(-q_len // block_m)
+    ends = kv_len - q_len + (np.arange(rows, dtype=np.int64) + 1) * block_m
+    causal = int((-(-np.maximum(np.minimum(ends, kv_len), 0) // block_n)).sum())
+    bc = block_count[:, :rows].astype(np.int64)
+    kept = (bc + -(-column_count[:, :rows].astype(np.int64) // block_n)).sum(axis=1)
+    return np.array([int(n) > float(threshold) * causal for n in kept], bool)
+
+
 def bsr_mask(indptr, indices, q_len, kv_len, block_m, block_n, causal=True):
     """Visibility mask of a block-sparse-row pattern, bool ``[q_len, kv_len]``.
 
@@ -299,12 +329,14 @@ def _masked(q, k, v, visible, sm_scale, sinks, window_left=-1, alibi_slopes=None
 
 
 def vertical_slash_attention(q, k, v, v_idx, s_idx, *, block_m=64, block_n=64, sm_scale=None,
-                             sinks=None, window_left=-1, alibi_slopes=None, logits_soft_cap=0.0):
+                             sinks=None, window_left=-1, alibi_slopes=None, logits_soft_cap=0.0,
+                             dense_threshold=None):
     """Causal attention of one sequence restricted to its vertical+slash pattern.
 
     Inside the pattern (causality applied) everything of ``cupaged.reference.attention``
     holds: ``window_left`` (keys ``j >= p - w``) masks on top, ``sm_scale``, soft-cap, ALiBi
-    ``slope_h (j - p)``, sinks in the denominator.
+    ``slope_h (j - p)``, sinks in the denominator. With ``dense_threshold``, the heads of
+    :func:`dense_heads` see every causal key instead (their pattern's superset).
 
     Parameters
     ----------
@@ -314,6 +346,9 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, block_m=64, block_n=64, s
         ``[kv_len, Hk, D]``, ``kv_len >= q_len``.
     v_idx, s_idx : numpy.ndarray
         int32 ``[Hq, nv]`` and ``[Hq, ns]`` (padding ``>= kv_len`` allowed).
+    dense_threshold : float, optional
+        Heads keeping more than this fraction of their causal blocks see every causal key
+        (:func:`dense_heads`); None: the pattern always.
 
     Returns
     -------
@@ -324,6 +359,8 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, block_m=64, block_n=64, s
     bc, bo, cc, ci = vertical_slash_index([q_len], v_idx[None], s_idx[None], max(q_len, 1),
                                           block_m, block_n, kv_seqlens=[kv_len])
     mask = vertical_slash_mask(bc[0], bo[0], cc[0], ci[0], q_len, kv_len, block_m, block_n)
+    mask[dense_heads(bc[0], cc[0], q_len, kv_len, block_m, block_n, dense_threshold)] = \
+        _causal(q_len, kv_len)
     return _masked(q, k, v, mask, sm_scale, sinks, window_left, alibi_slopes, logits_soft_cap)
 
 

@@ -4,7 +4,8 @@
   sequence from its last queries (docs/design.md, MInference contract).
 - :func:`vertical_slash_index`: MInference's index conversion to key blocks and columns.
 - :func:`vertical_slash_attention` (one sequence or a packed batch),
-  :func:`paged_vertical_slash_attention` (paged cache, chunked prefill).
+  :func:`paged_vertical_slash_attention` (paged cache, chunked prefill); a (sequence, head)
+  keeping more than :data:`DENSE_THRESHOLD` of its causal blocks runs dense.
 - :func:`varlen_block_sparse_attention`, :func:`paged_block_sparse_attention` (batched BSR,
   FlashInfer's ``indptr``/``indices``), :func:`block_sparse_attention` (one sequence).
 - :class:`SparsePolicy`, :class:`MInferencePolicy`, :class:`QuestPolicy`; Quest decode
@@ -13,7 +14,8 @@
 NumPy inputs run the float64 reference (``cupaged.reference.sparse``); CuPy inputs run the
 kernels of ``kernels_cu/sparse_*.cu``. Importing this package imports no CuPy.
 """
-from .attention import paged_vertical_slash_attention, vertical_slash_attention
+from .attention import DENSE_THRESHOLD, paged_vertical_slash_attention, \
+    vertical_slash_attention
 from .bsr import block_sparse_attention, paged_block_sparse_attention, \
     varlen_block_sparse_attention
 from .estimate import estimate_vertical_slash, paged_estimate_vertical_slash
@@ -21,7 +23,8 @@ from .index import PAD, pad_indices, vertical_slash_index
 from .policy import MInferencePolicy, PolicyContext, QuestPolicy, SparsePolicy
 from .quest_decode import QuestDecoder, quest_decode
 
-__all__ = ["PAD", "MInferencePolicy", "PolicyContext", "QuestDecoder", "QuestPolicy",
+__all__ = ["DENSE_THRESHOLD", "PAD", "MInferencePolicy", "PolicyContext", "QuestDecoder",
+           "QuestPolicy",
            "SparsePolicy", "quest_decode",
            "block_sparse_attention", "estimate_vertical_slash", "pad_indices",
            "paged_block_sparse_attention", "paged_estimate_vertical_slash",

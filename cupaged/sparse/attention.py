@@ -5,6 +5,21 @@ or, on CuPy, the tensor-core kernel of ``kernels_cu/sparse_attention.cu``: each 
 two 64-row query tiles of one head over a tile list built on the device (``tiles.py``): the
 union of the two tiles' key blocks as contiguous 64-key tiles, then their vertical columns
 gathered 64 at a time, with an online softmax across all of them.
+
+On CuPy nothing is read back to the host (strict mode aside): ``bsr_prepare`` checks the
+device lengths and places the CTAs, ``vs_prepare`` checks the index rows and decides the
+rows that run dense, ``vs_plan_kernel`` writes the lists into slots sized from shapes, and
+the attention kernel runs each head group's lists. Bad device entries go to the error word
+(``cupaged.check_errors``) and their rows come out as zeros.
+
+Dense fallback. A tile costs the kernel about the same whatever it holds: a dense tile
+serves both 64-row halves, a pattern's tile often one (random patterns: adjacent halves'
+ranges of one slash are adjacent, not shared), or is cut short where ranges meet. A
+pattern keeping a fraction ``f`` of its causal blocks therefore costs between ``f`` and
+about ``2 f`` of the dense tile sequence; above :data:`DENSE_THRESHOLD` = 1/2 the dense
+sequence is no dearer, so such a (sequence, head) runs every causal tile (full causal
+attention, its pattern's superset) on the same loop: the tile core and per-tile cost of
+the mma.sync dense prefill kernel (the wgmma kernel of sm_90 is faster still).
 """
 from __future__ import annotations
 
@@ -14,25 +29,27 @@ import numpy as np
 
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
 from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
-    check_out, check_query)
+    check_out, check_query, table_stride)
+from ..core.errors import strict
 from ..core.launch import ptr
 from ..core.layouts import cache_geometry, resolve_layout
 from ..reference import sparse as ref
 from . import launch as kernels, tiles
 from .index import check_block_size, check_pattern_indices, prepare
 
+DENSE_THRESHOLD = 0.5        # kept fraction of causal blocks above which a head runs dense
+
 
 class Batch(NamedTuple):
-    """Validated shapes and host lengths of a sparse attention call."""
+    """Validated shapes of a sparse attention call, and its host lengths where the host has
+    them (NumPy inputs, strict mode; else None)."""
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
-    q_lens: np.ndarray     # int64 [B]
-    kv_lens: np.ndarray    # int64 [B]
-
-    @property
-    def size(self):
-        return len(self.q_lens)
+    size: int              # B
+    max_kv: int            # keys of the longest sequence, or a bound from shapes
+    q_lens: object = None  # int64 [B] or None
+    kv_lens: object = None # int64 [B] or None
 
 
 # ----------------------------------------------------------------------------- checks
@@ -55,10 +72,20 @@ def _check_not_longer(q_lens, kv_lens):
                          f"positions), got q_len {int(q_lens[i])} > kv_len {int(kv_lens[i])}")
 
 
-def _check_vs_indices(v_idx, s_idx, batch, xp, batched):
+def _check_vs_indices(v_idx, s_idx, batch, xp, batched, contents):
     shape = (batch.size, batch.num_q_heads, None) if batched else (batch.num_q_heads, None)
-    check_pattern_indices("v_idx", v_idx, xp, shape)
-    check_pattern_indices("s_idx", s_idx, xp, shape)
+    check_pattern_indices("v_idx", v_idx, xp, shape, contents)
+    check_pattern_indices("s_idx", s_idx, xp, shape, contents)
+
+
+def check_dense_threshold(value):
+    """``dense_threshold``: a float in ``[0, 1]``, or None (the pattern always)."""
+    if value is None:
+        return None
+    if not isinstance(value, (int, float, np.floating)) or isinstance(value, bool) or \
+            not 0 <= value <= 1:
+        raise ValueError(f"dense_threshold: expected a float in [0, 1] or None, got {value!r}")
+    return float(value)
 
 
 def _check_gpu(q, block_m, what="block_m"):
@@ -91,43 +118,49 @@ def _finish_reference(result, out, lse):
 
 
 # ----------------------------------------------------------------------------- launch
-def launch(q, kv, out, lse, cu_q, kv_lens, batch, lists, opts, causal=True):
-    """One ``sparse_attention`` launch over the heads of ``lists`` (``tiles.TileLists``)."""
-    if int(batch.q_lens.max(initial=0)) == 0 or lists.heads == 0:
-        return
+def launch(q, kv, out, lse, cu_q, meta, batch, cta_bound, lists, opts):
+    """One ``sparse_attention`` launch over the heads of ``lists`` (``tiles.TileLists``),
+    its CTAs placed by ``meta`` (``bsr_prepare``'s schedule of ``cta_bound`` entries)."""
     d = batch.head_dim
     kern = kernels.attention_kernel(q.dtype, d, general=kernels.general_scores(opts))
-    kern((lists.heads, lists.num_c, batch.size), kernels.attention_tile(d).threads,
-         kernels.attention_smem(d), cu_q=ptr(cu_q), kv_lens=ptr(kv_lens),
-         **kernels.common_fields(q, out, lse, kv, batch.num_kv_heads, opts, causal),
+    kern((lists.heads, cta_bound), kernels.attention_tile(d).threads, kernels.attention_smem(d),
+         cu_q=ptr(cu_q), bsr_meta=ptr(meta), batch=batch.size, cta_bound=cta_bound,
+         **kernels.common_fields(q, out, lse, kv, batch.num_kv_heads, opts, True),
          **lists.fields())
 
 
-def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, kv_lens, batch, opts, out, lse, block_m,
-                       block_n):
-    """Tile lists and attention on CuPy, a group of heads at a time (``tiles.vs_lists``)."""
-    prep = prepare(v_idx, s_idx, kv_lens, block_m)
+def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, seq_lens, total_k, batch, opts, out, lse,
+                       block_m, block_n, dense_threshold, list_budget=None):
+    """The CuPy path, no host read: ``launch.schedule``, index rows prepared and the
+    dense rows decided (``index.prepare``), then per head group (``tiles.vs_lists``, at most
+    ``list_budget`` bytes of lists) its lists and its attention launch.
+
+    ``kv``: ``launch.KVSource``; ``seq_lens``: the paged key counts, or None (dense rows of
+    ``kv.cu_k``, ``total_k`` of them); ``v_idx``, ``s_idx``: ``[B, Hq, n]``.
+    """
+    if q.shape[0] == 0:
+        return
+    meta, cta_bound, err = kernels.schedule(q, out, lse, cu_q, kv, seq_lens, total_k,
+                                            kernels.CTA_ROWS)
+    # meta[4 b + 1] keys and meta[4 b + 3] queries of sequence b, as checked
+    prep = prepare(v_idx, s_idx, meta[1:], block_m, q_lens=meta[3:], len_stride=4,
+                   block_n=block_n, dense_threshold=dense_threshold, err=err)
     tile_n = kernels.attention_tile(batch.head_dim).block_n
-    for lists in tiles.vs_lists(prep, cu_q, kv_lens, batch.size, int(batch.q_lens.max(initial=0)),
-                                block_n, tile_n):
-        launch(q, kv, out, lse, cu_q, kv_lens, batch, lists, opts)
-
-
-def _device_lengths(xp, q_len, kv_len):
-    return (xp.asarray([0, q_len], dtype=np.int32), xp.asarray([kv_len], dtype=np.int32),
-            xp.asarray([0, kv_len], dtype=np.int32))
-
-
+    for lists in tiles.vs_lists(prep, prep.dense, meta, batch.size, cta_bound, batch.max_kv,
+                                block_n, tile_n, list_budget):
+        launch(q, kv, out, lse, cu_q, meta, batch, cta_bound, lists, opts)
 # ----------------------------------------------------------------------------- public ops
 @accepts_dlpack
 def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seqlens_k=None,
                              sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                              logits_soft_cap=0.0, block_m=64, block_n=64, return_lse=False,
-                             out=None):
+                             out=None, dense_threshold=DENSE_THRESHOLD, validate=None):
     """Causal attention restricted to a vertical+slash pattern (MInference's kernel).
 
     The pattern of each query block is given by :func:`vertical_slash_index` on
-    ``(v_idx, s_idx)``; see ``cupaged.reference.sparse`` for the exact rule.
+    ``(v_idx, s_idx)``; see ``cupaged.reference.sparse`` for the exact rule. A (sequence,
+    head) whose pattern keeps more than ``dense_threshold`` of its causal blocks gets full
+    causal attention instead (``reference.sparse.dense_heads``; module docstring: why).
 
     Parameters
     ----------
@@ -158,6 +191,13 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
         Also return the float32 ``[tokens, Hq]`` natural-log LSE.
     out : array, optional
         ``[tokens, Hq, D]`` buffer for the output.
+    dense_threshold : float or None
+        Kept fraction of causal blocks above which a (sequence, head) runs dense (default
+        :data:`DENSE_THRESHOLD`); None: the pattern always.
+    validate : bool, optional
+        Check device lengths and indices on the host first (default: ``CUPAGED_STRICT``);
+        else the kernels check them (``cupaged.check_errors``; rows of bad entries are
+        zeros, and on CuPy query rows past ``cu_seqlens_q[-1]`` are zeroed padding).
 
     Returns
     -------
@@ -171,24 +211,32 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q, cu_seqlens_k: expected both or neither, got one")
     batched = cu_seqlens_q is not None
+    hosted = xp is np or strict(validate)
     if batched:
-        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0], padding=False)
-        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, xp, total=k.shape[0], padding=False)
-        if len(cu_k) != len(cu_q):
-            raise ValueError(f"cu_seqlens_k: expected {len(cu_q)} entries like cu_seqlens_q, "
-                             f"got {len(cu_k)}")
-        q_lens, kv_lens = np.diff(cu_q.astype(np.int64)), np.diff(cu_k.astype(np.int64))
+        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0],
+                                contents=hosted, padding=False)
+        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, xp, total=k.shape[0],
+                                contents=hosted, padding=False)
+        if cu_seqlens_k.shape != cu_seqlens_q.shape:
+            raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} entries like "
+                             f"cu_seqlens_q, got {cu_seqlens_k.shape[0]}")
+        lengths = (np.diff(cu_q.astype(np.int64)), np.diff(cu_k.astype(np.int64))) if hosted \
+            else (None, None)
     else:
-        q_lens, kv_lens = np.array([q.shape[0]]), np.array([k.shape[0]])
-    _check_not_longer(q_lens, kv_lens)
-    batch = Batch(hq, k.shape[1], d, q_lens, kv_lens)
-    _check_vs_indices(v_idx, s_idx, batch, xp, batched)
+        lengths = np.array([q.shape[0]]), np.array([k.shape[0]])
+    if lengths[0] is not None:
+        _check_not_longer(*lengths)
+    size = cu_seqlens_q.shape[0] - 1 if batched else 1
+    batch = Batch(hq, k.shape[1], d, size, k.shape[0], *lengths)
+    _check_vs_indices(v_idx, s_idx, batch, xp, batched, hosted)
     block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
+    threshold = check_dense_threshold(dense_threshold)
     opts = check_options(xp, hq, d, sm_scale=sm_scale, window_left=window_left,
                          alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
     out, lse = _outputs(q, out, return_lse, xp)
     if xp is np:
-        kw = dict(block_m=block_m, block_n=block_n, **reference_options(opts))
+        kw = dict(block_m=block_m, block_n=block_n, dense_threshold=threshold,
+                  **reference_options(opts))
         if batched:
             result = ref.varlen_vertical_slash_attention(q, k, v, v_idx, s_idx, cu_q, cu_k, **kw)
         else:
@@ -196,14 +244,14 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
         return _finish_reference(result, out, lse)
     _check_gpu(q, block_m)
     if batched:
-        cu_q_d, kv_lens_d = cu_seqlens_q, xp.diff(cu_seqlens_k).astype(np.int32)
-        kv = kernels.dense_kv(k, v, cu_seqlens_k)
+        cu_q_d, cu_k_d = cu_seqlens_q, cu_seqlens_k
     else:
-        cu_q_d, kv_lens_d, cu_k_d = _device_lengths(xp, q.shape[0], k.shape[0])
-        kv = kernels.dense_kv(k, v, cu_k_d)
+        # [0, n] computed on the device: no upload
+        cu_q_d, cu_k_d = (xp.arange(2, dtype=np.int32) * np.int32(n)
+                          for n in (q.shape[0], k.shape[0]))
         v_idx, s_idx = v_idx[None], s_idx[None]
-    run_vertical_slash(q, kv, v_idx, s_idx, cu_q_d, kv_lens_d, batch, opts, out, lse,
-                       block_m, block_n)
+    run_vertical_slash(q, kernels.dense_kv(k, v, cu_k_d), v_idx, s_idx, cu_q_d, None, k.shape[0],
+                       batch, opts, out, lse, block_m, block_n, threshold)
     return out if lse is None else (out, lse)
 
 
@@ -211,7 +259,8 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
 def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens_q, block_tables,
                                    seq_lens, *, layout=None, sm_scale=None, window_left=-1,
                                    alibi_slopes=None, sinks=None, logits_soft_cap=0.0,
-                                   block_m=64, block_n=64, return_lse=False, out=None):
+                                   block_m=64, block_n=64, return_lse=False, out=None,
+                                   dense_threshold=DENSE_THRESHOLD, validate=None):
     """Vertical+slash attention of new queries against a paged KV cache (chunked prefill).
 
     Parameters
@@ -234,7 +283,7 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
     layout : {"NHD", "HND"}, optional
         Default "NHD", refused (ValueError) when k_cache's shape also reads validly as HND.
     sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, block_m, block_n,
-    return_lse, out
+    return_lse, out, dense_threshold, validate
         As in :func:`vertical_slash_attention`.
 
     Returns
@@ -251,20 +300,27 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
         raise TypeError(f"k_cache: expected dtype {q.dtype} and head size {d} like q, "
                         f"got {k_cache.dtype} and {geo.head_dim}")
     check_gqa(hq, geo.num_kv_heads, "k_cache")
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0], padding=False)
-    _, kv_host = check_block_tables(block_tables, seq_lens, geo, xp, batch=len(cu_q) - 1)
-    q_lens, kv_lens = np.diff(cu_q.astype(np.int64)), kv_host.astype(np.int64)
-    _check_not_longer(q_lens, kv_lens)
-    batch = Batch(hq, geo.num_kv_heads, d, q_lens, kv_lens)
-    _check_vs_indices(v_idx, s_idx, batch, xp, True)
+    hosted = xp is np or strict(validate)
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total=q.shape[0], contents=hosted,
+                            padding=False)
+    _, kv_host = check_block_tables(block_tables, seq_lens, geo, xp,
+                                    batch=cu_seqlens_q.shape[0] - 1, contents=hosted)
+    lengths = (np.diff(cu_q.astype(np.int64)), kv_host.astype(np.int64)) if hosted else (None, None)
+    if hosted:
+        _check_not_longer(*lengths)
+    batch = Batch(hq, geo.num_kv_heads, d, cu_seqlens_q.shape[0] - 1,
+                  block_tables.shape[1] * geo.block_size, *lengths)
+    _check_vs_indices(v_idx, s_idx, batch, xp, True, hosted)
     block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
+    threshold = check_dense_threshold(dense_threshold)
     opts = check_options(xp, hq, d, sm_scale=sm_scale, window_left=window_left,
                          alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
     out, lse = _outputs(q, out, return_lse, xp)
     if xp is np:
         result = ref.paged_vertical_slash_attention(
             q, k_cache, v_cache, v_idx, s_idx, cu_q, block_tables, kv_host, layout,
-            block_m=block_m, block_n=block_n, **reference_options(opts))
+            block_m=block_m, block_n=block_n, dense_threshold=threshold,
+            **reference_options(opts))
         return _finish_reference(result, out, lse)
     _check_gpu(q, block_m)
     if layout not in ("NHD", "HND"):
@@ -273,6 +329,7 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
     if kv.page_stride >= 2 ** 32:
         raise ValueError(f"k_cache: the CUDA kernel needs a cache block under 2^32 elements, got "
                          f"{kv.page_stride}")
-    run_vertical_slash(q, kv, v_idx, s_idx, cu_seqlens_q, seq_lens, batch, opts, out, lse,
-                       block_m, block_n)
+    kv = kv._replace(table_stride=table_stride(block_tables))
+    run_vertical_slash(q, kv, v_idx, s_idx, cu_seqlens_q, seq_lens, 0, batch, opts, out, lse,
+                       block_m, block_n, threshold)
     return out if lse is None else (out, lse)

@@ -17,12 +17,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core import abi
 from ..core.arrays import accepts_dlpack, array_module, check_array
 from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
     check_query, table_stride)
-from ..core.compile import launcher
-from ..core.errors import error_word, strict
+from ..core.errors import strict
 from ..core.fp8 import check_kv_scales, resolve_kv_dtype
 from ..core.launch import ptr
 from ..core.layouts import cache_geometry, resolve_layout
@@ -30,9 +28,6 @@ from ..reference import bsr as ref
 from . import launch as kernels
 from .attention import _check_kv, _finish_reference, _outputs, reference_options
 from .index import check_block_size, check_bsr_batch
-
-MAX_CTA_ROWS = 65535         # grid.y of bsr_attention
-
 
 class Pattern(NamedTuple):
     """A checked BSR pattern and block shape."""
@@ -76,7 +71,6 @@ def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal,
     key counts, or None; ``total_k``: rows of dense keys; ``rows``: query rows per CTA, 64 or
     128 (default :func:`cta_rows`; both are right for any ``block_m``).
     """
-    import cupy
     batch, (total_q, hq, d) = cu_q.shape[0] - 1, q.shape
     if batch < 1 or total_q == 0:
         out.fill(0)
@@ -84,29 +78,17 @@ def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal,
             lse.fill(-np.inf)
         return
     rows = rows or cta_rows(pattern.block_m)
-    cta_bound = -(-total_q // rows) + batch
-    if cta_bound > MAX_CTA_ROWS:
-        raise ValueError(f"q: the CUDA kernel takes at most {MAX_CTA_ROWS} CTA rows "
-                         f"(ceil(total_q / {rows}) + batch), got {cta_bound}")
-    meta = cupy.empty(kernels.bsr_meta_size(batch, cta_bound), np.int32)
-    err = error_word()
-    sizes = dict(batch=batch, indptr_len=pattern.indptr.shape[0], nnz=pattern.indices.shape[0],
-                 block_m=pattern.block_m, cta_bound=cta_bound)
-    paged = kv.table is not None
-    prep = launcher("sparse_index", kernels.BSR_PREPARE_EXPR, abi.BSR_PREPARE)
-    prep(1, kernels.PREP_THREADS, cu_q=ptr(cu_q), cu_k=ptr(kv.cu_k), seq_lens=ptr(seq_lens),
-         block_tables=ptr(kv.table), indptr=ptr(pattern.indptr), meta=ptr(meta), err=ptr(err),
-         out=ptr(out), lse=ptr(lse), row_bytes=hq * d * q.itemsize, total_q=total_q,
-         total_k=total_k, table_stride=kv.table_stride, page_size=kv.page_size,
-         table_width=kv.table.shape[1] if paged else 0,
-         num_blocks=kv.k.shape[0] if paged else 0, num_q_heads=hq, cta_rows=rows,
-         pattern_heads=pattern.heads, **sizes)
+    nnz = pattern.indices.shape[0]
+    sched = kernels.schedule(q, out, lse, cu_q, kv, seq_lens, total_k, rows, pattern.indptr, nnz,
+                             pattern.block_m, pattern.heads)
     kern = kernels.attention_kernel(q.dtype, d, "bsr_attention", rows, kernels.general_scores(opts))
-    kern((hq, cta_bound), kernels.attention_tile(d, rows).threads, kernels.attention_smem(d, rows),
-         cu_q=ptr(cu_q), indptr=ptr(pattern.indptr), indices=ptr(pattern.indices),
-         bsr_meta=ptr(meta), err=ptr(err), pattern_group=hq // pattern.heads,
-         block_n=pattern.block_n, **sizes,
-         **kernels.common_fields(q, out, lse, kv, num_kv_heads, opts, causal))
+    kern((hq, sched.cta_bound), kernels.attention_tile(d, rows).threads,
+         kernels.attention_smem(d, rows), cu_q=ptr(cu_q), indptr=ptr(pattern.indptr),
+         indices=ptr(pattern.indices), bsr_meta=ptr(sched.meta), err=ptr(sched.err),
+         pattern_group=hq // pattern.heads, block_n=pattern.block_n, batch=batch,
+         indptr_len=pattern.indptr.shape[0], nnz=nnz, block_m=pattern.block_m,
+         cta_bound=sched.cta_bound, **kernels.common_fields(q, out, lse, kv, num_kv_heads, opts,
+                                                            causal))
 
 
 # ----------------------------------------------------------------------------- public ops

@@ -42,9 +42,12 @@ def check_block_size(name, value, multiple=1):
     return value
 
 
-def check_pattern_indices(name, idx, xp, shape):
-    """int32 vertical or slash indices of ``shape`` (None: any), all ``>= 0``; host copy."""
+def check_pattern_indices(name, idx, xp, shape, contents=True):
+    """int32 vertical or slash indices of ``shape`` (None: any), all ``>= 0``; host copy
+    (None with ``contents=False``: shape and dtype only, ``vs_prepare`` checks the entries)."""
     check_array(name, idx, shape=shape, dtypes=np.int32, xp=xp)
+    if not contents:
+        return None
     h = host(idx)
     check_range(name, h, 0, 2 ** 31)
     return h
@@ -165,17 +168,37 @@ def plan_index(seqlens, v_idx, s_idx, context_size, block_m, block_n, kv_seqlens
 
 class Prepared(NamedTuple):
     """Device index rows ready for the walks (``vs_prepare``); CuPy int32 arrays."""
-    s: object            # [B, H, ns] slashes, ascending
+    s: object            # [B, H, ns] slashes, ascending (a row with a negative index: PAD)
     run_first: object    # [B, H, ns] first index of each slash's run
     v: object            # [B, H, nv] unique verticals < kv_len first, then unspecified
     v_count: object      # [B, H] number of unique verticals
     block_m: int         # the runs' merge distance
+    dense: object        # [B, H] 1 where the row runs dense, or None (not decided)
 
 
-def prepare(v_idx, s_idx, kv_lens, block_m):
+def prepare(v_idx, s_idx, kv_lens, block_m, *, q_lens=None, len_stride=1, block_n=64,
+            dense_threshold=None, err=None):
     """Sort ``[B, H, n]`` vertical/slash rows and prepare them for the walks (CuPy).
 
-    ``kv_lens``: int32 ``[B]`` device key counts (verticals at or past them are padding).
+    Parameters
+    ----------
+    v_idx, s_idx : cupy.ndarray
+        int32 ``[B, H, nv]`` and ``[B, H, ns]``.
+    kv_lens : cupy.ndarray
+        int32 device key counts, sequence ``b``'s at ``kv_lens[b * len_stride]``
+        (verticals at or past it are padding).
+    block_m : int
+        Pattern block rows.
+    q_lens : cupy.ndarray, optional
+        int32 device query counts, strided alike; needed with ``dense_threshold``.
+    block_n : int
+        Pattern key block (the dense decision counts blocks of it).
+    dense_threshold : float, optional
+        Decide the rows that run dense (``Prepared.dense``): those whose pattern keeps more
+        than this fraction of their causal blocks (``reference.sparse.dense_heads``).
+    err : cupy.ndarray, optional
+        The device error word: rows holding a negative index are reported there (and
+        emptied).
     """
     import cupy
     v_sorted, s_sorted = cupy.sort(v_idx, axis=-1), cupy.sort(s_idx, axis=-1)
@@ -183,12 +206,17 @@ def prepare(v_idx, s_idx, kv_lens, block_m):
     v_unique = cupy.empty_like(v_sorted)
     run_first = cupy.empty_like(s_sorted)
     v_count = cupy.zeros((batch, heads), np.int32)
+    dense = None if dense_threshold is None else cupy.zeros((batch, heads), np.int32)
     if batch * heads:
         kern = kernels.kernel("sparse_index", kernels.PREPARE_EXPR)
+        null = kernels.NULL
         kern((batch * heads,), (kernels.PREP_THREADS,),
-             (v_sorted, np.int32(nv), s_sorted, np.int32(s_sorted.shape[2]), kv_lens, np.int32(heads),
-              np.int32(block_m), v_unique, v_count, run_first))
-    return Prepared(s_sorted, run_first, v_unique, v_count, block_m)
+             (v_sorted, np.int32(nv), s_sorted, np.int32(s_sorted.shape[2]), kv_lens,
+              null if q_lens is None else q_lens, np.int32(len_stride), np.int32(heads),
+              np.int32(block_m), np.int32(block_n),
+              np.float64(0.0 if dense_threshold is None else dense_threshold), v_unique,
+              v_count, run_first, null if dense is None else dense, null if err is None else err))
+    return Prepared(s_sorted, run_first, v_unique, v_count, block_m, dense)
 
 
 def build_index(plan, seqlens, kv_seqlens, prep):

@@ -17,6 +17,7 @@ from ..core import abi
 from ..core.arrays import HEAD_DIMS, bfloat16, float16
 from ..core.layouts import key_geometry, layout_strides
 from ..core.compile import Spec, ctype, get_kernel, launcher
+from ..core.errors import error_word
 from ..core.launch import ptr
 from ..prefill.plan import TileShape
 
@@ -24,6 +25,7 @@ KERNEL_DTYPES = (float16, bfloat16)
 NULL = np.uint64(0)          # a null pointer argument
 ROWS = KEYS = 64             # estimate: query rows and keys per tile; pattern halves of 64 rows
 CTA_ROWS = 128               # attention: query rows per CTA (two 64-row halves)
+MAX_CTA_ROWS = 65535         # grid.y of the attention kernels
 THREADS = 128
 PREP_THREADS = 256           # vs_prepare's block
 EST_MAX_TILES = 16           # key tiles per estimate CTA (sparse_estimate.cu)
@@ -140,6 +142,46 @@ def common_fields(q, out, lse, kv, num_kv_heads, opts, causal):
                 scale_log2=opts.sm_scale * LOG2E, sm_scale=opts.sm_scale,
                 window_left=opts.window_left, soft_cap=opts.logits_soft_cap,
                 alibi=ptr(opts.alibi_slopes), sinks=ptr(opts.sinks), **kv.fields())
+
+
+class Schedule(NamedTuple):
+    """``bsr_prepare``'s output: the device schedule ``meta`` of ``cta_bound`` CTA map
+    entries, and the error word it reports to."""
+    meta: object
+    cta_bound: int
+    err: object
+
+
+def schedule(q, out, lse, cu_q, kv, seq_lens, total_k, rows, indptr=None, nnz=0, block_m=None,
+             pattern_heads=1):
+    """``bsr_prepare`` (``abi.BSR_PREPARE``) of a batched attention launch: device lengths
+    and block tables checked, a CTA map entry per ``rows`` query rows (at most
+    ``ceil(total_q / rows) + B``, the grid bound), padding rows zeroed; with a BSR
+    ``indptr`` (``block_m``-row CSR rows of ``pattern_heads`` heads) also its frame. No host
+    read.
+
+    ``kv``: :class:`KVSource`; ``seq_lens``: the paged key counts, or None (dense rows of
+    ``kv.cu_k``, ``total_k`` of them).
+    """
+    import cupy
+    batch, (total_q, hq, d) = cu_q.shape[0] - 1, q.shape
+    cta_bound = -(-total_q // rows) + batch
+    if cta_bound > MAX_CTA_ROWS:
+        raise ValueError(f"q: the CUDA kernel takes at most {MAX_CTA_ROWS} CTA rows "
+                         f"(ceil(total_q / {rows}) + batch), got {cta_bound}")
+    meta = cupy.empty(bsr_meta_size(batch, cta_bound), np.int32)
+    err = error_word()
+    paged = kv.table is not None
+    prep = launcher("sparse_index", BSR_PREPARE_EXPR, abi.BSR_PREPARE)
+    prep(1, PREP_THREADS, cu_q=ptr(cu_q), cu_k=ptr(kv.cu_k), seq_lens=ptr(seq_lens),
+         block_tables=ptr(kv.table), indptr=ptr(indptr), meta=ptr(meta), err=ptr(err),
+         out=ptr(out), lse=ptr(lse), row_bytes=hq * d * q.itemsize, batch=batch,
+         total_q=total_q, total_k=total_k, table_stride=kv.table_stride,
+         page_size=kv.page_size, table_width=kv.table.shape[1] if paged else 0,
+         num_blocks=kv.k.shape[0] if paged else 0, num_q_heads=hq, cta_rows=rows,
+         pattern_heads=pattern_heads, block_m=block_m or rows,
+         indptr_len=0 if indptr is None else indptr.shape[0], nnz=nnz, cta_bound=cta_bound)
+    return Schedule(meta, cta_bound, err)
 
 
 def bsr_meta_size(batch, cta_bound):

@@ -1,12 +1,14 @@
-"""Tile lists of the sparse attention kernel, built on the device.
+"""Tile lists of the vertical+slash attention kernel, built on the device, sized on the host.
 
 Each CTA of ``kernels_cu/sparse_attention.cu`` computes two 64-row query tiles (halves) of one
 head over a list of K/V tiles: contiguous keys of the union of the halves' key blocks, then
 the halves' vertical columns gathered from the head's vertical row, each tile flagged with
-the halves whose pattern holds it (encoding in ``sparse_plan.cuh``). ``sparse_index.cu``
-builds the lists: a counting launch over every head, a prefix sum, and a writing launch per
-group of heads whose lists fit ``LIST_BUDGET`` bytes. Nothing here syncs with the device
-except reading the list sizes.
+the halves whose pattern holds it (encoding in ``sparse_plan.cuh``). ``vs_plan_kernel``
+(``sparse_index.cu``) writes every CTA's list into a slot of :func:`list_bound` tiles and
+its length beside it; the CTAs are those of ``bsr_prepare``'s schedule (a CTA map entry per
+128 query rows, ``ceil(total_q / 128) + B`` entries at most). Nothing is read back: the slot
+length and the head groups (consecutive query heads whose slots fit ``LIST_BUDGET`` bytes,
+one list launch and one attention launch each, the buffers reused) follow from shapes.
 """
 from __future__ import annotations
 
@@ -17,95 +19,121 @@ import numpy as np
 from ..core.launch import ptr as address
 from . import launch as kernels
 
-LIST_BUDGET = 1 << 30        # bytes of tile lists per launch group
+LIST_BUDGET = 1 << 30        # bytes of tile-list slots per head group
 TILE_BYTES = 8               # int2 per tile
 TILE_A, TILE_B, TILE_GATHER, TILE_WIDTH = 1 << 8, 2 << 8, 4 << 8, 0xFF
 
 
+def list_bound(max_kv, nv, ns, block_m, tile_n):
+    """Most tiles in one CTA's list (``vs_cta_tiles``), from shapes alone.
+
+    Each half's merged key ranges lie in ``[0, max_kv)``, are disjoint and apart, and all
+    but the last hold at least ``block_m`` keys; a slash opens at most one: ``R <= min(ns,
+    ceil(max_kv / (block_m + 1)))`` ranges a half. The sweep of the two halves cuts their
+    union at the ``<= 4R`` range ends into ``P < 4R`` pieces; a piece of ``n`` keys is
+    ``ceil(n / tile_n)`` tiles, so the key tiles number at most ``ceil(max_kv / tile_n) +
+    4R``, which also holds a dense row's ``ceil(clip / tile_n)`` tiles.
+    Likewise the halves' gaps (``<= R + 1`` each) cut the ``<= nv`` unique verticals into
+    ``<= 4R + 3`` pieces: at most ``min(nv, nv // tile_n + 4R + 3)`` column tiles.
+
+    Parameters
+    ----------
+    max_kv : int
+        Keys of the longest sequence, or a bound of it (the packed keys, a block table's
+        width times its page size).
+    nv, ns : int
+        Widths of the vertical and slash rows (padding included).
+    block_m, tile_n : int
+        Pattern block rows (a multiple of 64) and keys per K/V tile of the kernel.
+
+    Returns
+    -------
+    int
+        Tiles per list slot, ``>= 1``.
+    """
+    ranges = min(ns, (max_kv + block_m) // (block_m + 1))
+    keys = -(-max_kv // tile_n) + 4 * ranges
+    return max(1, keys + min(nv, nv // tile_n + 4 * ranges + 3))
+
+
+def head_groups(heads, slot_bytes, budget):
+    """Consecutive groups of ``heads`` query heads, ``(head0, count)`` each: as many heads a
+    group as ``budget`` bytes of ``slot_bytes`` each hold, at least one."""
+    per = max(1, int(budget) // max(int(slot_bytes), 1))
+    return [(h0, min(per, heads - h0)) for h0 in range(0, heads, per)]
+
+
 class TileLists(NamedTuple):
-    """Kernel arguments of one attention launch's tile lists (see ``sparse_attention.cu``)."""
-    ptr: object          # int64 [plans + 1] list offsets into tiles
-    tiles: object        # int32 [total, 2]
-    head0: int           # first query head of the launch
-    heads: int           # query heads of the launch
-    plan_heads: int      # lists per (sequence, CTA row): heads, or 1 when shared by every head
-    num_c: int           # CTA rows per sequence: ceil(max q_len / 128)
-    cols: object         # int32 [B, H, nv] unique vertical rows
+    """Kernel arguments of one head group's tile lists (see ``sparse_attention.cu``)."""
+    counts: object       # int32 [heads * cta_bound] tiles of each list
+    tiles: object        # int2 (int32 [.., 2]) [heads * cta_bound * cap]
+    head0: int           # first query head of the group
+    heads: int           # query heads of the group
+    cap: int             # tiles per list slot (list_bound)
+    cols: object         # int32 [B, Hq, nv] unique vertical rows
     cols_heads: int
     cols_width: int
 
     def fields(self):
         """Their ``abi.SPARSE`` fields."""
-        return dict(head0=self.head0, plan_heads=self.plan_heads, num_c=self.num_c,
-                    plan_ptr=address(self.ptr), tiles=address(self.tiles), cols=address(self.cols),
-                    cols_heads=self.cols_heads, cols_width=self.cols_width)
+        return dict(head0=self.head0, list_counts=address(self.counts), list_cap=self.cap,
+                    tiles=address(self.tiles),
+                    cols=address(self.cols), cols_heads=self.cols_heads,
+                    cols_width=self.cols_width)
 
 
-def num_ctas(max_q):
-    """CTA rows per sequence: 128 query rows each."""
-    return -(-int(max_q) // kernels.CTA_ROWS)
-
-
-def _offsets(counts):
-    """int64 ``[n + 1]`` exclusive prefix sums of ``counts`` (device) and their total (host)."""
-    import cupy
-    ptr = cupy.zeros(counts.size + 1, np.int64)
-    if counts.size == 0:
-        return ptr, 0
-    cupy.cumsum(counts.ravel(), out=ptr[1:])
-    return ptr, int(ptr[-1])
-
-
-def head_groups(per_head, budget=LIST_BUDGET):
-    """Split heads into consecutive groups whose tile lists fit ``budget`` bytes each.
-
-    ``per_head``: host int tile counts per head. Returns ``[(head0, heads), ...]``.
-    """
-    groups, h0, size = [], 0, 0
-    for h, n in enumerate(per_head):
-        n = int(n) * TILE_BYTES
-        if h > h0 and size + n > budget:
-            groups.append((h0, h - h0))
-            h0, size = h, 0
-        size += n
-    if len(per_head):
-        groups.append((h0, len(per_head) - h0))
-    return groups
-
-
-def vs_lists(prep, cu_q, kv_lens, batch, max_q, block_n, tile_n):
+def vs_lists(prep, dense, meta, batch, cta_bound, max_kv, block_n, tile_n, budget=None):
     """Yield the vertical+slash tile lists of ``prep`` (``index.Prepared``) per head group.
 
-    ``cu_q``, ``kv_lens``: device int32 ``[B + 1]`` and ``[B]``; ``block_m`` is
-    ``prep.block_m`` (a multiple of 64); ``tile_n``: keys per K/V tile of the kernel.
+    Parameters
+    ----------
+    prep : index.Prepared
+        Device rows ``[B, Hq, n]`` (``block_m`` is ``prep.block_m``, a multiple of 64).
+    dense : cupy.ndarray or None
+        int32 ``[B, Hq]`` rows that run dense (``index.prepare``'s decision): their lists
+        are the dense kernel's tile sequence.
+    meta : cupy.ndarray
+        int32 schedule of ``bsr_prepare`` (``launch.bsr_meta_size(batch, cta_bound)``).
+    batch, cta_bound, max_kv : int
+        Sequences, CTA map entries and the host bound of keys (:func:`list_bound`).
+    block_n, tile_n : int
+        Pattern key block, keys per K/V tile of the kernel.
+    budget : int, optional
+        Bytes of list slots a group (default :data:`LIST_BUDGET`).
+
+    Yields
+    ------
+    TileLists
+        One group's lists, written on the device before the next group's overwrite them
+        (one stream: a group's attention launch runs before the next list launch).
     """
     import cupy
-    heads, nc = prep.s.shape[1], num_ctas(max_q)
+    heads = prep.s.shape[1]
+    nv, ns = prep.v.shape[2], prep.s.shape[2]
+    cap = list_bound(max_kv, nv, ns, prep.block_m, tile_n)
+    groups = head_groups(heads, cta_bound * cap * TILE_BYTES,
+                         LIST_BUDGET if budget is None else budget)
+    slots = groups[0][1] * cta_bound if groups else 0
+    counts = cupy.empty(max(slots, 1), np.int32)
+    tiles = cupy.empty((max(slots * cap, 1), 2), np.int32)
     kern = kernels.kernel("sparse_index", kernels.VS_PLAN_EXPR)
-
-    def run(h0, hs, ptr, tiles):
-        n = batch * hs * nc
-        if n:
-            kern((-(-n // 4),), (128,),
-                 (cu_q, kv_lens, prep.s, prep.run_first, np.int32(prep.s.shape[2]), prep.v,
-                  prep.v_count, np.int32(prep.v.shape[2]), np.int32(batch), np.int32(heads),
-                  np.int32(h0), np.int32(hs), np.int32(nc), np.int32(prep.block_m),
-                  np.int32(block_n), np.int32(tile_n), ptr, tiles))
-
-    counts = cupy.zeros((batch, heads, nc), np.int64)
-    run(0, heads, counts, kernels.NULL)
-    for h0, hs in head_groups(counts.sum(axis=(0, 2)).get()):
-        ptr, total = _offsets(counts[:, h0:h0 + hs])
-        tiles = cupy.empty((max(total, 1), 2), np.int32)
-        run(h0, hs, ptr, tiles)
-        yield TileLists(ptr, tiles, h0, hs, hs, nc, prep.v, heads, prep.v.shape[2])
+    for h0, hs in groups:
+        n = hs * cta_bound
+        kern((-(-n // 4),), (128,),
+             (meta, prep.s, prep.run_first, np.int32(ns), prep.v, prep.v_count, np.int32(nv),
+              kernels.NULL if dense is None else dense, np.int32(batch), np.int32(heads),
+              np.int32(h0), np.int32(hs), np.int32(cta_bound), np.int32(prep.block_m),
+              np.int32(block_n), np.int32(tile_n), np.int32(cap), counts, tiles))
+        yield TileLists(counts, tiles, h0, hs, cap, prep.v, heads, nv)
 
 
-def computed_pairs(lists):
-    """(query, key) pairs the kernel computes over a launch's lists: per tile, its width
+def computed_pairs(lists, cta_bound):
+    """(query, key) pairs the kernel computes over a group's lists: per tile, its width
     times 64 rows per half it is flagged for (whole tiles, the masked part of diagonal tiles
     included). Benchmarks only (syncs)."""
-    wf = lists.tiles[:int(lists.ptr[-1]), 1]
+    n = lists.counts.get()[:lists.heads * cta_bound]
+    t = lists.tiles.get().reshape(-1, lists.cap, 2)[:len(n), :, 1]
+    held = np.arange(lists.cap)[None, :] < n[:, None]
+    wf = t[held]
     halves = ((wf & TILE_A) != 0).astype(np.int64) + ((wf & TILE_B) != 0)
-    per_plan = int(((wf & TILE_WIDTH) * halves).sum()) * 64
-    return per_plan * (lists.heads if lists.plan_heads == 1 else 1)
+    return int(((wf & TILE_WIDTH) * halves).sum()) * 64
