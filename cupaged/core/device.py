@@ -2,6 +2,8 @@
 
 - :func:`current` - the current device's id, compute capability, multiprocessor count and
   L2 size (read once per device).
+- :func:`owned_array` - device memory the library keeps (scratch, the error word): owned
+  by the array itself, never by the allocator in use when it was made.
 - :func:`scratch` - per-stream buffers an op reuses from call to call (a device plan's
   work list, split-KV partial rows, counters its kernels re-arm). Calls on one stream run
   in order, so they can share; calls on another stream get their own. A buffer that has
@@ -40,6 +42,23 @@ def current():
     return _facts(cupy.cuda.runtime.getDevice())
 
 
+def owned_array(size, dtype, zero=False):
+    """A 1-D device array of ``size`` elements of ``dtype`` on its own ``cudaMalloc``.
+
+    Buffers the library keeps across calls must not come from the allocator current when
+    they are first needed: a caller may set one for a while (a CUDA graph's private memory
+    pool, ``cupy.cuda.using_allocator``), and CuPy's pools free their memory when they go,
+    whatever arrays still point into it. ``zero``: zero-filled on the current stream.
+    """
+    import cupy
+    dtype = np.dtype(dtype)
+    mem = cupy.cuda.Memory(max(int(size), 1) * dtype.itemsize)
+    a = cupy.ndarray((int(size),), dtype, cupy.cuda.MemoryPointer(mem, 0))
+    if zero:
+        a.fill(0)
+    return a
+
+
 _SCRATCH = {}
 _RETIRED = []  # replaced buffers, kept for graphs that captured them
 
@@ -64,7 +83,7 @@ def scratch(name, size, dtype=np.int32, zero=False):
         if buf is not None:
             _RETIRED.append(buf)
         n = max(int(size), 2 * buf.size if buf is not None else 0, 1)
-        buf = cupy.zeros(n, dtype) if zero else cupy.empty(n, dtype)
+        buf = owned_array(n, dtype, zero)
         _SCRATCH[key] = buf
     return buf
 

@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from .abi import ERROR_WORDS, decode_error
+from .device import owned_array
 
 __all__ = ["DeviceIndexError", "check_errors", "error_word", "strict"]
 
@@ -56,7 +57,7 @@ def error_word():
     device_id = cupy.cuda.runtime.getDevice()
     word = _WORDS.get(device_id)
     if word is None:
-        word = cupy.zeros(ERROR_WORDS, np.int64)
+        word = owned_array(ERROR_WORDS, np.int64, zero=True)
         cupy.cuda.runtime.deviceSynchronize()  # zeroed before any stream's kernel reads it
         _WORDS[device_id] = word
     return word
