@@ -34,6 +34,7 @@ import numpy as np
 from ..core.arrays import (HEAD_DIMS, as_dtype, check_choice, check_head_dim, cupy_module,
     gpu_available, host)
 from ..core.checks import check_int
+from ..core.errors import strict
 from ..core.fp8 import KV_DTYPES
 from ..core.layouts import LAYOUTS
 from ..decode.plan import FP8_HEAD_DIMS
@@ -83,7 +84,9 @@ class DemoConfig:
     vocab_size: int = _opt(512, "Vocabulary of the tiny model.")
     check: bool = _opt(False, "Compare a GPU run with the NumPy reference (slow).")
     cuda_graphs: bool = _opt(True, "Replay the tiny model's decode-only steps from CUDA graphs "
-                             "(GPU), one per batch size rounded up to a power of two.")
+                             "(GPU), one per batch size rounded up to a power of two; off in "
+                             "strict mode (CUPAGED_STRICT=1), whose host checks cannot be "
+                             "captured.")
 
     @property
     def max_seq_len(self) -> int:
@@ -417,7 +420,7 @@ class ModelSteps:
         if xp is not np:  # every step on one stream: eager steps and graph replays in order
             from .model import DecodeGraphs
             self.stream = xp.cuda.Stream(non_blocking=True)
-            if cfg.cuda_graphs:
+            if cfg.cuda_graphs and not strict():  # strict checks read device arrays
                 self.graphs = DecodeGraphs(self.model, self.k, self.v,
                                            blocks_for(cfg.max_seq_len, cfg.block_size),
                                            self.stream)
