@@ -277,6 +277,19 @@ def test_gpu_demo_engine_matches_numpy(cp, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_demo_in_strict_mode_runs_eagerly(cp, monkeypatch):
+    """Strict mode's host checks read device arrays, which a CUDA graph capture refuses: the
+    demo then runs every step eagerly, with the same tokens."""
+    cfg = DemoConfig(requests=3, max_prompt=40, max_output=8, max_batch_tokens=24, max_seqs=3,
+                     model="tiny", dtype="float32", num_q_heads=4, num_kv_heads=2, seed=12)
+    ref = run_demo(cfg, np)
+    monkeypatch.setenv("CUPAGED_STRICT", "1")
+    gpu = run_demo(cfg, cp)
+    assert gpu.graph_steps == 0 < gpu.steps
+    assert gpu.tokens == ref.tokens
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout, kv_dtype", [("NHD", None), ("vllm", None),
                                               ("NHD", "fp8_e4m3"), ("vllm", "fp8_e5m2")])
 def test_gpu_decode_graphs_match_eager_steps(cp, layout, kv_dtype):
