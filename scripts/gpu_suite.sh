@@ -55,7 +55,7 @@ run() {
 cat "$OUT/info.txt"
 
 if [ "${RUN_TESTS:-1}" != 0 ]; then
-  run "$OUT/pytest.log" "${TEST_TIMEOUT:-900}" "$PYTHON" -m pytest -m gpu -q -rfE \
+  run "$OUT/pytest.log" "${TEST_TIMEOUT:-900}" "$PYTHON" -m pytest -m gpu -q -rfE --durations=30 \
     --junitxml="$OUT/junit-gpu.xml" "${pytest_args[@]}" "${tests[@]}" || status=1
 fi
 

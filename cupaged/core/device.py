@@ -1,6 +1,6 @@
 """Device facts and device memory the ops keep between calls.
 
-- :func:`current` - the current device's id, compute capability, multiprocessor count and
+- :func:`current` / :func:`facts` - the current (or a given) device's id, compute capability, multiprocessor count and
   L2 size (read once per device).
 - :func:`owned_array` - device memory the library keeps (scratch, the error word): owned
   by the array itself, never by the allocator in use when it was made.
@@ -28,7 +28,8 @@ class DeviceFacts(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _facts(device_id):
+def facts(device_id):
+    """Facts of device ``device_id`` (read once)."""
     import cupy
     device = cupy.cuda.Device(device_id)
     attributes = device.attributes
@@ -39,7 +40,7 @@ def _facts(device_id):
 def current():
     """Facts of CuPy's current device."""
     import cupy
-    return _facts(cupy.cuda.runtime.getDevice())
+    return facts(cupy.cuda.runtime.getDevice())
 
 
 def owned_array(size, dtype, zero=False):

@@ -16,7 +16,7 @@ from . import checks, plan
 from ..core.arrays import FLOAT_DTYPES, HEAD_DIMS, host
 from ..core.checks import table_stride, token_stride
 from ..core.compile import Spec, ctype, kv_types, launcher
-from ..core.device import current, scratch
+from ..core.device import current, facts, scratch
 from ..core.fp8 import KV_DTYPES
 from ..core.launch import ptr
 from ..core.layouts import block_stride
@@ -77,7 +77,7 @@ def _geometry(device_id, dtype, head_dim, layout, block_size, num_q_heads, num_k
         kernel = _decode_kernel(launch, dtype)
     smem = launch.tiles.smem_bytes
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, launch.threads, smem)
-    sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    sms = facts(device_id).sms
     return launch._replace(columns=max(1, sms * max(1, per_sm) // launch.row_groups))
 
 
