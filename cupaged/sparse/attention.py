@@ -101,6 +101,16 @@ def _outputs(q, out, return_lse, xp):
     return out, lse
 
 
+def _settings(xp, q, block_m, block_n, dense_threshold, out, return_lse, **score):
+    """The checked block sizes, dense threshold and score options of a vertical-slash call,
+    and its outputs: ``(block_m, block_n, threshold, opts, out, lse)``."""
+    _, hq, d = q.shape
+    block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
+    threshold = check_dense_threshold(dense_threshold)
+    opts = check_options(xp, hq, d, **score)
+    return (block_m, block_n, threshold, opts) + tuple(_outputs(q, out, return_lse, xp))
+
+
 def reference_options(opts):
     """The reference's keywords of checked options (``core.checks.AttentionOptions``)."""
     return dict(sm_scale=opts.sm_scale, window_left=opts.window_left,
@@ -229,11 +239,10 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
     size = cu_seqlens_q.shape[0] - 1 if batched else 1
     batch = Batch(hq, k.shape[1], d, size, k.shape[0], *lengths)
     _check_vs_indices(v_idx, s_idx, batch, xp, batched, hosted)
-    block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
-    threshold = check_dense_threshold(dense_threshold)
-    opts = check_options(xp, hq, d, sm_scale=sm_scale, window_left=window_left,
-                         alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
-    out, lse = _outputs(q, out, return_lse, xp)
+    block_m, block_n, threshold, opts, out, lse = _settings(
+        xp, q, block_m, block_n, dense_threshold, out, return_lse, sm_scale=sm_scale,
+        window_left=window_left, alibi_slopes=alibi_slopes, sinks=sinks,
+        logits_soft_cap=logits_soft_cap)
     if xp is np:
         kw = dict(block_m=block_m, block_n=block_n, dense_threshold=threshold,
                   **reference_options(opts))
@@ -311,11 +320,10 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
     batch = Batch(hq, geo.num_kv_heads, d, cu_seqlens_q.shape[0] - 1,
                   block_tables.shape[1] * geo.block_size, *lengths)
     _check_vs_indices(v_idx, s_idx, batch, xp, True, hosted)
-    block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
-    threshold = check_dense_threshold(dense_threshold)
-    opts = check_options(xp, hq, d, sm_scale=sm_scale, window_left=window_left,
-                         alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
-    out, lse = _outputs(q, out, return_lse, xp)
+    block_m, block_n, threshold, opts, out, lse = _settings(
+        xp, q, block_m, block_n, dense_threshold, out, return_lse, sm_scale=sm_scale,
+        window_left=window_left, alibi_slopes=alibi_slopes, sinks=sinks,
+        logits_soft_cap=logits_soft_cap)
     if xp is np:
         result = ref.paged_vertical_slash_attention(
             q, k_cache, v_cache, v_idx, s_idx, cu_q, block_tables, kv_host, layout,
