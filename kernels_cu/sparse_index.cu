@@ -128,22 +128,31 @@ struct WarpLists {
 // grid ceil(batch * heads * num_m / 4), block 128: warp -> (b, h, m), m fastest; the whole
 // warp walks block m of head h (vs_block_lists) and writes its lists. Outputs are
 // [batch, heads, num_m] counts and [batch, heads, num_m, w] lists (entries past the counts
-// untouched).
+// untouched). Lengths outside 0 <= seqlens[b] <= max_q and seqlens[b] <= kv_seqlens[b] <=
+// max_kv (the bounds the host sized the lists by) are reported to err by the warp of
+// (b, 0, 0) and give the sequence empty lists.
 __global__ void __launch_bounds__(128) vs_index_kernel(
     const int* __restrict__ seqlens, const int* __restrict__ kv_seqlens,
     const int* __restrict__ s_sorted, const int* __restrict__ run_first, int ns,
     const int* __restrict__ v_unique, const int* __restrict__ v_count, int nv, int batch, int heads,
     int num_m, int bm, int bn, int* __restrict__ block_count, int* __restrict__ block_offset, int w_s,
-    int* __restrict__ column_count, int* __restrict__ column_index, int w_v) {
+    int* __restrict__ column_count, int* __restrict__ column_index, int w_v, int max_q, int max_kv,
+    long long* __restrict__ err) {
   const i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   if (item >= (i64)batch * heads * num_m) return;
   const int m = (int)(item % num_m);
   const i64 row = item / num_m;  // b * heads + h
   const int b = (int)(row / heads);
+  const int q_len = seqlens[b], kv_len = kv_seqlens[b];
+  const bool q_ok = q_len >= 0 && q_len <= max_q, kv_ok = kv_len >= q_len && kv_len <= max_kv;
+  if (item % ((i64)heads * num_m) == 0 && threadIdx.x % 32 == 0) {
+    if (!q_ok) report_error(err, error_code(ARG_SEQLENS, CHECK_RANGE), b, -1, q_len, max_q);
+    else if (!kv_ok) report_error(err, error_code(ARG_KV_SEQLENS, CHECK_RANGE), b, -1, kv_len, max_kv);
+  }
   VsRow p;
   p.init(s_sorted, run_first, ns, v_unique, v_count, nv, row);
   WarpLists out{p.v, block_offset + item * w_s, column_index + item * w_v, w_s, w_v, bn, 0, 0};
-  vs_block_lists(p, m, seqlens[b], kv_seqlens[b], bm, bn, out);
+  if (q_ok && kv_ok) vs_block_lists(p, m, q_len, kv_len, bm, bn, out);
   if (threadIdx.x % 32 == 0) {
     block_count[item] = out.nblk;
     column_count[item] = out.ncol;

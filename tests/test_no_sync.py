@@ -77,6 +77,7 @@ def _paged(rng, xp, lens=(300, 17, 2048, 0, 513), hq=32, hk=8, d=128, bs=16, dty
                 # vertical+slash: a band of 8 diagonals and 4 sink columns, per sequence
                 vs_v=xp.asarray(np.tile(np.arange(4, dtype=np.int32), (len(lens), hq, 1))),
                 vs_s=xp.asarray(np.tile(np.arange(8, dtype=np.int32), (len(lens), hq, 1))),
+                q_lens=xp.asarray(q_lens.astype(np.int32)), max_len=int(lens.max()),
                 k_scale=xp.asarray(np.full(hk, 0.05, np.float32)),
                 v_scale=xp.asarray(np.array(0.1, np.float32)))
 
@@ -145,6 +146,8 @@ def _calls(c):
         "paged_vertical_slash_attention": lambda: sparse.paged_vertical_slash_attention(
             c["qp"], c["kc"], c["vc"], c["vs_v"], c["vs_s"], c["cu"], c["tables"], c["lens"],
             layout="NHD", validate=False),
+        "vertical_slash_index": lambda: sparse.vertical_slash_index(
+            c["q_lens"], c["vs_v"], c["vs_s"], 64, kv_seqlens=c["lens"], max_kv_len=c["max_len"]),
         "paged_block_sparse_attention": lambda: cupaged.paged_block_sparse_attention(
             c["qp"], c["kc"], c["vc"], c["cu"], c["tables"], c["lens"], c["bsr_ptr"], c["bsr_idx"],
             64, 64, pattern_heads=8, layout="NHD"),
@@ -171,7 +174,7 @@ NAMES = ["paged_decode", "paged_decode_append", "paged_attention", "paged_attent
          "swap_in_kernel", "sink_softmax", "sink_attention", "layer_step",
          "varlen_block_sparse_attention", "paged_block_sparse_attention",
          "vertical_slash_attention", "varlen_vertical_slash_attention",
-         "paged_vertical_slash_attention", "paged_decode_fp8",
+         "paged_vertical_slash_attention", "vertical_slash_index", "paged_decode_fp8",
          "paged_decode_append_fp8", "write_kv_cache_fp8", "decoder_fp8_plan_run"]
 
 

@@ -487,6 +487,33 @@ def test_bad_index_arguments():
         sparse.vertical_slash_index(lens, v, v, 100, 64, 0)
     with pytest.raises(ValueError, match="kv_seqlens"):
         sparse.vertical_slash_index(lens, v, v, 100, kv_seqlens=np.array([50], np.int32))
+    with pytest.raises(ValueError, match="max_kv_len: expected >= the longest kv_seqlens"):
+        sparse.vertical_slash_index(lens, v, v, 100, kv_seqlens=np.array([300], np.int32),
+                                    max_kv_len=299)
+    with pytest.raises(ValueError, match="max_kv_len: expected None without kv_seqlens"):
+        sparse.vertical_slash_index(lens, v, v, 100, max_kv_len=100)
+    with pytest.raises(TypeError, match="max_kv_len"):
+        sparse.vertical_slash_index(lens, v, v, 100, kv_seqlens=lens, max_kv_len=1.5)
+
+
+def test_index_widths_follow_the_host_bound(rng):
+    """The lists are as wide as the key bound needs (context_size without kv_seqlens, else
+    max_kv_len or the longest kv_seqlens), whatever the lengths; the lists agree."""
+    q_lens = np.array([70, 5], np.int32)
+    v_idx = rng.integers(0, 70, (2, 2, 6)).astype(np.int32)
+    s_idx = rng.integers(0, 70, (2, 2, 40)).astype(np.int32)
+    short = sparse.vertical_slash_index(q_lens, v_idx, s_idx, 70, 64, 16)
+    wide = sparse.vertical_slash_index(q_lens, v_idx, s_idx, 1000, 64, 16)
+    bounded = sparse.vertical_slash_index(q_lens, v_idx, s_idx, 1000, 64, 16, kv_seqlens=q_lens,
+                                          max_kv_len=5000)
+    w = lambda n: ref.index_widths(6, 40, n, 64, 16)[0]
+    assert short[1].shape[-1] == w(70) < wide[1].shape[-1] == w(1000) < bounded[1].shape[-1] == w(5000)
+    for a, b in ((short, wide), (wide, bounded)):
+        np.testing.assert_array_equal(a[0], b[0][:, :, :a[0].shape[2]])
+        np.testing.assert_array_equal(a[2], b[2][:, :, :a[2].shape[2]])
+        m = a[0].shape[2]
+        np.testing.assert_array_equal(a[1], b[1][:, :, :m, :a[1].shape[3]])
+        assert not b[1][:, :, :m, a[1].shape[3]:].any()
 
 
 def test_bad_attention_arguments(rng):

@@ -107,6 +107,40 @@ def test_index_kernel_equals_reference(cp, rng, block_m, block_n):
         np.testing.assert_array_equal(_host(cp, g), w, err_msg=name)
 
 
+def test_index_with_host_bounds_reads_nothing_back_and_reports_bad_lengths(cp, rng):
+    """With the key bound on the host (max_kv_len) the conversion equals NumPy's without a
+    host read; a length past its bound is reported to the error word, its sequence listed
+    empty, the others unchanged."""
+    from test_no_sync import assert_no_sync_cupy
+    import cupaged
+    q_lens = np.array([300, 1, 700], np.int32)
+    kv_lens = np.array([333, 64, 1200], np.int32)
+    v_idx = sparse.pad_indices([rng.integers(0, n, (2, 30)).astype(np.int32) for n in kv_lens])
+    s_idx = sparse.pad_indices([rng.integers(0, n, (2, 50)).astype(np.int32) for n in kv_lens])
+    want = sparse.vertical_slash_index(q_lens, v_idx, s_idx, 700, kv_seqlens=kv_lens,
+                                       max_kv_len=1500)
+    args = [cp.asarray(x) for x in (q_lens, v_idx, s_idx, kv_lens)]
+    got = []
+    assert_no_sync_cupy(cp, lambda: got.append(sparse.vertical_slash_index(
+        *args[:3], 700, kv_seqlens=args[3], max_kv_len=1500)))
+    for name, g, w in zip(("block_count", "block_offset", "column_count", "column_index"),
+                          got[0], want):
+        np.testing.assert_array_equal(_host(cp, g), w, err_msg=name)
+    cupaged.check_errors()
+    bad = args[3].copy()
+    bad[1] = 1501                                                  # past max_kv_len
+    got = sparse.vertical_slash_index(*args[:3], 700, kv_seqlens=bad, max_kv_len=1500)
+    with pytest.raises(ValueError, match="kv_seqlens"):
+        cupaged.check_errors()
+    assert not _host(cp, got[0])[1].any() and not _host(cp, got[2])[1].any()
+    np.testing.assert_array_equal(_host(cp, got[0])[[0, 2]], want[0][[0, 2]])
+    seq = args[0].copy()
+    seq[2] = 701                                                   # past context_size
+    sparse.vertical_slash_index(seq, *args[1:3], 700, kv_seqlens=args[3], max_kv_len=1500)
+    with pytest.raises(ValueError, match="seqlens"):
+        cupaged.check_errors()
+
+
 def _schedule(cp, q_lens, kv_lens, hq):
     """``bsr_prepare``'s schedule of a packed batch (q/k of zeros): ``(meta, cta_bound,
     cu_q)`` on the device."""

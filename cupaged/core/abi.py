@@ -15,7 +15,8 @@ NULL = 0
 # bad entry found is recorded in the device's error word (cupaged.errors), as
 # (code, row, column, value, bound): code = argument << 4 | check.
 ERROR_ARGUMENTS = ("block_tables", "seq_lens", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping",
-                   "positions", "block_mapping", "indptr", "indices", "v_idx", "s_idx")
+                   "positions", "block_mapping", "indptr", "indices", "v_idx", "s_idx",
+                   "seqlens", "kv_seqlens")
 ERROR_CHECKS = ("range", "order", "start", "end", "table", "increasing", "size", "last")
 ERROR_WORDS = 8  # int64 words of the error record (5 used)
 

@@ -180,7 +180,7 @@ def index_widths(nnz_v, nnz_s, max_kv_len, block_m, block_n):
 
 
 def vertical_slash_index(seqlens, v_idx, s_idx, context_size, block_m=64, block_n=64,
-                         kv_seqlens=None):
+                         kv_seqlens=None, max_kv_len=None):
     """MInference's index conversion: vertical+slash indices to block and column lists.
 
     Parameters
@@ -198,6 +198,9 @@ def vertical_slash_index(seqlens, v_idx, s_idx, context_size, block_m=64, block_
     kv_seqlens : numpy.ndarray, optional
         int32 ``[B]`` keys per sequence (default ``seqlens``); queries are the last
         ``seqlens[b]`` positions.
+    max_kv_len : int, optional
+        The bound on the key counts that sizes the lists (:func:`index_widths`): default
+        ``context_size`` without ``kv_seqlens``, else their largest.
 
     Returns
     -------
@@ -212,11 +215,13 @@ def vertical_slash_index(seqlens, v_idx, s_idx, context_size, block_m=64, block_
         int32 ``[B, H, M, W_v]``; entries past ``column_count`` are 0.
     """
     seqlens = np.asarray(seqlens, dtype=np.int64)
+    kv_given = kv_seqlens
     kv_seqlens = seqlens if kv_seqlens is None else np.asarray(kv_seqlens, dtype=np.int64)
     batch, heads, nnz_v = v_idx.shape
     num_m = -(-int(context_size) // block_m)
-    w_s, w_v = index_widths(nnz_v, s_idx.shape[2], int(kv_seqlens.max(initial=0)),
-                            block_m, block_n)
+    if max_kv_len is None:
+        max_kv_len = int(context_size) if kv_given is None else int(kv_seqlens.max(initial=0))
+    w_s, w_v = index_widths(nnz_v, s_idx.shape[2], max_kv_len, block_m, block_n)
     block_count = np.zeros((batch, heads, num_m), np.int32)
     block_offset = np.zeros((batch, heads, num_m, w_s), np.int32)
     column_count = np.zeros((batch, heads, num_m), np.int32)

@@ -16,7 +16,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import accepts_dlpack, array_module, check_array, check_range, host
+from ..core import errors
 from ..core.checks import check_cu_seqlens, check_int
+from ..core.errors import strict
 from ..reference import sparse as ref
 from ..reference.bsr import bsr_row_offsets
 from . import launch as kernels
@@ -33,6 +35,8 @@ class IndexPlan(NamedTuple):
     block_n: int
     w_s: int            # block_offset row width
     w_v: int            # column_index row width
+    max_q: int          # the bounds the widths hold: queries and keys per sequence
+    max_kv: int
 
 
 def check_block_size(name, value, multiple=1):
@@ -135,35 +139,52 @@ def check_bsr_batch(indptr, indices, q_lens, kv_lens, block_m, block_n, pattern_
     return offsets.astype(np.int32)
 
 
-def plan_index(seqlens, v_idx, s_idx, context_size, block_m, block_n, kv_seqlens, xp):
-    """Validate :func:`vertical_slash_index`'s arguments; return the plan and host lengths."""
+def plan_index(seqlens, v_idx, s_idx, context_size, block_m, block_n, kv_seqlens, xp, hosted,
+               max_kv_len=None):
+    """Validate :func:`vertical_slash_index`'s arguments; return the plan and the host
+    lengths (``hosted``: read and checked on the host; else None, checked by the kernel)."""
     check_array("seqlens", seqlens, ndim=1, dtypes=np.int32, xp=xp)
     batch = seqlens.shape[0]
-    check_pattern_indices("v_idx", v_idx, xp, (batch, None, None))
+    check_pattern_indices("v_idx", v_idx, xp, (batch, None, None), hosted)
     heads = v_idx.shape[1]
-    check_pattern_indices("s_idx", s_idx, xp, (batch, heads, None))
+    check_pattern_indices("s_idx", s_idx, xp, (batch, heads, None), hosted)
     block_m = check_block_size("block_m", block_m)
     block_n = check_block_size("block_n", block_n)
-    q_lens = host(seqlens).astype(np.int64)
-    check_range("seqlens", q_lens, 0, 2 ** 31)
-    if kv_seqlens is None:
-        kv_lens = q_lens
-    else:
+    if not isinstance(context_size, (int, np.integer)) or context_size < 1:
+        raise ValueError(f"context_size: expected an int >= 1, got {context_size!r}")
+    if kv_seqlens is not None:
         check_array("kv_seqlens", kv_seqlens, shape=(batch,), dtypes=np.int32, xp=xp)
-        kv_lens = host(kv_seqlens).astype(np.int64)
+    if max_kv_len is not None:
+        max_kv_len = check_int("max_kv_len", max_kv_len)
+        if kv_seqlens is None:
+            raise ValueError("max_kv_len: expected None without kv_seqlens (the keys are the "
+                             f"queries, bounded by context_size), got {max_kv_len}")
+    q_lens = kv_lens = None
+    if hosted or (kv_seqlens is not None and max_kv_len is None):
+        q_lens = host(seqlens).astype(np.int64)
+        check_range("seqlens", q_lens, 0, 2 ** 31)
+        kv_lens = q_lens if kv_seqlens is None else host(kv_seqlens).astype(np.int64)
         short = kv_lens < q_lens
         if short.any():
             i = int(np.argmax(short))
             raise ValueError(f"kv_seqlens: expected >= seqlens (queries are the last positions), "
                              f"got {int(kv_lens[i])} < {int(q_lens[i])} at index {i}")
-    max_q = int(q_lens.max(initial=0))
-    if not isinstance(context_size, (int, np.integer)) or context_size < max(max_q, 1):
-        raise ValueError(f"context_size: expected an int >= the longest sequence "
-                         f"({max(max_q, 1)}), got {context_size!r}")
-    w_s, w_v = ref.index_widths(v_idx.shape[2], s_idx.shape[2], int(kv_lens.max(initial=0)),
-                                block_m, block_n)
+        max_q = int(q_lens.max(initial=0))
+        if context_size < max_q:
+            raise ValueError(f"context_size: expected an int >= the longest sequence "
+                             f"({max_q}), got {context_size!r}")
+        longest = int(kv_lens.max(initial=0))
+        if max_kv_len is not None and longest > max_kv_len:
+            raise ValueError(f"max_kv_len: expected >= the longest kv_seqlens ({longest}), "
+                             f"got {max_kv_len}")
+    if kv_seqlens is None:
+        max_kv = int(context_size)
+    else:
+        max_kv = max_kv_len if max_kv_len is not None else int(kv_lens.max(initial=0))
+    w_s, w_v = ref.index_widths(v_idx.shape[2], s_idx.shape[2], max_kv, block_m, block_n)
     num_m = -(-int(context_size) // block_m)
-    return IndexPlan(batch, heads, num_m, block_m, block_n, w_s, w_v), q_lens, kv_lens
+    plan = IndexPlan(batch, heads, num_m, block_m, block_n, w_s, w_v, int(context_size), max_kv)
+    return plan, q_lens, kv_lens
 
 
 class Prepared(NamedTuple):
@@ -237,14 +258,21 @@ def build_index(plan, seqlens, kv_seqlens, prep):
              (seqlens, kv_seqlens, prep.s, prep.run_first, np.int32(prep.s.shape[2]), prep.v,
               prep.v_count, np.int32(prep.v.shape[2]), np.int32(plan.batch), np.int32(plan.heads),
               np.int32(plan.num_m), np.int32(plan.block_m), np.int32(plan.block_n), bc, bo,
-              np.int32(plan.w_s), cc, ci, np.int32(plan.w_v)))
+              np.int32(plan.w_s), cc, ci, np.int32(plan.w_v), np.int32(plan.max_q),
+              np.int32(plan.max_kv), errors.error_word()))
     return bc, bo, cc, ci
 
 
 @accepts_dlpack
 def vertical_slash_index(seqlens, v_idx, s_idx, context_size, block_m=64, block_n=64, *,
-                         kv_seqlens=None):
+                         kv_seqlens=None, max_kv_len=None, validate=None):
     """MInference's index conversion: vertical+slash indices to block and column lists.
+
+    On CuPy nothing is read back to the host (strict mode aside) when the keys per sequence
+    have a host bound: ``context_size`` without ``kv_seqlens``, else ``max_kv_len``
+    (without it the longest ``kv_seqlens`` is read back). The kernels then check the
+    lengths and indices: a bad entry goes to the device error word (``cupaged.check_errors``)
+    and its sequence or row gets empty lists.
 
     Parameters
     ----------
@@ -262,6 +290,12 @@ def vertical_slash_index(seqlens, v_idx, s_idx, context_size, block_m=64, block_
     kv_seqlens : array, optional
         int32 ``[B]`` keys per sequence, ``>= seqlens`` (default ``seqlens``): the queries
         are the last ``seqlens[b]`` positions (chunked prefill).
+    max_kv_len : int, optional
+        With ``kv_seqlens``: a bound on them (as flash-attn's ``max_seqlen_k``), which sizes
+        the lists (``reference.sparse.index_widths``).
+    validate : bool, optional
+        Strict mode for this call (default: ``CUPAGED_STRICT``): the lengths and indices
+        checked on the host before any launch.
 
     Returns
     -------
@@ -277,17 +311,19 @@ def vertical_slash_index(seqlens, v_idx, s_idx, context_size, block_m=64, block_
     Raises
     ------
     ValueError, TypeError
-        On wrong shapes, dtypes, negative indices, or lengths that do not fit.
+        On wrong shapes, dtypes, or (NumPy, strict mode) negative indices or lengths that
+        do not fit.
     """
     xp = array_module(seqlens, v_idx, s_idx, kv_seqlens)
     plan, q_lens, kv_lens = plan_index(seqlens, v_idx, s_idx, context_size, block_m, block_n,
-                                       kv_seqlens, xp)
+                                       kv_seqlens, xp, xp is np or strict(validate), max_kv_len)
     if xp is np:
-        bc, bo, cc, ci = ref.vertical_slash_index(q_lens, v_idx, s_idx, context_size, plan.block_m,
-                                                  plan.block_n, kv_seqlens=kv_lens)
-        return bc, bo, cc, ci
+        return ref.vertical_slash_index(q_lens, v_idx, s_idx, context_size, plan.block_m,
+                                        plan.block_n, kv_seqlens=kv_seqlens,
+                                        max_kv_len=plan.max_kv)
     kv_d = seqlens if kv_seqlens is None else kv_seqlens
-    return build_index(plan, seqlens, kv_d, prepare(v_idx, s_idx, kv_d, plan.block_m))
+    err = errors.error_word()
+    return build_index(plan, seqlens, kv_d, prepare(v_idx, s_idx, kv_d, plan.block_m, err=err))
 
 
 def pad_indices(rows, xp=None):
