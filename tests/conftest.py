@@ -3,10 +3,16 @@ import os
 import tempfile
 import zlib
 
-import numpy as np
-import pytest
+# pytest-xdist workers: one BLAS thread each (set before NumPy loads OpenBLAS), or every
+# worker's reference matmuls start a thread per core and the workers thrash the CPUs.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 
-from cupaged.core.arrays import gpu_available
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from cupaged.core.arrays import gpu_available  # noqa: E402
 
 # JAX (the interop tests) would otherwise claim 75% of the GPU when first used and hold it
 # for the worker's lifetime, starving the other pytest-xdist workers' large tests.
