@@ -452,15 +452,25 @@ struct Rows {
   __device__ __forceinline__ void scores(float (&s)[C::KEYS / 2], int j0) const {
     constexpr int BN = C::KEYS;
     if constexpr (C::GENERAL_SCORES) {
+      // The ALiBi term slope * (j - p) of key j = j0 + 2 (lane % 4) + 8 i + (e & 1) as
+      // base + slope * (8 i + (e & 1)): one int-to-float conversion a row and tile (a
+      // conversion runs at the rate of an exp2, and the softmax's exp2 keeps that unit
+      // busy), a compile-time constant per score; the soft-cap tested once.
+      float base[2];
 #pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hr = e / 2, j = j0 + 8 * i + 2 * (lane % 4) + (e & 1);
-          s[4 * i + e] = epi(s[4 * i + e]) + slope[hr] * (float)(j - p[hr]);
-        }
+      for (int hr = 0; hr < 2; ++hr) base[hr] = slope[hr] * (float)(j0 + 2 * (lane % 4) - p[hr]);
+      if (epi.softcap) general<true, BN>(s, base);
+      else general<false, BN>(s, base);
     }
     if (gk.needs_mask(j0, BN)) mask<BN>(s, lo, hi, j0, lane);
+  }
+  template <bool CAP, int BN>
+  __device__ __forceinline__ void general(float (&s)[BN / 2], const float (&base)[2]) const {
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[4 * i + e] = epi.at<CAP>(s[4 * i + e]) + fmaf(slope[e / 2], (float)(8 * i + (e & 1)), base[e / 2]);
   }
 };
 
