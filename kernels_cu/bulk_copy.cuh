@@ -1,6 +1,6 @@
-// Hopper (sm_90) bulk copies from global to shared memory that complete on an mbarrier,
-// the mbarrier operations around them, and the proxy fence between generic and async
-// accesses to shared memory.
+// Hopper (sm_90) bulk copies from global to shared memory that complete on an mbarrier
+// (plain byte ranges, and TMA tensor copies through a tensor map), the mbarrier operations
+// around them, and the proxy fence between generic and async accesses to shared memory.
 //
 // An mbarrier phase completes when its pending arrivals reach zero and its transaction
 // count (bytes announced by arrive.expect_tx, minus bytes landed by complete_tx) is zero.
@@ -55,6 +55,29 @@ __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 byte
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
       " [%0], [%1], %2, [%3], %4;\n"
       :: "r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
+}
+
+// A TMA tensor map (the driver's CUtensorMap, encoded on the host by cupaged.core.tma): a
+// kernel takes it as a `const __grid_constant__` parameter, and copies name its address in
+// the parameter space.
+struct alignas(64) TensorMap {
+  unsigned long long bits[16];
+};
+
+// Fetch a tensor map into the TMA unit's descriptor cache ahead of its first copy.
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// The box of a 3-d tensor map at coordinates (x, y, z) (innermost first; out-of-range
+// elements land as zeros) -> shared dst (aligned as the map's swizzle needs), its bytes
+// counted against barrier bar's transactions (the whole box, zero-filled parts included).
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x, int y, int z, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
 }
 
 // Shared memory written through the generic proxy (st.shared, cp.async) and next read or

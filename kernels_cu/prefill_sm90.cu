@@ -607,21 +607,26 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 // producer's 128 threads copy Q and the K/V tiles with cp.async (KVRows of 128 loaders)
 // into STAGES K and STAGES V buffers; the consumers run the wgmma loop of loop_overlap on them. They meet only at
 // mbarriers: no CTA barrier per tile.
+// TMA (ragged K/V, head sizes 64 and 128: rows of whole 128-byte column blocks): the 128
+// threads copy Q with cp.async as before, then one thread issues each K and V tile as D / 64
+// tensor copies (ws_produce_tma) that land in the same swizzled layout.
 constexpr int WS_THREADS = 384;
 // The consumers' budget beside a producer budget of PRODUCER_REGS: the register file's
 // 64K registers over the three warpgroups, in setmaxnreg's multiples of 8.
 __host__ __device__ constexpr int ws_consumer_regs(int producer_regs) { return ((65536 / 128 - producer_regs) / 2) & ~7; }
 
 // The mbarriers (8 bytes each, after the tiles): Q landed; per stage s, its K and its V tile
-// landed (full: an arrival from each producer thread as its copies land) and read (empty:
+// landed (full: an arrival from each producer thread as its copies land; TMA: one arrival
+// announcing the tile's bytes, the phase completing as they land) and read (empty:
 // an arrival from each consumer thread once its wgmma batch reading the tile is done; every
 // thread arrives, as a branch while a batch is in flight makes ptxas serialise the batches). Tile i
 // of an item (the i-th processed, key tile n_last - i) sits in stage i % STAGES as its use
 // u = i / STAGES: the consumers wait for the full phase of parity u & 1, the producer, before
 // use u > 0, for the empty phase of parity (u - 1) & 1.
-template <int STAGES>
+template <int STAGES, bool TMA = false>
 struct WsBarriers {
   static constexpr int COUNT = 1 + 4 * STAGES, PRODUCERS = 128, CONSUMERS = 256;
+  static constexpr int FILLERS = TMA ? 1 : PRODUCERS;  // arrivals that complete a full phase
   u32 base;
   __device__ __forceinline__ u32 q() const { return base; }
   __device__ __forceinline__ u32 k_full(int s) const { return base + 8 * (1 + s); }
@@ -632,8 +637,8 @@ struct WsBarriers {
     mbar_init(q(), PRODUCERS);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(k_full(s), PRODUCERS);
-      mbar_init(v_full(s), PRODUCERS);
+      mbar_init(k_full(s), FILLERS);
+      mbar_init(v_full(s), FILLERS);
       mbar_init(k_empty(s), CONSUMERS);
       mbar_init(v_empty(s), CONSUMERS);
     }
@@ -652,6 +657,41 @@ struct Turns {
 
 // Producer: Q, then per tile its K and its V part, each once the consumers are done with the
 // stage's previous tile.
+// TMA producer: Q as ws_produce, then thread 0 alone issues each tile's K and V part as
+// D / 64 tensor copies of BN rows x 64 dims (the column blocks of swizzled<BN, 128>) at the
+// sequence's first key plus the tile's, announcing the part's bytes on its full barrier
+// first. Rows past the tensor's end land as zeros; rows past kv_len inside it are the next
+// sequence's keys: their scores are masked to -inf (every key >= kv_len is past each row's
+// hi, Rows::scores), so P is 0 there and their V rows add nothing unless they hold inf or
+// NaN (as in FlashAttention-3's varlen path).
+template <typename T, typename C, typename Bar, typename Prob>
+__device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it, const TensorMap* k_map,
+                                               const TensorMap* v_map, const Bar& bar, u32 sQ, u32 sKV,
+                                               int n_first, int n_last) {
+  constexpr int BN = C::KEYS, STAGES = C::BUFFERS, BLOCKS = C::HEAD / 64;
+  static_assert(C::SW == 128 && C::HEAD % 64 == 0, "rows of whole 128-byte column blocks");
+  load_q<T, C::HEAD, C>(P, it, sQ);
+  cp_async_arrive(bar.q());
+  if (threadIdx.x == 0 && n_last >= n_first) {
+    prefetch_tensor_map(k_map);
+    prefetch_tensor_map(v_map);
+    const int first = (int)it.kv_start;  // ragged: total_k fits an int (the host checks)
+    for (int n = n_last, i = 0; n >= n_first; --n, ++i) {
+      const int st = i % STAGES, u = i / STAGES, y = first + n * BN;
+      const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
+      if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
+      mbar_arrive_expect_tx(bar.k_full(st), C::KV_BYTES);
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) tma_load_3d(sK + b * BN * 128, k_map, 64 * b, y, it.hk, bar.k_full(st));
+      if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+      mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) tma_load_3d(sV + b * BN * 128, v_map, 64 * b, y, it.hk, bar.v_full(st));
+    }
+  }
+  cp_async_wait_all();
+}
+
 template <typename T, typename KV, typename C, typename Src, typename Prob>
 __device__ __forceinline__ void ws_produce(const Prob& P, const WorkItem& it, const Src& src,
                                            const WsBarriers<C::BUFFERS>& bar, u32 sQ, u32 sKV, int n_first,
@@ -675,8 +715,8 @@ __device__ __forceinline__ void ws_produce(const Prob& P, const WorkItem& it, co
 // Consumer g (rows 64 g .. 64 g + 63 of the tile): loop_overlap's order (S = Q K^T of tile
 // i with O += P V of tile i - 1, the softmax of tile i under the P V batch), each batch pair
 // issued in the warpgroup's turn; each stage released once the batch reading it is done.
-template <typename T, typename C, typename Prob>
-__device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const WsBarriers<C::BUFFERS>& bar,
+template <typename T, typename C, typename Bar, typename Prob>
+__device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const Bar& bar,
                                            const Turns& turn, u32 sQg, u32 sKV, int n_first, int n_last,
                                            float (&o)[C::HEAD / 2], float (&m)[2], float (&l)[2]) {
   constexpr int D = C::HEAD, BN = C::KEYS, STAGES = C::BUFFERS;
@@ -724,14 +764,16 @@ __device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const 
   drain<D>(o, pf);
 }
 
-template <typename T, typename KV, typename C, int PRODUCER_REGS>
-__device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P) {
+// TMA: the K/V tiles from the tensor maps k_map and v_map (ragged K/V only).
+template <typename T, typename KV, typename C, int PRODUCER_REGS, bool TMA = false>
+__device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const TensorMap* k_map = nullptr,
+                                           const TensorMap* v_map = nullptr) {
   static_assert(!Fp8Traits<KV>::FP8 && !C::TRANSPOSED_V, "16-bit caches, V rows (else prefill_wgmma)");
   constexpr int BN = C::KEYS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
   const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
-  const WsBarriers<C::BUFFERS> bar{sKV + 2 * C::BUFFERS * C::KV_BYTES};
+  const WsBarriers<C::BUFFERS, TMA> bar{sKV + 2 * C::BUFFERS * C::KV_BYTES};
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
 
   WorkItem it;
@@ -746,11 +788,15 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P) {
 
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
-    const int bs = P.block_size;
-    const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
-                                                   P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
-                                                   it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
-    ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
+    if constexpr (TMA) {
+      ws_produce_tma<T, C>(P, it, k_map, v_map, bar, sQ, sKV, n_first, n_last);
+    } else {
+      const int bs = P.block_size;
+      const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
+                                                     P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
+                                                     it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
+      ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
+    }
   } else {
     setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
@@ -799,5 +845,16 @@ __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_kernel(CUPAGED
   const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
   if (item_is_padding(P)) return;
   sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>, PRODUCER_REGS>(P);
+}
+
+// prefill_ws_kernel with the K/V tiles copied by TMA (grid, block and shared memory alike):
+// ragged K/V of head size 64 or 128, k_map and v_map over their rows (cupaged.core.tma).
+// Arguments: Problem's fields, then the two tensor maps (ProblemTma, abi.cuh).
+template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
+__global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_tma_kernel(CUPAGED_PARAMS_ProblemTma) {
+  const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
+  if (item_is_padding(P)) return;
+  sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>, PRODUCER_REGS, true>(
+      P, &k_map, &v_map);
 }
 }  // namespace cupaged

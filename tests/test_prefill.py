@@ -267,7 +267,8 @@ def test_smem_fits_and_specs_cover_every_head_dim():
     assert ("cupaged::prefill_mma_kernel<__half, cupaged::fp8_e5m2, 64, true, "
             "cupaged::TileShape<4, 2, 128, 2, false, 2>>") in exprs
     hopper = {s.expr for s in kernel_specializations() if s.stem == "prefill_sm90"}
-    assert len(hopper) == 2 * len(plan_.WGMMA_HEAD_DIMS) * 4 + 2 * fp8
+    tma = 2 * len(plan_.TMA_HEAD_DIMS) * 2  # q dtypes x head dims x score paths
+    assert len(hopper) == 2 * len(plan_.WGMMA_HEAD_DIMS) * 4 + 2 * fp8 + tma
     assert "cupaged::prefill_simt_kernel<256>" in exprs
 
 
@@ -775,6 +776,8 @@ def test_wgmma_tile_shares_work_list_and_fits():
             for kv in (None, "cupaged::fp8_e4m3", "cupaged::fp8_e5m2")
             for d in (HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS)
             for vt in ("false", "true") for g in ("false", "true")}
+    want |= {f"cupaged::prefill_ws_tma_kernel<{t}, {t}, {d}, 128, 2, {g}, {plan_.ws_producer_regs(d)}>"
+             for t in ("__half", "__nv_bfloat16") for d in plan_.TMA_HEAD_DIMS for g in ("false", "true")}
     assert hopper == want
 
 
@@ -875,6 +878,26 @@ def test_gpu_wgmma_page_sizes(cp, hopper, rng, head_dim, block_size, layout):
               bfloat16, layout, block_size, backend="wgmma", sinks=_rand(rng, 8, np.float32))
 
 
+def gpu_tile_varlen(cp, q, k, v, cu_q, cu_k, tile, fo):
+    """One ragged batch through the wgmma kernel of ``tile`` (a host work list; score
+    options ``fo``, ``causal`` among them, default True) against the reference."""
+    from cupaged.prefill import launch as prefill
+    from cupaged.core.checks import check_options
+    hq, hk, head_dim, dtype = q.shape[1], k.shape[1], q.shape[2], q.dtype
+    fo = dict(fo)
+    causal = fo.pop("causal", True)
+    opts = check_options(np, hq, head_dim, **fo)
+    work = prefill.host_work(np.diff(cu_q), np.diff(cu_k), dtype, hq, hk, head_dim, False, causal, opts, tile)
+    out, lse = _poisoned(cp, q.shape, dtype), cp.full(q.shape[:2], np.nan, np.float32)
+    dopts = opts._replace(sinks=_dev(cp, opts.sinks), alibi_slopes=_dev(cp, opts.alibi_slopes))
+    prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
+                    cp.asarray(cu_k), None, 1, layout_strides("ragged", 1, hk, head_dim, q.itemsize),
+                    dopts, causal, False, hk, tile=tile, backend="wgmma")
+    want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **fo)
+    assert_close(out.get(), want, dtype)
+    assert_lse(lse.get(), want_lse)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", WGMMA_OTHER_TILES)
 @pytest.mark.parametrize("feature", ["plain", "non_causal", "window", "sinks", "all"])
@@ -882,22 +905,49 @@ def test_gpu_wgmma_page_sizes(cp, hopper, rng, head_dim, block_size, layout):
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16])
 def test_gpu_wgmma_other_tiles(cp, hopper, rng, dtype, head_dim, feature, tile):
     """The wgmma tiles the benchmark times beside the default, against the reference."""
-    from cupaged.prefill import launch as prefill
-    from cupaged.core.checks import check_options
     q_lens, kv_lens = Q_LENS + [300], KV_LENS + [533]
-    q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, 8, 2, head_dim, dtype)
     fo = {} if feature == "plain" else _feature_opts(rng, feature, 8)
-    causal = fo.pop("causal", True)
-    opts = check_options(np, 8, head_dim, **fo)
-    work = prefill.host_work(np.diff(cu_q), np.diff(cu_k), q.dtype, 8, 2, head_dim, False, causal, opts, tile)
-    out, lse = _poisoned(cp, q.shape, dtype), cp.full(q.shape[:2], np.nan, np.float32)
-    dopts = opts._replace(sinks=_dev(cp, opts.sinks), alibi_slopes=_dev(cp, opts.alibi_slopes))
-    prefill._launch(*(cp.asarray(a) for a in (q, k, v)), out, lse, cp.asarray(work), cp.asarray(cu_q),
-                    cp.asarray(cu_k), None, 1, layout_strides("ragged", 1, 2, head_dim, q.itemsize),
-                    dopts, causal, False, 2, tile=tile, backend="wgmma")
-    want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **fo)
-    assert_close(out.get(), want, dtype)
-    assert_lse(lse.get(), want_lse)
+    gpu_tile_varlen(cp, *ragged(rng, q_lens, kv_lens, 8, 2, head_dim, dtype), tile, fo)
+
+
+# the TMA-fed warp-specialised kernel: odd lengths around the 128-key tiles, empty rows,
+# q_len > kv_len and one sequence longer than 4096 keys
+TMA_Q_LENS, TMA_KV_LENS = [1, 63, 64, 65, 0, 1000, 5, 4097], [1, 63, 64, 65, 9, 1000, 0, 4097]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", plan_.TMA_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_gpu_tma_varlen(cp, hopper, rng, dtype, head_dim, causal, heads, stages):
+    """K/V tiles by TMA (plan.tma_tile) against the float64 reference, GQA 4 and none."""
+    gpu_tile_varlen(cp, *ragged(rng, TMA_Q_LENS, TMA_KV_LENS, *heads, head_dim, dtype),
+                    plan_.tma_tile(head_dim, stages), dict(causal=causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("head_dim", plan_.TMA_HEAD_DIMS)
+def test_gpu_tma_features(cp, hopper, rng, head_dim, feature):
+    """Every score option (plain and general paths) through the TMA producer."""
+    q, k, v, cu_q, cu_k = ragged(rng, Q_LENS + [300], KV_LENS + [533], 8, 2, head_dim, bfloat16)
+    fo = _feature_opts(rng, feature, 8)
+    q = (q.astype(np.float32) * fo.pop("q_scale", 1.0)).astype(bfloat16)
+    gpu_tile_varlen(cp, q, k, v, cu_q, cu_k, plan_.tma_tile(head_dim), fo)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", plan_.TMA_HEAD_DIMS)
+def test_gpu_tma_keys_past_kv_len_are_masked(cp, hopper, rng, head_dim, causal):
+    """A tile copied by TMA runs past a sequence's kv_len into the next sequence's rows (and
+    past the tensor's end, zero-filled): those keys, made large here, must not be seen."""
+    q_lens, kv_lens = [70, 3, 130], [70, 200, 130]
+    q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, 4, 2, head_dim, np.float16)
+    k[70:], v[70:] = k[70:] * 4, v[70:] * 4  # sequence 0's tile reads these rows
+    gpu_tile_varlen(cp, q, k, v, cu_q, cu_k, plan_.tma_tile(head_dim), dict(causal=causal))
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ changes here and nowhere else.
 """
 from __future__ import annotations
 
-from .launch import Record
+from .launch import TENSOR_MAP, Record
 
 NULL = 0
 
@@ -125,6 +125,11 @@ PREFILL = Record("Problem", [
     ("float", "soft_cap"), ("int", "window_left"), ("int", "causal"), ("i64", "q_tok"),
     *SCALES,
 ], template="typename T, typename KV")
+
+# The TMA-fed warp-specialised prefill kernel (prefill_ws_tma_kernel): Problem's fields, then
+# the tensor maps of ragged K and V (cupaged.core.tma.ragged_kv_map) as by-value parameters.
+PREFILL_TMA = Record("ProblemTma", [*PREFILL.fields, (TENSOR_MAP, "k_map"), (TENSOR_MAP, "v_map")],
+                     template="typename T, typename KV", struct=False)
 
 # The device work list of a prefill launch (kernels_cu/plan.cu), as prefill_plan.work_list
 # (kv heads in sections of section_heads).
@@ -270,7 +275,8 @@ GEMM = Record("GemmArgs", [
     ("int", "m"), ("int", "n"), ("int", "k"),
 ])
 
-RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_PLAN,
+RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_TMA,
+           PREFILL_PLAN,
            SPARSE, BSR_PREPARE, QUEST_BOUNDS, QUEST_SCORE, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE,
            COPY_BLOCKS, ROPE, GEMM)
 

@@ -12,7 +12,10 @@ code takes a struct parameter by reference.)
 
 Fields are listed with their C++ type and laid out as the C++ compiler lays out the struct:
 each at its natural alignment (8 bytes for pointers and ``i64``, 4 for ``int``,
-``unsigned`` and ``float``), the whole padded to a multiple of 8.
+``unsigned`` and ``float``), the whole padded to a multiple of 8. A :data:`TENSOR_MAP` field
+(a TMA ``CUtensorMap``, 128 bytes given as ``bytes``) is a kernel parameter only, passed by
+value in the parameter space (``__grid_constant__``: TMA reads the map where it lies), 64-byte
+aligned; a record holding one declares its parameters but no struct (``struct=False``).
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ from typing import NamedTuple
 
 _SCALARS = {"i64": ("q", 8), "long long": ("q", 8), "u64": ("Q", 8),
             "int": ("i", 4), "unsigned": ("I", 4), "float": ("f", 4)}
+# A TMA tensor map by value (kernels_cu/bulk_copy.cuh TensorMap: 128 bytes, 64-byte aligned)
+TENSOR_MAP = "const __grid_constant__ TensorMap"
+TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 64
 
 
 class Field(NamedTuple):
@@ -32,21 +38,36 @@ class Field(NamedTuple):
 
     @property
     def code(self):
-        """struct format character and size."""
+        """struct format and size."""
         if "*" in self.ctype:
             return "Q", 8
+        if self.ctype == TENSOR_MAP:
+            return f"{TENSOR_MAP_BYTES}s", TENSOR_MAP_BYTES
         return _SCALARS[self.ctype]
+
+    @property
+    def align(self):
+        return TENSOR_MAP_ALIGN if self.ctype == TENSOR_MAP else self.code[1]
 
 
 def _offsets(fields):
     """Byte offset of each field at its natural alignment (the C++ layout)."""
     out, at = [], 0
     for f in fields:
-        size = f.code[1]
-        at = -(-at // size) * size
+        at = -(-at // f.align) * f.align
         out.append(at)
-        at += size
+        at += f.code[1]
     return tuple(out)
+
+
+def _struct(fields, offsets):
+    """The packing of ``fields`` at ``offsets``, padded to the widest alignment (at least 8)."""
+    fmt, at = "=", 0
+    for f, o in zip(fields, offsets):
+        fmt += "x" * (o - at) + f.code[0]
+        at = o + f.code[1]
+    align = max([8] + [f.align for f in fields])
+    return struct.Struct(fmt + "x" * (-at % align))
 
 
 def _field(spec):
@@ -66,19 +87,22 @@ class Record:
         when given a default of 0.
     template : str, optional
         Template parameter list of the struct, e.g. ``"typename T"``.
+    struct : bool, optional
+        Whether ``cpp`` declares the struct and its field list (False: the parameter list
+        alone, for kernels taking another record's fields plus :data:`TENSOR_MAP` ones).
     """
 
-    def __init__(self, name, fields, template=""):
-        self.name, self.template = name, template
+    def __init__(self, name, fields, template="", struct=True):
+        self.name, self.template, self.has_struct = name, template, struct
         self.fields = tuple(_field(f) for f in fields)
         names = [f.name for f in self.fields]
         if len(set(names)) != len(names):
             raise ValueError(f"{name}: duplicate field names")
+        if struct and any(f.ctype == TENSOR_MAP for f in self.fields):
+            raise ValueError(f"{name}: tensor maps are parameters only (struct=False)")
         self.index = {f.name: i for i, f in enumerate(self.fields)}
-        fmt = "@" + "".join(f.code[0] for f in self.fields)  # native: C alignment
-        pad = -struct.calcsize(fmt) % 8
-        self.struct = struct.Struct(fmt + "x" * pad)
         self.offsets = _offsets(self.fields)
+        self.struct = _struct(self.fields, self.offsets)
         self.pack_into = self._keyword_packer()
 
     @property
@@ -89,9 +113,11 @@ class Record:
         """The C++ struct, the kernel parameter list of its fields
         (``CUPAGED_PARAMS_<Name>``) and their names in order (``CUPAGED_FIELDS_<Name>``,
         to build the struct from the parameters)."""
+        params = ", ".join(f"{f.ctype} {f.name}" for f in self.fields)
+        if not self.has_struct:
+            return f"#define CUPAGED_PARAMS_{self.name} {params}\n"
         head = f"template <{self.template}>\n" if self.template else ""
         body = "".join(f"  {f.ctype} {f.name};\n" for f in self.fields)
-        params = ", ".join(f"{f.ctype} {f.name}" for f in self.fields)
         names = ", ".join(f.name for f in self.fields)
         return (f"{head}struct {self.name} {{\n{body}}};\n"
                 f"#define CUPAGED_PARAMS_{self.name} {params}\n"
@@ -148,7 +174,7 @@ class Bound:
         values = {}
         for f in rec.fields:
             if f.name in names:
-                values[f.name] = 0
+                values[f.name] = b"" if f.ctype == TENSOR_MAP else 0
             elif f.name in self._fixed:
                 values[f.name] = self._fixed[f.name]
             elif f.default is not None:

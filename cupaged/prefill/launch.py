@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core import abi, errors
+from ..core import abi, errors, tma
 from . import plan as plan_
 from ..core.arrays import HEAD_DIMS, bfloat16, float16, float32, gpu_available
 from ..core.checks import INT32_MAX, table_stride, token_stride
@@ -39,7 +39,8 @@ def _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv=None):
     path)."""
     if tile.ws:
         g = "true" if general else "false"
-        return (f"cupaged::prefill_ws_kernel<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
+        name = "prefill_ws_tma_kernel" if tile.tma else "prefill_ws_kernel"
+        return (f"cupaged::{name}<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
                 f"{tile.stages}, {g}, {tile.producer_regs}>")
     flags = ", ".join("true" if f else "false" for f in (v_transposed, general))
     return (f"cupaged::prefill_wgmma_kernel<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
@@ -51,8 +52,9 @@ def kernel_specializations():
     vllm value layout) at the default tile of the head size, fp32 x head dims (one
     CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x head
     dims x (V rows, V^T) x (plain, general scores) at its tile; the same from fp8 caches of
-    each format for the head dims ``plan.FP8_HEAD_DIMS``. The benchmark's other tiles
-    compile on demand."""
+    each format for the head dims ``plan.FP8_HEAD_DIMS``; the TMA-fed warp-specialised
+    kernel (``plan.tma_tile``, opt-in) for (fp16, bf16) x ``plan.TMA_HEAD_DIMS`` x (plain,
+    general scores). The benchmark's other tiles compile on demand."""
     specs = []
     for kv in (None,) + KV_DTYPES:
         dims = HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS
@@ -63,6 +65,9 @@ def kernel_specializations():
                        hopper=True)
                   for dt in (float16, bfloat16) for d in dims if d in plan_.WGMMA_HEAD_DIMS
                   for vt in (False, True) for general in (False, True)]
+    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.tma_tile(d), False, general),
+                   hopper=True)
+              for dt in (float16, bfloat16) for d in plan_.TMA_HEAD_DIMS for general in (False, True)]
     return (specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
             + [Spec("plan", PLAN_EXPR)])
 
@@ -120,7 +125,8 @@ def _kernel(dtype, head_dim, v_transposed, tile, backend, general=False, kv=None
     if backend == "wgmma":
         smem = plan_.wgmma_smem_bytes(head_dim, tile, kv)
         expr = _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv)
-        return (launcher("prefill_sm90", expr, abi.PREFILL,
+        record = abi.PREFILL_TMA if tile.tma else abi.PREFILL
+        return (launcher("prefill_sm90", expr, record,
                          hopper=True, smem=smem, carveout=smem > 48 * 1024), smem, tile.threads)
     smem = plan_.smem_bytes(dtype, head_dim, v_transposed, tile, kv)
     return (launcher("prefill", _expr(dtype, head_dim, v_transposed, tile, kv), abi.PREFILL,
@@ -178,6 +184,7 @@ class Launches:
         self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend,
                                                        plan_.general_scores(opts), kv)
         paged = tables is not None
+        plan_.check_tma(self.tile, d, paged)
         self.plan = None
         if work is None:
             if owned is None:
@@ -203,7 +210,13 @@ class Launches:
                 section_heads=self.section_heads))
         self.work = work
         self.go = self.kernel.at(work.shape[0], self.threads, self.smem)
-        self.args = abi.PREFILL.bind(
+        # TMA: the K/V tensor maps, made per call from the addresses (core.tma)
+        self._maps = None
+        if self.tile.tma:
+            if total_k > INT32_MAX:
+                raise ValueError(f"tile: tma takes at most {INT32_MAX} keys, got {total_k}")
+            self._maps = tma.RaggedMaps(total_k, num_kv_heads, d, strides, self.tile.block_n)
+        self.args = (abi.PREFILL_TMA if self.tile.tma else abi.PREFILL).bind(
             work=ptr(work), max_blocks=table_stride(tables), block_size=block_size,
             paged=int(paged), k_block=strides.k_block, k_head=strides.k_head,
             k_chunk=strides.k_chunk, k_tok=strides.k_tok, v_block=strides.v_block,
@@ -212,8 +225,10 @@ class Launches:
             window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q),
             **(scales or {}))
         # positional packers of the launches' per-call addresses
+        maps = ("k_map", "v_map") if self.tile.tma else ()
         self._pack = self.args.packer("q", "k", "v", "out", "lse", "cu_q", "kv_info",
-                                      "block_tables", "alibi", "sinks", "k_scale", "v_scale")
+                                      "block_tables", "alibi", "sinks", "k_scale", "v_scale",
+                                      *maps)
         self._plan_pack = None if self.plan is None else self.plan[1].packer(
             "cu_q", "kv_info", "block_tables", "out", "lse")
 
@@ -231,8 +246,9 @@ class Launches:
         device address (0 for None; ``k_scale`` / ``v_scale``: fp8 scale arrays)."""
         if self.plan is not None:
             self.plan[0](self._plan_pack(cu_q, kv_info, tables, out, lse), stream)
+        maps = () if self._maps is None else self._maps(k, v)
         self.go(self._pack(q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, k_scale,
-                           v_scale), stream)
+                           v_scale, *maps), stream)
 
 
 class MixedLaunches:
@@ -320,7 +336,8 @@ def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides,
             causal, v_transposed, num_kv_heads, tile=None, backend="mma"):
     """Launch one prefill kernel over a host-planned ``work`` (device int32 ``[n, 4]``);
     no host sync (benchmarks and strict-mode calls)."""
-    Launches(q, cu_q.shape[0] - 1, tables, block_size, 0, 0, num_kv_heads, strides, opts,
+    total_k = k.shape[0] if tables is None else 0
+    Launches(q, cu_q.shape[0] - 1, tables, block_size, 0, total_k, num_kv_heads, strides, opts,
              causal, v_transposed, backend, tile=tile, work=work)(
         *addresses(q, k, v, out, lse, cu_q, kv_info, tables, opts.alibi_slopes, opts.sinks),
         current_stream())

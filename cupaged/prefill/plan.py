@@ -118,11 +118,14 @@ class WgmmaTile(NamedTuple):
     the tensor cores, tiles handed over through mbarriers) rather than ``prefill_wgmma_kernel``
     (2 warpgroups of 64 rows that copy and compute, a CTA barrier per tile; ``stages`` 2: each
     wgmma batch waited for at once, 3: the P V batch of one tile overlaps the softmax of the
-    next). ``Config`` in prefill_sm90.cu."""
+    next). ``tma`` (with ``ws``; opt-in, not a default until measured): the producer copies
+    the K/V tiles by TMA (``prefill_ws_tma_kernel``; ragged K/V of :data:`TMA_HEAD_DIMS`,
+    :func:`check_tma`). ``Config`` in prefill_sm90.cu."""
     block_n: int
     stages: int
     ws: bool = False
     producer_regs: int = 0  # ws: the producer warpgroup's setmaxnreg budget
+    tma: bool = False
 
     @property
     def block_m(self):
@@ -144,6 +147,30 @@ def ws_producer_regs(head_dim):
     the largest with which both compile without spilling, 72 (consumers 216), and 64
     (consumers 224) at d112, whose general score path needs more."""
     return 64 if head_dim == 112 else 72
+
+
+# head sizes the TMA producer takes (rows of whole 128-byte column blocks; core.tma)
+TMA_HEAD_DIMS = (64, 128)
+
+
+def tma_tile(head_dim, stages=2):
+    """The warp-specialised tile of ``head_dim`` with the TMA producer (``stages`` K and V
+    buffers each)."""
+    return WgmmaTile(128, stages, True, ws_producer_regs(head_dim), True)
+
+
+def check_tma(tile, head_dim, paged):
+    """Refuse a TMA tile (``tile.tma``) for a call it cannot run: the warp-specialised kernel
+    only, ragged K/V (``paged`` False) of :data:`TMA_HEAD_DIMS`, 16-bit caches. Raises
+    ValueError naming the reason."""
+    if not getattr(tile, "tma", False):
+        return
+    if not tile.ws:
+        raise ValueError("tile: tma needs the warp-specialised kernel (ws=True)")
+    if paged:
+        raise ValueError("tile: tma takes ragged K/V only (paged caches stay on cp.async)")
+    if head_dim not in TMA_HEAD_DIMS:
+        raise ValueError(f"tile: tma takes head_dim {TMA_HEAD_DIMS}, got {head_dim}")
 
 
 def warp_specialised(head_dim, kv=None, v_transposed=False, decode_rows=False):

@@ -1,0 +1,147 @@
+"""TMA tensor maps (``CUtensorMap``) for the Hopper prefill kernel's K/V tiles.
+
+A tensor map describes a global tensor to the Tensor Memory Accelerator: its base address,
+dimensions and byte strides, the box one copy moves and how the box lands in shared memory.
+Maps are encoded on the host by the CUDA driver's ``cuTensorMapEncodeTiled`` (CUDA 12, called
+through ctypes from ``libcuda.so.1``) and passed to kernels by value
+(``core.launch.TENSOR_MAP``). A map holds the base address, so each call's K and V get their
+own; the encoded bytes are cached per (address, geometry), as the driver's format is opaque.
+
+Ragged K (V alike), rows ``[total_k, Hk, D]`` of 16-bit elements with token stride
+``tok_stride`` and head stride ``head_stride`` elements and contiguous dims: a 3-d map over
+(dim, token, kv head), innermost first, with a box of (64 dims, ``block_n`` tokens, 1 head)
+swizzled 128 bytes. One copy lands ``block_n`` rows of 128 bytes, 16-byte chunk c of row r at
+chunk ``c ^ (r % 8)`` of its 1024-byte-aligned destination: one column block of the
+``swizzled<BN, 128>`` tile of kernels_cu/wgmma.cuh; a tile of head size D is D / 64 copies at
+dims 0, 64, ... Tokens past ``total_k`` land as zeros.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import NamedTuple
+
+from .launch import TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES
+
+BOX_DIMS = 64      # dims of a box row: the 128-byte swizzle span of 16-bit elements
+HEAD_DIMS = (64, 128)  # head sizes whose rows are whole 128-byte column blocks
+
+# driver enums (cuda.h)
+_UINT16 = 1                 # CU_TENSOR_MAP_DATA_TYPE_UINT16: fp16 / bf16 bits, copied as they are
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_128B = 2
+_OOB_FILL_ZEROS = 0         # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-range elements read 0
+
+
+class MapGeometry(NamedTuple):
+    """What ``cuTensorMapEncodeTiled`` takes besides the address: ``dims`` (innermost first),
+    byte ``strides`` of dims 1.. and the ``box``, all in elements but the strides."""
+    dims: tuple
+    strides: tuple
+    box: tuple
+
+
+def ragged_kv_geometry(total_k, num_kv_heads, head_dim, tok_stride, head_stride, block_n,
+                       itemsize=2):
+    """The map geometry of ragged K or V rows.
+
+    Parameters
+    ----------
+    total_k : int
+        Rows of the tensor (tokens of every sequence), at least 1.
+    num_kv_heads, head_dim : int
+        ``Hk`` and ``D`` of the rows ``[total_k, Hk, D]``; ``D`` in :data:`HEAD_DIMS`.
+    tok_stride, head_stride : int
+        Element strides of a token and a kv head (a dim's is 1).
+    block_n : int
+        Keys per K/V tile (the box's tokens), at most 256.
+    itemsize : int
+        Bytes of an element (2).
+
+    Returns
+    -------
+    MapGeometry
+
+    Raises
+    ------
+    ValueError
+        A head size other than :data:`HEAD_DIMS`, or strides TMA cannot take (byte
+        strides must be multiples of 16).
+    """
+    if head_dim not in HEAD_DIMS or itemsize != 2:
+        raise ValueError(f"tma: 16-bit rows of head_dim {HEAD_DIMS} only, got {head_dim}")
+    if not 0 < block_n <= 256 or total_k < 1:
+        raise ValueError(f"tma: block_n {block_n} and total_k {total_k} out of range")
+    strides = (tok_stride * itemsize, head_stride * itemsize)
+    if any(s % 16 or s <= 0 for s in strides):
+        raise ValueError(f"tma: K/V byte strides {strides} must be positive multiples of 16")
+    return MapGeometry((head_dim, total_k, num_kv_heads), strides, (BOX_DIMS, block_n, 1))
+
+
+def _driver():
+    """``cuTensorMapEncodeTiled`` of the loaded CUDA driver."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuTensorMapEncodeTiled
+    except (OSError, AttributeError) as e:
+        raise RuntimeError("tma: the TMA prefill needs a CUDA 12 driver (libcuda.so.1 with "
+                           f"cuTensorMapEncodeTiled): {e}") from None
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
+                   u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_ENCODE = []  # the driver entry, looked up on first use
+
+
+@functools.lru_cache(maxsize=256)
+def encode(address, geometry):
+    """The 128 bytes of the tensor map of ``geometry`` (:class:`MapGeometry`) over the
+    tensor at device ``address`` (16-byte aligned), 128-byte swizzled boxes, zeros out of
+    range. Cached per (address, geometry)."""
+    if address % 16:
+        raise ValueError(f"tma: the tensor's address {address:#x} is not 16-byte aligned")
+    if not _ENCODE:
+        _ENCODE.append(_driver())
+    rank = len(geometry.dims)
+    buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
+    at = -(-ctypes.addressof(buf) // TENSOR_MAP_ALIGN) * TENSOR_MAP_ALIGN  # 64-byte aligned
+    err = _ENCODE[0](at, _UINT16, rank, address, (ctypes.c_uint64 * rank)(*geometry.dims),
+                     (ctypes.c_uint64 * (rank - 1))(*geometry.strides),
+                     (ctypes.c_uint32 * rank)(*geometry.box), (ctypes.c_uint32 * rank)(*[1] * rank),
+                     _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
+    if err:
+        raise RuntimeError(f"tma: cuTensorMapEncodeTiled failed (CUresult {err}) for {geometry}")
+    return ctypes.string_at(at, TENSOR_MAP_BYTES)
+
+
+class RaggedMaps:
+    """The K and V tensor maps of a ragged prefill call shape: ``maps(k_address,
+    v_address)`` gives their bytes (all zeros without keys, where the kernel reads none).
+
+    Parameters
+    ----------
+    total_k, num_kv_heads, head_dim, block_n : int
+        As :func:`ragged_kv_geometry`.
+    strides : cupaged.core.layouts.CacheStrides
+        The call's K/V element strides (``k_tok``, ``k_head``, ``v_tok``, ``v_head``; dims
+        contiguous: ``k_chunk`` 8 and ``v_dim`` 1).
+    """
+
+    def __init__(self, total_k, num_kv_heads, head_dim, strides, block_n):
+        if strides.k_chunk != 8 or strides.v_dim != 1:
+            raise ValueError("tma: K and V need contiguous dims")
+        self._geo = None
+        if total_k > 0:
+            self._geo = (ragged_kv_geometry(total_k, num_kv_heads, head_dim, strides.k_tok,
+                                            strides.k_head, block_n),
+                         ragged_kv_geometry(total_k, num_kv_heads, head_dim, strides.v_tok,
+                                            strides.v_head, block_n))
+
+    def __call__(self, k_address, v_address):
+        if self._geo is None:
+            return bytes(TENSOR_MAP_BYTES), bytes(TENSOR_MAP_BYTES)
+        return encode(k_address, self._geo[0]), encode(v_address, self._geo[1])
