@@ -207,13 +207,14 @@ __global__ void __launch_bounds__(THREADS) decode_plan_kernel(CUPAGED_PARAMS_Dec
 // cu_seqlens_q (first entry 0, non-decreasing, within q's rows) and cu_seqlens_k likewise
 // (ragged), or the length and its block ids (paged); a bad prefix sum makes every row
 // unusable, a bad length or block id only its sequence (whose items are flagged w = 1: no
-// keys). Every CTA zeroes its share of the rows past cu_seqlens_q[batch] (padding; LSE
-// -inf). The last CTA then writes one item per (sequence, kv head, block_m packed rows), in
-// sections of section_heads kv heads (prefill_plan.work_list), each section ordered by the
-// key tiles the item's rows see (counting sort, largest first), and pads the list to `capacity` with sequence -1 (the kernels' CTAs for those return at once). With a
-// row map (`rows`, paged_attention's split) sequences of one query row get no item and the
-// last CTA writes rows[b] = cu_q[b] for them, -1 for the others (all -1 when the prefix sums
-// are bad): the decode launch's rows (prefill.plan.decode_rows is the host twin).
+// keys). Every CTA zeroes its share of the rows past cu_seqlens_q[batch] (padding; LSE -inf).
+// The last CTA then writes one item per (sequence, kv head, block_m packed rows), in sections of
+// section_heads kv heads (prefill_plan.work_list), each section ordered by the key tiles the
+// item's rows see (counting sort, largest first), and pads the list to `capacity` with sequence
+// -1 (the kernels' CTAs for those return at once). With a row map (`rows`, paged_attention's
+// split) sequences of one query row get no item and the last CTA writes rows[b] = cu_q[b] for
+// them, -1 for the others (all -1 when the prefix sums are bad): the decode launch's rows
+// (prefill.plan.decode_rows is the host twin).
 __device__ __forceinline__ void zero_rows(const PrefillPlanArgs& a, i64 r0, i64 r1, int cta,
                                           int ctas) {
   if (r1 <= r0) return;

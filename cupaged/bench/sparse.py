@@ -20,9 +20,9 @@ scattered diagonals, each costing a 64-wide band.
 Columns: ``est_ms`` (pattern estimate), ``index_ms`` (``bsr_prepare``'s schedule, the sort,
 run preparation with the dense decision and the tile lists of ``sparse.tiles``: device work
 only, no host sync; one head group), ``kernel_ms`` (the sparse kernel),
-``sparse_ms`` (all three), ``est_share`` (estimate over ``sparse_ms``), ``op_ms`` (the public ``vertical_slash_attention`` with its
-argument checks, plus the estimate), ``dense_ms`` (our ``varlen_prefill``, causal, default
-backend: the wgmma kernel on sm_90) and ``vs_dense`` (dense over ``sparse_ms``; issue 7's
+``sparse_ms`` (all three), ``est_share`` (estimate over ``sparse_ms``), ``op_ms`` (the public
+``vertical_slash_attention`` with its argument checks, plus the estimate), ``dense_ms`` (our
+``varlen_prefill``, causal, default backend: the wgmma kernel on sm_90) and ``vs_dense`` (dense over ``sparse_ms``; issue 7's
 goal: >= 5 at 128K with the contract's budget), ``mma_ms`` (the same with the mma.sync kernel,
 whose tile core the sparse kernel shares), ``cudnn_ms`` / ``vs_cudnn`` (torch SDPA cuDNN,
 GQA; the same run), ``diag_frac`` (slashes kept over S), ``kept`` (the kept fraction: pairs
@@ -51,9 +51,9 @@ it, 64-row CTAs are not, at twice the shared-memory reads per computed block).
 Quest decode rows (``budget`` "quest <layout> <bounds dtype>", float32 and bfloat16 bounds
 for each layout): B 32 x 32K keys keeping the top 64 pages (``kept`` 1/32 of them) per
 (sequence, kv head), and B 8 x 128K keeping 256 (4096 keys, issue 22's budget; not with
-``--quick``); Hq 32 / Hk 8, d 128, bf16, pages of 16, ``QuestDecoder`` on random q/k/v: ``bounds_ms`` (every page's bounds, once per
-prefill), ``bounds_last_ms`` (the last pages: once per step and layer), ``select_ms``
-(scores and top-k alone), ``quest_ms`` (``run``: select and decode), ``dense_ms`` (dense
+``--quick``); Hq 32 / Hk 8, d 128, bf16, pages of 16, ``QuestDecoder`` on random q/k/v:
+``bounds_ms`` (every page's bounds, once per prefill), ``bounds_last_ms`` (the last pages: once
+per step and layer), ``select_ms`` (scores and top-k alone), ``quest_ms`` (``run``: select and decode), ``dense_ms`` (dense
 ``paged_decode`` of the same batch), ``vs_dense`` (dense over ``quest_ms``),
 ``step_vs_dense`` (dense over ``quest_ms + bounds_last_ms``) and ``checked`` (a Quest decoder
 keeping every page against dense, relative error < 1e-2).

@@ -1,7 +1,7 @@
 """Device facts and device memory the ops keep between calls.
 
-- :func:`current` / :func:`facts` - the current (or a given) device's id, compute capability, multiprocessor count and
-  L2 size (read once per device).
+- :func:`current` / :func:`facts` - the current (or a given) device's id, compute capability,
+  multiprocessor count and L2 size (read once per device).
 - :func:`owned_array` - device memory the library keeps (scratch, the error word): owned
   by the array itself, never by the allocator in use when it was made.
 - :func:`scratch` - per-stream buffers an op reuses from call to call (a device plan's

@@ -8,13 +8,14 @@ attends every valid token to its sequence's cached keys. Unlike the vLLM layer c
 ``seq_lens[i]`` positions. Rows past ``cu_seqlens_q[-1]`` are padding; their output rows are
 zero.
 
-``forward`` = (RoPE) -> ``write_kv_cache`` -> ``paged_attention``, on NumPy (reference) or CuPy
-(kernels) alike. A layer built with ``kv_dtype`` (vLLM's ``kv_cache_dtype``) keeps its cache in
-that fp8 format: the write quantises with the ``k_scale`` / ``v_scale`` that ``forward`` takes
-(or that a CacheView / PagedKVCache brings) and attention reads the cache back through them. A sliding window of ``W`` tokens (the layer contract's ``sliding_window``,
+``forward`` = (RoPE) -> ``write_kv_cache`` -> ``paged_attention``, on NumPy (reference) or
+CuPy (kernels) alike. A layer built with ``kv_dtype`` (vLLM's ``kv_cache_dtype``) keeps its
+cache in that fp8 format: the write quantises with the ``k_scale`` / ``v_scale`` that
+``forward`` takes (or that a CacheView / PagedKVCache brings) and attention reads the cache
+back through them. A sliding window of ``W`` tokens (the layer contract's ``sliding_window``,
 xformers' local attention) lets a query at position ``p`` see keys ``p - W + 1 .. p``:
-``window_left = W - 1``. Layers are plain objects, called like modules; CUDA tensors of
-torch or JAX go in and come back as the ops take them (on the caller's stream).
+``window_left = W - 1``. Layers are plain objects, called like modules; CUDA tensors of torch
+or JAX go in and come back as the ops take them (on the caller's stream).
 """
 from __future__ import annotations
 
