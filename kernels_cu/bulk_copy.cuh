@@ -36,6 +36,12 @@ __device__ __forceinline__ void cp_async_arrive(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
 
+// No arrival, but the current phase cannot complete before every cp.async the thread issued
+// before has landed (the pending count rises by one now and falls by one as they land).
+__device__ __forceinline__ void cp_async_hold(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+
 // Block until the phase of the given parity has completed.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   asm volatile(

@@ -660,30 +660,59 @@ struct Turns {
 // TMA producer: Q as ws_produce, then thread 0 alone issues each tile's K and V part as
 // D / 64 tensor copies of BN rows x 64 dims (the column blocks of swizzled<BN, 128>) at the
 // sequence's first key plus the tile's, announcing the part's bytes on its full barrier
-// first. Rows past the tensor's end land as zeros; rows past kv_len inside it are the next
-// sequence's keys: their scores are masked to -inf (every key >= kv_len is past each row's
-// hi, Rows::scores), so P is 0 there and their V rows add nothing unless they hold inf or
-// NaN (as in FlashAttention-3's varlen path).
-template <typename T, typename C, typename Bar, typename Prob>
-__device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it, const TensorMap* k_map,
-                                               const TensorMap* v_map, const Bar& bar, u32 sQ, u32 sKV,
-                                               int n_first, int n_last) {
+// first. The tile holding the sequence's last key (the first processed) is copied by the
+// 128 threads with cp.async instead when it runs past kv_len, so that its rows past kv_len
+// land as zeros, as in ws_produce: a tensor copy would bring the next sequence's rows, or
+// whatever lies past the last sequence in the tensor, and a NaN or inf there would reach
+// the output through P V (0 * inf is NaN). Each thread holds that phase open until its
+// copies land (cp_async_hold), and thread 0 makes the one arrival the phase expects once
+// all 128 have (named barrier PRODUCER_BAR); before the buffer's next, tensor, copy the
+// threads fence their writes against the async proxy.
+constexpr int PRODUCER_BAR = 3;  // the producer warpgroup's named barrier (1, 2: Turns)
+
+template <typename T, typename C, typename Bar, typename Src, typename Prob>
+__device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it, const Src& src,
+                                               const TensorMap* k_map, const TensorMap* v_map,
+                                               const Bar& bar, u32 sQ, u32 sKV, int n_first, int n_last) {
   constexpr int BN = C::KEYS, STAGES = C::BUFFERS, BLOCKS = C::HEAD / 64;
   static_assert(C::SW == 128 && C::HEAD % 64 == 0, "rows of whole 128-byte column blocks");
   load_q<T, C::HEAD, C>(P, it, sQ);
   cp_async_arrive(bar.q());
-  if (threadIdx.x == 0 && n_last >= n_first) {
+  const bool lead = threadIdx.x == 0;
+  if (lead && n_last >= n_first) {
     prefetch_tensor_map(k_map);
     prefetch_tensor_map(v_map);
-    const int first = (int)it.kv_start;  // ragged: total_k fits an int (the host checks)
-    for (int n = n_last, i = 0; n >= n_first; --n, ++i) {
-      const int st = i % STAGES, u = i / STAGES, y = first + n * BN;
-      const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
-      if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
+  }
+  const bool ragged_end = (n_last + 1) * BN > it.kv_len;  // tile n_last runs past kv_len
+  const int first = (int)it.kv_start;  // ragged: total_k fits an int (the host checks)
+  for (int n = n_last, i = 0; n >= n_first; --n, ++i) {
+    const int st = i % STAGES, u = i / STAGES, y = first + n * BN;
+    const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
+    if (i == 0 && ragged_end) {
+      src.template issue_part<true>(P, n * BN, sK);
+      cp_async_hold(bar.k_full(st));
+      src.template issue_part<false>(P, n * BN, sV);
+      cp_async_hold(bar.v_full(st));
+      bar_sync(PRODUCER_BAR, 128);  // every hold counted before the arrival
+      if (lead) {
+        mbar_arrive(bar.k_full(st));
+        mbar_arrive(bar.v_full(st));
+      }
+      continue;
+    }
+    if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
+    if (i == STAGES && ragged_end) {  // stage 0's next copy is a tensor copy
+      cp_async_wait_all();
+      fence_proxy_async();
+      bar_sync(PRODUCER_BAR, 128);
+    }
+    if (lead) {
       mbar_arrive_expect_tx(bar.k_full(st), C::KV_BYTES);
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) tma_load_3d(sK + b * BN * 128, k_map, 64 * b, y, it.hk, bar.k_full(st));
-      if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+    }
+    if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+    if (lead) {
       mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) tma_load_3d(sV + b * BN * 128, v_map, 64 * b, y, it.hk, bar.v_full(st));
@@ -788,15 +817,12 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const Tensor
 
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
-    if constexpr (TMA) {
-      ws_produce_tma<T, C>(P, it, k_map, v_map, bar, sQ, sKV, n_first, n_last);
-    } else {
-      const int bs = P.block_size;
-      const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
-                                                     P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
-                                                     it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
-      ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
-    }
+    const int bs = P.block_size;
+    const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
+                                                   P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
+                                                   it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
+    if constexpr (TMA) ws_produce_tma<T, C>(P, it, src, k_map, v_map, bar, sQ, sKV, n_first, n_last);
+    else ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
   } else {
     setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;

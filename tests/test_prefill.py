@@ -6,7 +6,6 @@ stride formulas against the real layouts) and bad input for every argument.
 GPU (``gpu`` marker): the kernels against the float64 reference for every dtype, head size,
 layout and option, with outputs poisoned before the run.
 """
-import os
 
 import numpy as np
 import pytest
@@ -778,7 +777,9 @@ def test_wgmma_tile_shares_work_list_and_fits():
             for kv in (None, "cupaged::fp8_e4m3", "cupaged::fp8_e5m2")
             for d in (HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS)
             for vt in ("false", "true") for g in ("false", "true")}
-    want |= {f"cupaged::prefill_ws_tma_kernel<{t}, {t}, {d}, 128, 2, {g}, {plan_.ws_producer_regs(d)}>"
+    tma = plan_.tma_tile(128)
+    want |= {f"cupaged::prefill_ws_tma_kernel<{t}, {t}, {d}, {tma.block_n}, {tma.stages}, {g}, "
+             f"{plan_.ws_producer_regs(d)}>"
              for t in ("__half", "__nv_bfloat16") for d in plan_.TMA_HEAD_DIMS for g in ("false", "true")}
     assert hopper == want
 
@@ -819,14 +820,6 @@ def hopper(cp):
     """Skips unless the device is sm_90 (the wgmma kernel's only target)."""
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma kernel needs an sm_90 device")
-
-
-@pytest.fixture
-def tma_trial():
-    """Skips unless CUPAGED_TMA_TESTS=1: the TMA prefill has not met a GPU yet, and a bad
-    tensor map would fault the worker's CUDA context for every later test."""
-    if os.environ.get("CUPAGED_TMA_TESTS") != "1":
-        pytest.skip("the TMA prefill is untried on a GPU: CUPAGED_TMA_TESTS=1 runs it")
 
 
 def _wgmma_other_tiles():
@@ -931,33 +924,43 @@ TMA_Q_LENS, TMA_KV_LENS = [1, 63, 64, 65, 0, 1000, 5, 4097], [1, 63, 64, 65, 9, 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", plan_.TMA_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16])
-def test_gpu_tma_varlen(cp, hopper, tma_trial, rng, dtype, head_dim, causal, heads, stages):
+def test_gpu_tma_varlen(cp, hopper, rng, dtype, head_dim, causal, heads, stages):
     """K/V tiles by TMA (plan.tma_tile) against the float64 reference, GQA 4 and none."""
     gpu_tile_varlen(cp, *ragged(rng, TMA_Q_LENS, TMA_KV_LENS, *heads, head_dim, dtype),
                     plan_.tma_tile(head_dim, stages), dict(causal=causal))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 @pytest.mark.parametrize("head_dim", plan_.TMA_HEAD_DIMS)
-def test_gpu_tma_features(cp, hopper, tma_trial, rng, head_dim, feature):
+def test_gpu_tma_features(cp, hopper, rng, head_dim, feature, stages):
     """Every score option (plain and general paths) through the TMA producer."""
     q, k, v, cu_q, cu_k = ragged(rng, Q_LENS + [300], KV_LENS + [533], 8, 2, head_dim, bfloat16)
     fo = _feature_opts(rng, feature, 8)
     q = (q.astype(np.float32) * fo.pop("q_scale", 1.0)).astype(bfloat16)
-    gpu_tile_varlen(cp, q, k, v, cu_q, cu_k, plan_.tma_tile(head_dim), fo)
+    gpu_tile_varlen(cp, q, k, v, cu_q, cu_k, plan_.tma_tile(head_dim, stages), fo)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", plan_.TMA_HEAD_DIMS)
-def test_gpu_tma_keys_past_kv_len_are_masked(cp, hopper, tma_trial, rng, head_dim, causal):
-    """A tile copied by TMA runs past a sequence's kv_len into the next sequence's rows (and
-    past the tensor's end, zero-filled): those keys, made large here, must not be seen."""
+def test_gpu_tma_keys_past_kv_len_are_masked(cp, hopper, rng, head_dim, causal):
+    """A sequence's last key tile runs past its kv_len into the next sequence's rows (made
+    large here) or into rows past the last sequence (inf and NaN here, as an engine's
+    preallocated buffer may hold): none of them may reach an output, through the TMA tiles
+    and through the public call's default."""
     q_lens, kv_lens = [70, 3, 130], [70, 200, 130]
     q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, 4, 2, head_dim, np.float16)
     k[70:], v[70:] = k[70:] * 4, v[70:] * 4  # sequence 0's tile reads these rows
-    gpu_tile_varlen(cp, q, k, v, cu_q, cu_k, plan_.tma_tile(head_dim), dict(causal=causal))
+    tail = np.full((150,) + k.shape[1:], np.nan, k.dtype)
+    tail[::3] = np.inf
+    k, v = np.concatenate([k, tail]), np.concatenate([v, -tail])
+    for stages in (2, 3):
+        gpu_tile_varlen(cp, q, k, v, cu_q, cu_k, plan_.tma_tile(head_dim, stages),
+                        dict(causal=causal))
+    got = cupaged.varlen_prefill(*(cp.asarray(a) for a in (q, k, v, cu_q, cu_k)), causal=causal)
+    assert_close(got.get(), ref.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal), np.float16)
 
 
 @pytest.mark.gpu

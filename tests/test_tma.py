@@ -1,6 +1,7 @@
 """TMA tensor maps (core.tma): the geometry of ragged K/V maps, the refusals, and the
 driver-less error. CPU only; the maps' use is tested on an sm_90 device in test_prefill.py
 (test_gpu_tma_*)."""
+import numpy as np
 import pytest
 
 from cupaged.core import tma
@@ -63,3 +64,24 @@ def test_tma_specs_are_hopper_only():
     from cupaged.prefill import launch
     specs = [s for s in launch.kernel_specializations() if "prefill_ws_tma_kernel" in s.expr]
     assert len(specs) == 2 * len(plan_.TMA_HEAD_DIMS) * 2 and all(s.hopper for s in specs)
+
+
+def test_ragged_default_takes_tma_where_it_fits():
+    """The ragged default is the TMA tile for 16-bit K/V of the TMA head sizes with
+    strides a tensor map takes; paged calls, fp8, other head sizes and odd strides stay on
+    the cp.async producer; the mma.sync tile never has one."""
+    for d in plan_.WGMMA_HEAD_DIMS:
+        strides = layout_strides("ragged", 1, 4, d, 2)
+        tile = plan_.wgmma_tile(d, ragged=(1000, strides))
+        assert tile.tma == (d in plan_.TMA_HEAD_DIMS)
+        assert tile.tma or tile == plan_.wgmma_tile(d)
+        if tile.tma:
+            assert tile == plan_.tma_tile(d) and tile.stages == plan_.TMA_STAGES
+            assert tile.block_m == plan_.default_tile(d).block_m  # one work list
+    strides = layout_strides("ragged", 1, 4, 128, 2)
+    assert not plan_.wgmma_tile(128).tma  # paged (no ragged geometry)
+    assert not plan_.wgmma_tile(128, "fp8_e4m3", ragged=(1000, strides)).tma
+    assert not plan_.wgmma_tile(128, ragged=(2**31, strides)).tma
+    assert not plan_.wgmma_tile(128, ragged=(1000, strides._replace(k_tok=4 * 128 + 4))).tma
+    assert not plan_.wgmma_tile(128, ragged=(1000, strides._replace(v_dim=2))).tma
+    assert not plan_.default_tile(128).tma and not plan_.launch_tile(np.float16, 128).tma

@@ -54,11 +54,12 @@ VARIANTS = {
     64: [plan_.default_tile(64), TS(4, 2, 64, 2, True, 2), TS(8, 1, 128, 2, True, 1)],
     256: [plan_.default_tile(256), TS(8, 1, 32, 2, False, 1)],
 }
-# wgmma tiles (sm_90): the warp-specialised kernel (the 16-bit default), and
-# prefill_wgmma_kernel with 2 stages (plain) and 3 stages (overlapped): plan_.wgmma_tile(d)
-# names the default of each head size. The TMA producer (plan_.tma_tile) joins them once it
-# has passed its GPU tests; until then scripts/probe_tma.py times it.
-WGMMA_VARIANTS = [plan_.WgmmaTile(128, 2, True, plan_.ws_producer_regs(128)), plan_.WgmmaTile(128, 2),
+# wgmma tiles (sm_90): the warp-specialised kernel with the TMA producer (3 stages: the
+# ragged default at d64 and d128; 2 stages) and with the cp.async producer (the paged
+# default), and prefill_wgmma_kernel with 2 stages (plain) and 3 stages (overlapped):
+# plan_.wgmma_tile(d, ragged=...) names the default of each head size and call.
+WGMMA_VARIANTS = [plan_.tma_tile(128), plan_.tma_tile(128, 2),
+                  plan_.WgmmaTile(128, 2, True, plan_.ws_producer_regs(128)), plan_.WgmmaTile(128, 2),
                   plan_.WgmmaTile(128, 3)]
 
 
@@ -150,10 +151,10 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma",
     from ..core.checks import check_options
     lens = np.diff(cu_host)
     opts = check_options(cupy, H, q.shape[2], **(options or {}))
-    if tile is None:
-        tile = plan_.wgmma_tile(q.shape[2]) if backend == "wgmma" else plan_.launch_tile(q.dtype, q.shape[2])
-    work = cupy.asarray(prefill.host_work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
     strides = layout_strides("ragged", 1, H, q.shape[2], q.itemsize)
+    if tile is None:
+        tile = _ragged_default(q, k) if backend == "wgmma" else plan_.launch_tile(q.dtype, q.shape[2])
+    work = cupy.asarray(prefill.host_work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
     out = cupy.empty_like(q)
 
     def launch():
@@ -204,6 +205,12 @@ def _hopper():
     return cupy.cuda.Device().compute_capability == "90"
 
 
+def _ragged_default(q, k):
+    """The wgmma tile of a ragged launch over these inputs (``plan.wgmma_tile``)."""
+    strides = layout_strides("ragged", 1, H, q.shape[2], q.itemsize)
+    return plan_.wgmma_tile(q.shape[2], ragged=(k.shape[0], strides))
+
+
 def wgmma_label(tile):
     if tile.ws:
         return f"ws 1+2wg x64r n{tile.block_n} s{tile.stages}" + (" tma" if tile.tma else "")
@@ -220,8 +227,9 @@ def bench_wgmma(inputs, causal, layouts=(), tiles=None):
         return []
     import cupy
     rows = []
-    default = plan_.wgmma_tile(q.shape[2])
-    for tile, layout in [(t, None) for t in tiles or [default]] + [(default, x) for x in layouts]:
+    default = plan_.wgmma_tile(q.shape[2])  # PagedPrefiller's
+    for tile, layout in ([(t, None) for t in tiles or [_ragged_default(q, k)]]
+                         + [(default, x) for x in layouts]):
         if layout is not None:
             launch, kernel = _paged_launcher(q, k, v, cu_host, causal, layout, backend="wgmma"), None
         else:
@@ -267,7 +275,7 @@ def bench_wgmma_scores(inputs, causal):
                                                    **options))
         seconds = time_gpu(launch)
         rows.append(dict(op="varlen", variant=f"wgmma {name}",
-                         tile=wgmma_label(plan_.wgmma_tile(q.shape[2])),
+                         tile=wgmma_label(_ragged_default(q, k)),
                          shape=_shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal),
                          ms=seconds * 1e3, TFLOPs=flops / seconds / 1e12, vs_default=base / seconds,
                          regs=kernel.raw.num_regs, local_B=kernel.raw.local_size_bytes,

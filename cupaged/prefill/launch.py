@@ -53,8 +53,9 @@ def kernel_specializations():
     CUDA-core kernel for all layouts), and the sm_90a wgmma kernel for (fp16, bf16) x head
     dims x (V rows, V^T) x (plain, general scores) at its tile; the same from fp8 caches of
     each format for the head dims ``plan.FP8_HEAD_DIMS``; the TMA-fed warp-specialised
-    kernel (``plan.tma_tile``, opt-in) for (fp16, bf16) x ``plan.TMA_HEAD_DIMS`` x (plain,
-    general scores). The benchmark's other tiles compile on demand."""
+    kernel (``plan.tma_tile``, the ragged default where ``plan.tma_fits``) for (fp16, bf16)
+    x ``plan.TMA_HEAD_DIMS`` x (plain, general scores). The benchmark's other tiles compile
+    on demand."""
     specs = []
     for kv in (None,) + KV_DTYPES:
         dims = HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS
@@ -88,12 +89,13 @@ def _window(opts):
     return -1 if opts.window_left >= INT32_MAX else opts.window_left
 
 
-def _tile(dtype, head_dim, v_transposed, backend, tile=None, kv=None):
-    """The tile of a launch (``tile`` overrides the default, benchmarks only)."""
+def _tile(dtype, head_dim, v_transposed, backend, tile=None, kv=None, ragged=None):
+    """The tile of a launch (``tile`` overrides the default, benchmarks only; ``ragged``:
+    a ragged launch's ``(total_k, strides)``, ``plan.wgmma_tile``)."""
     if tile is not None:
         return tile
     if backend == "wgmma":
-        return plan_.wgmma_tile(head_dim, kv, v_transposed)
+        return plan_.wgmma_tile(head_dim, kv, v_transposed, ragged=ragged)
     return plan_.launch_tile(dtype, head_dim, v_transposed)
 
 
@@ -180,10 +182,11 @@ class Launches:
         total_q, hq, d = q.shape
         self.dtype = q.dtype
         group = hq // num_kv_heads
-        self.tile = _tile(q.dtype, d, v_transposed, backend, tile, kv)
-        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, tile, backend,
-                                                       plan_.general_scores(opts), kv)
         paged = tables is not None
+        self.tile = _tile(q.dtype, d, v_transposed, backend, tile, kv,
+                          None if paged else (total_k, strides))
+        self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, self.tile,
+                                                       backend, plan_.general_scores(opts), kv)
         plan_.check_tma(self.tile, d, paged)
         self.plan = None
         if work is None:
@@ -213,8 +216,9 @@ class Launches:
         # TMA: the K/V tensor maps, made per call from the addresses (core.tma)
         self._maps = None
         if self.tile.tma:
-            if total_k > INT32_MAX:
-                raise ValueError(f"tile: tma takes at most {INT32_MAX} keys, got {total_k}")
+            if not plan_.tma_fits(d, kv, total_k, strides):
+                raise ValueError("tile: tma takes at most 2^31 - 1 keys of 16-bit K/V whose "
+                                 "token and head strides are multiples of 16 bytes")
             self._maps = tma.RaggedMaps(total_k, num_kv_heads, d, strides, self.tile.block_n)
         self.args = (abi.PREFILL_TMA if self.tile.tma else abi.PREFILL).bind(
             work=ptr(work), max_blocks=table_stride(tables), block_size=block_size,

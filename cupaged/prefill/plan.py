@@ -13,8 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import check_array, check_choice, float32
-from ..core.checks import (check_block_elements, check_cu_seqlens, check_gqa, check_query,
-    token_stride)
+from ..core.checks import (INT32_MAX, check_block_elements, check_cu_seqlens, check_gqa,
+    check_query, token_stride)
 from ..core.layouts import LAYOUTS
 
 
@@ -41,6 +41,12 @@ class TileShape(NamedTuple):
     @property
     def threads(self):
         return 32 * self.warps
+
+    @property
+    def tma(self):
+        """False: this kernel copies K/V tiles with cp.async (the field of the same name on
+        the Hopper tile shape)."""
+        return False
 
     def cpp(self):
         """The C++ type naming this shape in a kernel's template arguments."""
@@ -118,9 +124,9 @@ class WgmmaTile(NamedTuple):
     the tensor cores, tiles handed over through mbarriers) rather than ``prefill_wgmma_kernel``
     (2 warpgroups of 64 rows that copy and compute, a CTA barrier per tile; ``stages`` 2: each
     wgmma batch waited for at once, 3: the P V batch of one tile overlaps the softmax of the
-    next). ``tma`` (with ``ws``; opt-in, not a default until measured): the producer copies
-    the K/V tiles by TMA (``prefill_ws_tma_kernel``; ragged K/V of :data:`TMA_HEAD_DIMS`,
-    :func:`check_tma`). ``Config`` in prefill_sm90.cu."""
+    next). ``tma`` (with ``ws``; the ragged default where :func:`tma_fits`): the producer
+    copies the K/V tiles by TMA (``prefill_ws_tma_kernel``; ragged K/V of
+    :data:`TMA_HEAD_DIMS`, :func:`check_tma`). ``Config`` in prefill_sm90.cu."""
     block_n: int
     stages: int
     ws: bool = False
@@ -151,19 +157,34 @@ def ws_producer_regs(head_dim):
 
 # head sizes the TMA producer takes (rows of whole 128-byte column blocks; core.tma)
 TMA_HEAD_DIMS = (64, 128)
+# K and V buffers of the TMA tile: three (the faster at d128 causal B2 x S8K, even elsewhere:
+# benchmarks/NOTES.md, "TMA producer")
+TMA_STAGES = 3
 
 
-def tma_tile(head_dim, stages=2):
+def tma_tile(head_dim, stages=TMA_STAGES):
     """The warp-specialised tile of ``head_dim`` with the TMA producer (``stages`` K and V
     buffers each)."""
     return WgmmaTile(128, stages, True, ws_producer_regs(head_dim), True)
+
+
+def tma_fits(head_dim, kv, total_k, strides):
+    """Whether a ragged launch can take the TMA producer: 16-bit K/V (``kv`` None) of
+    :data:`TMA_HEAD_DIMS`, at most 2^31 - 1 rows (a tensor map's coordinates are int32),
+    contiguous dims, and token and head strides (``strides``, a
+    ``core.layouts.CacheStrides`` of the ragged layout, in elements) whose bytes are
+    multiples of 16, as a tensor map's strides must be."""
+    return (kv is None and head_dim in TMA_HEAD_DIMS and total_k <= INT32_MAX
+            and strides.k_chunk == 8 and strides.v_dim == 1
+            and all(x > 0 and (2 * x) % 16 == 0
+                    for x in (strides.k_tok, strides.k_head, strides.v_tok, strides.v_head)))
 
 
 def check_tma(tile, head_dim, paged):
     """Refuse a TMA tile (``tile.tma``) for a call it cannot run: the warp-specialised kernel
     only, ragged K/V (``paged`` False) of :data:`TMA_HEAD_DIMS`, 16-bit caches. Raises
     ValueError naming the reason."""
-    if not getattr(tile, "tma", False):
+    if not tile.tma:
         return
     if not tile.ws:
         raise ValueError("tile: tma needs the warp-specialised kernel (ws=True)")
@@ -185,9 +206,10 @@ def warp_specialised(head_dim, kv=None, v_transposed=False, decode_rows=False):
     return head_dim != 256 and kv is None and not v_transposed and not decode_rows
 
 
-def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False):
+def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False, ragged=None):
     """wgmma tile of a call. Warp-specialised (:func:`warp_specialised`): 128-key tiles, two
-    K and two V stages. Otherwise ``prefill_wgmma_kernel``'s: 128-key tiles with three
+    K and two V stages; for a ragged launch (``ragged``: its ``(total_k, strides)``) that
+    :func:`tma_fits`, the TMA producer's tile (:func:`tma_tile`). Otherwise ``prefill_wgmma_kernel``'s: 128-key tiles with three
     stages (P V of one tile overlapping the next softmax) at d64, two at d80..d128 (the
     faster of the two at d64 and d128, benchmarks/NOTES.md, prefill wgmma w1 s2 / s3;
     d80..d112 follow d128); d256 64-key tiles and two stages (its 128 accumulators a thread
@@ -196,6 +218,8 @@ def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False):
     run one work list."""
     block_n = 64 if head_dim == 256 else 128
     if warp_specialised(head_dim, kv, v_transposed, decode_rows):
+        if ragged is not None and tma_fits(head_dim, kv, *ragged):
+            return tma_tile(head_dim)
         return WgmmaTile(block_n, 2, True, ws_producer_regs(head_dim))
     return WgmmaTile(block_n, 3 if head_dim == 64 else 2)
 
