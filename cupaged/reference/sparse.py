@@ -73,7 +73,7 @@ def last_q_probs(q, k, last_q=64, sm_scale=None):
     n = min(last_q, q_len)
     scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     k64 = np.repeat(k.astype(np.float64), num_q_heads // num_kv_heads, axis=1)
-    s = scale * np.einsum("ihd,jhd->hij", q[q_len - n:].astype(np.float64), k64)
+    s = scale * np.matmul(q[q_len - n:].astype(np.float64).transpose(1, 0, 2), k64.transpose(1, 2, 0))
     pos = query_positions(q_len, kv_len)[q_len - n:]
     visible = np.arange(kv_len)[None, :] <= pos[:, None]
     s = np.where(visible[None], s, -np.inf)
