@@ -47,12 +47,9 @@ struct Fp8Vec {
     const In* e = reinterpret_cast<const In*>(&in);
     u32 w[N / 4];
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      w[i] = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b)
-        w[i] |= fp8_encode<KV>(to_float<In>(e[4 * i + b]), scale) << (8 * b);
-    }
+    for (int i = 0; i < N / 4; ++i)
+      w[i] = fp8_encode2<KV>(to_float<In>(e[4 * i]), to_float<In>(e[4 * i + 1]), scale) |
+             (fp8_encode2<KV>(to_float<In>(e[4 * i + 2]), to_float<In>(e[4 * i + 3]), scale) << 16);
     return CodesOf<N>::make(w);
   }
 };

@@ -7,9 +7,11 @@
 // The rule is cupaged/reference/fp8.py's, bit for bit: y = float32(x) / scale (one IEEE
 // division: the kernels build without fast math), clamped to [-max, max], rounded to the
 // format to nearest with ties to even; NaN stays NaN (sign | 0x7F for e4m3, sign | 0x7E for
-// e5m2, as ml_dtypes' cast gives, the sign taken from x). The conversion is written out in
-// integer and float operations rather than cuda_fp8.h (not includable by every NVRTC here)
-// or cvt.satfinite (sm_89+), so that sm_80 builds the same code.
+// e5m2, as ml_dtypes' cast gives, the sign taken from x). fp8_encode writes the conversion
+// out in integer and float operations (cuda_fp8.h is not includable by every NVRTC here);
+// the write kernel's pairs (fp8_encode2) take one cvt.rn.satfinite on sm_89+, the same
+// codes (round to nearest even; satfinite maps what rounds past the largest finite to it,
+// as clamping first does) but for NaN, whose code is then the rule's.
 //
 // Reading: every e4m3 and e5m2 value is exact in float16 and in bfloat16. Decode's products
 // on an fp8 cache run in float16 whatever q's type (MathTypeOf; bf16 q is scaled into
@@ -71,6 +73,25 @@ __device__ __forceinline__ u32 fp8_encode(float x, float scale) {
     mag = ((u + ((1u << (S - 1)) - 1u) + ((u >> S) & 1u)) >> S) - ((u32)(127 - F::BIAS) << F::M);
   }
   return sign | mag;
+}
+
+// The codes of x0 / scale (low byte) and x1 / scale, as fp8_encode gives them.
+template <typename KV>
+__device__ __forceinline__ u32 fp8_encode2(float x0, float x1, float scale) {
+#if __CUDA_ARCH__ >= 890
+  const float y0 = x0 / scale, y1 = x1 / scale;
+  unsigned short h;  // cvt packs its first source into the high byte
+  if constexpr (Fp8Traits<KV>::M == 3)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(h) : "f"(y1), "f"(y0));
+  else
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;\n" : "=h"(h) : "f"(y1), "f"(y0));
+  u32 c = h;
+  if (y0 != y0) c = (c & 0xFF00u) | fp8_encode<KV>(x0, scale);
+  if (y1 != y1) c = (c & 0x00FFu) | (fp8_encode<KV>(x1, scale) << 8);
+  return c;
+#else
+  return fp8_encode<KV>(x0, scale) | (fp8_encode<KV>(x1, scale) << 8);
+#endif
 }
 
 // A cache element from a value of type T: the value itself for a 16/32-bit cache, its code
