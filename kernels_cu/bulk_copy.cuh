@@ -75,14 +75,16 @@ __device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
-// The box of a 3-d tensor map at coordinates (x, y, z) (innermost first; out-of-range
+// The box of a 4-d tensor map at coordinates (x, y, z, w) (innermost first; out-of-range
 // elements land as zeros) -> shared dst (aligned as the map's swizzle needs), its bytes
 // counted against barrier bar's transactions (the whole box, zero-filled parts included).
-__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int x, int y, int z, u32 bar) {
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, int x, int y, int z, int w,
+                                            u32 bar) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n"
-      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(w),
+         "r"(bar)
       : "memory");
 }
 

@@ -607,9 +607,9 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 // producer's 128 threads copy Q and the K/V tiles with cp.async (KVRows of 128 loaders)
 // into STAGES K and STAGES V buffers; the consumers run the wgmma loop of loop_overlap on them. They meet only at
 // mbarriers: no CTA barrier per tile.
-// TMA (ragged K/V, head sizes 64 and 128: rows of whole 128-byte column blocks): the 128
-// threads copy Q with cp.async as before, then one thread issues each K and V tile as D / 64
-// tensor copies (ws_produce_tma) that land in the same swizzled layout.
+// TMA (ragged K/V and NHD / HND caches, head sizes 64 and 128: rows of whole 128-byte
+// column blocks): the 128 threads copy Q with cp.async as before, then warp 0 issues each
+// K and V tile as tensor copies (ws_produce_tma) that land in the same swizzled layout.
 constexpr int WS_THREADS = 384;
 // The consumers' budget beside a producer budget of PRODUCER_REGS: the register file's
 // 64K registers over the three warpgroups, in setmaxnreg's multiples of 8.
@@ -657,17 +657,21 @@ struct Turns {
 
 // Producer: Q, then per tile its K and its V part, each once the consumers are done with the
 // stage's previous tile.
-// TMA producer: Q as ws_produce, then thread 0 alone issues each tile's K and V part as
-// D / 64 tensor copies of BN rows x 64 dims (the column blocks of swizzled<BN, 128>) at the
-// sequence's first key plus the tile's, announcing the part's bytes on its full barrier
-// first. The tile holding the sequence's last key (the first processed) is copied by the
-// 128 threads with cp.async instead when it runs past kv_len, so that its rows past kv_len
-// land as zeros, as in ws_produce: a tensor copy would bring the next sequence's rows, or
-// whatever lies past the last sequence in the tensor, and a NaN or inf there would reach
-// the output through P V (0 * inf is NaN). Each thread holds that phase open until its
-// copies land (cp_async_hold), and thread 0 makes the one arrival the phase expects once
-// all 128 have (named barrier PRODUCER_BAR); before the buffer's next, tensor, copy the
-// threads fence their writes against the async proxy.
+// TMA producer: Q as ws_produce, then each tile's K and V part as tensor copies of boxes of
+// 64 dims (the column blocks of swizzled<BN, 128>) x `rows` keys, announced on the part's
+// full barrier by thread 0 first. The maps (cupaged.core.tma) are 4-d over (dim, key in
+// block, kv head, block): ragged K/V is one block of total_k keys and a tile one box at
+// the sequence's first key plus the tile's; a paged cache (NHD or HND) gives each cache
+// block's part of a tile (rows = min(block_size, BN) keys, block sizes of whole 8-row
+// swizzle atoms) its box, issued by lane p of warp 0 for part p from its block-table entry.
+// The tile holding the sequence's last key (the first processed) is copied by the 128
+// threads with cp.async instead when it runs past kv_len, so that its rows past kv_len
+// land as zeros, as in ws_produce: a tensor copy would bring the next sequence's rows, a
+// cache block's unwritten slots or whatever lies past the last sequence in the tensor, and
+// a NaN or inf there would reach the output through P V (0 * inf is NaN). Each thread holds
+// that phase open until its copies land (cp_async_hold), and thread 0 makes the one arrival
+// the phase expects once all 128 have (named barrier PRODUCER_BAR); before the buffer's
+// next, tensor, copy the threads fence their writes against the async proxy.
 constexpr int PRODUCER_BAR = 3;  // the producer warpgroup's named barrier (1, 2: Turns)
 
 template <typename T, typename C, typename Bar, typename Src, typename Prob>
@@ -678,15 +682,18 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
   static_assert(C::SW == 128 && C::HEAD % 64 == 0, "rows of whole 128-byte column blocks");
   load_q<T, C::HEAD, C>(P, it, sQ);
   cp_async_arrive(bar.q());
+  const int lane = threadIdx.x % 32;
   const bool lead = threadIdx.x == 0;
   if (lead && n_last >= n_first) {
     prefetch_tensor_map(k_map);
     prefetch_tensor_map(v_map);
   }
+  const bool paged = it.table != nullptr;
+  const int rows = paged ? min(P.block_size, BN) : BN;  // keys of a box
+  const bool issuer = threadIdx.x < BN / rows;          // lane p of warp 0: part p of a tile
   const bool ragged_end = (n_last + 1) * BN > it.kv_len;  // tile n_last runs past kv_len
-  const int first = (int)it.kv_start;  // ragged: total_k fits an int (the host checks)
   for (int n = n_last, i = 0; n >= n_first; --n, ++i) {
-    const int st = i % STAGES, u = i / STAGES, y = first + n * BN;
+    const int st = i % STAGES, u = i / STAGES;
     const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
     if (i == 0 && ragged_end) {
       src.template issue_part<true>(P, n * BN, sK);
@@ -700,22 +707,34 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
       }
       continue;
     }
+    // part `lane`'s box: ragged (first key + j, block 0), paged (j's offset, j's block)
+    const int j = n * BN + lane * rows;
+    int y = (int)it.kv_start + j, blk = 0;  // ragged: total_k fits an int (the host checks)
+    if (paged && issuer) {
+      y = j % P.block_size;
+      blk = __ldg(it.table + j / P.block_size);
+    }
+    const u32 dst = lane * rows * 128;
     if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
     if (i == STAGES && ragged_end) {  // stage 0's next copy is a tensor copy
       cp_async_wait_all();
       fence_proxy_async();
       bar_sync(PRODUCER_BAR, 128);
     }
-    if (lead) {
-      mbar_arrive_expect_tx(bar.k_full(st), C::KV_BYTES);
+    if (lead) mbar_arrive_expect_tx(bar.k_full(st), C::KV_BYTES);
+    __syncwarp();
+    if (issuer) {
 #pragma unroll
-      for (int b = 0; b < BLOCKS; ++b) tma_load_3d(sK + b * BN * 128, k_map, 64 * b, y, it.hk, bar.k_full(st));
+      for (int b = 0; b < BLOCKS; ++b)
+        tma_load_4d(sK + b * BN * 128 + dst, k_map, 64 * b, y, it.hk, blk, bar.k_full(st));
     }
     if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
-    if (lead) {
-      mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
+    if (lead) mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
+    __syncwarp();
+    if (issuer) {
 #pragma unroll
-      for (int b = 0; b < BLOCKS; ++b) tma_load_3d(sV + b * BN * 128, v_map, 64 * b, y, it.hk, bar.v_full(st));
+      for (int b = 0; b < BLOCKS; ++b)
+        tma_load_4d(sV + b * BN * 128 + dst, v_map, 64 * b, y, it.hk, blk, bar.v_full(st));
     }
   }
   cp_async_wait_all();
@@ -793,7 +812,7 @@ __device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const 
   drain<D>(o, pf);
 }
 
-// TMA: the K/V tiles from the tensor maps k_map and v_map (ragged K/V only).
+// TMA: the K/V tiles from the tensor maps k_map and v_map (ragged K/V, NHD and HND caches).
 template <typename T, typename KV, typename C, int PRODUCER_REGS, bool TMA = false>
 __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const TensorMap* k_map = nullptr,
                                            const TensorMap* v_map = nullptr) {
@@ -874,7 +893,8 @@ __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_kernel(CUPAGED
 }
 
 // prefill_ws_kernel with the K/V tiles copied by TMA (grid, block and shared memory alike):
-// ragged K/V of head size 64 or 128, k_map and v_map over their rows (cupaged.core.tma).
+// ragged K/V or NHD / HND caches of head size 64 or 128, k_map and v_map over them
+// (cupaged.core.tma).
 // Arguments: Problem's fields, then the two tensor maps (ProblemTma, abi.cuh).
 template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
 __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_tma_kernel(CUPAGED_PARAMS_ProblemTma) {

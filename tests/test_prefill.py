@@ -37,16 +37,19 @@ def ragged(rng, q_lens, kv_lens, hq, hk, d, dtype):
     return q, k, v, cu_q, cu_k
 
 
-def paged(rng, k, v, cu_k, layout, block_size, spare=3, num_blocks=None):
+def paged(rng, k, v, cu_k, layout, block_size, spare=3, num_blocks=None, fill=None):
     """Lay ragged k/v into a paged cache with shuffled blocks; returns caches, tables, lens.
 
-    Unused cache entries hold random values (never read); tables are -1 padded.
+    Unused cache entries hold random values (never read), or ``fill``; tables are -1 padded.
     """
     lens = np.diff(cu_k).astype(np.int32)
     need = -(-lens // block_size)
     total = int(need.sum()) + spare if num_blocks is None else num_blocks
     ks, vs = cache_shapes(layout, total, block_size, k.shape[1], k.shape[2], k.dtype)
-    k_cache, v_cache = _rand(rng, ks, k.dtype), _rand(rng, vs, k.dtype)
+    if fill is None:
+        k_cache, v_cache = _rand(rng, ks, k.dtype), _rand(rng, vs, k.dtype)
+    else:
+        k_cache, v_cache = np.full(ks, fill, k.dtype), np.full(vs, fill, k.dtype)
     ids = rng.permutation(total)[:need.sum()].astype(np.int32)
     tables = np.full((len(lens), int(need.max(initial=0)) + 1), -1, np.int32)
     slots = []
@@ -961,6 +964,30 @@ def test_gpu_tma_keys_past_kv_len_are_masked(cp, hopper, rng, head_dim, causal):
                         dict(causal=causal))
     got = cupaged.varlen_prefill(*(cp.asarray(a) for a in (q, k, v, cu_q, cu_k)), causal=causal)
     assert_close(got.get(), ref.varlen_prefill(q, k, v, cu_q, cu_k, causal=causal), np.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block_size", [8, 16, 128, 256])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("head_dim", plan_.TMA_HEAD_DIMS)
+def test_gpu_tma_paged(cp, hopper, rng, head_dim, layout, block_size, causal):
+    """NHD and HND caches through the default (the TMA producer: a box per cache block's
+    part of a tile), block sizes below, at and above the 128-key tile, odd lengths, a
+    sequence over several tiles, an empty row; the cache's unwritten slots hold NaN, which
+    no output may see."""
+    strides = layout_strides(layout, block_size, 2, head_dim, 2)
+    assert plan_.wgmma_tile(head_dim, geometry=plan_.TmaGeometry(
+        strides, block_size=block_size, num_blocks=100)).tma
+    q, k, v, cu_q, cu_k = ragged(rng, [1, 63, 64, 65, 0, 300], [1, 63, 130, 65, 40, 1000], 8, 2,
+                                 head_dim, bfloat16)
+    kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, block_size, fill=np.nan)
+    out = _poisoned(cp, q.shape, bfloat16)
+    got, lse = cupaged.paged_prefill(*(_dev(cp, a) for a in (q, kc, vc, cu_q, bt, sl)), layout=layout,
+                                     out=out, return_lse=True, causal=causal)
+    want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=True, causal=causal)
+    assert_close(got.get(), want, bfloat16)
+    assert_lse(lse.get(), want_lse)
 
 
 @pytest.mark.gpu

@@ -55,9 +55,9 @@ VARIANTS = {
     256: [plan_.default_tile(256), TS(8, 1, 32, 2, False, 1)],
 }
 # wgmma tiles (sm_90): the warp-specialised kernel with the TMA producer (3 stages: the
-# ragged default at d64 and d128; 2 stages) and with the cp.async producer (the paged
-# default), and prefill_wgmma_kernel with 2 stages (plain) and 3 stages (overlapped):
-# plan_.wgmma_tile(d, ragged=...) names the default of each head size and call.
+# default at d64 and d128 for ragged K/V and NHD / HND caches; 2 stages) and with the
+# cp.async producer, and prefill_wgmma_kernel with 2 stages (plain) and 3 stages
+# (overlapped): plan_.wgmma_tile(d, geometry=...) names the default of each head size and call.
 WGMMA_VARIANTS = [plan_.tma_tile(128), plan_.tma_tile(128, 2),
                   plan_.WgmmaTile(128, 2, True, plan_.ws_producer_regs(128)), plan_.WgmmaTile(128, 2),
                   plan_.WgmmaTile(128, 3)]
@@ -208,7 +208,15 @@ def _hopper():
 def _ragged_default(q, k):
     """The wgmma tile of a ragged launch over these inputs (``plan.wgmma_tile``)."""
     strides = layout_strides("ragged", 1, H, q.shape[2], q.itemsize)
-    return plan_.wgmma_tile(q.shape[2], ragged=(k.shape[0], strides))
+    return plan_.wgmma_tile(q.shape[2], geometry=plan_.TmaGeometry(strides, total_k=k.shape[0]))
+
+
+def _paged_default(q, k, layout, block_size=16):
+    """The wgmma tile of PagedPrefiller over these inputs in a ``layout`` cache."""
+    strides = layout_strides(layout, block_size, H, q.shape[2], q.itemsize)
+    return plan_.wgmma_tile(q.shape[2], v_transposed=layout == "vllm",  # blocks <= keys
+                            geometry=plan_.TmaGeometry(strides, block_size=block_size,
+                                                       num_blocks=k.shape[0]))
 
 
 def wgmma_label(tile):
@@ -227,9 +235,8 @@ def bench_wgmma(inputs, causal, layouts=(), tiles=None):
         return []
     import cupy
     rows = []
-    default = plan_.wgmma_tile(q.shape[2])  # PagedPrefiller's
     for tile, layout in ([(t, None) for t in tiles or [_ragged_default(q, k)]]
-                         + [(default, x) for x in layouts]):
+                         + [(_paged_default(q, k, x), x) for x in layouts]):
         if layout is not None:
             launch, kernel = _paged_launcher(q, k, v, cu_host, causal, layout, backend="wgmma"), None
         else:

@@ -7,13 +7,16 @@ through ctypes from ``libcuda.so.1``) and passed to kernels by value
 (``core.launch.TENSOR_MAP``). A map holds the base address, so each call's K and V get their
 own; the encoded bytes are cached per (address, geometry), as the driver's format is opaque.
 
-Ragged K (V alike), rows ``[total_k, Hk, D]`` of 16-bit elements with token stride
-``tok_stride`` and head stride ``head_stride`` elements and contiguous dims: a 3-d map over
-(dim, token, kv head), innermost first, with a box of (64 dims, ``block_n`` tokens, 1 head)
-swizzled 128 bytes. One copy lands ``block_n`` rows of 128 bytes, 16-byte chunk c of row r at
-chunk ``c ^ (r % 8)`` of its 1024-byte-aligned destination: one column block of the
-``swizzled<BN, 128>`` tile of kernels_cu/wgmma.cuh; a tile of head size D is D / 64 copies at
-dims 0, 64, ... Tokens past ``total_k`` land as zeros.
+K (V alike) is a 4-d map over (dim, key in block, kv head, block), innermost first, of
+16-bit elements with contiguous dims, a box of (64 dims, ``rows`` keys, 1 head, 1 block)
+swizzled 128 bytes: ragged rows ``[total_k, Hk, D]`` are one block of ``total_k`` keys
+(boxes of a whole tile of ``block_n`` keys), an NHD or HND cache has ``num_blocks`` blocks of
+``block_size`` keys (boxes of ``min(block_size, block_n)`` keys, a cache block's part of a
+tile). One copy lands ``rows`` rows of 128 bytes, 16-byte chunk c of row r at chunk
+``c ^ (r % 8)`` of its 1024-byte-aligned destination: part of one column block of the
+``swizzled<BN, 128>`` tile of kernels_cu/wgmma.cuh (rows in whole 8-row swizzle atoms); a
+tile of head size D is D / 64 column blocks at dims 0, 64, ... Keys past a block's end land
+as zeros.
 """
 from __future__ import annotations
 
@@ -42,20 +45,20 @@ class MapGeometry(NamedTuple):
     box: tuple
 
 
-def ragged_kv_geometry(total_k, num_kv_heads, head_dim, tok_stride, head_stride, block_n,
-                       itemsize=2):
-    """The map geometry of ragged K or V rows.
+def kv_geometry(head_dim, num_kv_heads, tok_stride, head_stride, block_stride, keys, blocks,
+                rows, itemsize=2):
+    """The map geometry of K or V: ``blocks`` blocks of ``keys`` keys.
 
     Parameters
     ----------
-    total_k : int
-        Rows of the tensor (tokens of every sequence), at least 1.
-    num_kv_heads, head_dim : int
-        ``Hk`` and ``D`` of the rows ``[total_k, Hk, D]``; ``D`` in :data:`HEAD_DIMS`.
-    tok_stride, head_stride : int
-        Element strides of a token and a kv head (a dim's is 1).
-    block_n : int
-        Keys per K/V tile (the box's tokens), at most 256.
+    head_dim, num_kv_heads : int
+        ``D`` (in :data:`HEAD_DIMS`) and ``Hk``.
+    tok_stride, head_stride, block_stride : int
+        Element strides of a key, a kv head and a block (a dim's is 1).
+    keys, blocks : int
+        Keys per block and blocks, at least 1 each (ragged rows: ``total_k`` keys, one block).
+    rows : int
+        Keys per box, at most 256 and a multiple of 8 (whole swizzle atoms).
     itemsize : int
         Bytes of an element (2).
 
@@ -66,17 +69,17 @@ def ragged_kv_geometry(total_k, num_kv_heads, head_dim, tok_stride, head_stride,
     Raises
     ------
     ValueError
-        A head size other than :data:`HEAD_DIMS`, or strides TMA cannot take (byte
-        strides must be multiples of 16).
+        A head size other than :data:`HEAD_DIMS`, sizes out of range, or strides TMA
+        cannot take (byte strides must be positive multiples of 16).
     """
     if head_dim not in HEAD_DIMS or itemsize != 2:
         raise ValueError(f"tma: 16-bit rows of head_dim {HEAD_DIMS} only, got {head_dim}")
-    if not 0 < block_n <= 256 or total_k < 1:
-        raise ValueError(f"tma: block_n {block_n} and total_k {total_k} out of range")
-    strides = (tok_stride * itemsize, head_stride * itemsize)
+    if not (0 < rows <= 256 and rows % 8 == 0) or keys < 1 or blocks < 1:
+        raise ValueError(f"tma: box rows {rows}, keys {keys} and blocks {blocks} out of range")
+    strides = tuple(x * itemsize for x in (tok_stride, head_stride, block_stride))
     if any(s % 16 or s <= 0 for s in strides):
         raise ValueError(f"tma: K/V byte strides {strides} must be positive multiples of 16")
-    return MapGeometry((head_dim, total_k, num_kv_heads), strides, (BOX_DIMS, block_n, 1))
+    return MapGeometry((head_dim, keys, num_kv_heads, blocks), strides, (BOX_DIMS, rows, 1, 1))
 
 
 def _driver():
@@ -118,28 +121,38 @@ def encode(address, geometry):
     return ctypes.string_at(at, TENSOR_MAP_BYTES)
 
 
-class RaggedMaps:
-    """The K and V tensor maps of a ragged prefill call shape: ``maps(k_address,
-    v_address)`` gives their bytes (all zeros without keys, where the kernel reads none).
+class KVMaps:
+    """The K and V tensor maps of a prefill call shape: ``maps(k_address, v_address)``
+    gives their bytes (all zeros without keys, where the kernel reads none).
 
     Parameters
     ----------
-    total_k, num_kv_heads, head_dim, block_n : int
-        As :func:`ragged_kv_geometry`.
+    num_kv_heads, head_dim, block_n : int
+        ``Hk``, ``D`` and the keys of a K/V tile.
     strides : cupaged.core.layouts.CacheStrides
-        The call's K/V element strides (``k_tok``, ``k_head``, ``v_tok``, ``v_head``; dims
-        contiguous: ``k_chunk`` 8 and ``v_dim`` 1).
+        The call's K/V element strides (``k_tok``, ``k_head``, ``k_block`` and V's alike;
+        dims contiguous: ``k_chunk`` 8 and ``v_dim`` 1).
+    total_k : int, optional
+        Ragged K/V: its rows (one block, boxes of ``block_n`` keys).
+    block_size, num_blocks : int, optional
+        A paged cache's (boxes of ``min(block_size, block_n)`` keys).
     """
 
-    def __init__(self, total_k, num_kv_heads, head_dim, strides, block_n):
+    def __init__(self, num_kv_heads, head_dim, strides, block_n, total_k=None, block_size=None,
+                 num_blocks=None):
         if strides.k_chunk != 8 or strides.v_dim != 1:
             raise ValueError("tma: K and V need contiguous dims")
+        if block_size is None:
+            keys, blocks, rows = total_k, 1, block_n
+            block = (strides.k_tok * total_k, strides.v_tok * total_k)  # one block: any stride
+        else:
+            keys, blocks, rows = block_size, num_blocks, min(block_size, block_n)
+            block = (strides.k_block, strides.v_block)
         self._geo = None
-        if total_k > 0:
-            self._geo = (ragged_kv_geometry(total_k, num_kv_heads, head_dim, strides.k_tok,
-                                            strides.k_head, block_n),
-                         ragged_kv_geometry(total_k, num_kv_heads, head_dim, strides.v_tok,
-                                            strides.v_head, block_n))
+        if keys > 0 and blocks > 0:
+            self._geo = tuple(kv_geometry(head_dim, num_kv_heads, tok, head, blk, keys, blocks, rows)
+                              for tok, head, blk in ((strides.k_tok, strides.k_head, block[0]),
+                                                     (strides.v_tok, strides.v_head, block[1])))
 
     def __call__(self, k_address, v_address):
         if self._geo is None:

@@ -89,13 +89,13 @@ def _window(opts):
     return -1 if opts.window_left >= INT32_MAX else opts.window_left
 
 
-def _tile(dtype, head_dim, v_transposed, backend, tile=None, kv=None, ragged=None):
-    """The tile of a launch (``tile`` overrides the default, benchmarks only; ``ragged``:
-    a ragged launch's ``(total_k, strides)``, ``plan.wgmma_tile``)."""
+def _tile(dtype, head_dim, v_transposed, backend, tile=None, kv=None, geometry=None):
+    """The tile of a launch (``tile`` overrides the default, benchmarks only; ``geometry``:
+    the launch's ``plan.TmaGeometry``, ``plan.wgmma_tile``)."""
     if tile is not None:
         return tile
     if backend == "wgmma":
-        return plan_.wgmma_tile(head_dim, kv, v_transposed, ragged=ragged)
+        return plan_.wgmma_tile(head_dim, kv, v_transposed, geometry=geometry)
     return plan_.launch_tile(dtype, head_dim, v_transposed)
 
 
@@ -183,11 +183,12 @@ class Launches:
         self.dtype = q.dtype
         group = hq // num_kv_heads
         paged = tables is not None
-        self.tile = _tile(q.dtype, d, v_transposed, backend, tile, kv,
-                          None if paged else (total_k, strides))
+        geometry = (plan_.TmaGeometry(strides, block_size=block_size, num_blocks=num_blocks)
+                    if paged else plan_.TmaGeometry(strides, total_k=total_k))
+        self.tile = _tile(q.dtype, d, v_transposed, backend, tile, kv, geometry)
         self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, self.tile,
                                                        backend, plan_.general_scores(opts), kv)
-        plan_.check_tma(self.tile, d, paged)
+        plan_.check_tma(self.tile, d)
         self.plan = None
         if work is None:
             if owned is None:
@@ -216,10 +217,13 @@ class Launches:
         # TMA: the K/V tensor maps, made per call from the addresses (core.tma)
         self._maps = None
         if self.tile.tma:
-            if not plan_.tma_fits(d, kv, total_k, strides):
-                raise ValueError("tile: tma takes at most 2^31 - 1 keys of 16-bit K/V whose "
-                                 "token and head strides are multiples of 16 bytes")
-            self._maps = tma.RaggedMaps(total_k, num_kv_heads, d, strides, self.tile.block_n)
+            if not plan_.tma_fits(d, kv, geometry, self.tile.block_n):
+                raise ValueError("tile: tma takes 16-bit K/V with contiguous dims, strides of "
+                                 "whole 16 bytes, at most 2^31 - 1 rows or blocks, and block "
+                                 "sizes of whole 8 keys that divide the tile or are a multiple "
+                                 "of it")
+            self._maps = tma.KVMaps(num_kv_heads, d, strides, self.tile.block_n, total_k,
+                                    *((block_size, num_blocks) if paged else ()))
         self.args = (abi.PREFILL_TMA if self.tile.tma else abi.PREFILL).bind(
             work=ptr(work), max_blocks=table_stride(tables), block_size=block_size,
             paged=int(paged), k_block=strides.k_block, k_head=strides.k_head,

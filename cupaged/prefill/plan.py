@@ -124,8 +124,8 @@ class WgmmaTile(NamedTuple):
     the tensor cores, tiles handed over through mbarriers) rather than ``prefill_wgmma_kernel``
     (2 warpgroups of 64 rows that copy and compute, a CTA barrier per tile; ``stages`` 2: each
     wgmma batch waited for at once, 3: the P V batch of one tile overlaps the softmax of the
-    next). ``tma`` (with ``ws``; the ragged default where :func:`tma_fits`): the producer
-    copies the K/V tiles by TMA (``prefill_ws_tma_kernel``; ragged K/V of
+    next). ``tma`` (with ``ws``; the default where :func:`tma_fits`): the producer copies
+    the K/V tiles by TMA (``prefill_ws_tma_kernel``; ragged K/V and NHD / HND caches of
     :data:`TMA_HEAD_DIMS`, :func:`check_tma`). ``Config`` in prefill_sm90.cu."""
     block_n: int
     stages: int
@@ -168,28 +168,46 @@ def tma_tile(head_dim, stages=TMA_STAGES):
     return WgmmaTile(128, stages, True, ws_producer_regs(head_dim), True)
 
 
-def tma_fits(head_dim, kv, total_k, strides):
-    """Whether a ragged launch can take the TMA producer: 16-bit K/V (``kv`` None) of
-    :data:`TMA_HEAD_DIMS`, at most 2^31 - 1 rows (a tensor map's coordinates are int32),
-    contiguous dims, and token and head strides (``strides``, a
-    ``core.layouts.CacheStrides`` of the ragged layout, in elements) whose bytes are
-    multiples of 16, as a tensor map's strides must be."""
-    return (kv is None and head_dim in TMA_HEAD_DIMS and total_k <= INT32_MAX
-            and strides.k_chunk == 8 and strides.v_dim == 1
-            and all(x > 0 and (2 * x) % 16 == 0
-                    for x in (strides.k_tok, strides.k_head, strides.v_tok, strides.v_head)))
+class TmaGeometry(NamedTuple):
+    """What decides whether a launch can take the TMA producer (:func:`tma_fits`):
+    ``strides`` (a ``core.layouts.CacheStrides``, elements), and ``total_k`` (ragged K/V's
+    rows) or ``block_size`` and ``num_blocks`` (a paged cache's)."""
+    strides: object
+    total_k: int | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
 
 
-def check_tma(tile, head_dim, paged):
-    """Refuse a TMA tile (``tile.tma``) for a call it cannot run: the warp-specialised kernel
-    only, ragged K/V (``paged`` False) of :data:`TMA_HEAD_DIMS`, 16-bit caches. Raises
-    ValueError naming the reason."""
+def tma_fits(head_dim, kv, geometry, block_n=128):
+    """Whether a launch of :class:`TmaGeometry` ``geometry`` can take the TMA producer:
+    16-bit K/V (``kv`` None) of :data:`TMA_HEAD_DIMS` with contiguous dims, key, head and
+    block strides whose bytes are multiples of 16 (as a tensor map's must be), coordinates
+    within int32 (at most 2^31 - 1 ragged rows or cache blocks), and for a cache a block
+    size of whole 8-row swizzle atoms that divides ``block_n`` or is a multiple of it (so
+    that a tile is whole boxes of one block each: NHD and HND; the vllm layout's chunked
+    keys fail the contiguity test)."""
+    st = geometry.strides
+    if kv is not None or head_dim not in TMA_HEAD_DIMS or st.k_chunk != 8 or st.v_dim != 1:
+        return False
+    if geometry.block_size is None:
+        count, steps = geometry.total_k, (st.k_tok, st.k_head, st.v_tok, st.v_head)
+    else:
+        bs = geometry.block_size
+        if bs % 8 or (block_n % bs and bs % block_n):
+            return False
+        count = geometry.num_blocks
+        steps = (st.k_tok, st.k_head, st.k_block, st.v_tok, st.v_head, st.v_block)
+    return count <= INT32_MAX and all(x > 0 and (2 * x) % 16 == 0 for x in steps)
+
+
+def check_tma(tile, head_dim):
+    """Refuse a TMA tile (``tile.tma``) that is not warp-specialised or of a head size
+    other than :data:`TMA_HEAD_DIMS` (what the call's geometry allows is
+    :func:`tma_fits`). Raises ValueError naming the reason."""
     if not tile.tma:
         return
     if not tile.ws:
         raise ValueError("tile: tma needs the warp-specialised kernel (ws=True)")
-    if paged:
-        raise ValueError("tile: tma takes ragged K/V only (paged caches stay on cp.async)")
     if head_dim not in TMA_HEAD_DIMS:
         raise ValueError(f"tile: tma takes head_dim {TMA_HEAD_DIMS}, got {head_dim}")
 
@@ -206,10 +224,11 @@ def warp_specialised(head_dim, kv=None, v_transposed=False, decode_rows=False):
     return head_dim != 256 and kv is None and not v_transposed and not decode_rows
 
 
-def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False, ragged=None):
+def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False, geometry=None):
     """wgmma tile of a call. Warp-specialised (:func:`warp_specialised`): 128-key tiles, two
-    K and two V stages; for a ragged launch (``ragged``: its ``(total_k, strides)``) that
-    :func:`tma_fits`, the TMA producer's tile (:func:`tma_tile`). Otherwise ``prefill_wgmma_kernel``'s: 128-key tiles with three
+    K and two V stages, or for a launch whose :class:`TmaGeometry` ``geometry`` (None: not
+    known, as for the tile's work-list shape) :func:`tma_fits`, the TMA producer's tile
+    (:func:`tma_tile`). Otherwise ``prefill_wgmma_kernel``'s: 128-key tiles with three
     stages (P V of one tile overlapping the next softmax) at d64, two at d80..d128 (the
     faster of the two at d64 and d128, benchmarks/NOTES.md, prefill wgmma w1 s2 / s3;
     d80..d112 follow d128); d256 64-key tiles and two stages (its 128 accumulators a thread
@@ -218,7 +237,7 @@ def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False, ragged=
     run one work list."""
     block_n = 64 if head_dim == 256 else 128
     if warp_specialised(head_dim, kv, v_transposed, decode_rows):
-        if ragged is not None and tma_fits(head_dim, kv, *ragged):
+        if geometry is not None and tma_fits(head_dim, kv, geometry, block_n):
             return tma_tile(head_dim)
         return WgmmaTile(block_n, 2, True, ws_producer_regs(head_dim))
     return WgmmaTile(block_n, 3 if head_dim == 64 else 2)
