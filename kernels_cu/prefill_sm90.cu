@@ -670,8 +670,9 @@ struct Turns {
 // cache block's unwritten slots or whatever lies past the last sequence in the tensor, and
 // a NaN or inf there would reach the output through P V (0 * inf is NaN). Each thread holds
 // that phase open until its copies land (cp_async_hold), and thread 0 makes the one arrival
-// the phase expects once all 128 have (named barrier PRODUCER_BAR); before the buffer's
-// next, tensor, copy the threads fence their writes against the async proxy.
+// the phase expects once all 128 have (named barrier PRODUCER_BAR); warps 1-3 then fence
+// their writes against the async proxy and stop, and warp 0, which issues the tensor
+// copies, fences its own and waits for theirs before the buffer's next, tensor, copy.
 constexpr int PRODUCER_BAR = 3;  // the producer warpgroup's named barrier (1, 2: Turns)
 
 template <typename T, typename C, typename Bar, typename Src, typename Prob>
@@ -691,22 +692,31 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
   const bool paged = it.table != nullptr;
   const int rows = paged ? min(P.block_size, BN) : BN;  // keys of a box
   const bool issuer = threadIdx.x < BN / rows;          // lane p of warp 0: part p of a tile
-  const bool ragged_end = (n_last + 1) * BN > it.kv_len;  // tile n_last runs past kv_len
-  for (int n = n_last, i = 0; n >= n_first; --n, ++i) {
+  const int tiles = n_last - n_first + 1;
+  const bool ragged_end = tiles > 0 && (n_last + 1) * BN > it.kv_len;  // tile n_last runs past kv_len
+  if (ragged_end) {  // tile n_last, the first processed: stage 0, use 0
+    const u32 sK = sKV;
+    src.template issue_part<true>(P, n_last * BN, sK);
+    cp_async_hold(bar.k_full(0));
+    src.template issue_part<false>(P, n_last * BN, sK + C::KV_BYTES);
+    cp_async_hold(bar.v_full(0));
+    bar_sync(PRODUCER_BAR, 128);  // every hold counted before the arrival
+    if (lead) {
+      mbar_arrive(bar.k_full(0));
+      mbar_arrive(bar.v_full(0));
+    }
+  }
+  if (threadIdx.x >= 32) {  // warps 1-3 are done once their copies are fenced for stage 0's reuse
+    cp_async_wait_all();
+    if (ragged_end && tiles > STAGES) {
+      fence_proxy_async();
+      bar_arrive(PRODUCER_BAR, 128);
+    }
+    return;
+  }
+  for (int n = n_last - ragged_end, i = ragged_end; n >= n_first; --n, ++i) {
     const int st = i % STAGES, u = i / STAGES;
     const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
-    if (i == 0 && ragged_end) {
-      src.template issue_part<true>(P, n * BN, sK);
-      cp_async_hold(bar.k_full(st));
-      src.template issue_part<false>(P, n * BN, sV);
-      cp_async_hold(bar.v_full(st));
-      bar_sync(PRODUCER_BAR, 128);  // every hold counted before the arrival
-      if (lead) {
-        mbar_arrive(bar.k_full(st));
-        mbar_arrive(bar.v_full(st));
-      }
-      continue;
-    }
     // part `lane`'s box: ragged (first key + j, block 0), paged (j's offset, j's block)
     const int j = n * BN + lane * rows;
     int y = (int)it.kv_start + j, blk = 0;  // ragged: total_k fits an int (the host checks)
@@ -719,7 +729,7 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
     if (i == STAGES && ragged_end) {  // stage 0's next copy is a tensor copy
       cp_async_wait_all();
       fence_proxy_async();
-      bar_sync(PRODUCER_BAR, 128);
+      bar_sync(PRODUCER_BAR, 128);  // with warps 1-3's arrivals after their fences
     }
     if (lead) mbar_arrive_expect_tx(bar.k_full(st), C::KV_BYTES);
     __syncwarp();
