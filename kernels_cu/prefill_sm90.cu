@@ -725,7 +725,8 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
       blk = __ldg(it.table + j / P.block_size);
     }
     const u32 dst = lane * rows * 128;
-    if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
+    if (lead && u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);  // one waiter, the warp after it
+    __syncwarp();
     if (i == STAGES && ragged_end) {  // stage 0's next copy is a tensor copy
       cp_async_wait_all();
       fence_proxy_async();
@@ -738,8 +739,10 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
       for (int b = 0; b < BLOCKS; ++b)
         tma_load_4d(sK + b * BN * 128 + dst, k_map, 64 * b, y, it.hk, blk, bar.k_full(st));
     }
-    if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
-    if (lead) mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
+    if (lead) {
+      if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+      mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
+    }
     __syncwarp();
     if (issuer) {
 #pragma unroll

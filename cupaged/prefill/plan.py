@@ -157,8 +157,8 @@ def ws_producer_regs(head_dim):
 
 # head sizes the TMA producer takes (rows of whole 128-byte column blocks; core.tma)
 TMA_HEAD_DIMS = (64, 128)
-# K and V buffers of the TMA tile: three (the faster at d128 causal B2 x S8K, even elsewhere:
-# benchmarks/NOTES.md, "TMA producer")
+# K and V buffers of the TMA tile: three, the stage count the GPU tests ran as the default
+# (two were as fast or faster at most shapes: benchmarks/NOTES.md, "TMA producer")
 TMA_STAGES = 3
 
 
