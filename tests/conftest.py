@@ -19,7 +19,31 @@ from cupaged.core.arrays import gpu_available  # noqa: E402
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run part I of N (1-based) of the collected tests, every N-th from "
+                          "the I-th: the GPU suite in N device calls (1/2, then 2/2)")
+
+
+def _shard(config, items):
+    """Keep part I of N of ``items`` (``--shard I/N``), the rest reported deselected."""
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    try:
+        part, parts = (int(x) for x in spec.split("/"))
+    except ValueError:
+        part = parts = 0
+    if not 1 <= part <= parts:
+        raise pytest.UsageError(f"--shard: expected I/N with 1 <= I <= N, got {spec!r}")
+    keep = [item for k, item in enumerate(items) if k % parts == part - 1]
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items)
+                                         if k % parts != part - 1])
+    items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="needs a usable CUDA device (CuPy sees none)")

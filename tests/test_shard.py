@@ -1,0 +1,39 @@
+"""The test suite's ``--shard I/N`` option (tests/conftest.py ``_shard``): parts that are
+disjoint and together the whole collection, each reporting the rest deselected, and a
+refused spec."""
+import pytest
+
+from conftest import _shard
+
+
+class _Config:
+    def __init__(self, spec):
+        self.spec, self.deselected = spec, []
+        self.hook = self
+
+    def getoption(self, name):
+        assert name == "--shard"
+        return self.spec
+
+    def pytest_deselected(self, items):
+        self.deselected += items
+
+
+def test_shards_partition_the_collection():
+    items = [f"t{k}" for k in range(11)]
+    parts = []
+    for i in (1, 2, 3):
+        config, part = _Config(f"{i}/3"), list(items)
+        _shard(config, part)
+        assert sorted(part + config.deselected) == sorted(items)
+        parts.append(part)
+    assert sorted(sum(parts, [])) == sorted(items) and [len(p) for p in parts] == [4, 4, 3]
+    whole = list(items)
+    _shard(_Config(None), whole)
+    assert whole == items
+
+
+@pytest.mark.parametrize("spec", ["0/2", "3/2", "a/b", "2"])
+def test_bad_shard_is_refused(spec):
+    with pytest.raises(pytest.UsageError, match="--shard"):
+        _shard(_Config(spec), ["t0"])
