@@ -46,16 +46,17 @@ def make_case(rng, *, lens, hq=8, hk=2, d=64, bs=16, layout="NHD", dtype=np.floa
     nb = top + used + spare_blocks
     ids = top + rng.permutation(used + spare_blocks)[:used]
     tables = np.full((len(lens), width), -1, np.int32)
-    k = np.full((nb, bs, hk, d), np.nan, np.float32)
-    v = np.full((nb, bs, hk, d), np.nan, np.float32)
+    # built in the caches' dtype from float32 draws: the long-batch cases hold 10^8 elements
+    k = np.full((nb, bs, hk, d), np.nan, dtype)
+    v = np.full((nb, bs, hk, d), np.nan, dtype)
     start = 0
     for i, n in enumerate(need):
         tables[i, :n] = ids[start:start + n]
         start += n
         t = np.arange(lens[i])
-        k[tables[i, t // bs], t % bs] = rng.standard_normal((len(t), hk, d))
-        v[tables[i, t // bs], t % bs] = rng.standard_normal((len(t), hk, d))
-    kc, vc = from_nhd(k.astype(dtype), v.astype(dtype), layout)
+        for c in (k, v):
+            c[tables[i, t // bs], t % bs] = rng.standard_normal((len(t), hk, d), np.float32).astype(dtype)
+    kc, vc = (k, v) if layout == "NHD" else from_nhd(k, v, layout)
     return dict(q=rng.standard_normal((len(lens), hq, d)).astype(dtype), k_cache=kc, v_cache=vc,
                 block_tables=tables, seq_lens=lens,
                 k_new=rng.standard_normal((len(lens), hk, d)).astype(dtype) if append else None,
