@@ -221,7 +221,7 @@ class Launches:
                 raise ValueError("tile: tma takes 16-bit K/V with contiguous dims, strides of "
                                  "whole 16 bytes, at most 2^31 - 1 rows or blocks, and block "
                                  "sizes of whole 8 keys that divide the tile or are a multiple "
-                                 "of it")
+                                 f"of it; got kv {kv}, {geometry}")
             self._maps = tma.KVMaps(num_kv_heads, d, strides, self.tile.block_n, total_k,
                                     *((block_size, num_blocks) if paged else ()))
         self.args = (abi.PREFILL_TMA if self.tile.tma else abi.PREFILL).bind(
