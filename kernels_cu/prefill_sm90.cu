@@ -470,7 +470,7 @@ struct Rows {
     for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        s[4 * i + e] = epi.at<CAP>(s[4 * i + e]) + fmaf(slope[e / 2], (float)(8 * i + (e & 1)), base[e / 2]);
+        s[4 * i + e] = epi.at<CAP, true>(s[4 * i + e]) + fmaf(slope[e / 2], (float)(8 * i + (e & 1)), base[e / 2]);
   }
 };
 

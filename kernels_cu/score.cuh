@@ -33,10 +33,19 @@ struct ScoreEpilogue {
   // multi-function unit does not (the softmax's exp2 needs it). Absolute error of tanh about
   // 1e-7 at every y, what a logit needs.
   // CAP: the soft-cap decided at compile time, for loops over a tile's scores that test
-  // softcap once rather than at every score.
-  template <bool CAP>
+  // softcap once rather than at every score. FAST (the wgmma prefill, 16-bit inputs only):
+  // tanh by the multi-function unit's tanh.approx.f32 (relative error about 2^-11, a few
+  // 1e-4 of cap in the score, below a 16-bit output's resolution after the softmax), one op
+  // where the reciprocal's Newton steps cost the FMA pipe eight, which that kernel's softmax
+  // and conversions already fill.
+  template <bool CAP, bool FAST = false>
   __device__ __forceinline__ float at(float dot) const {
     if (!CAP) return dot * scale_log2;
+    if constexpr (FAST) {
+      float t;
+      asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(dot * scale_over_cap));
+      return cap_log2 * t;
+    }
     constexpr float BIG = 18446744073709551616.f;  // 2^64
     const float e = exp2f(dot * scale_over_cap * (2.f * LOG2E));
     const float d = (e > BIG ? BIG : e) + 1.f;  // a NaN stays NaN
