@@ -446,10 +446,10 @@ def gpu_varlen(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, q_scale=1.0, backend=
 
 
 def gpu_paged(cp, rng, q_lens, kv_lens, hq, hk, d, dtype, layout, block_size, op="paged_prefill",
-              backend="auto", q_scale=1.0, **opts):
+              backend="auto", q_scale=1.0, fill=None, **opts):
     q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, hq, hk, d, dtype)
     q = (q.astype(np.float32) * q_scale).astype(dtype)
-    kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, block_size)
+    kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, block_size, fill=fill)
     out = _poisoned(cp, q.shape, dtype)
     dev_opts = {name: _dev(cp, x) for name, x in opts.items()}
     got, lse = getattr(cupaged, op)(*(_dev(cp, a) for a in (q, kc, vc, cu_q, bt, sl)),
@@ -979,15 +979,8 @@ def test_gpu_tma_paged(cp, hopper, rng, head_dim, layout, block_size, causal):
     strides = layout_strides(layout, block_size, 2, head_dim, 2)
     assert plan_.wgmma_tile(head_dim, geometry=plan_.TmaGeometry(
         strides, block_size=block_size, num_blocks=100)).tma
-    q, k, v, cu_q, cu_k = ragged(rng, [1, 63, 64, 65, 0, 300], [1, 63, 130, 65, 40, 1000], 8, 2,
-                                 head_dim, bfloat16)
-    kc, vc, bt, sl = paged(rng, k, v, cu_k, layout, block_size, fill=np.nan)
-    out = _poisoned(cp, q.shape, bfloat16)
-    got, lse = cupaged.paged_prefill(*(_dev(cp, a) for a in (q, kc, vc, cu_q, bt, sl)), layout=layout,
-                                     out=out, return_lse=True, causal=causal)
-    want, want_lse = ref.varlen_prefill(q, k, v, cu_q, cu_k, return_lse=True, causal=causal)
-    assert_close(got.get(), want, bfloat16)
-    assert_lse(lse.get(), want_lse)
+    gpu_paged(cp, rng, [1, 63, 64, 65, 0, 300], [1, 63, 130, 65, 40, 1000], 8, 2, head_dim,
+              bfloat16, layout, block_size, fill=np.nan, causal=causal)
 
 
 @pytest.mark.gpu

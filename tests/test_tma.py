@@ -66,14 +66,22 @@ def test_encode_names_the_driver_or_the_misaligned_address():
             tma.encode(256, geo)
 
 
-@pytest.mark.parametrize("tile, head_dim, match", [
-    (plan_.tma_tile(128), 96, "head_dim"),
-    (plan_.tma_tile(64)._replace(ws=False), 64, "warp-specialised"),
+_RAGGED = plan_.TmaGeometry(layout_strides("ragged", 1, 4, 128, 2), total_k=100)
+_VLLM = plan_.TmaGeometry(layout_strides("vllm", 16, 4, 128, 2), block_size=16, num_blocks=9)
+
+
+@pytest.mark.parametrize("tile, head_dim, kv, geometry, match", [
+    (plan_.tma_tile(128), 96, None, _RAGGED, "head_dim"),
+    (plan_.tma_tile(64)._replace(ws=False), 64, None, _RAGGED, "warp-specialised"),
+    (plan_.tma_tile(128), 128, "fp8_e4m3", _RAGGED, "got kv fp8_e4m3"),
+    (plan_.tma_tile(128), 128, None, _VLLM, "contiguous dims"),
 ])
-def test_tma_tiles_refuse_calls_they_cannot_run(tile, head_dim, match):
+def test_tma_tiles_refuse_calls_they_cannot_run(tile, head_dim, kv, geometry, match):
     with pytest.raises(ValueError, match=match):
-        plan_.check_tma(tile, head_dim)
-    plan_.check_tma(plan_.wgmma_tile(head_dim), head_dim)  # not tma: nothing to refuse
+        plan_.check_tma(tile, head_dim, kv, geometry)
+    # not tma: nothing to refuse
+    plan_.check_tma(plan_.wgmma_tile(head_dim), head_dim, kv, geometry)
+    plan_.check_tma(plan_.tma_tile(128), 128, None, _RAGGED)  # fits
 
 
 def test_tma_specs_are_hopper_only():

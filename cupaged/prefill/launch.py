@@ -188,7 +188,7 @@ class Launches:
         self.tile = _tile(q.dtype, d, v_transposed, backend, tile, kv, geometry)
         self.kernel, self.smem, self.threads = _kernel(q.dtype, d, v_transposed, self.tile,
                                                        backend, plan_.general_scores(opts), kv)
-        plan_.check_tma(self.tile, d)
+        plan_.check_tma(self.tile, d, kv, geometry)
         self.plan = None
         if work is None:
             if owned is None:
@@ -217,11 +217,6 @@ class Launches:
         # TMA: the K/V tensor maps, made per call from the addresses (core.tma)
         self._maps = None
         if self.tile.tma:
-            if not plan_.tma_fits(d, kv, geometry, self.tile.block_n):
-                raise ValueError("tile: tma takes 16-bit K/V with contiguous dims, strides of "
-                                 "whole 16 bytes, at most 2^31 - 1 rows or blocks, and block "
-                                 "sizes of whole 8 keys that divide the tile or are a multiple "
-                                 f"of it; got kv {kv}, {geometry}")
             self._maps = tma.KVMaps(num_kv_heads, d, strides, self.tile.block_n, total_k,
                                     *((block_size, num_blocks) if paged else ()))
         self.args = (abi.PREFILL_TMA if self.tile.tma else abi.PREFILL).bind(

@@ -200,16 +200,22 @@ def tma_fits(head_dim, kv, geometry, block_n=128):
     return count <= INT32_MAX and all(x > 0 and (2 * x) % 16 == 0 for x in steps)
 
 
-def check_tma(tile, head_dim):
-    """Refuse a TMA tile (``tile.tma``) that is not warp-specialised or of a head size
-    other than :data:`TMA_HEAD_DIMS` (what the call's geometry allows is
-    :func:`tma_fits`). Raises ValueError naming the reason."""
+def check_tma(tile, head_dim, kv, geometry):
+    """Refuse a TMA tile (``tile.tma``) for a call it cannot run: the warp-specialised kernel
+    only, head sizes :data:`TMA_HEAD_DIMS`, and a launch (fp8 format ``kv``,
+    :class:`TmaGeometry` ``geometry``) that :func:`tma_fits`. Raises ValueError naming the
+    reason."""
     if not tile.tma:
         return
     if not tile.ws:
         raise ValueError("tile: tma needs the warp-specialised kernel (ws=True)")
     if head_dim not in TMA_HEAD_DIMS:
         raise ValueError(f"tile: tma takes head_dim {TMA_HEAD_DIMS}, got {head_dim}")
+    if not tma_fits(head_dim, kv, geometry, tile.block_n):
+        raise ValueError("tile: tma takes 16-bit K/V with contiguous dims, strides of whole 16 "
+                         "bytes, at most 2^31 - 1 rows or blocks, and block sizes of whole 8 "
+                         f"keys that divide the tile or are a multiple of it; got kv {kv}, "
+                         f"{geometry}")
 
 
 def warp_specialised(head_dim, kv=None, v_transposed=False, decode_rows=False):
