@@ -15,6 +15,7 @@ import numpy as np
 from ..core.arrays import check_array, check_choice, float32
 from ..core.checks import (INT32_MAX, check_block_elements, check_cu_seqlens, check_gqa,
     check_query, token_stride)
+from ..core import tma
 from ..core.layouts import LAYOUTS
 
 
@@ -155,8 +156,8 @@ def ws_producer_regs(head_dim):
     return 64 if head_dim == 112 else 72
 
 
-# head sizes the TMA producer takes (rows of whole 128-byte column blocks; core.tma)
-TMA_HEAD_DIMS = (64, 128)
+# head sizes the TMA producer takes: core.tma's (rows of whole 128-byte column blocks)
+TMA_HEAD_DIMS = tma.HEAD_DIMS
 # K and V buffers of the TMA tile: three, the stage count the GPU tests ran as the default
 # (two were as fast or faster at most shapes: benchmarks/NOTES.md, "TMA producer")
 TMA_STAGES = 3
