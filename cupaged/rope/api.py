@@ -21,6 +21,7 @@ from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module
                            check_range, empty, host, hot)
 from ..core.checks import token_stride
 from ..core.compile import Spec, ctype, launcher
+from ..core.device import owned_array
 from ..core.launch import current_stream, ptr
 from ..reference import rope as ref
 
@@ -123,7 +124,8 @@ _FREQUENCIES = {}
 
 def frequencies(plan):
     """float64 ``[rotary_dim // 2]`` device frequencies of ``plan`` per unit position (linear
-    scaling folded in), cached per device."""
+    scaling folded in), cached per device on their own allocation (``owned_array``: a table
+    first made under a caller's transient pool, such as a CUDA graph's, must outlive it)."""
     import cupy
     kind, factor = ref.scaling_kind(plan.scaling)
     key = (plan.rotary_dim, plan.base, kind, factor, plan.max_position,
@@ -131,7 +133,9 @@ def frequencies(plan):
     f = _FREQUENCIES.get(key)
     if f is None:
         inv = ref.inv_frequencies(plan.rotary_dim, plan.base, plan.scaling, plan.max_position)
-        f = _FREQUENCIES[key] = cupy.asarray(inv / factor if kind == "linear" else inv)
+        f = owned_array(inv.size, np.float64)
+        f.set(inv / factor if kind == "linear" else inv)
+        _FREQUENCIES[key] = f
     return f
 
 
