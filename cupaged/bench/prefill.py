@@ -30,7 +30,8 @@ Rows (bf16, H 32 query and kv heads):
   ``paged_attention(..., split_decode=True)`` (decode rows on the decode launch).
 
 Causal flops count the visible (query, key) pairs: 2 * B * H * S * S * D for equal lengths.
-``ms`` times the kernel launch alone (work list built once); ``public_ms`` the public call
+``ms`` times the kernel launch alone (work list and launch set up once, as a public call's
+hot path holds them); ``public_ms`` the public call
 with its host checks. ``checked``: the first and last 16 queries of sequence 0 against the
 float64 reference, and (variants) the whole output against the default tile's.
 Run: ``python -m cupaged.bench.prefill [--quick]`` or ``cupaged bench prefill``.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core.launch import current_stream
 from ..core.layouts import layout_strides
 from ..prefill import plan as plan_
 from ..core.arrays import bfloat16
@@ -156,11 +158,15 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma",
         tile = _ragged_default(q, k) if backend == "wgmma" else plan_.launch_tile(q.dtype, q.shape[2])
     work = cupy.asarray(prefill.host_work(lens, lens, q.dtype, H, H, q.shape[2], False, causal, opts, tile))
     out = cupy.empty_like(q)
+    # set up once, as a public call's hot path holds it: each launch packs addresses only
+    run = prefill.Launches(q, len(lens), None, 1, 0, k.shape[0], H, strides, opts, causal,
+                           False, backend, tile=tile, work=work)
+    held = (q, k, v, out, None, cu_dev, cu_dev, None, opts.alibi_slopes, opts.sinks)
+    arrays = prefill.addresses(*held)
 
-    def launch():
-        prefill._launch(q, k, v, out, None, work, cu_dev, cu_dev, None, 1, strides, opts,
-                        causal, False, H, tile=tile, backend=backend)
-        return out
+    def launch():  # by address: `held` keeps the arrays alive as long as the closure
+        run(*arrays, current_stream())
+        return held[3]
     return launch, prefill._kernel(q.dtype, q.shape[2], False, tile, backend,
                                    plan_.general_scores(opts))[0]
 
