@@ -334,3 +334,13 @@ def _device_work(q, out, lse, cu_q, kv_info, tables, block_size, num_blocks, tot
                  lse=ptr(lse)), current_stream())
     return run.work, run.section_heads
 
+
+def _launch(q, k, v, out, lse, work, cu_q, kv_info, tables, block_size, strides, opts,
+            causal, v_transposed, num_kv_heads, tile=None, backend="mma"):
+    """Launch one prefill kernel over a host-planned ``work`` (device int32 ``[n, 4]``),
+    set up for this call alone; no host sync (tests of explicit tiles)."""
+    total_k = k.shape[0] if tables is None else 0
+    Launches(q, cu_q.shape[0] - 1, tables, block_size, 0, total_k, num_kv_heads, strides, opts,
+             causal, v_transposed, backend, tile=tile, work=work)(
+        *addresses(q, k, v, out, lse, cu_q, kv_info, tables, opts.alibi_slopes, opts.sinks),
+        current_stream())
