@@ -277,6 +277,31 @@ def test_gpu_demo_engine_matches_numpy(cp, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_demo_steps_wait_for_the_caches_zeroing(cp, monkeypatch, graphs):
+    """The engine steps on a non-blocking stream, which does not wait for the current
+    stream where the weights and the zeroed caches were made: with that stream held up
+    (a spinning kernel before the zeroing, as a busy GPU does), a step that did not wait
+    wrote K/V the zeroing then erased (the demo's tokens went wrong in the GPU suite)."""
+    import cupaged.engine.model as model_
+    cfg = DemoConfig(requests=3, max_prompt=40, max_output=8, max_batch_tokens=24, max_seqs=3,
+                     model="tiny", dtype="float32", num_q_heads=4, num_kv_heads=2, seed=12,
+                     cuda_graphs=graphs)
+    ref = run_demo(cfg, np)
+    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        long long t0 = clock64(); while (clock64() - t0 < cycles) {} }""", "spin")
+    allocate = model_.TinyLlama.allocate_cache
+
+    def held_up(self, *args, **kwargs):  # about 0.2 s of the current stream before the zeroing
+        spin((1,), (1,), (np.int64(400_000_000),))
+        return allocate(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_.TinyLlama, "allocate_cache", held_up)
+    gpu = run_demo(cfg, cp)
+    assert gpu.tokens == ref.tokens
+
+
+@pytest.mark.gpu
 def test_gpu_demo_in_strict_mode_runs_eagerly(cp, monkeypatch):
     """Strict mode's host checks read device arrays, which a CUDA graph capture refuses: the
     demo then runs every step eagerly, with the same tokens."""

@@ -420,6 +420,9 @@ class ModelSteps:
         if xp is not np:  # every step on one stream: eager steps and graph replays in order
             from .model import DecodeGraphs
             self.stream = xp.cuda.Stream(non_blocking=True)
+            # the weights and the zeroed caches were made on the current stream, which a
+            # non-blocking stream does not wait for: the steps start after that work
+            self.stream.wait_event(xp.cuda.get_current_stream().record())
             if cfg.cuda_graphs and not strict():  # strict checks read device arrays
                 self.graphs = DecodeGraphs(self.model, self.k, self.v,
                                            blocks_for(cfg.max_seq_len, cfg.block_size),
