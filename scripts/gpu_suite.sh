@@ -14,8 +14,8 @@
 #                    virtual environment that is not activated
 #   OUT              output directory (default: $TMPDIR/cupaged-gpu-suite)
 #   TESTS            pytest paths or node ids (default: tests)
-#   PYTEST_ARGS      extra pytest arguments, e.g. "-x -k decode", or "--shard 1/2" (every
-#                    second test from the first; then "--shard 2/2": the suite in two calls)
+#   PYTEST_ARGS      extra pytest arguments, e.g. "-x -k decode", or "--shard 1/2" (half
+#                    the tests, each by its node id; then "--shard 2/2": the suite in two calls)
 #   RUN_TESTS=0      skip the plain GPU test run
 #   SANITIZE=1       also run SANITIZE_TESTS (default: $TESTS) under compute-sanitizer
 #                    memcheck and RACECHECK_TESTS (default: the decode and prefill tests)

@@ -21,8 +21,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",
-                     help="run part I of N (1-based) of the collected tests, every N-th from "
-                          "the I-th: the GPU suite in N device calls (1/2, then 2/2)")
+                     help="run part I of N (1-based) of the collected tests, each test's part "
+                          "fixed by its node id: the GPU suite in N device calls (1/2, then 2/2)")
 
 
 def _shard(config, items):
@@ -36,10 +36,15 @@ def _shard(config, items):
         part = parts = 0
     if not 1 <= part <= parts:
         raise pytest.UsageError(f"--shard: expected I/N with 1 <= I <= N, got {spec!r}")
-    keep = [item for k, item in enumerate(items) if k % parts == part - 1]
-    config.hook.pytest_deselected(items=[item for k, item in enumerate(items)
-                                         if k % parts != part - 1])
-    items[:] = keep
+    mine = [_shard_of(item, parts) == part - 1 for item in items]
+    config.hook.pytest_deselected(items=[item for item, m in zip(items, mine) if not m])
+    items[:] = [item for item, m in zip(items, mine) if m]
+
+
+def _shard_of(item, parts):
+    """The shard of a test by its node id's CRC-32: a test keeps its shard when others are
+    added or removed, so the two halves of a suite run at two commits still cover it."""
+    return zlib.crc32(getattr(item, "nodeid", str(item)).encode()) % parts
 
 
 def pytest_collection_modifyitems(config, items):
