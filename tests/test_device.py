@@ -40,8 +40,8 @@ def test_owned_array_shape_dtype_and_zeros(cp):
 @pytest.mark.gpu
 def test_rope_frequencies_first_made_under_a_private_pool_outlive_it(cp):
     """The RoPE frequency table is cached per process: made first inside a transient pool
-    (as the demo's DecodeGraphs warm-up runs), it must not point into that pool once it goes
-    (the demo's tokens went wrong in the GPU suite, depending on test order)."""
+    (as the demo's DecodeGraphs warm-up runs), it must not point into that pool once it
+    goes."""
     import cupaged
     from cupaged.reference import rope as rref
     rng = np.random.default_rng(5)
