@@ -324,7 +324,8 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
     (cached under ``cache_key`` when planned on the device) and their launches (``split``:
     decode rows on the decode launch, ``prefill.launch.split_launches``, where
     ``can_split``). paged_attention's prefill launch takes ``plan.wgmma_tile``'s tile for
-    batches with decode rows."""
+    batches with decode rows where they stay on it; split off, the prefill launch takes
+    paged_prefill's tile."""
     layout = resolve_layout(layout, k_cache, q)
     xp = array_module(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, alibi_slopes,
                       sinks, out)
@@ -349,9 +350,12 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
                                          **_ref_options(opts, causal)), out, return_lse)
     v_t = layout == "vllm" and q.dtype != float32
     batch = cu_seqlens_q.shape[0] - 1
-    tile = (plan_.wgmma_tile(geo.head_dim, kv, v_t, decode_rows=True)
-            if split is not None and backend == "wgmma" else None)
+    mixed = split is not None
     split = bool(split) and can_split(q, k_cache, v_cache, batch)
+    # decode rows on the prefill launch take its tile for them; split off, the prefill
+    # launch is paged_prefill's (the launch's default tile)
+    tile = (plan_.wgmma_tile(geo.head_dim, kv, v_t, decode_rows=True)
+            if mixed and not split and backend == "wgmma" else None)
     work = rows = None
     if cu_q is not None:  # strict mode: a host work list (and the decode rows' map)
         q_lens = np.diff(cu_q)
