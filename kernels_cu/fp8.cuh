@@ -223,12 +223,15 @@ __device__ __forceinline__ unsigned short widen_fp8(unsigned char code) {
 // A staged 16-byte chunk of 16 codes at shared address `from` -> 16 T values, exact: codes
 // 0-7 as the 16-byte chunk at shared address lo, 8-15 at hi. With hi_first the hi chunk is
 // stored by the first of the two stores (callers pick it per thread so that the lanes of
-// each store hit distinct bank quads).
+// each store hit distinct bank quads). Without `keep` the chunk is stored as zeros,
+// whatever codes it holds (a key past kv_len: its codes may be NaN's).
 template <typename T, typename KV>
-__device__ __forceinline__ void widen_chunk_shared(u32 from, u32 lo, u32 hi, bool hi_first) {
+__device__ __forceinline__ void widen_chunk_shared(u32 from, u32 lo, u32 hi, bool hi_first, bool keep = true) {
   u32 r[4], w[8];
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(from) : "memory");
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r[i] = keep ? r[i] : 0u;  // code 0 widens to +0
   const u32 x[4] = {hi_first ? r[2] : r[0], hi_first ? r[3] : r[1], hi_first ? r[0] : r[2],
                     hi_first ? r[1] : r[3]};
 #pragma unroll

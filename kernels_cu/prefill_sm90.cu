@@ -24,7 +24,10 @@
 // cp.async as 16-byte chunks of 16 codes into per-thread staging slots, and each thread
 // widens its own chunks into the tile's 16-bit buffer (Pipe::land) while its warpgroup's
 // wgmma batches of the tile before run, so the wgmma loops read the tiles a 16-bit cache
-// gives; the kv head's k_scale multiplies the score scale and its v_scale the output.
+// gives; the kv head's k_scale multiplies the score scale and its v_scale the output. The
+// warp-specialised kernel takes fp8 caches by TMA alone (an explicit tile, prefill.plan
+// tma_tile(d, kv=...)): the codes land in staging slots and producer warps widen them into
+// the same tiles (ws_produce_fp8).
 #include "attn_common.cuh"
 #include "score.cuh"
 #include "wgmma.cuh"
@@ -610,6 +613,9 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 // TMA (ragged K/V and NHD / HND caches, head sizes 64 and 128: rows of whole 128-byte
 // column blocks): the 128 threads copy Q with cp.async as before, then warp 0 issues each
 // K and V tile as tensor copies (ws_produce_tma) that land in the same swizzled layout.
+// From an fp8 cache (NHD / HND, the same head sizes) warp 0's tensor copies bring the codes
+// into staging slots and warps 1-3 widen them into the 16-bit tiles (ws_produce_fp8), so
+// that the consumers' loop is the one of 16-bit caches.
 constexpr int WS_THREADS = 384;
 // The consumers' budget beside a producer budget of PRODUCER_REGS: the register file's
 // 64K registers over the three warpgroups, in setmaxnreg's multiples of 8.
@@ -617,22 +623,31 @@ __host__ __device__ constexpr int ws_consumer_regs(int producer_regs) { return (
 
 // The mbarriers (8 bytes each, after the tiles): Q landed; per stage s, its K and its V tile
 // landed (full: an arrival from each producer thread as its copies land; TMA: one arrival
-// announcing the tile's bytes, the phase completing as they land) and read (empty:
+// announcing the tile's bytes, the phase completing as they land; fp8 TMA: an arrival from
+// each widening thread once its part of the tile is widened) and read (empty:
 // an arrival from each consumer thread once its wgmma batch reading the tile is done; every
 // thread arrives, as a branch while a batch is in flight makes ptxas serialise the batches). Tile i
 // of an item (the i-th processed, key tile n_last - i) sits in stage i % STAGES as its use
 // u = i / STAGES: the consumers wait for the full phase of parity u & 1, the producer, before
-// use u > 0, for the empty phase of parity (u - 1) & 1.
-template <int STAGES, bool TMA = false>
+// use u > 0, for the empty phase of parity (u - 1) & 1. fp8 TMA: then per staging slot x
+// (SLOTS of them, after the barriers of the stages) its codes landed (s_full) and widened
+// (s_empty); part q of an item (the K part of tile i is q = 2 i, its V part 2 i + 1) sits
+// in slot q % SLOTS as its use q / SLOTS, waited for by the same parities.
+template <int STAGES, bool TMA = false, int SLOTS_ = 0>
 struct WsBarriers {
-  static constexpr int COUNT = 1 + 4 * STAGES, PRODUCERS = 128, CONSUMERS = 256;
-  static constexpr int FILLERS = TMA ? 1 : PRODUCERS;  // arrivals that complete a full phase
+  static constexpr int SLOTS = SLOTS_, WIDENERS = 96;  // fp8: warps 1-3 widen the staged parts
+  static constexpr int COUNT = 1 + 4 * STAGES + 2 * SLOTS, PRODUCERS = 128, CONSUMERS = 256;
+  // arrivals that complete a full phase
+  static constexpr int FILLERS = !TMA ? PRODUCERS : SLOTS > 0 ? WIDENERS : 1;
   u32 base;
   __device__ __forceinline__ u32 q() const { return base; }
   __device__ __forceinline__ u32 k_full(int s) const { return base + 8 * (1 + s); }
   __device__ __forceinline__ u32 v_full(int s) const { return base + 8 * (1 + STAGES + s); }
   __device__ __forceinline__ u32 k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
   __device__ __forceinline__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
+  // fp8 staging slot x: its codes landed (one arrival with the bytes), widened (WIDENERS)
+  __device__ __forceinline__ u32 s_full(int x) const { return base + 8 * (1 + 4 * STAGES + x); }
+  __device__ __forceinline__ u32 s_empty(int x) const { return base + 8 * (1 + 4 * STAGES + SLOTS + x); }
   __device__ __forceinline__ void init() const {
     mbar_init(q(), PRODUCERS);
 #pragma unroll
@@ -641,6 +656,11 @@ struct WsBarriers {
       mbar_init(v_full(s), FILLERS);
       mbar_init(k_empty(s), CONSUMERS);
       mbar_init(v_empty(s), CONSUMERS);
+    }
+#pragma unroll
+    for (int x = 0; x < SLOTS; ++x) {
+      mbar_init(s_full(x), 1);
+      mbar_init(s_empty(x), WIDENERS);
     }
     fence_mbar_init();
   }
@@ -675,6 +695,33 @@ struct Turns {
 // copies, fences its own and waits for theirs before the buffer's next, tensor, copy.
 constexpr int PRODUCER_BAR = 3;  // the producer warpgroup's named barrier (1, 2: Turns)
 
+// The tensor copies of a K or V tile: ragged K/V one box of BN keys at the sequence's first
+// key plus the tile's (block 0), a paged cache one box per cache block's part of the tile
+// (rows = min(block_size, BN) keys), part p issued by lane p of warp 0 (issuer) from its
+// block-table entry; a part past kv_len (the last tile's, fp8) takes the block of the last
+// key, as its rows are masked where they are widened.
+struct TmaParts {
+  int rows;
+  bool paged, issuer;
+  template <int BN, typename Prob>
+  __device__ __forceinline__ void init(const Prob& P, const WorkItem& it) {
+    paged = it.table != nullptr;
+    rows = paged ? min(P.block_size, BN) : BN;
+    issuer = threadIdx.x < BN / rows;
+  }
+  // part `lane` of the tile at key j0: its box's key coordinate y and block blk
+  template <typename Prob>
+  __device__ __forceinline__ void at(const Prob& P, const WorkItem& it, int j0, int lane, int& y, int& blk) const {
+    const int j = j0 + lane * rows;
+    y = (int)it.kv_start + j;  // ragged: total_k fits an int (the host checks)
+    blk = 0;
+    if (paged && issuer) {
+      y = j % P.block_size;
+      blk = __ldg(it.table + min(j, it.kv_len - 1) / P.block_size);
+    }
+  }
+};
+
 template <typename T, typename C, typename Bar, typename Src, typename Prob>
 __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it, const Src& src,
                                                const TensorMap* k_map, const TensorMap* v_map,
@@ -689,9 +736,8 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
     prefetch_tensor_map(k_map);
     prefetch_tensor_map(v_map);
   }
-  const bool paged = it.table != nullptr;
-  const int rows = paged ? min(P.block_size, BN) : BN;  // keys of a box
-  const bool issuer = threadIdx.x < BN / rows;          // lane p of warp 0: part p of a tile
+  TmaParts parts;
+  parts.template init<BN>(P, it);
   const int tiles = n_last - n_first + 1;
   const bool ragged_end = tiles > 0 && (n_last + 1) * BN > it.kv_len;  // tile n_last runs past kv_len
   if (ragged_end) {  // tile n_last, the first processed: stage 0, use 0
@@ -717,14 +763,9 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
   for (int n = n_last - ragged_end, i = ragged_end; n >= n_first; --n, ++i) {
     const int st = i % STAGES, u = i / STAGES;
     const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
-    // part `lane`'s box: ragged (first key + j, block 0), paged (j's offset, j's block)
-    const int j = n * BN + lane * rows;
-    int y = (int)it.kv_start + j, blk = 0;  // ragged: total_k fits an int (the host checks)
-    if (paged && issuer) {
-      y = j % P.block_size;
-      blk = __ldg(it.table + j / P.block_size);
-    }
-    const u32 dst = lane * rows * 128;
+    int y, blk;
+    parts.at(P, it, n * BN, lane, y, blk);
+    const u32 dst = lane * parts.rows * 128;
     if (lead && u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);  // one waiter, the warp after it
     __syncwarp();
     if (i == STAGES && ragged_end) {  // stage 0's next copy is a tensor copy
@@ -734,7 +775,7 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
     }
     if (lead) mbar_arrive_expect_tx(bar.k_full(st), C::KV_BYTES);
     __syncwarp();
-    if (issuer) {
+    if (parts.issuer) {
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b)
         tma_load_4d(sK + b * BN * 128 + dst, k_map, 64 * b, y, it.hk, blk, bar.k_full(st));
@@ -744,10 +785,76 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
       mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
     }
     __syncwarp();
-    if (issuer) {
+    if (parts.issuer) {
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b)
         tma_load_4d(sV + b * BN * 128 + dst, v_map, 64 * b, y, it.hk, blk, bar.v_full(st));
+    }
+  }
+  cp_async_wait_all();
+}
+
+// fp8 TMA producer: Q as ws_produce; then warp 0 brings each tile's K and then its V part
+// (parts 2 i and 2 i + 1 of tile i) as tensor copies of the codes (TmaParts' boxes of D
+// bytes x rows keys, unswizzled: row r of a part at r * D bytes) into staging slot
+// q % SLOTS once its previous part is widened, announcing its bytes on the slot's full
+// barrier; warps 1-3 (WIDENERS threads) widen each landed part, 16-code chunk by chunk,
+// into the stage's 16-bit tile in the swizzled layout the 16-bit tensor copies give
+// (swizzled<BN, 128>, KVRows::land's chunk order), once the consumers are done with the
+// stage's previous tile. Rows past kv_len (the last tile's: the next sequence's rows, a
+// cache block's unwritten slots, zeros past the tensor) become zeros there, so that no NaN
+// or inf code reaches P V. Each widening thread fences its writes against the async proxy
+// (wgmma reads them) and arrives on the stage's full barrier and the slot's empty one.
+template <typename T, typename KV, typename C, typename Bar, typename Prob>
+__device__ __forceinline__ void ws_produce_fp8(const Prob& P, const WorkItem& it, const TensorMap* k_map,
+                                               const TensorMap* v_map, const Bar& bar, u32 sQ, u32 sKV,
+                                               u32 sS, int n_first, int n_last) {
+  constexpr int BN = C::KEYS, D = C::HEAD, STAGES = C::BUFFERS, SLOTS = Bar::SLOTS;
+  constexpr int CR = D / 16;       // 16-code chunks per row
+  constexpr u32 PART = BN * D;     // bytes of a part's codes
+  static_assert(SLOTS >= 2 && C::SW == 128 && D % 64 == 0, "a slot per K and V part, rows of whole 128-byte blocks");
+  load_q<T, D, C>(P, it, sQ);
+  cp_async_arrive(bar.q());
+  const int parts = 2 * max(n_last - n_first + 1, 0);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const bool lead = lane == 0;
+    if (lead && parts > 0) {
+      prefetch_tensor_map(k_map);
+      prefetch_tensor_map(v_map);
+    }
+    TmaParts boxes;
+    boxes.template init<BN>(P, it);
+    for (int q = 0; q < parts; ++q) {
+      const int x = q % SLOTS, u = q / SLOTS;
+      int y, blk;
+      boxes.at(P, it, (n_last - q / 2) * BN, lane, y, blk);
+      if (lead) {
+        if (u > 0) mbar_wait(bar.s_empty(x), (u - 1) & 1);  // one waiter, the warp after it
+        mbar_arrive_expect_tx(bar.s_full(x), PART);
+      }
+      __syncwarp();
+      if (boxes.issuer)
+        tma_load_4d(sS + x * PART + lane * boxes.rows * D, q & 1 ? v_map : k_map, 0, y, it.hk, blk, bar.s_full(x));
+    }
+  } else {
+    using F = KVChunks<KV, D, BN, 128>;
+    const int t = threadIdx.x - 32;
+    for (int q = 0; q < parts; ++q) {
+      const int x = q % SLOTS, i = q / 2, st = i % STAGES, u = i / STAGES, j0 = (n_last - i) * BN;
+      const bool vp = q & 1;
+      const u32 from = sS + x * PART, to = sKV + (2 * st + vp) * C::KV_BYTES;
+      mbar_wait(bar.s_full(x), (q / SLOTS) & 1);
+      if (u > 0) mbar_wait(vp ? bar.v_empty(st) : bar.k_empty(st), (u - 1) & 1);
+#pragma unroll 2
+      for (int idx = t; idx < BN * CR; idx += Bar::WIDENERS) {
+        const int r = idx / CR, c = idx % CR;
+        widen_chunk_shared<T, KV>(from + r * D + 16 * c, to + swizzled<BN, 128>(r, 2 * c),
+                                  to + swizzled<BN, 128>(r, 2 * c + 1), F::hi_first(c), j0 + r < it.kv_len);
+      }
+      fence_proxy_async();
+      mbar_arrive(vp ? bar.v_full(st) : bar.k_full(st));
+      mbar_arrive(bar.s_empty(x));
     }
   }
   cp_async_wait_all();
@@ -826,15 +933,20 @@ __device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const 
 }
 
 // TMA: the K/V tiles from the tensor maps k_map and v_map (ragged K/V, NHD and HND caches).
-template <typename T, typename KV, typename C, int PRODUCER_REGS, bool TMA = false>
+// SLOTS (TMA from an fp8 cache): the staging slots of ws_produce_fp8.
+template <typename T, typename KV, typename C, int PRODUCER_REGS, bool TMA = false, int SLOTS = 0>
 __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const TensorMap* k_map = nullptr,
                                            const TensorMap* v_map = nullptr) {
-  static_assert(!Fp8Traits<KV>::FP8 && !C::TRANSPOSED_V, "16-bit caches, V rows (else prefill_wgmma)");
+  constexpr bool FP8 = Fp8Traits<KV>::FP8;
+  static_assert(!C::TRANSPOSED_V && FP8 == (TMA && SLOTS > 0),
+                "V rows; fp8 caches by TMA with staging slots, 16-bit caches without (else prefill_wgmma)");
   constexpr int BN = C::KEYS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
   const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
-  const WsBarriers<C::BUFFERS, TMA> bar{sKV + 2 * C::BUFFERS * C::KV_BYTES};
+  const u32 sS = sKV + 2 * C::BUFFERS * C::KV_BYTES;  // fp8: SLOTS slots of BN x D codes
+  using Bar = WsBarriers<C::BUFFERS, TMA, SLOTS>;
+  const Bar bar{sS + SLOTS * BN * C::HEAD};
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
 
   WorkItem it;
@@ -853,20 +965,24 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const Tensor
     const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
                                                    P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
                                                    it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
-    if constexpr (TMA) ws_produce_tma<T, C>(P, it, src, k_map, v_map, bar, sQ, sKV, n_first, n_last);
+    if constexpr (FP8) ws_produce_fp8<T, KV, C>(P, it, k_map, v_map, bar, sQ, sKV, sS, n_first, n_last);
+    else if constexpr (TMA) ws_produce_tma<T, C>(P, it, src, k_map, v_map, bar, sQ, sKV, n_first, n_last);
     else ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
   } else {
     setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
     Rows rows;
-    rows.init<C>(P, it, g, warp, lane, P.sm_scale);
+    // an fp8 cache's k_scale joins the score scale, its v_scale scales the output (as prefill_wgmma)
+    rows.init<C>(P, it, g, warp, lane,
+                 FP8 ? P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk) : P.sm_scale);
     float o[C::HEAD / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < C::HEAD / 2; ++i) o[i] = 0.f;
     const Turns turn{g};
     if (g == 1 && n_last >= n_first) turn.pass();  // consumer 0 takes the first turn
     ws_consume<T, C>(P, rows, bar, turn, sQ + g * 64 * C::SW, sKV, n_first, n_last, o, m, l);
-    store_rows<T, C>(P, it, 64 * g + 16 * warp, o, m, l, rows.sc, 1.f, sQ, lane);
+    const float vs = FP8 ? kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, it.hk) : 1.f;
+    store_rows<T, C>(P, it, 64 * g + 16 * warp, o, m, l, rows.sc, vs, sQ, lane);
   }
 }
 
@@ -894,10 +1010,10 @@ __global__ void __launch_bounds__(256, 1) prefill_wgmma_kernel(CUPAGED_PARAMS_Pr
 
 namespace cupaged {
 // Grid: one CTA per work item, as prefill_wgmma_kernel; block: WS_THREADS = 3 warpgroups
-// (warpgroup 0 copies, 1 and 2 compute: prefill_ws); dynamic smem: Config::SMEM bytes
-// (Q [128][D], then STAGES K [BN][D] and V [BN][D] tiles, all swizzled,
-// 1024-byte aligned) plus the WsBarriers after them. 16-bit caches with V rows (not the
-// vllm value layout: its V^T copies need more producer registers than it can spare).
+// (warpgroup 0 copies, 1 and 2 compute: prefill_ws); dynamic smem: Q [128][D], then
+// STAGES K [BN][D] and V [BN][D] tiles, all swizzled, 1024-byte aligned, then the
+// WsBarriers (prefill.plan.wgmma_smem_bytes). 16-bit caches with V rows (not the vllm value
+// layout: its V^T copies need more producer registers than it can spare).
 template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
 __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_kernel(CUPAGED_PARAMS_Problem) {
   const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
@@ -905,15 +1021,17 @@ __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_kernel(CUPAGED
   sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>, PRODUCER_REGS>(P);
 }
 
-// prefill_ws_kernel with the K/V tiles copied by TMA (grid, block and shared memory alike):
-// ragged K/V or NHD / HND caches of head size 64 or 128, k_map and v_map over them
-// (cupaged.core.tma).
+// prefill_ws_kernel with the K/V tiles copied by TMA (grid and block alike): ragged K/V or
+// NHD / HND caches of head size 64 or 128, k_map and v_map over them (cupaged.core.tma).
+// 16-bit K/V (SLOTS 0) land in the tiles as they are; from an fp8 cache (KV) the codes land
+// in SLOTS staging slots of [BN][D] bytes after the tiles (before the WsBarriers), which
+// warps 1-3 of the producer widen into the tiles (ws_produce_fp8).
 // Arguments: Problem's fields, then the two tensor maps (ProblemTma, abi.cuh).
-template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
+template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS, int SLOTS>
 __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_tma_kernel(CUPAGED_PARAMS_ProblemTma) {
   const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
   if (item_is_padding(P)) return;
-  sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>, PRODUCER_REGS, true>(
+  sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>, PRODUCER_REGS, true, SLOTS>(
       P, &k_map, &v_map);
 }
 }  // namespace cupaged

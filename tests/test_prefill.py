@@ -271,7 +271,8 @@ def test_smem_fits_and_specs_cover_every_head_dim():
     assert ("cupaged::prefill_mma_kernel<__half, cupaged::fp8_e5m2, 64, true, "
             "cupaged::TileShape<4, 2, 128, 2, false, 2>>") in exprs
     hopper = {s.expr for s in kernel_specializations() if s.stem == "prefill_sm90"}
-    tma = 2 * len(plan_.TMA_HEAD_DIMS) * 2  # q dtypes x head dims x score paths
+    # (16-bit, each fp8 format) x q dtypes x head dims x score paths
+    tma = 3 * 2 * len(plan_.TMA_HEAD_DIMS) * 2
     assert len(hopper) == 2 * len(plan_.WGMMA_HEAD_DIMS) * 4 + 2 * fp8 + tma
     assert "cupaged::prefill_simt_kernel<256>" in exprs
 
@@ -782,8 +783,13 @@ def test_wgmma_tile_shares_work_list_and_fits():
             for vt in ("false", "true") for g in ("false", "true")}
     tma = plan_.tma_tile(128)
     want |= {f"cupaged::prefill_ws_tma_kernel<{t}, {t}, {d}, {tma.block_n}, {tma.stages}, {g}, "
-             f"{plan_.ws_producer_regs(d)}>"
+             f"{plan_.ws_producer_regs(d)}, 0>"
              for t in ("__half", "__nv_bfloat16") for d in plan_.TMA_HEAD_DIMS for g in ("false", "true")}
+    fp8 = plan_.tma_tile(128, kv="fp8_e4m3")  # opt-in, compiled for the gate
+    want |= {f"cupaged::prefill_ws_tma_kernel<{t}, cupaged::{kv}, {d}, {fp8.block_n}, {fp8.stages}, "
+             f"{g}, {plan_.ws_producer_regs(d)}, {plan_.FP8_TMA_SLOTS}>"
+             for t in ("__half", "__nv_bfloat16") for kv in ("fp8_e4m3", "fp8_e5m2")
+             for d in plan_.TMA_HEAD_DIMS for g in ("false", "true")}
     assert hopper == want
 
 

@@ -87,7 +87,8 @@ def test_tma_tiles_refuse_calls_they_cannot_run(tile, head_dim, kv, geometry, ma
 def test_tma_specs_are_hopper_only():
     from cupaged.prefill import launch
     specs = [s for s in launch.kernel_specializations() if "prefill_ws_tma_kernel" in s.expr]
-    assert len(specs) == 2 * len(plan_.TMA_HEAD_DIMS) * 2 and all(s.hopper for s in specs)
+    # (16-bit, each fp8 format) x q dtypes x head dims x score paths
+    assert len(specs) == 3 * 2 * len(plan_.TMA_HEAD_DIMS) * 2 and all(s.hopper for s in specs)
 
 
 def test_default_takes_tma_where_it_fits():

@@ -17,6 +17,10 @@ tile). One copy lands ``rows`` rows of 128 bytes, 16-byte chunk c of row r at ch
 ``swizzled<BN, 128>`` tile of kernels_cu/wgmma.cuh (rows in whole 8-row swizzle atoms); a
 tile of head size D is D / 64 column blocks at dims 0, 64, ... Keys past a block's end land
 as zeros.
+
+An fp8 cache's maps are over its 1-byte codes: a box of a whole row (``D`` codes, ``rows``
+keys) unswizzled, row r at ``r * D`` bytes of its destination, a staging slot that the
+kernel widens into the swizzled 16-bit tile.
 """
 from __future__ import annotations
 
@@ -30,8 +34,10 @@ BOX_DIMS = 64      # dims of a box row: the 128-byte swizzle span of 16-bit elem
 HEAD_DIMS = (64, 128)  # head sizes whose rows are whole 128-byte column blocks
 
 # driver enums (cuda.h)
+_UINT8 = 0                  # CU_TENSOR_MAP_DATA_TYPE_UINT8: fp8 codes, copied as they are
 _UINT16 = 1                 # CU_TENSOR_MAP_DATA_TYPE_UINT16: fp16 / bf16 bits, copied as they are
 _INTERLEAVE_NONE = 0
+_SWIZZLE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
 _OOB_FILL_ZEROS = 0         # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-range elements read 0
@@ -39,10 +45,13 @@ _OOB_FILL_ZEROS = 0         # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-range el
 
 class MapGeometry(NamedTuple):
     """What ``cuTensorMapEncodeTiled`` takes besides the address: ``dims`` (innermost first),
-    byte ``strides`` of dims 1.. and the ``box``, all in elements but the strides."""
+    byte ``strides`` of dims 1.. and the ``box``, all in elements but the strides; the
+    element ``dtype`` and the ``swizzle`` mode (driver enums)."""
     dims: tuple
     strides: tuple
     box: tuple
+    dtype: int = _UINT16
+    swizzle: int = _SWIZZLE_128B
 
 
 def kv_geometry(head_dim, num_kv_heads, tok_stride, head_stride, block_stride, keys, blocks,
@@ -60,7 +69,8 @@ def kv_geometry(head_dim, num_kv_heads, tok_stride, head_stride, block_stride, k
     rows : int
         Keys per box, at most 256 and a multiple of 8 (whole swizzle atoms).
     itemsize : int
-        Bytes of an element (2).
+        Bytes of an element: 2 (boxes of :data:`BOX_DIMS` dims, swizzled 128 bytes) or 1
+        (fp8 codes: boxes of whole rows, unswizzled).
 
     Returns
     -------
@@ -72,14 +82,18 @@ def kv_geometry(head_dim, num_kv_heads, tok_stride, head_stride, block_stride, k
         A head size other than :data:`HEAD_DIMS`, sizes out of range, or strides TMA
         cannot take (byte strides must be positive multiples of 16).
     """
-    if head_dim not in HEAD_DIMS or itemsize != 2:
-        raise ValueError(f"tma: 16-bit rows of head_dim {HEAD_DIMS} only, got {head_dim}")
+    if head_dim not in HEAD_DIMS or itemsize not in (1, 2):
+        raise ValueError(f"tma: 16-bit or 1-byte rows of head_dim {HEAD_DIMS} only, got "
+                         f"head_dim {head_dim}, itemsize {itemsize}")
     if not (0 < rows <= 256 and rows % 8 == 0) or keys < 1 or blocks < 1:
         raise ValueError(f"tma: box rows {rows}, keys {keys} and blocks {blocks} out of range")
     strides = tuple(x * itemsize for x in (tok_stride, head_stride, block_stride))
     if any(s % 16 or s <= 0 for s in strides):
         raise ValueError(f"tma: K/V byte strides {strides} must be positive multiples of 16")
-    return MapGeometry((head_dim, keys, num_kv_heads, blocks), strides, (BOX_DIMS, rows, 1, 1))
+    dims = (head_dim, keys, num_kv_heads, blocks)
+    if itemsize == 1:
+        return MapGeometry(dims, strides, (head_dim, rows, 1, 1), _UINT8, _SWIZZLE_NONE)
+    return MapGeometry(dims, strides, (BOX_DIMS, rows, 1, 1))
 
 
 def _driver():
@@ -103,7 +117,7 @@ _ENCODE = []  # the driver entry, looked up on first use
 @functools.lru_cache(maxsize=256)
 def encode(address, geometry):
     """The 128 bytes of the tensor map of ``geometry`` (:class:`MapGeometry`) over the
-    tensor at device ``address`` (16-byte aligned), 128-byte swizzled boxes, zeros out of
+    tensor at device ``address`` (16-byte aligned), boxes swizzled as it says, zeros out of
     range. Cached per (address, geometry)."""
     if address % 16:
         raise ValueError(f"tma: the tensor's address {address:#x} is not 16-byte aligned")
@@ -112,10 +126,10 @@ def encode(address, geometry):
     rank = len(geometry.dims)
     buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
     at = -(-ctypes.addressof(buf) // TENSOR_MAP_ALIGN) * TENSOR_MAP_ALIGN  # 64-byte aligned
-    err = _ENCODE[0](at, _UINT16, rank, address, (ctypes.c_uint64 * rank)(*geometry.dims),
+    err = _ENCODE[0](at, geometry.dtype, rank, address, (ctypes.c_uint64 * rank)(*geometry.dims),
                      (ctypes.c_uint64 * (rank - 1))(*geometry.strides),
                      (ctypes.c_uint32 * rank)(*geometry.box), (ctypes.c_uint32 * rank)(*[1] * rank),
-                     _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
+                     _INTERLEAVE_NONE, geometry.swizzle, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
     if err:
         raise RuntimeError(f"tma: cuTensorMapEncodeTiled failed (CUresult {err}) for {geometry}")
     return ctypes.string_at(at, TENSOR_MAP_BYTES)
@@ -131,16 +145,18 @@ class KVMaps:
         ``Hk``, ``D`` and the keys of a K/V tile.
     strides : cupaged.core.layouts.CacheStrides
         The call's K/V element strides (``k_tok``, ``k_head``, ``k_block`` and V's alike;
-        dims contiguous: ``k_chunk`` 8 and ``v_dim`` 1).
+        dims contiguous: ``k_chunk`` ``16 // itemsize`` and ``v_dim`` 1).
     total_k : int, optional
         Ragged K/V: its rows (one block, boxes of ``block_n`` keys).
     block_size, num_blocks : int, optional
         A paged cache's (boxes of ``min(block_size, block_n)`` keys).
+    itemsize : int
+        Bytes of an element: 2, or 1 for an fp8 cache's codes.
     """
 
     def __init__(self, num_kv_heads, head_dim, strides, block_n, total_k=None, block_size=None,
-                 num_blocks=None):
-        if strides.k_chunk != 8 or strides.v_dim != 1:
+                 num_blocks=None, itemsize=2):
+        if strides.k_chunk != 16 // itemsize or strides.v_dim != 1:
             raise ValueError("tma: K and V need contiguous dims")
         if block_size is None:
             keys, blocks, rows = total_k, 1, block_n
@@ -150,7 +166,8 @@ class KVMaps:
             block = (strides.k_block, strides.v_block)
         self._geo = None
         if keys > 0 and blocks > 0:
-            self._geo = tuple(kv_geometry(head_dim, num_kv_heads, tok, head, blk, keys, blocks, rows)
+            self._geo = tuple(kv_geometry(head_dim, num_kv_heads, tok, head, blk, keys, blocks, rows,
+                                          itemsize)
                               for tok, head, blk in ((strides.k_tok, strides.k_head, block[0]),
                                                      (strides.v_tok, strides.v_head, block[1])))
 

@@ -39,9 +39,9 @@ def _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv=None):
     path)."""
     if tile.ws:
         g = "true" if general else "false"
-        name = "prefill_ws_tma_kernel" if tile.tma else "prefill_ws_kernel"
+        name, slots = ("prefill_ws_tma_kernel", f", {tile.slots}") if tile.tma else ("prefill_ws_kernel", "")
         return (f"cupaged::{name}<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
-                f"{tile.stages}, {g}, {tile.producer_regs}>")
+                f"{tile.stages}, {g}, {tile.producer_regs}{slots}>")
     flags = ", ".join("true" if f else "false" for f in (v_transposed, general))
     return (f"cupaged::prefill_wgmma_kernel<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
             f"{tile.stages}, {flags}>")
@@ -54,8 +54,9 @@ def kernel_specializations():
     dims x (V rows, V^T) x (plain, general scores) at its tile; the same from fp8 caches of
     each format for the head dims ``plan.FP8_HEAD_DIMS``; the TMA-fed warp-specialised
     kernel (``plan.tma_tile``, the ragged default where ``plan.tma_fits``) for (fp16, bf16)
-    x ``plan.TMA_HEAD_DIMS`` x (plain, general scores). The benchmark's other tiles compile
-    on demand."""
+    x ``plan.TMA_HEAD_DIMS`` x (plain, general scores), and its fp8 tile
+    (``plan.tma_tile(d, kv=kv)``, opt-in) for the same from caches of each format. The
+    benchmark's other tiles compile on demand."""
     specs = []
     for kv in (None,) + KV_DTYPES:
         dims = HEAD_DIMS if kv is None else plan_.FP8_HEAD_DIMS
@@ -66,9 +67,10 @@ def kernel_specializations():
                        hopper=True)
                   for dt in (float16, bfloat16) for d in dims if d in plan_.WGMMA_HEAD_DIMS
                   for vt in (False, True) for general in (False, True)]
-    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.tma_tile(d), False, general),
+    specs += [Spec("prefill_sm90", _expr_wgmma(dt, d, plan_.tma_tile(d, kv=kv), False, general, kv),
                    hopper=True)
-              for dt in (float16, bfloat16) for d in plan_.TMA_HEAD_DIMS for general in (False, True)]
+              for kv in (None,) + KV_DTYPES for dt in (float16, bfloat16)
+              for d in plan_.TMA_HEAD_DIMS for general in (False, True)]
     return (specs + [Spec("prefill", _expr(float32, d, False, None)) for d in HEAD_DIMS]
             + [Spec("plan", PLAN_EXPR)])
 
@@ -218,7 +220,8 @@ class Launches:
         self._maps = None
         if self.tile.tma:
             self._maps = tma.KVMaps(num_kv_heads, d, strides, self.tile.block_n, total_k,
-                                    *((block_size, num_blocks) if paged else ()))
+                                    *((block_size, num_blocks) if paged else (None, None)),
+                                    itemsize=1 if kv is not None else q.itemsize)
         self.args = (abi.PREFILL_TMA if self.tile.tma else abi.PREFILL).bind(
             work=ptr(work), max_blocks=table_stride(tables), block_size=block_size,
             paged=int(paged), k_block=strides.k_block, k_head=strides.k_head,

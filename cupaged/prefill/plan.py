@@ -16,6 +16,7 @@ from ..core.arrays import check_array, check_choice, float32
 from ..core.checks import (INT32_MAX, check_block_elements, check_cu_seqlens, check_gqa,
     check_query, token_stride)
 from ..core import tma
+from ..core.fp8 import KV_DTYPES
 from ..core.layouts import LAYOUTS
 
 
@@ -127,12 +128,16 @@ class WgmmaTile(NamedTuple):
     wgmma batch waited for at once, 3: the P V batch of one tile overlaps the softmax of the
     next). ``tma`` (with ``ws``; the default where :func:`tma_fits`): the producer copies
     the K/V tiles by TMA (``prefill_ws_tma_kernel``; ragged K/V and NHD / HND caches of
-    :data:`TMA_HEAD_DIMS`, :func:`check_tma`). ``Config`` in prefill_sm90.cu."""
+    :data:`TMA_HEAD_DIMS`, :func:`check_tma`); ``slots`` (with ``tma``; an explicit tile,
+    ``tma_tile(head_dim, kv=...)``, never a default): from an fp8 cache, the staging slots of
+    K or V codes the producer copies by TMA and widens into the 16-bit tiles (0: 16-bit
+    K/V). ``Config`` in prefill_sm90.cu."""
     block_n: int
     stages: int
     ws: bool = False
     producer_regs: int = 0  # ws: the producer warpgroup's setmaxnreg budget
     tma: bool = False
+    slots: int = 0
 
     @property
     def block_m(self):
@@ -163,10 +168,26 @@ TMA_HEAD_DIMS = tma.HEAD_DIMS
 TMA_STAGES = 3
 
 
-def tma_tile(head_dim, stages=TMA_STAGES):
-    """The warp-specialised tile of ``head_dim`` with the TMA producer (``stages`` K and V
-    buffers each)."""
-    return WgmmaTile(128, stages, True, ws_producer_regs(head_dim), True)
+# The fp8 TMA tile (tma_tile with kv): two K and two V buffers (three at d128 leave no
+# shared memory for the staging) and a staging slot per part of two tiles, so that the
+# tensor copies of the next tile run while the last one is widened.
+FP8_TMA_STAGES = 2
+FP8_TMA_SLOTS = 4
+# dynamic shared memory a CTA may take on sm_90 (H100 / H200)
+WGMMA_SMEM_LIMIT = 227 * 1024
+
+
+def tma_tile(head_dim, stages=None, kv=None):
+    """The warp-specialised tile of ``head_dim`` with the TMA producer: ``stages`` K and V
+    buffers each (None: :data:`TMA_STAGES`, from an fp8 cache :data:`FP8_TMA_STAGES`);
+    ``kv`` (an fp8 format, or None for 16-bit K/V): the fp8 tile, whose producer copies
+    the codes by TMA into :data:`FP8_TMA_SLOTS` staging slots and widens them into the
+    16-bit tiles. The fp8 tile is opt-in: :func:`wgmma_tile` never returns it."""
+    if kv is None:
+        return WgmmaTile(128, stages or TMA_STAGES, True, ws_producer_regs(head_dim), True)
+    check_choice("kv", kv, KV_DTYPES)
+    return WgmmaTile(128, stages or FP8_TMA_STAGES, True, ws_producer_regs(head_dim), True,
+                     FP8_TMA_SLOTS)
 
 
 class TmaGeometry(NamedTuple):
@@ -181,14 +202,16 @@ class TmaGeometry(NamedTuple):
 
 def tma_fits(head_dim, kv, geometry, block_n=128):
     """Whether a launch of :class:`TmaGeometry` ``geometry`` can take the TMA producer:
-    16-bit K/V (``kv`` None) of :data:`TMA_HEAD_DIMS` with contiguous dims, key, head and
-    block strides whose bytes are multiples of 16 (as a tensor map's must be), coordinates
-    within int32 (at most 2^31 - 1 ragged rows or cache blocks), and for a cache a block
-    size of whole 8-row swizzle atoms that divides ``block_n`` or is a multiple of it (so
-    that a tile is whole boxes of one block each: NHD and HND; the vllm layout's chunked
-    keys fail the contiguity test)."""
+    K/V (16-bit, ``kv`` None, or 1-byte codes of the fp8 format ``kv``) of
+    :data:`TMA_HEAD_DIMS` with contiguous dims, key, head and block strides whose bytes are
+    multiples of 16 (as a tensor map's must be), coordinates within int32 (at most
+    2^31 - 1 ragged rows or cache blocks), and for a cache a block size of whole 8-row
+    swizzle atoms that divides ``block_n`` or is a multiple of it (so that a tile is whole
+    boxes of one block each: NHD and HND; the vllm layout's chunked keys fail the
+    contiguity test). Whether the tile suits ``kv`` is :func:`check_tma`'s."""
     st = geometry.strides
-    if kv is not None or head_dim not in TMA_HEAD_DIMS or st.k_chunk != 8 or st.v_dim != 1:
+    itemsize = 2 if kv is None else 1
+    if head_dim not in TMA_HEAD_DIMS or st.k_chunk != 16 // itemsize or st.v_dim != 1:
         return False
     if geometry.block_size is None:
         count, steps = geometry.total_k, (st.k_tok, st.k_head, st.v_tok, st.v_head)
@@ -198,22 +221,32 @@ def tma_fits(head_dim, kv, geometry, block_n=128):
             return False
         count = geometry.num_blocks
         steps = (st.k_tok, st.k_head, st.k_block, st.v_tok, st.v_head, st.v_block)
-    return count <= INT32_MAX and all(x > 0 and (2 * x) % 16 == 0 for x in steps)
+    return count <= INT32_MAX and all(x > 0 and (itemsize * x) % 16 == 0 for x in steps)
 
 
 def check_tma(tile, head_dim, kv, geometry):
     """Refuse a TMA tile (``tile.tma``) for a call it cannot run: the warp-specialised kernel
-    only, head sizes :data:`TMA_HEAD_DIMS`, and a launch (fp8 format ``kv``,
-    :class:`TmaGeometry` ``geometry``) that :func:`tma_fits`. Raises ValueError naming the
-    reason."""
+    only, head sizes :data:`TMA_HEAD_DIMS`, staging slots exactly from an fp8 cache (format
+    ``kv``: ``tma_tile(head_dim, kv=kv)``), shared memory within :data:`WGMMA_SMEM_LIMIT`,
+    and a launch (:class:`TmaGeometry` ``geometry``) that :func:`tma_fits`. Raises
+    ValueError naming the reason."""
     if not tile.tma:
         return
     if not tile.ws:
         raise ValueError("tile: tma needs the warp-specialised kernel (ws=True)")
     if head_dim not in TMA_HEAD_DIMS:
         raise ValueError(f"tile: tma takes head_dim {TMA_HEAD_DIMS}, got {head_dim}")
+    if (kv is None) != (tile.slots == 0):
+        want = "0 (16-bit K/V)" if kv is None else "> 0 (plan.tma_tile(head_dim, kv=kv))"
+        raise ValueError(f"tile: tma from K/V of kv {kv} expects slots {want}; got kv {kv}, "
+                         f"slots {tile.slots}")
+    smem = wgmma_smem_bytes(head_dim, tile, kv)
+    if smem > WGMMA_SMEM_LIMIT:
+        raise ValueError(f"tile: expected at most {WGMMA_SMEM_LIMIT} bytes of shared memory, "
+                         f"got {smem} (head_dim {head_dim}, stages {tile.stages}, "
+                         f"slots {tile.slots})")
     if not tma_fits(head_dim, kv, geometry, tile.block_n):
-        raise ValueError("tile: tma takes 16-bit K/V with contiguous dims, strides of whole 16 "
+        raise ValueError("tile: tma takes K/V with contiguous dims, strides of whole 16 "
                          "bytes, at most 2^31 - 1 rows or blocks, and block sizes of whole 8 "
                          f"keys that divide the tile or are a multiple of it; got kv {kv}, "
                          f"{geometry}")
@@ -253,11 +286,15 @@ def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False, geometr
 def wgmma_smem_bytes(head_dim, tile, kv=None):
     """Dynamic shared memory of a wgmma kernel: Q ``[128][D]``, ``stages`` K and V tiles
     ``[block_n][D]`` (16-bit; V^T ``[D][block_n]`` takes as much), from an fp8 cache
-    (format ``kv``) the staging of one tile (:func:`fp8_staging_bytes`), the warp-specialised
-    kernel's mbarriers (8 bytes each: Q, and per stage K and V full and empty), plus 1024
-    bytes to align the swizzled tiles."""
-    staging = 0 if kv is None else fp8_staging_bytes(head_dim, tile.block_n, tile.threads)
-    barriers = 8 * (1 + 4 * tile.stages) if tile.ws else 0
+    (format ``kv``) the staging of one tile (:func:`fp8_staging_bytes`) or, for the fp8 TMA
+    tile, its ``slots`` slots of ``[block_n][D]`` codes, the warp-specialised kernel's
+    mbarriers (8 bytes each: Q, per stage K and V full and empty, per slot full and empty),
+    plus 1024 bytes to align the swizzled tiles."""
+    if tile.slots:
+        staging = tile.slots * tile.block_n * head_dim
+    else:
+        staging = 0 if kv is None else fp8_staging_bytes(head_dim, tile.block_n, tile.threads)
+    barriers = 8 * (1 + 4 * tile.stages + 2 * tile.slots) if tile.ws else 0
     return (2 * (tile.block_m * head_dim + 2 * tile.stages * tile.block_n * head_dim) + staging
             + barriers + 1024)
 
