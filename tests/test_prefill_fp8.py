@@ -13,7 +13,7 @@ import pytest
 import cupaged
 from cupaged.core.arrays import bfloat16
 from cupaged.core.fp8 import FP8_FORMATS
-from cupaged.core.layouts import LAYOUTS, k_as_nhd, v_as_nhd
+from cupaged.core.layouts import LAYOUTS, k_as_nhd, layout_strides, v_as_nhd
 from cupaged.prefill import plan as plan_
 from cupaged.reference import attention as ref
 from cupaged.reference.fp8 import dequantize, quantize
@@ -38,9 +38,10 @@ def scales(rng, form, hk):
 
 
 def fp8_paged(rng, q_lens, kv_lens, *, hq=8, hk=2, d=128, dtype=bfloat16, layout="NHD",
-              block_size=16, fmt="fp8_e4m3", scale="heads"):
+              block_size=16, fmt="fp8_e4m3", scale="heads", fill=(NAN_CODE, NAN_CODE)):
     """A random paged batch on uint8 caches of ``fmt`` in ``layout`` (slots no sequence owns:
-    NaN codes), q of ``dtype``, and its fp8 arguments (host forms)."""
+    the codes ``fill`` of K and V, NaN's by default), q of ``dtype``, and its fp8 arguments
+    (host forms)."""
     q, k, v, cu_q, cu_k = ragged(rng, q_lens, kv_lens, hq, hk, d, np.float32)
     kc, vc, bt, sl = paged(rng, k * AMP, v * AMP, cu_k, "NHD", block_size)
     ks, vs = scales(rng, scale, hk)
@@ -50,7 +51,7 @@ def fp8_paged(rng, q_lens, kv_lens, *, hq=8, hk=2, d=128, dtype=bfloat16, layout
     for b, n in enumerate(sl):
         t = np.arange(n)
         owned[bt[b, t // block_size], t % block_size] = True
-    k8[~owned], v8[~owned] = NAN_CODE, NAN_CODE
+    k8[~owned], v8[~owned] = fill
     k8, v8 = from_nhd(k8, v8, layout)
     case = dict(q=q.astype(dtype), k_cache=k8, v_cache=v8, cu_seqlens_q=cu_q,
                 block_tables=bt, seq_lens=sl)
@@ -316,3 +317,222 @@ def test_gpu_fp8_torch_float8(rng):
                                 v_scale=torch.from_numpy(fp8["v_scale"]).cuda())
     assert isinstance(got, torch.Tensor)
     assert_close(got.float().cpu().numpy(), want, bfloat16)
+
+
+# ----------------------------------------------------------------------------- fp8 TMA tile
+# plan.tma_tile(d, kv=fmt): opt-in, run here as an explicit tile (no default takes it)
+TMA_FMT = ("fp8_e4m3", "fp8_e5m2")
+TMA_NAN = (0x7F, 0xFF)  # K and V codes past every sequence: +NaN and -NaN in both formats
+
+
+def _cache_geometry(case, layout, fmt):
+    from cupaged.prefill.api import _check_caches
+    return _check_caches(case["k_cache"], case["v_cache"], layout, np, fmt)[0]
+
+
+def test_fp8_tma_tile_is_opt_in_and_fits():
+    """The fp8 TMA tile: two stages, FP8_TMA_SLOTS staging slots, its shared memory (Q,
+    tiles, slots of codes, barriers, alignment) within the limit at both head sizes; no
+    default (fp8 or 16-bit) is it, and the gate compiles it for both formats."""
+    from cupaged.prefill.launch import _expr_wgmma, kernel_specializations
+    exprs = {s.expr for s in kernel_specializations() if s.hopper}
+    geo = plan_.TmaGeometry(layout_strides("NHD", 16, 2, 128, 1), block_size=16, num_blocks=64)
+    for d in plan_.TMA_HEAD_DIMS:
+        tile = plan_.tma_tile(d, kv="fp8_e4m3")
+        assert tile == plan_.tma_tile(d, kv="fp8_e5m2")
+        assert (tile.ws, tile.tma, tile.stages, tile.slots) == (True, True, plan_.FP8_TMA_STAGES,
+                                                                plan_.FP8_TMA_SLOTS)
+        assert tile.block_m == plan_.default_tile(d).block_m  # one work list
+        want = (2 * (128 * d + 2 * 2 * 128 * d) + plan_.FP8_TMA_SLOTS * 128 * d
+                + 8 * (1 + 4 * 2 + 2 * plan_.FP8_TMA_SLOTS) + 1024)
+        assert plan_.wgmma_smem_bytes(d, tile, "fp8_e4m3") == want <= plan_.WGMMA_SMEM_LIMIT
+        assert plan_.tma_tile(d).slots == 0
+        for kv in FORMATS:
+            assert plan_.wgmma_tile(d, kv, geometry=geo) != tile
+            for general in (False, True):
+                assert _expr_wgmma(bfloat16, d, tile, False, general, kv) in exprs
+    assert plan_.wgmma_smem_bytes(128, plan_.tma_tile(128, kv="fp8_e4m3"), "fp8_e4m3") == 230536
+    assert (_expr_wgmma(np.float16, 64, plan_.tma_tile(64, kv="fp8_e5m2"), False, True, "fp8_e5m2")
+            == "cupaged::prefill_ws_tma_kernel<__half, cupaged::fp8_e5m2, 64, 128, 2, true, 72, 4>")
+
+
+def _tma_geo(layout, block_size, d=128):
+    return plan_.TmaGeometry(layout_strides(layout, block_size, 2, d, 1), block_size=block_size,
+                             num_blocks=50)
+
+
+@pytest.mark.parametrize("tile, head_dim, kv, geometry, match", [
+    (plan_.tma_tile(128), 128, "fp8_e4m3", _tma_geo("NHD", 16),
+     r"expects slots > 0 .*; got kv fp8_e4m3, slots 0"),
+    (plan_.tma_tile(128, kv="fp8_e4m3"), 128, None, _tma_geo("NHD", 16),
+     r"expects slots 0 \(16-bit K/V\); got kv None, slots 4"),
+    (plan_.tma_tile(128, 3, kv="fp8_e4m3"), 128, "fp8_e4m3", _tma_geo("NHD", 16),
+     r"expected at most 232448 bytes of shared memory, got 296104 \(head_dim 128, stages 3"),
+    (plan_.tma_tile(128, kv="fp8_e5m2"), 128, "fp8_e5m2", _tma_geo("vllm", 16),
+     "contiguous dims.*got kv fp8_e5m2"),
+    (plan_.tma_tile(128, kv="fp8_e4m3"), 128, "fp8_e4m3", _tma_geo("HND", 24),
+     "block sizes of whole 8 keys"),
+    (plan_.tma_tile(128, kv="fp8_e4m3"), 96, "fp8_e4m3", _tma_geo("NHD", 16, 96),
+     r"head_dim \(64, 128\), got 96"),
+])
+def test_fp8_tma_tile_refuses_calls_it_cannot_run(tile, head_dim, kv, geometry, match):
+    with pytest.raises(ValueError, match=match):
+        plan_.check_tma(tile, head_dim, kv, geometry)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("block_size", [8, 16, 128, 256])
+def test_fp8_tma_tile_fits_nhd_and_hnd_caches(layout, block_size):
+    plan_.check_tma(plan_.tma_tile(64, kv="fp8_e5m2"), 64, "fp8_e5m2", _tma_geo(layout, block_size, 64))
+    assert plan_.tma_fits(128, "fp8_e4m3", _tma_geo(layout, block_size))
+    odd = _tma_geo(layout, block_size)
+    odd = odd._replace(strides=odd.strides._replace(k_block=odd.strides.k_block + 8))
+    assert not plan_.tma_fits(128, "fp8_e4m3", odd)  # a block stride of 8 bytes
+
+
+def test_fp8_tma_tile_refuses_unknown_formats():
+    with pytest.raises(ValueError, match="kv: expected one of"):
+        plan_.tma_tile(128, kv="fp8")
+
+
+@pytest.mark.parametrize("layout, block_size", [("NHD", 16), ("HND", 128), ("NHD", 256)])
+def test_fp8_tma_maps_box_rows_of_codes(layout, block_size):
+    """An fp8 cache's maps: the (dim, key in block, head, block) dims of the codes, byte
+    strides equal to element strides, boxes of whole rows (D bytes) x a block's part of the
+    tile, UINT8 and unswizzled (the staging slots are widened, not read by wgmma)."""
+    from cupaged.core import tma
+    strides = layout_strides(layout, block_size, 4, 128, 1)
+    maps = tma.KVMaps(4, 128, strides, 128, block_size=block_size, num_blocks=30, itemsize=1)
+    for geo, tok, head, blk in zip(maps._geo, (strides.k_tok, strides.v_tok),
+                                   (strides.k_head, strides.v_head), (strides.k_block, strides.v_block)):
+        assert geo.dims == (128, block_size, 4, 30)
+        assert geo.strides == (tok, head, blk)
+        assert geo.box == (128, min(block_size, 128), 1, 1)
+        assert (geo.dtype, geo.swizzle) == (tma._UINT8, tma._SWIZZLE_NONE)
+    with pytest.raises(ValueError, match="contiguous"):  # 16-bit strides given as codes
+        tma.KVMaps(4, 128, layout_strides(layout, block_size, 4, 128, 2), 128,
+                   block_size=block_size, num_blocks=30, itemsize=1)
+    with pytest.raises(ValueError, match="itemsize 4"):
+        tma.kv_geometry(128, 4, 512, 128, 512 * 16, 16, 30, 16, itemsize=4)
+
+
+class _Kernel:
+    """A launcher's stand-in: what ``Launches`` asked for."""
+
+    def __init__(self, stem, expr, record, **kw):
+        self.stem, self.expr, self.record, self.kw = stem, expr, record, kw
+
+    def at(self, grid, threads, smem):
+        self.grid, self.threads, self.smem = grid, threads, smem
+        return self
+
+
+def test_fp8_tma_launch_record(monkeypatch, rng):
+    """Launches of the explicit fp8 TMA tile on an HND cache, set up on the host: its
+    kernel, 384 threads, the plan's shared memory, the PREFILL_TMA record with the scales'
+    fields, and 1-byte maps over the cache; a vllm cache is refused before any launch."""
+    from cupaged.core import abi, tma
+    from cupaged.core.checks import check_options
+    from cupaged.core.fp8 import fp8_format, kernel_scales
+    from cupaged.core.layouts import cache_strides
+    from cupaged.prefill import launch
+    monkeypatch.setattr(launch, "launcher", _Kernel)
+    monkeypatch.setattr(launch, "ptr", lambda a: 0 if a is None else id(a))
+    case, fp8 = fp8_paged(rng, [5, 70], [9, 300], layout="HND", fmt="fp8_e5m2", scale="float")
+    geo = _cache_geometry(case, "HND", "fp8_e5m2")
+    tile = plan_.tma_tile(128, kv="fp8_e5m2")
+    opts = check_options(np, 8, 128)
+    scales = kernel_scales(fp8_format("fp8_e5m2"), 0.05, 0.04, 2, False)
+    work = np.zeros((4, 4), np.int32)
+    strides = cache_strides(case["k_cache"], case["v_cache"], "HND", geo)
+    run = launch.Launches(case["q"], 2, case["block_tables"], geo.block_size, geo.num_blocks, 0,
+                          2, strides, opts, True, False, "wgmma", tile=tile, work=work,
+                          kv="fp8_e5m2", scales=scales)
+    assert run.kernel.expr == ("cupaged::prefill_ws_tma_kernel<__nv_bfloat16, cupaged::fp8_e5m2, "
+                               "128, 128, 2, false, 72, 4>")
+    assert run.kernel.record is abi.PREFILL_TMA and run.kernel.kw["hopper"]
+    assert (run.go.grid, run.go.threads, run.threads) == (4, 384, 384)
+    assert run.go.smem == run.smem == plan_.wgmma_smem_bytes(128, tile, "fp8_e5m2")
+    k_geo = run._maps._geo[0]
+    assert k_geo.box == (128, 16, 1, 1) and k_geo.dtype == tma._UINT8
+    assert k_geo.strides == (strides.k_tok, strides.k_head, strides.k_block)
+    case_v, _ = fp8_paged(rng, [5], [9], layout="vllm", fmt="fp8_e5m2")
+    geo_v = _cache_geometry(case_v, "vllm", "fp8_e5m2")
+    with pytest.raises(ValueError, match="contiguous dims"):
+        launch.Launches(case_v["q"], 1, case_v["block_tables"], 16, geo_v.num_blocks, 0, 2,
+                        cache_strides(case_v["k_cache"], case_v["v_cache"], "vllm", geo_v), opts,
+                        True, True, "wgmma", tile=tile, work=work, kv="fp8_e5m2", scales=scales)
+
+
+def check_gpu_tma(cp, case, fp8, layout, causal=True, **opts):
+    """The fp8 TMA tile (explicit, a host work list) on the device, out and LSE
+    NaN-poisoned, against the reference on the same bytes; scales as device arrays."""
+    from cupaged.core.checks import check_options
+    from cupaged.core.fp8 import fp8_format, kernel_scales
+    from cupaged.core.layouts import cache_strides
+    from cupaged.prefill import launch
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the TMA producer needs an sm_90 device")
+    q, hq, d, fmt = case["q"], case["q"].shape[1], case["q"].shape[2], fp8["kv_dtype"]
+    geo = _cache_geometry(case, layout, fmt)
+    tile = plan_.tma_tile(d, kv=fmt)
+    want, want_lse = ref.paged_prefill(**case, layout=layout, return_lse=True, causal=causal,
+                                       **fp8, **opts)
+    ho = check_options(np, hq, d, **opts)
+    work = launch.host_work(np.diff(case["cu_seqlens_q"]), case["seq_lens"], q.dtype, hq,
+                            geo.num_kv_heads, d, False, causal, ho, tile, "wgmma", fmt)
+    dev = {n: cp.asarray(a) for n, a in case.items()}
+    ks, vs = (cp.asarray(np.asarray(fp8[n], np.float32)) for n in ("k_scale", "v_scale"))
+    dopts = ho._replace(sinks=_dev(cp, ho.sinks), alibi_slopes=_dev(cp, ho.alibi_slopes))
+    run = launch.Launches(dev["q"], len(case["seq_lens"]), dev["block_tables"], geo.block_size,
+                          geo.num_blocks, 0, geo.num_kv_heads,
+                          cache_strides(dev["k_cache"], dev["v_cache"], layout, geo), dopts,
+                          causal, False, "wgmma", tile=tile, work=cp.asarray(work), kv=fmt,
+                          scales=kernel_scales(fp8_format(fmt), ks, vs, geo.num_kv_heads, False))
+    assert run.tile == tile
+    out = cp.asarray(np.full(q.shape, np.nan, q.dtype))
+    lse = cp.full(q.shape[:2], np.nan, np.float32)
+    run(*launch.addresses(dev["q"], dev["k_cache"], dev["v_cache"], out, lse,
+                          dev["cu_seqlens_q"], dev["seq_lens"], dev["block_tables"],
+                          dopts.alibi_slopes, dopts.sinks),
+        cp.cuda.get_current_stream().ptr, *launch.addresses(ks, vs))
+    assert_close(out.get(), want, q.dtype)
+    assert_lse(lse.get(), want_lse)
+
+
+# odd lengths around the 128-key tiles, q_len < kv_len, an empty sequence, many tiles
+TMA_Q, TMA_KV = [1, 63, 64, 65, 0, 300, 1000], [1, 63, 130, 65, 40, 1000, 1000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", plan_.TMA_HEAD_DIMS)
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("scale", ["tensor", "heads"])
+@pytest.mark.parametrize("fmt", TMA_FMT)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_gpu_fp8_tma_layouts(cp, rng, layout, fmt, scale, block_size, head_dim, causal):
+    """Both formats and scale shapes, NHD and HND, page sizes below and at the tile; the
+    slots past every sequence's keys hold NaN codes (+ for K, - for V), which the widening
+    must turn to zeros."""
+    dtype = bfloat16 if fmt == "fp8_e4m3" else np.float16
+    case, fp8 = fp8_paged(rng, TMA_Q, TMA_KV, d=head_dim, dtype=dtype, layout=layout,
+                          block_size=block_size, fmt=fmt, scale=scale, fill=TMA_NAN)
+    check_gpu_tma(cp, case, fp8, layout, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("feature", ["plain"] + sorted(FEATURES))
+@pytest.mark.parametrize("head_dim", plan_.TMA_HEAD_DIMS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_gpu_fp8_tma_features(cp, rng, layout, head_dim, feature, heads):
+    """Every score option (window, sinks, soft-cap and ALiBi on the general path, any
+    sm_scale), GQA 4 and none, through the fp8 TMA tile."""
+    hq, hk = heads
+    opts, q_scale = _options(rng, hq, feature)
+    causal = opts.pop("causal", True)
+    case, fp8 = fp8_paged(rng, TMA_Q, TMA_KV, hq=hq, hk=hk, d=head_dim, layout=layout,
+                          fmt="fp8_e4m3", scale="heads", fill=TMA_NAN)
+    case["q"] = (case["q"].astype(np.float32) * q_scale).astype(bfloat16)
+    check_gpu_tma(cp, case, fp8, layout, causal=causal, **opts)
