@@ -23,7 +23,9 @@ Rows (bf16, H 32 query and kv heads):
   prefill (``PagedPrefiller``, backend "auto") from an fp8 e4m3 cache with per-head scales,
   beside the same prefill from a bf16 cache of that layout in the same run (``vs_bf16``:
   bf16 time over fp8 time, issue 21's goal >= 0.9 for NHD; ``err_vs_bf16``: the output's
-  relative error against the bf16 cache's).
+  relative error against the bf16 cache's). On sm_90, NHD and HND also time the opt-in
+  fp8 TMA tile (``plan.tma_tile(d, kv=...)``, tile ``ws ... tma fp8 slots4``) beside it,
+  ``vs_bf16`` against the same bf16 row.
 - ``mixed decode + chunk``: issue 20's batch of 63 decode rows at 8K and a 2K-token chunk
   through one ``paged_attention`` (one prefill launch), beside ``paged_decode`` +
   ``paged_prefill`` on its parts (``vs_split`` >= 1 is the goal) and
@@ -172,9 +174,11 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma",
 
 
 def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16, backend="mma",
-                    kv_dtype=None, k_scale=None, v_scale=None):
+                    kv_dtype=None, k_scale=None, v_scale=None, tile=None):
     """PagedPrefiller.run over a ``layout`` cache holding k/v in shuffled pages (``kv_dtype``:
-    an fp8 cache written with the scales ``k_scale`` / ``v_scale``, device arrays)."""
+    an fp8 cache written with the scales ``k_scale`` / ``v_scale``, device arrays); with
+    ``tile`` (a wgmma tile no default takes, such as ``plan.tma_tile(d, kv=kv_dtype)``) the
+    launch of that tile over a host work list instead, set up once (:func:`_tile_launch`)."""
     import cupy
     import cupaged
     from ..core.layouts import cache_shapes
@@ -193,11 +197,47 @@ def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16, backe
     kc, vc = cupy.empty(ks, elements), cupy.empty(vs, elements)
     fp8 = {} if kv_dtype is None else dict(k_scale=k_scale, v_scale=v_scale)
     cupaged.write_kv_cache(k, v, kc, vc, slots, layout=layout, kv_dtype=kv_dtype, **fp8)
+    out = cupy.empty_like(q)
+    if tile is not None:
+        return _tile_launch(q, kc, vc, out, cu_host, tables, causal, layout, tile, kv_dtype,
+                            k_scale, v_scale)
     pre = cupaged.PagedPrefiller(H, H, q.shape[2], block_size, dtype=q.dtype, layout=layout,
                                  causal=causal, backend=backend, kv_dtype=kv_dtype)
     pre.plan(cu_host, tables, lens.astype(np.int32))
-    out = cupy.empty_like(q)
     return lambda: pre.run(q, kc, vc, out=out, **fp8)
+
+
+def _tile_launch(q, kc, vc, out, cu_host, tables, causal, layout, tile, kv_dtype, k_scale,
+                 v_scale):
+    """Launch-only closure of the wgmma ``tile`` over paged caches ``kc`` / ``vc`` (each
+    sequence's keys its queries; the fp8 format ``kv_dtype`` with device scales), its work
+    list and launch set up once as a public call's hot path holds them."""
+    import cupy
+    from ..core.checks import check_options
+    from ..core.fp8 import fp8_format, kernel_scales
+    from ..core.layouts import cache_strides
+    from ..prefill import launch as prefill
+    from ..prefill.api import _check_caches
+    lens = np.diff(cu_host).astype(np.int32)
+    d = q.shape[2]
+    opts = check_options(cupy, H, d)
+    geo = _check_caches(kc, vc, layout, cupy, kv_dtype)[0]
+    work = cupy.asarray(prefill.host_work(lens, lens, q.dtype, H, H, d, False, causal, opts,
+                                          tile, "wgmma", kv_dtype))
+    scales = (None if kv_dtype is None
+              else kernel_scales(fp8_format(kv_dtype), k_scale, v_scale, H, False))
+    tables = cupy.asarray(tables)
+    run = prefill.Launches(q, len(lens), tables, geo.block_size, geo.num_blocks, 0, H,
+                           cache_strides(kc, vc, layout, geo), opts, causal, False, "wgmma",
+                           tile=tile, work=work, kv=kv_dtype, scales=scales)
+    held = (q, kc, vc, out, None, cupy.asarray(cu_host), cupy.asarray(lens), tables, None,
+            None, k_scale, v_scale)
+    arrays = prefill.addresses(*held)
+
+    def launch():  # by address: `held` keeps the arrays alive as long as the closure
+        run(*arrays[:10], current_stream(), *arrays[10:])
+        return out
+    return launch
 
 
 def _shape(q_lens, cu_host, head_dim, causal):
@@ -227,7 +267,8 @@ def _paged_default(q, k, layout, block_size=16):
 
 def wgmma_label(tile):
     if tile.ws:
-        return f"ws 1+2wg x64r n{tile.block_n} s{tile.stages}" + (" tma" if tile.tma else "")
+        tma = (f" tma fp8 slots{tile.slots}" if tile.slots else " tma") if tile.tma else ""
+        return f"ws 1+2wg x64r n{tile.block_n} s{tile.stages}" + tma
     return f"2wg x64r n{tile.block_n} s{tile.stages}" + (" overlap" if tile.stages == 3 else "")
 
 
@@ -394,7 +435,10 @@ def bench_fp8(inputs, causal, layouts=("NHD",), kv_dtype="fp8_e4m3"):
     largest value), beside the same prefill from a bf16 cache of that layout in this run:
     ``vs_bf16`` the bf16 time over the fp8 time (issue 21: >= 0.9), ``err_vs_bf16`` the fp8
     output's relative error (norm) against the bf16 cache's; ``checked``: sequence 0's
-    first and last rows against the reference over the dequantised cache."""
+    first and last rows against the reference over the dequantised cache. On sm_90 the NHD
+    and HND caches get a second fp8 row: the opt-in fp8 TMA tile
+    (``plan.tma_tile(d, kv=kv_dtype)``) launched explicitly, ``vs_bf16`` against the same
+    bf16 time."""
     import cupy
     from ..core.fp8 import fp8_format
     from ..reference.fp8 import dequantize, quantize
@@ -407,20 +451,25 @@ def bench_fp8(inputs, causal, layouts=("NHD",), kv_dtype="fp8_e4m3"):
                                       kv_dtype).astype(np.float32))
               for x, s in ((k, k_scale), (v, v_scale)))
     shape = _shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal)
+    tma = plan_.tma_tile(q.shape[2], kv=kv_dtype) if q.shape[2] in plan_.TMA_HEAD_DIMS else None
     rows = []
     for layout in layouts:
         plain = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto")
-        fp8 = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto",
-                              kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
         want = plain().copy()
-        got = fp8()
-        err = float(cupy.linalg.norm(_bf16_as_f32(got) - _bf16_as_f32(want))
-                    / cupy.linalg.norm(_bf16_as_f32(want)))
-        ok = _check(got, q, k0, v0, cu_host, causal)
-        t_plain, t_fp8 = time_gpu(plain), time_gpu(fp8)
-        rows.append(dict(op="paged", variant=f"{layout} page16 {kv_dtype} cache", shape=shape,
-                         ms=t_fp8 * 1e3, TFLOPs=flops / t_fp8 / 1e12, vs_bf16=t_plain / t_fp8,
-                         err_vs_bf16=err, checked=ok))
+        t_plain = time_gpu(plain)
+        tiles = [None] + ([tma] if tma is not None and layout != "vllm" and _hopper() else [])
+        for tile in tiles:
+            fp8 = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto",
+                                  kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, tile=tile)
+            got = fp8()
+            err = float(cupy.linalg.norm(_bf16_as_f32(got) - _bf16_as_f32(want))
+                        / cupy.linalg.norm(_bf16_as_f32(want)))
+            ok = _check(got, q, k0, v0, cu_host, causal)
+            t_fp8 = time_gpu(fp8)
+            rows.append(dict(op="paged", variant=f"{layout} page16 {kv_dtype} cache",
+                             tile="default" if tile is None else wgmma_label(tile), shape=shape,
+                             ms=t_fp8 * 1e3, TFLOPs=flops / t_fp8 / 1e12,
+                             vs_bf16=t_plain / t_fp8, err_vs_bf16=err, checked=ok))
     return rows
 
 
