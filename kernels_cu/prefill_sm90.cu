@@ -961,13 +961,16 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const Tensor
 
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
-    const int bs = P.block_size;
-    const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
-                                                   P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
-                                                   it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
-    if constexpr (FP8) ws_produce_fp8<T, KV, C>(P, it, k_map, v_map, bar, sQ, sKV, sS, n_first, n_last);
-    else if constexpr (TMA) ws_produce_tma<T, C>(P, it, src, k_map, v_map, bar, sQ, sKV, n_first, n_last);
-    else ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
+    if constexpr (FP8) {
+      ws_produce_fp8<T, KV, C>(P, it, k_map, v_map, bar, sQ, sKV, sS, n_first, n_last);
+    } else {
+      const int bs = P.block_size;
+      const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
+                                                     P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
+                                                     it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
+      if constexpr (TMA) ws_produce_tma<T, C>(P, it, src, k_map, v_map, bar, sQ, sKV, n_first, n_last);
+      else ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
+    }
   } else {
     setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
