@@ -163,12 +163,8 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma",
     # set up once, as a public call's hot path holds it: each launch packs addresses only
     run = prefill.Launches(q, len(lens), None, 1, 0, k.shape[0], H, strides, opts, causal,
                            False, backend, tile=tile, work=work)
-    held = (q, k, v, out, None, cu_dev, cu_dev, None, opts.alibi_slopes, opts.sinks)
-    arrays = prefill.addresses(*held)
-
-    def launch():  # by address: `held` keeps the arrays alive as long as the closure
-        run(*arrays, current_stream())
-        return held[3]
+    launch = _held_launch(run, (q, k, v, out, None, cu_dev, cu_dev, None, opts.alibi_slopes,
+                                opts.sinks))
     return launch, prefill._kernel(q.dtype, q.shape[2], False, tile, backend,
                                    plan_.general_scores(opts))[0]
 
@@ -230,13 +226,21 @@ def _tile_launch(q, kc, vc, out, cu_host, tables, causal, layout, tile, kv_dtype
     run = prefill.Launches(q, len(lens), tables, geo.block_size, geo.num_blocks, 0, H,
                            cache_strides(kc, vc, layout, geo), opts, causal, False, "wgmma",
                            tile=tile, work=work, kv=kv_dtype, scales=scales)
-    held = (q, kc, vc, out, None, cupy.asarray(cu_host), cupy.asarray(lens), tables, None,
-            None, k_scale, v_scale)
+    return _held_launch(run, (q, kc, vc, out, None, cupy.asarray(cu_host), cupy.asarray(lens),
+                              tables, None, None, k_scale, v_scale))
+
+
+def _held_launch(run, held):
+    """Closure launching ``run`` (a ``prefill.launch.Launches``) on the current stream over
+    ``held``: its arrays in the launch's order (q, k, v, out, lse, cu_q, kv info, tables,
+    alibi, sinks[, k_scale, v_scale]), passed by address and kept alive by the closure;
+    returns out."""
+    from ..prefill import launch as prefill
     arrays = prefill.addresses(*held)
 
-    def launch():  # by address: `held` keeps the arrays alive as long as the closure
+    def launch():
         run(*arrays[:10], current_stream(), *arrays[10:])
-        return out
+        return held[3]
     return launch
 
 
