@@ -481,8 +481,9 @@ class ModelSteps:
                 for r in requests]
         config, bs = self.model.config, self.cfg.block_size
         if self.cfg.check and self.xp is not np:
-            c = check_generation(config, runs, block_size=bs)
-            stats.max_rel_error, stats.argmax_matches = c.max_rel_error, (c.matches, c.total)
+            check = check_generation(config, runs, block_size=bs)
+            stats.max_rel_error = check.max_rel_error
+            stats.argmax_matches = (check.matches, check.total)
         if config.kv_dtype is not None:
             plain = check_generation(replace(config, kv_dtype=None), runs, block_size=bs,
                                      xp=self.xp)

@@ -209,18 +209,21 @@ def tma_fits(head_dim, kv, geometry, block_n=128):
     swizzle atoms that divides ``block_n`` or is a multiple of it (so that a tile is whole
     boxes of one block each: NHD and HND; the vllm layout's chunked keys fail the
     contiguity test). Whether the tile suits ``kv`` is :func:`check_tma`'s."""
-    st = geometry.strides
+    strides = geometry.strides
     itemsize = 2 if kv is None else 1
-    if head_dim not in TMA_HEAD_DIMS or st.k_chunk != 16 // itemsize or st.v_dim != 1:
+    if (head_dim not in TMA_HEAD_DIMS or strides.k_chunk != 16 // itemsize
+            or strides.v_dim != 1):
         return False
     if geometry.block_size is None:
-        count, steps = geometry.total_k, (st.k_tok, st.k_head, st.v_tok, st.v_head)
+        count = geometry.total_k
+        steps = (strides.k_tok, strides.k_head, strides.v_tok, strides.v_head)
     else:
         bs = geometry.block_size
         if bs % 8 or (block_n % bs and bs % block_n):
             return False
         count = geometry.num_blocks
-        steps = (st.k_tok, st.k_head, st.k_block, st.v_tok, st.v_head, st.v_block)
+        steps = (strides.k_tok, strides.k_head, strides.k_block, strides.v_tok, strides.v_head,
+                 strides.v_block)
     return count <= INT32_MAX and all(x > 0 and (itemsize * x) % 16 == 0 for x in steps)
 
 

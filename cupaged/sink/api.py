@@ -302,6 +302,6 @@ def _upload(host_array):
     """A device copy of a small host array, made without waiting for the device (pinned
     staging; a new device array each call, as the caller may keep the result)."""
     import cupy
-    dev = cupy.empty(host_array.shape, host_array.dtype)
-    uploader().upload(dev, np.ascontiguousarray(host_array))
-    return dev
+    device_array = cupy.empty(host_array.shape, host_array.dtype)
+    uploader().upload(device_array, np.ascontiguousarray(host_array))
+    return device_array
