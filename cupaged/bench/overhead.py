@@ -173,16 +173,16 @@ def _row(op, shape, kind, call, graph_call, peer=None, extra=None):
 
 def _decode_rows(batch, length, kinds):
     import cupy
-    c = _paged(batch, length)
-    c["q"] = _rand((batch, HQ, D), 3)
+    case = _paged(batch, length)
+    case["q"] = _rand((batch, HQ, D), 3)
     rows = []
     dec = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy,
                               layout="NHD")
-    out = cupy.empty(c["q"].shape, bfloat16)
-    planned = lambda: dec.run(c["q"], c["kc"], c["vc"], out=out)
-    dec.plan(c["tables_host"], c["lens_host"], planner="host")
+    out = cupy.empty(case["q"].shape, bfloat16)
+    planned = lambda: dec.run(case["q"], case["kc"], case["vc"], out=out)
+    dec.plan(case["tables_host"], case["lens_host"], planner="host")
     host_planned = _graph_us(planned)
-    dec.plan(c["tables_host"], c["lens_host"])
+    dec.plan(case["tables_host"], case["lens_host"])
     torch = torch_or_none()
     peer = None
     if torch is not None:
@@ -196,16 +196,16 @@ def _decode_rows(batch, length, kinds):
                 return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
                                                                         enable_gqa=True)
     for kind in kinds:
-        a = _as(kind, c)
+        a = _as(kind, case)
         call = lambda: decode.paged_decode(a["q"], a["kc"], a["vc"], a["tables"], a["lens"],
                                            layout="NHD")
         rows.append(_row("paged_decode", f"B{batch} x L{length}", kind, call,
-                         lambda: decode.paged_decode(c["q"], c["kc"], c["vc"], c["tables"],
-                                                     c["lens"], layout="NHD"),
+                         lambda: decode.paged_decode(case["q"], case["kc"], case["vc"],
+                                                     case["tables"], case["lens"], layout="NHD"),
                          peer, {"planned_graph_us": _graph_us(planned),
                                 "host_planned_graph_us": host_planned}))
     for kind in kinds:  # the engine's per-layer call: a planned decoder's run
-        a = _as(kind, c)
+        a = _as(kind, case)
         dec.plan(a["tables"], a["lens"])
         run = lambda: dec.run(a["q"], a["kc"], a["vc"])
         rows.append(_row("PagedDecoder.run", f"B{batch} x L{length}", kind, run, planned))
@@ -214,16 +214,16 @@ def _decode_rows(batch, length, kinds):
 
 def _plan_rows(batch, length, kinds):
     import cupy
-    c = _paged(batch, length)
+    case = _paged(batch, length)
     dec = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy,
                               layout="NHD")
     rows = [{"op": "PagedDecoder.plan", "shape": f"B{batch} host metadata", "arrays": "numpy",
-             "host_us": _host_us(lambda: dec.plan(c["tables_host"], c["lens_host"]))},
+             "host_us": _host_us(lambda: dec.plan(case["tables_host"], case["lens_host"]))},
             {"op": "PagedDecoder.plan planner=host", "shape": f"B{batch} host metadata",
              "arrays": "numpy", "host_us": _host_us(lambda: dec.plan(
-                 c["tables_host"], c["lens_host"], planner="host"))}]
+                 case["tables_host"], case["lens_host"], planner="host"))}]
     for kind in kinds:
-        a = _as(kind, c)
+        a = _as(kind, case)
         rows.append({"op": "PagedDecoder.plan", "shape": f"B{batch} device metadata",
                      "arrays": kind,
                      "host_us": _host_us(lambda: dec.plan(a["tables"], a["lens"]))})
@@ -233,26 +233,27 @@ def _plan_rows(batch, length, kinds):
 def _mixed_rows(kinds):
     """paged_attention: 63 decode rows over L8K and one 2K-token prefill chunk."""
     import cupy
-    c = _paged(64, 8192)
+    case = _paged(64, 8192)
     q_lens = np.ones(64, np.int32)
     q_lens[-1] = 2048
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
-    c.update(cu=cu, q=_rand((int(q_lens.sum()), HQ, D), 4))
+    case.update(cu=cu, q=_rand((int(q_lens.sum()), HQ, D), 4))
     rows = []
     for kind in kinds:
-        a = _as(kind, c)
+        a = _as(kind, case)
         call = lambda: prefill.paged_attention(a["q"], a["kc"], a["vc"], a["cu"], a["tables"],
                                                a["lens"], layout="NHD")
         rows.append(_row("paged_attention", "63 x L8K decode + 2K chunk", kind, call,
-                         lambda: prefill.paged_attention(c["q"], c["kc"], c["vc"], c["cu"],
-                                                         c["tables"], c["lens"], layout="NHD")))
+                         lambda: prefill.paged_attention(case["q"], case["kc"], case["vc"],
+                                                         case["cu"], case["tables"], case["lens"],
+                                                         layout="NHD")))
     return rows
 
 
 def _prefill_rows(kinds):
     import cupy
     b, s = 2, 8192
-    c = dict(q=_rand((b * s, HQ, D), 5), k=_rand((b * s, HK, D), 6), v=_rand((b * s, HK, D), 7),
+    case = dict(q=_rand((b * s, HQ, D), 5), k=_rand((b * s, HK, D), 6), v=_rand((b * s, HK, D), 7),
              cu=cupy.asarray(np.arange(b + 1, dtype=np.int32) * s))
     flops = 4 * b * s * s * D * HQ / 2
     torch = torch_or_none()
@@ -268,10 +269,11 @@ def _prefill_rows(kinds):
                     tq, tk, tk, is_causal=True, enable_gqa=True)
     rows = []
     for kind in kinds:
-        a = _as(kind, c)
+        a = _as(kind, case)
         call = lambda: prefill.varlen_prefill(a["q"], a["k"], a["v"], a["cu"], a["cu"])
         row = _row("varlen_prefill", "B2 x S8K causal", kind, call,
-                   lambda: prefill.varlen_prefill(c["q"], c["k"], c["v"], c["cu"], c["cu"]), peer)
+                   lambda: prefill.varlen_prefill(case["q"], case["k"], case["v"], case["cu"],
+                                                  case["cu"]), peer)
         row["TFLOP/s"] = flops / row["gpu_us"] / 1e6
         rows.append(row)
     return rows
@@ -281,30 +283,30 @@ def _write_rows(kinds):
     import cupy
     tokens = 65536
     nb = tokens // PAGE + 8
-    c = dict(key=_rand((tokens, HK, D), 8), value=_rand((tokens, HK, D), 9),
+    case = dict(key=_rand((tokens, HK, D), 8), value=_rand((tokens, HK, D), 9),
              kc=_rand((nb, PAGE, HK, D), 10), vc=_rand((nb, PAGE, HK, D), 11),
              slots=cupy.asarray(np.random.default_rng(0).permutation(nb * PAGE)[:tokens]
                                 .astype(np.int64)))
-    nbytes = 4 * c["key"].nbytes  # key and value read, then written
+    nbytes = 4 * case["key"].nbytes  # key and value read, then written
     copy = copy_bandwidth()
     torch = torch_or_none()
     peer = None
     if torch is not None:
-        tk = torch.from_dlpack(c["kc"]).view(-1, HK, D)
-        tv = torch.from_dlpack(c["vc"]).view(-1, HK, D)
-        kk, vv = torch.from_dlpack(c["key"]), torch.from_dlpack(c["value"])
-        idx = torch.from_dlpack(c["slots"])
+        tk = torch.from_dlpack(case["kc"]).view(-1, HK, D)
+        tv = torch.from_dlpack(case["vc"]).view(-1, HK, D)
+        kk, vv = torch.from_dlpack(case["key"]), torch.from_dlpack(case["value"])
+        idx = torch.from_dlpack(case["slots"])
 
         def peer():
             tk.index_copy_(0, idx, kk)
             tv.index_copy_(0, idx, vv)
     rows = []
     for kind in kinds:
-        a = _as(kind, c)
+        a = _as(kind, case)
         call = lambda: cache_ops.write_kv_cache(a["key"], a["value"], a["kc"], a["vc"], a["slots"])
         row = _row("write_kv_cache", "64K tokens NHD", kind, call,
-                   lambda: cache_ops.write_kv_cache(c["key"], c["value"], c["kc"], c["vc"],
-                                                    c["slots"]), peer)
+                   lambda: cache_ops.write_kv_cache(case["key"], case["value"], case["kc"],
+                                                    case["vc"], case["slots"]), peer)
         row["frac_copy"] = nbytes / (row["gpu_us"] * 1e-6) / copy
         rows.append(row)
     return rows
@@ -313,14 +315,15 @@ def _write_rows(kinds):
 def _rope_rows(kinds):
     import cupy
     tokens = 16384
-    c = dict(q=_rand((tokens, HQ, D), 12), k=_rand((tokens, HK, D), 13),
+    case = dict(q=_rand((tokens, HQ, D), 12), k=_rand((tokens, HK, D), 13),
              pos=cupy.asarray(np.random.default_rng(1).integers(0, 8192, tokens).astype(np.int64)))
     rows = []
     for kind in kinds:
-        a = _as(kind, c)
+        a = _as(kind, case)
         call = lambda: rope.apply_rope(a["pos"], a["q"], a["k"], max_position=8192)
         rows.append(_row("apply_rope", "16K tokens", kind, call,
-                         lambda: rope.apply_rope(c["pos"], c["q"], c["k"], max_position=8192)))
+                         lambda: rope.apply_rope(case["pos"], case["q"], case["k"],
+                                                 max_position=8192)))
     return rows
 
 
