@@ -396,8 +396,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
     out / lse through the map. Strict mode splits on the host the same way
     (``prefill.plan.decode_rows``). Every row stays on the prefill launch where the decode
     kernel cannot take the arrays (``prefill.launch.can_split``: strides past 32 bits, an
-    empty batch). The split is not the default: it has not yet met the one launch's speed
-    (docs/prefill.md, "Mixed batches").
+    empty batch). The split is not the default: it has not yet met the time of
+    ``paged_decode`` plus ``paged_prefill`` on the parts (docs/prefill.md, "Mixed batches").
 
     Parameters
     ----------
