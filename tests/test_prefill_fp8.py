@@ -12,6 +12,7 @@ import pytest
 
 import cupaged
 from cupaged.core.arrays import bfloat16
+from cupaged.core.device import SM90_SMEM_PER_CTA
 from cupaged.core.fp8 import FP8_FORMATS
 from cupaged.core.layouts import LAYOUTS, k_as_nhd, layout_strides, v_as_nhd
 from cupaged.prefill import plan as plan_
@@ -345,7 +346,7 @@ def test_fp8_tma_tile_is_opt_in_and_fits():
         assert tile.block_m == plan_.default_tile(d).block_m  # one work list
         want = (2 * (128 * d + 2 * 2 * 128 * d) + plan_.FP8_TMA_SLOTS * 128 * d
                 + 8 * (1 + 4 * 2 + 2 * plan_.FP8_TMA_SLOTS) + 1024)
-        assert plan_.wgmma_smem_bytes(d, tile, "fp8_e4m3") == want <= plan_.WGMMA_SMEM_LIMIT
+        assert plan_.wgmma_smem_bytes(d, tile, "fp8_e4m3") == want <= SM90_SMEM_PER_CTA
         assert plan_.tma_tile(d).slots == 0
         for kv in FORMATS:
             assert plan_.wgmma_tile(d, kv, geometry=geo) != tile

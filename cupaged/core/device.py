@@ -20,6 +20,9 @@ from typing import NamedTuple
 import numpy as np
 
 
+SM90_SMEM_PER_CTA = 227 * 1024  # opt-in dynamic shared memory of an sm_90 CTA (H100 / H200)
+
+
 class DeviceFacts(NamedTuple):
     id: int
     compute_capability: str  # "90"

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core.device import SM90_SMEM_PER_CTA
 from ..core.layouts import CacheStrides, layout_strides
 
 NTHREADS = 128
@@ -37,7 +38,6 @@ PAGE_HEAD_DIMS = (64, 96, 128)     # whole 32-dim chunks per lane and row (PageM
 # fp8 caches: whole 64-dim chunk rounds (PageMath); 256 is left out, its staged kernel
 # spills on sm_80 (one 16-byte chunk a lane holds 16 dims' codes, widened to 8 words)
 FP8_HEAD_DIMS = (64, 128)
-MAX_SMEM_PER_CTA = 227 * 1024      # opt-in dynamic shared memory of an sm_90 CTA
 PAGE_MIN_BATCH = 2                 # pages_preferred
 MERGE_MAX_WARPS = 16               # merge.cu: warps of a merge_pieces_kernel CTA
 PAGE_MIN_KV_HEADS = 4
@@ -149,7 +149,7 @@ def pages_capable(compute_capability, itemsize, head_dim, layout, block_size, nu
     return (int(compute_capability) >= 90 and itemsize in (1, 2) and layout in ("NHD", "HND")
             and blocks_ok and dims_ok and num_q_heads // num_kv_heads <= 8
             and page_smem_bytes(block_size, num_kv_heads, head_dim, itemsize) + 1024
-            <= MAX_SMEM_PER_CTA)
+            <= SM90_SMEM_PER_CTA)
 
 
 def pages_preferred(batch, num_kv_heads):

@@ -16,6 +16,7 @@ from ..core.arrays import check_array, check_choice, float32
 from ..core.checks import (INT32_MAX, check_block_elements, check_cu_seqlens, check_gqa,
     check_query, token_stride)
 from ..core import tma
+from ..core.device import SM90_SMEM_PER_CTA
 from ..core.fp8 import KV_DTYPES
 from ..core.layouts import LAYOUTS
 
@@ -173,8 +174,6 @@ TMA_STAGES = 3
 # tensor copies of the next tile run while the last one is widened.
 FP8_TMA_STAGES = 2
 FP8_TMA_SLOTS = 4
-# dynamic shared memory a CTA may take on sm_90 (H100 / H200)
-WGMMA_SMEM_LIMIT = 227 * 1024
 
 
 def tma_tile(head_dim, stages=None, kv=None):
@@ -230,9 +229,9 @@ def tma_fits(head_dim, kv, geometry, block_n=128):
 def check_tma(tile, head_dim, kv, geometry):
     """Refuse a TMA tile (``tile.tma``) for a call it cannot run: the warp-specialised kernel
     only, head sizes :data:`TMA_HEAD_DIMS`, staging slots exactly from an fp8 cache (format
-    ``kv``: ``tma_tile(head_dim, kv=kv)``), shared memory within :data:`WGMMA_SMEM_LIMIT`,
-    and a launch (:class:`TmaGeometry` ``geometry``) that :func:`tma_fits`. Raises
-    ValueError naming the reason."""
+    ``kv``: ``tma_tile(head_dim, kv=kv)``), shared memory within
+    ``core.device.SM90_SMEM_PER_CTA``, and a launch (:class:`TmaGeometry` ``geometry``) that
+    :func:`tma_fits`. Raises ValueError naming the reason."""
     if not tile.tma:
         return
     if not tile.ws:
@@ -244,8 +243,8 @@ def check_tma(tile, head_dim, kv, geometry):
         raise ValueError(f"tile: tma from K/V of kv {kv} expects slots {want}; got kv {kv}, "
                          f"slots {tile.slots}")
     smem = wgmma_smem_bytes(head_dim, tile, kv)
-    if smem > WGMMA_SMEM_LIMIT:
-        raise ValueError(f"tile: expected at most {WGMMA_SMEM_LIMIT} bytes of shared memory, "
+    if smem > SM90_SMEM_PER_CTA:
+        raise ValueError(f"tile: expected at most {SM90_SMEM_PER_CTA} bytes of shared memory, "
                          f"got {smem} (head_dim {head_dim}, stages {tile.stages}, "
                          f"slots {tile.slots})")
     if not tma_fits(head_dim, kv, geometry, tile.block_n):
