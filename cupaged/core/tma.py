@@ -166,8 +166,8 @@ class KVMaps:
             block = (strides.k_block, strides.v_block)
         self._geo = None
         if keys > 0 and blocks > 0:
-            self._geo = tuple(kv_geometry(head_dim, num_kv_heads, tok, head, blk, keys, blocks, rows,
-                                          itemsize)
+            self._geo = tuple(kv_geometry(head_dim, num_kv_heads, tok, head, blk, keys, blocks,
+                                          rows, itemsize)
                               for tok, head, blk in ((strides.k_tok, strides.k_head, block[0]),
                                                      (strides.v_tok, strides.v_head, block[1])))
 

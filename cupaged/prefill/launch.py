@@ -39,7 +39,8 @@ def _expr_wgmma(dtype, head_dim, tile, v_transposed, general, kv=None):
     path)."""
     if tile.ws:
         g = "true" if general else "false"
-        name, slots = ("prefill_ws_tma_kernel", f", {tile.slots}") if tile.tma else ("prefill_ws_kernel", "")
+        name = "prefill_ws_tma_kernel" if tile.tma else "prefill_ws_kernel"
+        slots = f", {tile.slots}" if tile.tma else ""  # SLOTS: the TMA kernel's last argument
         return (f"cupaged::{name}<{kv_types(dtype, kv)}, {head_dim}, {tile.block_n}, "
                 f"{tile.stages}, {g}, {tile.producer_regs}{slots}>")
     flags = ", ".join("true" if f else "false" for f in (v_transposed, general))
