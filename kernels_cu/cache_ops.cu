@@ -38,19 +38,27 @@ template <> struct CodesOf<4> {
 };
 
 // fp8 codes of the 16 / sizeof(In) elements of an input vector (In: __half,
-// __nv_bfloat16 or float), each x / scale quantised to format KV.
+// __nv_bfloat16 or float), each x / scale quantised to format KV (fp8.cuh: the division's
+// quotient from one reciprocal per vector where that is exact).
 template <typename In, typename KV>
 struct Fp8Vec {
   static constexpr int N = 16 / sizeof(In);
   typedef typename CodesOf<N>::Out Out;
-  __device__ static __forceinline__ Out put(const uint4& in, float scale) {
+  template <bool RECIPROCAL>
+  __device__ static __forceinline__ Out encode(const uint4& in, float scale, float r) {
     const In* e = reinterpret_cast<const In*>(&in);
     u32 w[N / 4];
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i)
-      w[i] = fp8_encode2<KV>(to_float<In>(e[4 * i]), to_float<In>(e[4 * i + 1]), scale) |
-             (fp8_encode2<KV>(to_float<In>(e[4 * i + 2]), to_float<In>(e[4 * i + 3]), scale) << 16);
+    for (int i = 0; i < N / 4; ++i) {
+      const float x[4] = {to_float<In>(e[4 * i]), to_float<In>(e[4 * i + 1]),
+                          to_float<In>(e[4 * i + 2]), to_float<In>(e[4 * i + 3])};
+      w[i] = fp8_encode4<KV, RECIPROCAL>(x, scale, r);
+    }
     return CodesOf<N>::make(w);
+  }
+  __device__ static __forceinline__ Out put(const uint4& in, float scale) {
+    if (fp8_reciprocal_exact(scale)) return encode<true>(in, scale, 1.0f / scale);
+    return encode<false>(in, scale, 0.0f);
   }
 };
 

@@ -9,9 +9,11 @@
 // format to nearest with ties to even; NaN stays NaN (sign | 0x7F for e4m3, sign | 0x7E for
 // e5m2, as ml_dtypes' cast gives, the sign taken from x). fp8_encode writes the conversion
 // out in integer and float operations (cuda_fp8.h is not includable by every NVRTC here);
-// the write kernel's pairs (fp8_encode2) take one cvt.rn.satfinite on sm_89+, the same
-// codes (round to nearest even; satfinite maps what rounds past the largest finite to it,
-// as clamping first does) but for NaN, whose code is then the rule's.
+// the write kernel's words of four codes (fp8_encode4) take two cvt.rn.satfinite on sm_89+,
+// the same codes (round to nearest even; satfinite maps what rounds past the largest finite
+// to it, as clamping first does) but for NaN, whose word is then written out by the rule.
+// Their quotients come from a reciprocal taken once per scale (fp8_quotient), the
+// division's result exactly.
 //
 // Reading: every e4m3 and e5m2 value is exact in float16 and in bfloat16. Decode's products
 // on an fp8 cache run in float16 whatever q's type (MathTypeOf; bf16 q is scaled into
@@ -75,23 +77,49 @@ __device__ __forceinline__ u32 fp8_encode(float x, float scale) {
   return sign | mag;
 }
 
-// The codes of x0 / scale (low byte) and x1 / scale, as fp8_encode gives them.
-template <typename KV>
-__device__ __forceinline__ u32 fp8_encode2(float x0, float x1, float scale) {
+// x / scale as the IEEE division rounds it, from r = 1 / scale (rounded) taken once per
+// scale: q = x * r, then one correction by the residual q * scale - x, which an fma gives
+// exactly. That is the division's result (Markstein's theorem) for a scale whose
+// significand is not all ones (fp8_reciprocal_exact), while residual and quotient stay
+// normal: scales in [2^-60, 2^60] and quotients of at least 2^-18 (smaller ones are codes
+// of zero in both formats; the correction's addends keep x's sign, -0 included). Infinite
+// or NaN x, and a product past float32's range, come out NaN (infinity minus infinity):
+// fp8_encode4 then takes the rule's codes.
+__device__ __forceinline__ bool fp8_reciprocal_exact(float scale) {
+  return scale >= 0x1p-60f && scale <= 0x1p60f && (__float_as_uint(scale) & 0x7FFFFFu) != 0x7FFFFFu;
+}
+
+__device__ __forceinline__ float fp8_quotient(float x, float scale, float r) {
+  const float q = x * r;
+  return fmaf(-fmaf(q, scale, -x), r, q);
+}
+
+// The codes of x[0..3] / scale as one word (x[0] in the low byte), as fp8_encode gives
+// them; RECIPROCAL: the quotients by fp8_quotient with r = 1 / scale (callers check
+// fp8_reciprocal_exact), else by division.
+template <typename KV, bool RECIPROCAL>
+__device__ __forceinline__ u32 fp8_encode4(const float (&x)[4], float scale, float r) {
 #if __CUDA_ARCH__ >= 890
-  const float y0 = x0 / scale, y1 = x1 / scale;
-  unsigned short h;  // cvt packs its first source into the high byte
-  if constexpr (Fp8Traits<KV>::M == 3)
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(h) : "f"(y1), "f"(y0));
-  else
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;\n" : "=h"(h) : "f"(y1), "f"(y0));
-  u32 c = h;
-  if (y0 != y0) c = (c & 0xFF00u) | fp8_encode<KV>(x0, scale);
-  if (y1 != y1) c = (c & 0x00FFu) | (fp8_encode<KV>(x1, scale) << 8);
-  return c;
-#else
-  return fp8_encode<KV>(x0, scale) | (fp8_encode<KV>(x1, scale) << 8);
+  float y[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = RECIPROCAL ? fp8_quotient(x[i], scale, r) : x[i] / scale;
+  unsigned short h[2];  // cvt packs its first source into the high byte
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if constexpr (Fp8Traits<KV>::M == 3)
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(h[i]) : "f"(y[2 * i + 1]), "f"(y[2 * i]));
+    else
+      asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;\n" : "=h"(h[i]) : "f"(y[2 * i + 1]), "f"(y[2 * i]));
+  }
+  const u32 w = h[0] | ((u32)h[1] << 16);
+  // satfinite gives a finite code below LOW in its low 7 bits for every non-NaN quotient
+  // (e4m3: 0x7F is NaN; e5m2: 0x7C..0x7F are infinity and NaN): a byte reaching LOW
+  // there marks a NaN quotient, and the rule gives the word's codes
+  constexpr u32 LOW = Fp8Traits<KV>::M == 3 ? 0x7Fu : 0x7Cu;
+  if (!(((w & 0x7F7F7F7Fu) + (0x80u - LOW) * 0x01010101u) & 0x80808080u)) return w;
 #endif
+  return fp8_encode<KV>(x[0], scale) | (fp8_encode<KV>(x[1], scale) << 8) |
+         (fp8_encode<KV>(x[2], scale) << 16) | (fp8_encode<KV>(x[3], scale) << 24);
 }
 
 // A cache element from a value of type T: the value itself for a 16/32-bit cache, its code
