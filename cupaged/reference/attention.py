@@ -33,6 +33,9 @@ from .fp8 import dequantize
 
 
 # ----------------------------------------------------------------------------- one sequence
+_ROWS = 128  # query rows per block in attend
+
+
 def query_positions(q_len, kv_len):
     """Absolute positions ``p = kv_len - q_len + i`` of the queries, int64 ``[q_len]``."""
     return np.arange(q_len, dtype=np.int64) + (kv_len - q_len)
@@ -89,7 +92,17 @@ def softmax_with_sink(s, sinks=None):
     return probs, lse
 
 
-def attention_scores(q, k, *, sm_scale=None, alibi_slopes=None, logits_soft_cap=0.0):
+def _per_kv_head(x, num_kv_heads):
+    """``[n, Hq, ...]`` -> float64 ``[Hk, group * n, ...]``: kv head ``h``'s query heads
+    ``h * group .. (h + 1) * group - 1`` one after another (GQA as one product per kv head)."""
+    n, num_q_heads = x.shape[:2]
+    group = num_q_heads // num_kv_heads
+    x = np.asarray(x, np.float64).reshape(n, num_kv_heads, group, *x.shape[2:])
+    return np.moveaxis(x, 0, 2).reshape(num_kv_heads, group * n, *x.shape[3:])
+
+
+def attention_scores(q, k, *, sm_scale=None, alibi_slopes=None, logits_soft_cap=0.0,
+                     positions=None):
     """Unmasked scores of one sequence, steps 1-3 of the module docstring.
 
     Parameters
@@ -98,6 +111,9 @@ def attention_scores(q, k, *, sm_scale=None, alibi_slopes=None, logits_soft_cap=
         ``[q_len, Hq, D]``.
     k : numpy.ndarray
         ``[kv_len, Hk, D]``, ``Hq % Hk == 0``.
+    positions : numpy.ndarray, optional
+        int64 ``[q_len]``: the queries' positions counted from key 0 of ``k`` (ALiBi's
+        distances); default :func:`query_positions`.
 
     Returns
     -------
@@ -107,33 +123,37 @@ def attention_scores(q, k, *, sm_scale=None, alibi_slopes=None, logits_soft_cap=
     q_len, num_q_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[:2]
     scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-    k_per_q_head = np.repeat(k.astype(np.float64), num_q_heads // num_kv_heads, axis=1)
-    # [Hq, q_len, D] @ [Hq, D, kv_len]: a batched product BLAS runs (einsum's own loops are
-    # ten times slower at a few thousand keys)
-    s = scale * np.matmul(q.astype(np.float64).transpose(1, 0, 2), k_per_q_head.transpose(1, 2, 0))
+    # [Hk, group * q_len, D] @ [Hk, D, kv_len]: a batched product BLAS runs (einsum's own
+    # loops are ten times slower at a few thousand keys)
+    s = np.matmul(_per_kv_head(q, num_kv_heads),
+                  np.ascontiguousarray(k, np.float64).transpose(1, 2, 0))
+    s = scale * s.reshape(num_q_heads, q_len, kv_len)
     if logits_soft_cap > 0:
         s = logits_soft_cap * np.tanh(s / logits_soft_cap)
     if alibi_slopes is not None:
-        distance = np.arange(kv_len)[None, :] - query_positions(q_len, kv_len)[:, None]
+        if positions is None:
+            positions = query_positions(q_len, kv_len)
+        distance = np.arange(kv_len)[None, :] - positions[:, None]
         s = s + np.asarray(alibi_slopes, np.float64)[:, None, None] * distance[None]
     return s
 
 
 def attend_masked(q, k, v, visible, *, sm_scale=None, alibi_slopes=None, sinks=None,
-                  logits_soft_cap=0.0):
+                  logits_soft_cap=0.0, positions=None):
     """Attention of one sequence under an explicit visibility mask.
 
     Same as :func:`attend` with the mask (step 4) given as ``visible``, bool
-    ``[q_len, kv_len]``. Returns ``(out, lse)``: float64 ``[q_len, Hq, D]`` and
-    ``[q_len, Hq]``.
+    ``[q_len, kv_len]`` (``positions`` as in :func:`attention_scores`). Returns
+    ``(out, lse)``: float64 ``[q_len, Hq, D]`` and ``[q_len, Hq]``.
     """
     s = attention_scores(q, k, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                         logits_soft_cap=logits_soft_cap)
+                         logits_soft_cap=logits_soft_cap, positions=positions)
     s = np.where(visible[None], s, -np.inf)
     probs, lse = softmax_with_sink(s, sinks)
-    v_per_q_head = np.repeat(v.astype(np.float64), q.shape[1] // v.shape[1], axis=1)
-    out = np.matmul(probs, v_per_q_head.transpose(1, 0, 2)).transpose(1, 0, 2)
-    return out, lse.T
+    (q_len, num_q_heads), (kv_len, num_kv_heads, head_dim) = q.shape[:2], v.shape
+    out = np.matmul(probs.reshape(num_kv_heads, num_q_heads // num_kv_heads * q_len, kv_len),
+                    np.ascontiguousarray(v, np.float64).transpose(1, 0, 2))
+    return out.reshape(num_q_heads, q_len, head_dim).transpose(1, 0, 2), lse.T
 
 
 def attend(q, k, v, *, causal=True, sm_scale=None, window_left=-1, alibi_slopes=None,
@@ -167,9 +187,24 @@ def attend(q, k, v, *, causal=True, sm_scale=None, window_left=-1, alibi_slopes=
         float64 ``[q_len, Hq]`` natural-log sum of exponentials including the sink;
         ``-inf`` (or ``sink_h``) for a row with no visible key.
     """
-    visible = visible_keys(q.shape[0], k.shape[0], causal=causal, window_left=window_left)
-    return attend_masked(q, k, v, visible, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-                         sinks=sinks, logits_soft_cap=logits_soft_cap)
+    q_len, kv_len = q.shape[0], k.shape[0]
+    visible = visible_keys(q_len, kv_len, causal=causal, window_left=window_left)
+    positions = query_positions(q_len, kv_len)
+    k, v = np.ascontiguousarray(k, np.float64), np.ascontiguousarray(v, np.float64)
+    out = np.zeros((q_len, q.shape[1], v.shape[2]))
+    lse = np.full((q_len, q.shape[1]), -np.inf)
+    # the same math a block of query rows at a time, over the keys the block sees: the
+    # float64 scores of a long sequence would not fit in the caches (nor, at 10^5 keys, in
+    # memory)
+    for r0 in range(0, q_len, _ROWS):
+        rows = slice(r0, r0 + _ROWS)
+        seen = np.flatnonzero(visible[rows].any(axis=0))
+        lo, hi = (int(seen[0]), int(seen[-1]) + 1) if len(seen) else (0, 0)
+        out[rows], lse[rows] = attend_masked(
+            q[rows], k[lo:hi], v[lo:hi], visible[rows, lo:hi], sm_scale=sm_scale,
+            alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap,
+            positions=positions[rows] - lo)
+    return out, lse
 
 
 # ----------------------------------------------------------------------------- batches
