@@ -357,6 +357,40 @@ def test_gpu_fp8_write_bit_exact(rng, cp, layout, fmt, dtype, bs):
         _assert_same_codes(dv.get(), v8, fmt)
 
 
+# per-head scales: ordinary ones, significands of all ones (1.99999988, 0.99999994, where a
+# reciprocal's product is not the quotient), powers of two, and scales outside [2^-60, 2^60]
+EDGE_SCALES = np.array([0.37, 1.9, float.fromhex("0x1.fffffep0"), float.fromhex("0x1.fffffep-1"),
+                        1.0, 2.0 ** -20, 2.0 ** -70, 2.0 ** 70], np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_gpu_fp8_write_every_input_value_and_edge_scales(rng, cp, fmt, dtype):
+    """Every 16-bit value of the input dtype (subnormals, infinities, NaNs, -0) quantised
+    against every scale of EDGE_SCALES (a head each, the values rotated through the heads),
+    bit for bit as the reference: the write's quotients come from one reciprocal a scale,
+    exact where that holds and by division where not."""
+    hk, d = len(EDGE_SCALES), 128
+    every = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    t = every.size // d
+    nb, bs = t // 16 + 2, 16
+    k8, v8 = _fp8_caches(rng, "NHD", nb, bs, hk, d)
+    dk, dv = cp.asarray(k8), cp.asarray(v8)
+    slots = rng.permutation(nb * bs)[:t].astype(np.int64)
+    for shift in range(hk):
+        heads = [np.roll(every, (h + shift) * 4099).reshape(t, d) for h in range(hk)]
+        key = np.stack(heads, axis=1)
+        value = -key
+        cupaged.write_kv_cache(cp.asarray(key), cp.asarray(value), dk, dv, cp.asarray(slots),
+                               layout="NHD", kv_dtype=fmt, k_scale=cp.asarray(EDGE_SCALES),
+                               v_scale=cp.asarray(EDGE_SCALES[::-1].copy()))
+        ref.write_kv_cache(key, value, k8, v8, slots, "NHD", kv_dtype=fmt, k_scale=EDGE_SCALES,
+                           v_scale=EDGE_SCALES[::-1].copy())
+        _assert_same_codes(dk.get(), k8, fmt)
+        _assert_same_codes(dv.get(), v8, fmt)
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_write_strided_rows_and_device_scale_checks(rng, cp):
     """Key and value as views of a fused qkv tensor; device scale shapes and dtypes refused
