@@ -56,8 +56,11 @@ run() {
 cat "$OUT/info.txt"
 
 if [ "${RUN_TESTS:-1}" != 0 ]; then
-  run "$OUT/pytest.log" "${TEST_TIMEOUT:-900}" "$PYTHON" -m pytest -m gpu -q -rfE --durations=30 \
-    --junitxml="$OUT/junit-gpu.xml" "${pytest_args[@]}" "${tests[@]}" || status=1
+  rm -f "$OUT/timeline.txt"
+  CUPAGED_TEST_TIMELINE="$OUT/timeline.txt" run "$OUT/pytest.log" "${TEST_TIMEOUT:-900}" \
+    "$PYTHON" -m pytest -m gpu -q -rfE --durations=30 --junitxml="$OUT/junit-gpu.xml" \
+    "${pytest_args[@]}" "${tests[@]}" || status=1
+  "$PYTHON" scripts/suite_timeline.py "$OUT/timeline.txt" > "$OUT/timeline-summary.txt" 2>&1
 fi
 
 if [ "${SANITIZE:-0}" = 1 ]; then

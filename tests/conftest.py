@@ -1,6 +1,7 @@
 import fcntl
 import os
 import tempfile
+import time
 import zlib
 
 # pytest-xdist workers: one BLAS thread each (set before NumPy loads OpenBLAS), or every
@@ -55,6 +56,36 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# $CUPAGED_TEST_TIMELINE (a file): every process (each xdist worker, or the one process)
+# appends "<unix time> <process> <event> <node id>" lines to it (whole lines by O_APPEND),
+# events the session's start, collection's end and each test's start and end, so that a
+# suite's wall time can be laid against its workers' busy time (scripts/suite_timeline.py).
+_TIMELINE = os.environ.get("CUPAGED_TEST_TIMELINE")
+
+
+def _timeline(event, nodeid=""):
+    if _TIMELINE:
+        name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(_TIMELINE, "a") as f:
+            f.write(f"{time.time():.3f} {name} {event} {nodeid}\n")
+
+
+def pytest_sessionstart(session):
+    _timeline("session")
+
+
+def pytest_collection_finish(session):
+    _timeline("collected")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _timeline("start", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _timeline("end", nodeid)
 
 
 @pytest.fixture
