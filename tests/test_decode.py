@@ -82,17 +82,25 @@ def features(rng, hq, names):
 
 
 def oracle(case, layout, **opts):
-    """Reference (float64 inside) on float32 NHD copies, exact for every input dtype.
+    """Reference (float64 inside) on the caches in their own dtype (in their layout, or NHD
+    copies when the case appends), q and the new rows as float32: exact for every input
+    dtype.
 
-    Returns ``((out, lse), after)``: ``after`` holds the copies, with caches as NHD float32
-    ``[num_blocks, block_size, Hk, D]`` updated by an append as the op's would be.
+    Returns ``((out, lse), after)``: ``after`` holds q and the new rows as float32 and the
+    caches as NHD ``[num_blocks, block_size, Hk, D]``, updated by an append as the op's
+    would be.
     """
     c = {n: (None if a is None else a.astype(np.float32) if a.dtype in FLOAT_DTYPES else a.copy())
-         for n, a in case.items()}
-    c["k_cache"] = np.ascontiguousarray(k_as_nhd(case["k_cache"], layout), np.float32)
-    c["v_cache"] = np.ascontiguousarray(v_as_nhd(case["v_cache"], layout), np.float32)
-    return ref.paged_decode(c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"],
-                            k_new=c["k_new"], v_new=c["v_new"], return_lse=True, **opts), c
+         for n, a in case.items() if n not in ("k_cache", "v_cache")}
+    caches = [case["k_cache"], case["v_cache"]]
+    nhd = [k_as_nhd(caches[0], layout), v_as_nhd(caches[1], layout)]
+    if case["k_new"] is not None:  # the append writes into NHD copies
+        caches = nhd = [np.ascontiguousarray(x) for x in nhd]
+    result = ref.paged_decode(c["q"], *caches, c["block_tables"], c["seq_lens"], k_new=c["k_new"],
+                              v_new=c["v_new"], return_lse=True,
+                              layout="NHD" if case["k_new"] is not None else layout, **opts)
+    c["k_cache"], c["v_cache"] = nhd
+    return result, c
 
 
 def rel_err(out, want):
