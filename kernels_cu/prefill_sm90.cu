@@ -614,8 +614,8 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 // column blocks): the 128 threads copy Q with cp.async as before, then warp 0 issues each
 // K and V tile as tensor copies (ws_produce_tma) that land in the same swizzled layout.
 // From an fp8 cache (NHD / HND, the same head sizes) warp 0's tensor copies bring the codes
-// into staging slots and warps 1-3 widen them into the 16-bit tiles (ws_produce_fp8), so
-// that the consumers' loop is the one of 16-bit caches.
+// into staging slots and the producer's four warps widen them into the 16-bit tiles
+// (ws_produce_fp8), so that the consumers' loop is the one of 16-bit caches.
 constexpr int WS_THREADS = 384;
 // The consumers' budget beside a producer budget of PRODUCER_REGS: the register file's
 // 64K registers over the three warpgroups, in setmaxnreg's multiples of 8.
@@ -635,7 +635,7 @@ __host__ __device__ constexpr int ws_consumer_regs(int producer_regs) { return (
 // in slot q % SLOTS as its use q / SLOTS, waited for by the same parities.
 template <int STAGES, bool TMA = false, int SLOTS_ = 0>
 struct WsBarriers {
-  static constexpr int SLOTS = SLOTS_, WIDENERS = 96;  // fp8: warps 1-3 widen the staged parts
+  static constexpr int SLOTS = SLOTS_, WIDENERS = 128;  // fp8: the producer's warps widen the staged parts
   static constexpr int COUNT = 1 + 4 * STAGES + 2 * SLOTS, PRODUCERS = 128, CONSUMERS = 256;
   // arrivals that complete a full phase
   static constexpr int FILLERS = !TMA ? PRODUCERS : SLOTS > 0 ? WIDENERS : 1;
@@ -797,14 +797,16 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it
 // fp8 TMA producer: Q as ws_produce; then warp 0 brings each tile's K and then its V part
 // (parts 2 i and 2 i + 1 of tile i) as tensor copies of the codes (TmaParts' boxes of D
 // bytes x rows keys, unswizzled: row r of a part at r * D bytes) into staging slot
-// q % SLOTS once its previous part is widened, announcing its bytes on the slot's full
-// barrier; warps 1-3 (WIDENERS threads) widen each landed part, 16-code chunk by chunk,
-// into the stage's 16-bit tile in the swizzled layout the 16-bit tensor copies give
-// (swizzled<BN, 128>, KVRows::land's chunk order), once the consumers are done with the
-// stage's previous tile. Rows past kv_len (the last tile's: the next sequence's rows, a
-// cache block's unwritten slots, zeros past the tensor) become zeros there, so that no NaN
-// or inf code reaches P V. Each widening thread fences its writes against the async proxy
-// (wgmma reads them) and arrives on the stage's full barrier and the slot's empty one.
+// q % SLOTS, the first SLOTS parts at once and part q + SLOTS once part q is widened,
+// announcing its bytes on the slot's full barrier. All four warps (WIDENERS threads) widen
+// each landed part, 16-code chunk by chunk, into the stage's 16-bit tile in the swizzled
+// layout the 16-bit tensor copies give (swizzled<BN, 128>, KVRows::land's chunk order),
+// once the consumers are done with the stage's previous tile. Rows past kv_len (the last
+// tile's: the next sequence's rows, a cache block's unwritten slots, zeros past the tensor)
+// become zeros there, so that no NaN or inf code reaches P V. Each widening thread fences
+// its writes against the async proxy (wgmma reads them) and arrives on the stage's full
+// barrier and the slot's empty one; warp 0 then waits for that empty phase (every warp's
+// part q widened) before it copies part q + SLOTS into the slot.
 template <typename T, typename KV, typename C, typename Bar, typename Prob>
 __device__ __forceinline__ void ws_produce_fp8(const Prob& P, const WorkItem& it, const TensorMap* k_map,
                                                const TensorMap* v_map, const Bar& bar, u32 sQ, u32 sKV,
@@ -813,48 +815,51 @@ __device__ __forceinline__ void ws_produce_fp8(const Prob& P, const WorkItem& it
   constexpr int CR = D / 16;       // 16-code chunks per row
   constexpr u32 PART = BN * D;     // bytes of a part's codes
   static_assert(SLOTS >= 2 && C::SW == 128 && D % 64 == 0, "a slot per K and V part, rows of whole 128-byte blocks");
+  static_assert(Bar::WIDENERS == 128, "the producer warpgroup widens");
+  using F = KVChunks<KV, D, BN, 128>;
   load_q<T, D, C>(P, it, sQ);
   cp_async_arrive(bar.q());
   const int parts = 2 * max(n_last - n_first + 1, 0);
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const bool lead = lane == 0;
+  const int lane = threadIdx.x % 32;
+  const bool copier = threadIdx.x < 32, lead = threadIdx.x == 0;
+  TmaParts boxes;
+  boxes.template init<BN>(P, it);
+  // part p's codes into its slot (warp 0; the slot's previous part is widened)
+  auto copy = [&](int p) {
+    const int x = p % SLOTS;
+    int y, blk;
+    boxes.at(P, it, (n_last - p / 2) * BN, lane, y, blk);
+    if (lead) mbar_arrive_expect_tx(bar.s_full(x), PART);
+    __syncwarp();
+    if (boxes.issuer)
+      tma_load_4d(sS + x * PART + lane * boxes.rows * D, p & 1 ? v_map : k_map, 0, y, it.hk, blk, bar.s_full(x));
+  };
+  if (copier) {
     if (lead && parts > 0) {
       prefetch_tensor_map(k_map);
       prefetch_tensor_map(v_map);
     }
-    TmaParts boxes;
-    boxes.template init<BN>(P, it);
-    for (int q = 0; q < parts; ++q) {
-      const int x = q % SLOTS, u = q / SLOTS;
-      int y, blk;
-      boxes.at(P, it, (n_last - q / 2) * BN, lane, y, blk);
-      if (lead) {
-        if (u > 0) mbar_wait(bar.s_empty(x), (u - 1) & 1);  // one waiter, the warp after it
-        mbar_arrive_expect_tx(bar.s_full(x), PART);
-      }
-      __syncwarp();
-      if (boxes.issuer)
-        tma_load_4d(sS + x * PART + lane * boxes.rows * D, q & 1 ? v_map : k_map, 0, y, it.hk, blk, bar.s_full(x));
-    }
-  } else {
-    using F = KVChunks<KV, D, BN, 128>;
-    const int t = threadIdx.x - 32;
-    for (int q = 0; q < parts; ++q) {
-      const int x = q % SLOTS, i = q / 2, st = i % STAGES, u = i / STAGES, j0 = (n_last - i) * BN;
-      const bool vp = q & 1;
-      const u32 from = sS + x * PART, to = sKV + (2 * st + vp) * C::KV_BYTES;
-      mbar_wait(bar.s_full(x), (q / SLOTS) & 1);
-      if (u > 0) mbar_wait(vp ? bar.v_empty(st) : bar.k_empty(st), (u - 1) & 1);
+    for (int p = 0; p < min(parts, SLOTS); ++p) copy(p);
+  }
+  for (int q = 0; q < parts; ++q) {
+    const int x = q % SLOTS, i = q / 2, st = i % STAGES, u = i / STAGES, j0 = (n_last - i) * BN;
+    const bool vp = q & 1;
+    const u32 from = sS + x * PART, to = sKV + (2 * st + vp) * C::KV_BYTES;
+    mbar_wait(bar.s_full(x), (q / SLOTS) & 1);
+    if (u > 0) mbar_wait(vp ? bar.v_empty(st) : bar.k_empty(st), (u - 1) & 1);
 #pragma unroll 2
-      for (int idx = t; idx < BN * CR; idx += Bar::WIDENERS) {
-        const int r = idx / CR, c = idx % CR;
-        widen_chunk_shared<T, KV>(from + r * D + 16 * c, to + swizzled<BN, 128>(r, 2 * c),
-                                  to + swizzled<BN, 128>(r, 2 * c + 1), F::hi_first(c), j0 + r < it.kv_len);
-      }
-      fence_proxy_async();
-      mbar_arrive(vp ? bar.v_full(st) : bar.k_full(st));
-      mbar_arrive(bar.s_empty(x));
+    for (int idx = threadIdx.x; idx < BN * CR; idx += Bar::WIDENERS) {
+      const int r = idx / CR, c = idx % CR;
+      widen_chunk_shared<T, KV>(from + r * D + 16 * c, to + swizzled<BN, 128>(r, 2 * c),
+                                to + swizzled<BN, 128>(r, 2 * c + 1), F::hi_first(c), j0 + r < it.kv_len);
+    }
+    fence_proxy_async();
+    mbar_arrive(vp ? bar.v_full(st) : bar.k_full(st));
+    mbar_arrive(bar.s_empty(x));
+    if (copier && q + SLOTS < parts) {
+      if (lead) mbar_wait(bar.s_empty(x), (q / SLOTS) & 1);  // one waiter, the warp after it
+      __syncwarp();
+      copy(q + SLOTS);
     }
   }
   cp_async_wait_all();
@@ -1028,7 +1033,7 @@ __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_kernel(CUPAGED
 // NHD / HND caches of head size 64 or 128, k_map and v_map over them (cupaged.core.tma).
 // 16-bit K/V (SLOTS 0) land in the tiles as they are; from an fp8 cache (KV) the codes land
 // in SLOTS staging slots of [BN][D] bytes after the tiles (before the WsBarriers), which
-// warps 1-3 of the producer widen into the tiles (ws_produce_fp8).
+// the producer's warps widen into the tiles (ws_produce_fp8).
 // Arguments: Problem's fields, then the two tensor maps (ProblemTma, abi.cuh).
 template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS, int SLOTS>
 __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_tma_kernel(CUPAGED_PARAMS_ProblemTma) {
