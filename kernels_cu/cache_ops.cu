@@ -15,10 +15,10 @@
 
 namespace cupaged {
 
-constexpr int THREADS = 256;
-constexpr int ROWS_UNROLL = 2;  // tokens per thread group in write_rows
-constexpr int VLLM_TILE = 32;   // tokens per CTA in write_vllm: one per lane
-constexpr int COPY_UNROLL = 4;  // vectors in flight per thread in copy_blocks_kernel
+// THREADS, ROWS_UNROLL (tokens a thread group of write_rows), VLLM_TILE (tokens a CTA of
+// write_vllm) and COPY_UNROLL (vectors in flight a thread of copy_blocks_kernel): from
+// cupaged.cache_ops.api
+using namespace cache;
 
 // The cache's image of one 16-byte input vector. Bits: the vector itself.
 struct Bits {

@@ -21,8 +21,7 @@
 namespace cupaged {
 namespace plan {
 
-constexpr int THREADS = 512;
-constexpr int WARPS = THREADS / 32;
+constexpr int WARPS = THREADS / 32;  // THREADS: the block (core.abi.PLAN_THREADS)
 constexpr int BUCKETS = 2048;  // prefill cost buckets (key tiles; longer items share the last)
 
 // Exclusive scan of get(i) over i in [0, n): put(i, prefix, value) for each; returns the sum.

@@ -605,7 +605,8 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 
 
 // ------------------------------------------------------------ warp-specialised (prefill_ws)
-// Warpgroup 0 produces, warpgroups 1 and 2 consume (WS_THREADS threads; the producer's
+// Warpgroup 0 produces, warpgroups 1 and 2 consume (WS_THREADS threads, from
+// cupaged.prefill.plan; the producer's
 // register budget PRODUCER_REGS, the consumers' the rest, set by setmaxnreg). The
 // producer's 128 threads copy Q and the K/V tiles with cp.async (KVRows of 128 loaders)
 // into STAGES K and STAGES V buffers; the consumers run the wgmma loop of loop_overlap on them. They meet only at
@@ -616,7 +617,6 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 // From an fp8 cache (NHD / HND, the same head sizes) warp 0's tensor copies bring the codes
 // into staging slots and the producer's four warps widen them into the 16-bit tiles
 // (ws_produce_fp8), so that the consumers' loop is the one of 16-bit caches.
-constexpr int WS_THREADS = 384;
 // The consumers' budget beside a producer budget of PRODUCER_REGS: the register file's
 // 64K registers over the three warpgroups, in setmaxnreg's multiples of 8.
 __host__ __device__ constexpr int ws_consumer_regs(int producer_regs) { return ((65536 / 128 - producer_regs) / 2) & ~7; }

@@ -45,8 +45,8 @@ __device__ __forceinline__ void angles(const double* __restrict__ inv_freq, i64 
   }
 }
 
-// Grid: ceil(num_tokens * (q_heads + k_heads) * (rot_units + pass_units) / 256) blocks;
-// block: 256 threads.
+// Grid: ceil(num_tokens * (q_heads + k_heads) * (rot_units + pass_units) / ROPE_THREADS)
+// blocks; block: ROPE_THREADS threads (cupaged.rope.api).
 // Each thread owns one unit of one head of one token, VEC elements wide:
 //  - a rotated unit: neox - VEC elements of the first half and the VEC matching elements of
 //    the second half; GPT-J - VEC consecutive elements holding VEC/2 pairs. It forms the
@@ -57,7 +57,7 @@ __device__ __forceinline__ void angles(const double* __restrict__ inv_freq, i64 
 // place): every element is read and written by the same thread. A position outside
 // [0, max_positions) (max_positions < 0: no bound) is reported and its rows written as zeros.
 template <typename T, bool NEOX, int VEC>
-__global__ void __launch_bounds__(256) rope_kernel(CUPAGED_PARAMS_RopeArgs) {
+__global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(CUPAGED_PARAMS_RopeArgs) {
   constexpr int PAIRS = NEOX ? VEC : VEC / 2;  // rotated pairs per rotated unit
   const int units = rot_units + pass_units;
   const i64 idx = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;

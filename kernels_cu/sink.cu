@@ -4,9 +4,10 @@
 // to head (r / rows_per_head) % heads.
 //
 // Short rows: one warp per row (sink_softmax_rows<T, 32>); long rows: one CTA per row
-// (sink_softmax_rows<T, 256>); very long rows with few of them: several CTAs per row, in two
+// (sink_softmax_rows<T, SINK_THREADS>); very long rows with few of them: several CTAs per row, in two
 // passes (sink_softmax_chunk_stats then sink_softmax_chunk_write).
 #include "common.cuh"
+#include "abi.cuh"
 
 namespace cupaged {
 
@@ -145,18 +146,19 @@ __device__ __forceinline__ int head_of(i64 row, int heads, i64 rows_per_head) {
   return static_cast<int>((row / rows_per_head) % heads);
 }
 
-// Grid: ceil(num_rows / ROWS) blocks, ROWS = 4 rows per CTA for GROUP = 32 (one warp per
-// row) and 1 for GROUP = 256 (the CTA per row). Block: 128 or 256 threads.
+// Grid: ceil(num_rows / ROWS) blocks, ROWS = SINK_WARP_ROWS rows per CTA for GROUP = 32 (one
+// warp per row) and 1 for GROUP = SINK_THREADS (the CTA per row). Block: 32 * SINK_WARP_ROWS
+// or SINK_THREADS threads (both from cupaged.sink.api).
 // Each group reads its row once for the online max/sum, merges the group's statistics and
 // the sink, and reads the row again (mostly from cache) to write the probabilities.
 template <typename T, int GROUP>
-__global__ void __launch_bounds__(GROUP == 32 ? 128 : GROUP)
+__global__ void __launch_bounds__(GROUP == 32 ? 32 * SINK_WARP_ROWS : GROUP)
 sink_softmax_rows(const T* __restrict__ x, const float* __restrict__ sinks, T* __restrict__ y,
                   i64 num_rows, i64 n, int heads, i64 rows_per_head, int vec) {
-  constexpr int ROWS = GROUP == 32 ? 4 : 1;
+  constexpr int ROWS = GROUP == 32 ? SINK_WARP_ROWS : 1;
   __shared__ MaxSum red[GROUP / 32];
   const i64 row = static_cast<i64>(blockIdx.x) * ROWS + threadIdx.x / GROUP;
-  if (row >= num_rows) return;  // whole warps (GROUP 32) or the whole CTA (GROUP 256)
+  if (row >= num_rows) return;  // whole warps (GROUP 32) or the whole CTA
   const int lane = threadIdx.x % GROUP;
   const T* xr = x + row * n;
   MaxSum acc = thread_stats<T>(xr, 0, n, lane, GROUP, vec);
@@ -166,17 +168,17 @@ sink_softmax_rows(const T* __restrict__ x, const float* __restrict__ sinks, T* _
 }
 
 // Grid: num_rows * chunks blocks, block b -> row b / chunks, chunk c = b % chunks covering
-// [c * chunk, min(n, (c + 1) * chunk)). Block: 256 threads.
+// [c * chunk, min(n, (c + 1) * chunk)). Block: SINK_THREADS threads.
 // Pass 1 of long rows: the CTA reduces its chunk to (m, s), stored at stats[2b], stats[2b + 1].
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(SINK_THREADS)
 sink_softmax_chunk_stats(const T* __restrict__ x, float* __restrict__ stats, i64 n, i64 chunk,
                          int chunks, int vec) {
-  __shared__ MaxSum red[8];
+  __shared__ MaxSum red[SINK_THREADS / 32];
   const i64 b = blockIdx.x;
   const i64 row = b / chunks, c0 = (b % chunks) * chunk;
-  MaxSum acc = thread_stats<T>(x + row * n, c0, min(n, c0 + chunk), threadIdx.x, 256, vec);
-  acc = group_reduce<256>(acc, red);
+  MaxSum acc = thread_stats<T>(x + row * n, c0, min(n, c0 + chunk), threadIdx.x, SINK_THREADS, vec);
+  acc = group_reduce<SINK_THREADS>(acc, red);
   if (threadIdx.x == 0) {
     stats[2 * b] = acc.m;
     stats[2 * b + 1] = acc.s;
@@ -186,21 +188,22 @@ sink_softmax_chunk_stats(const T* __restrict__ x, float* __restrict__ stats, i64
 // Grid and block as sink_softmax_chunk_stats. Pass 2: the CTA merges the `chunks` statistics
 // of its row with the sink, then writes the probabilities of its chunk.
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(SINK_THREADS)
 sink_softmax_chunk_write(const T* __restrict__ x, const float* __restrict__ stats,
                          const float* __restrict__ sinks, T* __restrict__ y, i64 n, i64 chunk,
                          int chunks, int heads, i64 rows_per_head, int vec) {
-  __shared__ MaxSum red[8];
+  __shared__ MaxSum red[SINK_THREADS / 32];
   const i64 b = blockIdx.x;
   const i64 row = b / chunks, c0 = (b % chunks) * chunk;
   MaxSum acc{neg_inf(), 0.f};
-  for (int c = threadIdx.x; c < chunks; c += 256) {
+  for (int c = threadIdx.x; c < chunks; c += SINK_THREADS) {
     const i64 s = 2 * (row * chunks + c);
     acc = merge(acc, MaxSum{stats[s], stats[s + 1]});
   }
-  acc = group_reduce<256>(acc, red);
+  acc = group_reduce<SINK_THREADS>(acc, red);
   const RowScale sc = row_scale(acc, sinks[head_of(row, heads, rows_per_head)]);
-  write_probs<T>(x + row * n, y + row * n, c0, min(n, c0 + chunk), threadIdx.x, 256, vec, sc);
+  write_probs<T>(x + row * n, y + row * n, c0, min(n, c0 + chunk), threadIdx.x, SINK_THREADS, vec,
+                 sc);
 }
 
 }  // namespace cupaged

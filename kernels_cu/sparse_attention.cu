@@ -18,7 +18,7 @@
 
 namespace cupaged {
 
-constexpr int HALF_ROWS = 64;          // query rows of one pattern half
+// HALF_ROWS (query rows of one pattern half): from cupaged.sparse.launch
 constexpr int EMPTY_KEY = 0x7fffffff;  // key of an empty K/V tile row (past every row's limit)
 
 // cp.async of 8 bytes (the L1-allocating form; .cg takes only 16).

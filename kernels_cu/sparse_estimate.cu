@@ -9,7 +9,7 @@
 
 namespace cupaged {
 
-constexpr int EST_MAX_TILES = 16;  // key tiles per CTA at most (1024 keys)
+// EST_MAX_TILES (key tiles a CTA at most): from cupaged.sparse.launch
 
 // grid (num_q_heads, chunks), block 128 (4 warps x 16 query rows). CTA (h, c) scores the
 // last n queries of head h (rows q_row0 + r, positions kv_len - n + r) against keys

@@ -12,7 +12,7 @@
 
 namespace cupaged {
 
-constexpr int PREP_THREADS = 256;
+// PREP_THREADS (the prepare kernels' block) and SP_THREADS: from cupaged.sparse.launch
 
 // Block counts of one query block's pattern (vs_block_lists): key blocks and columns.
 struct BlockCount {
@@ -125,13 +125,13 @@ struct WarpLists {
   }
 };
 
-// grid ceil(batch * heads * num_m / 4), block 128: warp -> (b, h, m), m fastest; the whole
+// grid ceil(batch * heads * num_m / 4), block SP_THREADS: warp -> (b, h, m), m fastest; the whole
 // warp walks block m of head h (vs_block_lists) and writes its lists. Outputs are
 // [batch, heads, num_m] counts and [batch, heads, num_m, w] lists (entries past the counts
 // untouched). Lengths outside 0 <= seqlens[b] <= max_q and seqlens[b] <= kv_seqlens[b] <=
 // max_kv (the bounds the host sized the lists by) are reported to err by the warp of
 // (b, 0, 0) and give the sequence empty lists.
-__global__ void __launch_bounds__(128) vs_index_kernel(
+__global__ void __launch_bounds__(SP_THREADS) vs_index_kernel(
     const int* __restrict__ seqlens, const int* __restrict__ kv_seqlens,
     const int* __restrict__ s_sorted, const int* __restrict__ run_first, int ns,
     const int* __restrict__ v_unique, const int* __restrict__ v_count, int nv, int batch, int heads,
@@ -182,7 +182,7 @@ struct TileWrite {
 // none) the dense kernel's sequence, every tile_n keys below the CTA's causal clip held by
 // both halves (at most ceil(max_kv / tile_n) <= cap tiles). (One CTA an SM at least, as
 // vs_prepare.)
-__global__ void __launch_bounds__(128, 1) vs_plan_kernel(
+__global__ void __launch_bounds__(SP_THREADS, 1) vs_plan_kernel(
     const int* __restrict__ meta, const int* __restrict__ s_sorted,
     const int* __restrict__ run_first, int ns, const int* __restrict__ v_unique,
     const int* __restrict__ v_count, int nv, const int* __restrict__ dense, int batch,

@@ -16,8 +16,9 @@
 #pragma once
 #ifdef __CUDACC__
 #include "common.cuh"
+#include "abi.cuh"
 #define CP_HD __host__ __device__ __forceinline__
-#else
+#else  // a host build (tests/test_sparse_tiles.py) defines the generated TILE_* first
 namespace cupaged { typedef long long i64; }
 #define CP_HD inline
 #endif
@@ -143,7 +144,7 @@ CP_HD void sweep(A& a, B& b, Emit& emit) {
 // of the head's deduplicated vertical row; TILE_A / TILE_B: the half's pattern holds every
 // key of the tile (the other half skips it). Key tiles come first (ascending), then column
 // tiles (ascending); the kernel walks the list from the end.
-constexpr int TILE_A = 1 << 8, TILE_B = 2 << 8, TILE_GATHER = 4 << 8, TILE_WIDTH = 0xff;
+// (TILE_A, TILE_B, TILE_GATHER, TILE_WIDTH: from cupaged.sparse.tiles)
 
 // The tiles of one piece [x, y) (keys, or column positions when gather) go to
 // out.piece(x, y, flag bits, tile_n): tiles x + k * tile_n of width min(tile_n, y - start).

@@ -7,13 +7,13 @@
 // by 4 banks, so ldmatrix reads of 8 rows are conflict-free for every head size.
 #pragma once
 #include "common.cuh"
+#include "abi.cuh"
 #include "mma.cuh"
 
 namespace cupaged {
 
-constexpr int SP_THREADS = 128;     // 4 warps
-constexpr int SP_ROWS = 64;         // query rows per CTA tile
-constexpr int SP_KEYS = 64;         // keys per K/V tile
+// SP_THREADS (4 warps), SP_ROWS (query rows a CTA tile), SP_KEYS (keys a K/V tile): from
+// cupaged.sparse.launch
 constexpr int NO_KEY = 0x7fffffff;  // key index of an empty tile row (masked everywhere)
 
 template <int D> struct SpTile {

@@ -132,6 +132,21 @@ def test_real_sources_have_no_local_includes_left():
         assert '#include "' not in text
 
 
+def test_generated_constants_have_no_second_home_in_the_sources():
+    """Every constant the families' cpp() put in the generated abi.cuh is defined there
+    alone: no kernel source or header restates it at namespace scope (Python is its one
+    source; a struct's own member of the same name is another constant)."""
+    import re
+    names = set()
+    for module in _compile.HEADER_MODULES:
+        names |= set(re.findall(r"constexpr int (\w+) =", importlib.import_module(module).cpp()))
+    assert {"ROWS_UNROLL", "WS_THREADS", "SP_THREADS", "TILE_GATHER", "ROPE_THREADS",
+            "SINK_THREADS", "NTHREADS"} <= names
+    for path in sorted(_compile.KERNEL_DIR.glob("*.cu*")):
+        defined = set(re.findall(r"^constexpr int (\w+) =", path.read_text(), re.M))
+        assert not defined & names, f"{path.name} restates {sorted(defined & names)}"
+
+
 TINY = """
 template <typename T> __global__ void scale(T* x, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;

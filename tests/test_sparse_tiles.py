@@ -70,7 +70,8 @@ def plan_lib(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler for the host build of sparse_plan.cuh")
     d = tmp_path_factory.mktemp("plan")
-    (d / "harness.cpp").write_text(HARNESS)
+    # the tile flags the device build takes from the generated abi.cuh
+    (d / "harness.cpp").write_text(f"namespace cupaged {{\n{tiles.cpp()}\n}}\n{HARNESS}")
     subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{KERNEL_DIR}",
                     str(d / "harness.cpp"), "-o", str(d / "libplan.so")], check=True)
     lib = ctypes.CDLL(str(d / "libplan.so"))

@@ -35,14 +35,21 @@ from ..core.launch import current_stream, ptr
 from ..core.layouts import CACHE_DTYPES, LAYOUTS, accepts_cache, block_stride, cache_geometry
 from ..reference import cache as ref
 
-THREADS = 256
-ROWS_UNROLL = 2
-VLLM_TILE = 32
-COPY_UNROLL = 4
+# the cache kernels' geometry (namespace cache of the generated abi.cuh: cpp())
+THREADS = 256      # block of every cache kernel
+ROWS_UNROLL = 2    # tokens a thread group of write_rows
+VLLM_TILE = 32     # tokens a CTA of write_vllm: one a lane
+COPY_UNROLL = 4    # vectors in flight a thread of copy_blocks_kernel
 MEMCPY_MIN_RUN_BYTES = 1 << 20
 SWAP_METHODS = ("auto", "memcpy", "kernel")
 _ELEMENT_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
 BITS = "cupaged::Bits"
+
+
+def cpp() -> str:
+    """C++ of the cache kernels' constants for the generated ``abi.cuh``."""
+    return abi.constants("cache", dict(THREADS=THREADS, ROWS_UNROLL=ROWS_UNROLL,
+                                       VLLM_TILE=VLLM_TILE, COPY_UNROLL=COPY_UNROLL))
 
 
 def quantiser(in_dtype, kv_dtype):

@@ -281,6 +281,20 @@ RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PRE
            COPY_BLOCKS, ROPE, GEMM)
 
 
+# the plan kernel (kernels_cu/plan.cu) of decode and prefill: its block, and its grid's most CTAs
+# (sequences are checked a CTA at a time)
+PLAN_THREADS = 512
+PLAN_CTAS = 64
+
+
+def constants(namespace, values):
+    """C++ of ``values`` (name -> int) as ``constexpr int`` in ``namespace`` of cupaged (None:
+    cupaged itself), for a family's ``cpp()``."""
+    lines = [f"constexpr int {name} = {int(v)};" for name, v in values.items()]
+    return "\n".join(lines if namespace is None else
+                     [f"namespace {namespace} {{", *lines, f"}}  // namespace {namespace}"])
+
+
 def header(*parts):
     """Text of ``abi.cuh``: the error codes, the constants ``parts`` give (C++ text, e.g.
     :func:`cupaged.decode.plan.cpp`) and every record's struct."""
@@ -293,6 +307,7 @@ def header(*parts):
     lines.append("__host__ __device__ constexpr int error_code(int argument, int check) "
                  "{ return argument << 4 | check; }")
     lines.append(f"constexpr int ERROR_WORDS = {ERROR_WORDS};")
+    lines.append(constants("plan", dict(THREADS=PLAN_THREADS)))
     lines += parts
     lines += [r.cpp() for r in RECORDS]
     lines.append("}  // namespace cupaged")

@@ -32,7 +32,9 @@ SPEC_MODULES = ("cupaged.cache_ops.api", "cupaged.decode.launch", "cupaged.prefi
                 "cupaged.engine.model")
 # modules whose cpp() gives kernel constants of their family for the generated header (Python
 # is the one source of them)
-HEADER_MODULES = ("cupaged.decode.plan", "cupaged.core.fp8")
+HEADER_MODULES = ("cupaged.decode.plan", "cupaged.core.fp8", "cupaged.cache_ops.api",
+                  "cupaged.prefill.plan", "cupaged.sparse.launch", "cupaged.sparse.tiles",
+                  "cupaged.rope.api", "cupaged.sink.api")
 
 
 class Spec(NamedTuple):

@@ -22,7 +22,6 @@ from ..core.launch import ptr
 from ..core.layouts import block_stride
 
 LOG2E = 1.4426950408889634
-PLAN_CTAS = 64  # CTAs of decode_plan_kernel: sequences are checked a CTA at a time
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -173,7 +172,7 @@ def _device_step(launch, dtype, num_q_heads, head_dim, opts, merge, append, batc
         _decode_kernel(launch, dtype).at(launch.grid, launch.threads, launch.tiles.smem_bytes),
         None if fused else launcher("merge", _pieces_expr(dtype, launch.head_dim),
                                     abi.MERGE_PIECES).at(*merge_dims[:2]),
-        launcher("plan", PLAN_EXPR, abi.DECODE_PLAN).at(min(batch, PLAN_CTAS), 512)
+        launcher("plan", PLAN_EXPR, abi.DECODE_PLAN).at(min(batch, abi.PLAN_CTAS), abi.PLAN_THREADS)
         if plan_args is not None else None)
     return _DeviceStep(launch, launches, plan_args, append_args, decode_args, merge_args,
                        0 if fused else merge_dims[2], tables, own_lens,

@@ -21,7 +21,6 @@ from ..core.layouts import cache_strides, layout_strides
 from ..decode import launch as decode_launch
 
 PLAN_EXPR = "cupaged::plan::prefill_plan_kernel"
-PLAN_CTAS = 64  # CTAs of prefill_plan_kernel: sequences are checked a CTA at a time
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -205,7 +204,7 @@ class Launches:
             self.section_heads = self._sections(batch, tables, block_size, num_blocks, total_k,
                                                 d, kv, num_kv_heads)
             self.plan = (launcher("plan", PLAN_EXPR, abi.PREFILL_PLAN).at(
-                min(max(batch, 1), PLAN_CTAS), 512), abi.PREFILL_PLAN.bind(
+                min(max(batch, 1), abi.PLAN_CTAS), abi.PLAN_THREADS), abi.PREFILL_PLAN.bind(
                 work=ptr(work), scratch=ptr(plan_scratch),
                 done=ptr(done), err=ptr(errors.error_word()),
                 row_bytes=hq * d * q.itemsize, batch=batch, total_q=total_q, total_k=total_k,

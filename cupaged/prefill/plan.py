@@ -15,7 +15,7 @@ import numpy as np
 from ..core.arrays import check_array, check_choice, float32
 from ..core.checks import (INT32_MAX, check_block_elements, check_cu_seqlens, check_gqa,
     check_query, token_stride)
-from ..core import tma
+from ..core import abi, tma
 from ..core.device import SM90_SMEM_PER_CTA
 from ..core.fp8 import KV_DTYPES
 from ..core.layouts import LAYOUTS
@@ -149,9 +149,14 @@ class WgmmaTile(NamedTuple):
         return WS_THREADS if self.ws else 256
 
 
-# threads of the warp-specialised kernel: a producer and two consumer warpgroups
-# (prefill_sm90.cu WS_THREADS)
+# threads of the warp-specialised kernel: a producer and two consumer warpgroups (namespace
+# sm90 of the generated abi.cuh: cpp())
 WS_THREADS = 384
+
+
+def cpp() -> str:
+    """C++ of the prefill kernels' constants for the generated ``abi.cuh``."""
+    return abi.constants("sm90", dict(WS_THREADS=WS_THREADS))
 
 
 def ws_producer_regs(head_dim):

@@ -26,7 +26,12 @@ from ..core.launch import current_stream, ptr
 from ..reference import rope as ref
 
 SCALING_TYPES = ("linear", "dynamic")
-_THREADS = 256
+THREADS = 256  # rope_kernel's block (ROPE_THREADS of the generated abi.cuh: cpp())
+
+
+def cpp() -> str:
+    """C++ of the RoPE kernel's constants for the generated ``abi.cuh``."""
+    return abi.constants(None, dict(ROPE_THREADS=THREADS))
 
 
 class RopePlan(NamedTuple):
@@ -164,7 +169,7 @@ def _setup(plan, positions, q, k, q_out, k_out):
     if total == 0:
         return None
     return (launcher("rope", _expr(q.dtype, plan.is_neox, vec), abi.ROPE).at(
-                -(-total // _THREADS), _THREADS),
+                -(-total // THREADS), THREADS),
             abi.ROPE.bind(
                 positions_are_64bit=int(positions.dtype == np.int64),
                 inv_freq=ptr(frequencies(plan)), err=ptr(errors.error_word()),

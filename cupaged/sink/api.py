@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core import abi
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
 from ..core.checks import check_cu_seqlens, check_gqa, check_int
 from ..core.compile import Spec, ctype, get_kernel
@@ -24,6 +25,15 @@ MODES = ref.MODES
 _WARP_ROW_MAX = 1024     # rows up to this length: one warp per row
 _CHUNK_MIN = 8192        # elements per CTA before a row is split over several CTAs
 _MAX_CHUNKS = 1024
+# the kernels' geometry (the generated abi.cuh: cpp()): rows of a warp-rows CTA, and the block
+# of a CTA-row kernel and of the split kernels
+WARP_ROWS = 4
+CTA_THREADS = 256
+
+
+def cpp() -> str:
+    """C++ of the sink kernels' constants for the generated ``abi.cuh``."""
+    return abi.constants(None, dict(SINK_WARP_ROWS=WARP_ROWS, SINK_THREADS=CTA_THREADS))
 
 
 # ----------------------------------------------------------------------------- sink_softmax
@@ -59,7 +69,7 @@ def _softmax_launch(plan, logits, sinks, out):
     vec = np.int32(logits.data.ptr % 16 == 0 and out.data.ptr % 16 == 0)
     rows, n = np.int64(plan.num_rows), np.int64(plan.n)
     if plan.path != "split":
-        group, per_cta = (32, 4) if plan.path == "warp" else (256, 1)
+        group, per_cta = (32, WARP_ROWS) if plan.path == "warp" else (CTA_THREADS, 1)
         kern = get_kernel("sink", f"cupaged::sink_softmax_rows<{t}, {group}>")
         kern((-(-plan.num_rows // per_cta),), (group * per_cta,),
              (logits, sinks, out, rows, n, heads, rows_per_head, vec))
@@ -68,9 +78,10 @@ def _softmax_launch(plan, logits, sinks, out):
     stats = cupy.empty(2 * blocks, dtype=cupy.float32)
     chunk, chunks = np.int64(plan.chunk), np.int32(plan.chunks)
     get_kernel("sink", f"cupaged::sink_softmax_chunk_stats<{t}>")(
-        (blocks,), (256,), (logits, stats, n, chunk, chunks, vec))
+        (blocks,), (CTA_THREADS,), (logits, stats, n, chunk, chunks, vec))
     get_kernel("sink", f"cupaged::sink_softmax_chunk_write<{t}>")(
-        (blocks,), (256,), (logits, stats, sinks, out, n, chunk, chunks, heads, rows_per_head, vec))
+        (blocks,), (CTA_THREADS,), (logits, stats, sinks, out, n, chunk, chunks, heads,
+                                    rows_per_head, vec))
 
 
 def kernel_specializations():
@@ -79,7 +90,7 @@ def kernel_specializations():
     for dt in FLOAT_DTYPES:
         t = ctype(dt)
         specs += [Spec("sink", f"cupaged::sink_softmax_rows<{t}, 32>"),
-                  Spec("sink", f"cupaged::sink_softmax_rows<{t}, 256>"),
+                  Spec("sink", f"cupaged::sink_softmax_rows<{t}, {CTA_THREADS}>"),
                   Spec("sink", f"cupaged::sink_softmax_chunk_stats<{t}>"),
                   Spec("sink", f"cupaged::sink_softmax_chunk_write<{t}>")]
     return specs

@@ -254,7 +254,7 @@ def build_index(plan, seqlens, kv_seqlens, prep):
     warps = plan.batch * plan.heads * plan.num_m
     if warps:
         kern = kernels.kernel("sparse_index", kernels.INDEX_EXPR)
-        kern((-(-warps // 4),), (128,),
+        kern((-(-warps // (kernels.THREADS // 32)),), (kernels.THREADS,),
              (seqlens, kv_seqlens, prep.s, prep.run_first, np.int32(prep.s.shape[2]), prep.v,
               prep.v_count, np.int32(prep.v.shape[2]), np.int32(plan.batch), np.int32(plan.heads),
               np.int32(plan.num_m), np.int32(plan.block_m), np.int32(plan.block_n), bc, bo,

@@ -23,18 +23,26 @@ from ..prefill.plan import TileShape
 
 KERNEL_DTYPES = (float16, bfloat16)
 NULL = np.uint64(0)          # a null pointer argument
+# the sparse kernels' geometry (the generated abi.cuh: cpp())
 ROWS = KEYS = 64             # estimate: query rows and keys per tile; pattern halves of 64 rows
 CTA_ROWS = 128               # attention: query rows per CTA (two 64-row halves)
 MAX_CTA_ROWS = 65535         # grid.y of the attention kernels
-THREADS = 128
-PREP_THREADS = 256           # vs_prepare's block
-EST_MAX_TILES = 16           # key tiles per estimate CTA (sparse_estimate.cu)
+THREADS = 128                # the estimate's and the index kernels' block (4 warps)
+PREP_THREADS = 256           # vs_prepare's and bsr_prepare's block
+EST_MAX_TILES = 16           # key tiles per estimate CTA
 LOG2E = 1.4426950408889634
 PREPARE_EXPR = "cupaged::vs_prepare"
 INDEX_EXPR = "cupaged::vs_index_kernel"
 VS_PLAN_EXPR = "cupaged::vs_plan_kernel"
 BSR_PREPARE_EXPR = "cupaged::bsr_prepare"
 INDEX_EXPRS = (PREPARE_EXPR, INDEX_EXPR, VS_PLAN_EXPR, BSR_PREPARE_EXPR)
+
+
+def cpp() -> str:
+    """C++ of the sparse kernels' constants for the generated ``abi.cuh``."""
+    return abi.constants(None, dict(SP_THREADS=THREADS, SP_ROWS=ROWS, SP_KEYS=KEYS,
+                                    HALF_ROWS=ROWS, PREP_THREADS=PREP_THREADS,
+                                    EST_MAX_TILES=EST_MAX_TILES))
 
 
 def attention_tile(head_dim, rows=CTA_ROWS):

@@ -16,12 +16,19 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core import abi
 from ..core.launch import ptr as address
 from . import launch as kernels
 
 LIST_BUDGET = 1 << 30        # bytes of tile-list slots per head group
 TILE_BYTES = 8               # int2 per tile
-TILE_A, TILE_B, TILE_GATHER, TILE_WIDTH = 1 << 8, 2 << 8, 4 << 8, 0xFF
+TILE_A, TILE_B, TILE_GATHER, TILE_WIDTH = 1 << 8, 2 << 8, 4 << 8, 0xFF  # a tile's flags (cpp())
+
+
+def cpp() -> str:
+    """C++ of the tile-list flags for the generated ``abi.cuh`` (``sparse_plan.cuh``)."""
+    return abi.constants(None, dict(TILE_A=TILE_A, TILE_B=TILE_B, TILE_GATHER=TILE_GATHER,
+                                    TILE_WIDTH=TILE_WIDTH))
 
 
 def list_bound(max_kv, nv, ns, block_m, tile_n):
@@ -119,7 +126,7 @@ def vs_lists(prep, dense, meta, batch, cta_bound, max_kv, block_n, tile_n, budge
     kern = kernels.kernel("sparse_index", kernels.VS_PLAN_EXPR)
     for h0, hs in groups:
         n = hs * cta_bound
-        kern((-(-n // 4),), (128,),
+        kern((-(-n // (kernels.THREADS // 32)),), (kernels.THREADS,),
              (meta, prep.s, prep.run_first, np.int32(ns), prep.v, prep.v_count, np.int32(nv),
               kernels.NULL if dense is None else dense, np.int32(batch), np.int32(heads),
               np.int32(h0), np.int32(hs), np.int32(cta_bound), np.int32(prep.block_m),
