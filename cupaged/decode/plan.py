@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core import abi
 from ..core.device import SM90_SMEM_PER_CTA
 from ..core.layouts import CacheStrides, layout_strides
 
@@ -83,8 +84,7 @@ def cpp() -> str:
     ``stage_tile(row_bytes)`` from STAGE_TILES and :func:`stage_row_pad`, in namespace
     ``decode``."""
     g = globals()
-    lines = ["namespace decode {"]
-    lines += [f"constexpr int {name} = {int(g[name])};" for name in KERNEL_CONSTANTS]
+    lines = ["namespace decode {", abi.constants(None, {name: g[name] for name in KERNEL_CONSTANTS})]
     expr = ""
     for most, tile in STAGE_TILES:
         expr += f"{tile}" if most is None else f"row_bytes <= {most} ? {tile} : "
