@@ -153,8 +153,7 @@ __device__ __forceinline__ int head_of(i64 row, int heads, i64 rows_per_head) {
 // the sink, and reads the row again (mostly from cache) to write the probabilities.
 template <typename T, int GROUP>
 __global__ void __launch_bounds__(GROUP == 32 ? 32 * SINK_WARP_ROWS : GROUP)
-sink_softmax_rows(const T* __restrict__ x, const float* __restrict__ sinks, T* __restrict__ y,
-                  i64 num_rows, i64 n, int heads, i64 rows_per_head, int vec) {
+sink_softmax_rows(CUPAGED_PARAMS_SinkSoftmaxArgs) {
   constexpr int ROWS = GROUP == 32 ? SINK_WARP_ROWS : 1;
   __shared__ MaxSum red[GROUP / 32];
   const i64 row = static_cast<i64>(blockIdx.x) * ROWS + threadIdx.x / GROUP;
@@ -172,8 +171,7 @@ sink_softmax_rows(const T* __restrict__ x, const float* __restrict__ sinks, T* _
 // Pass 1 of long rows: the CTA reduces its chunk to (m, s), stored at stats[2b], stats[2b + 1].
 template <typename T>
 __global__ void __launch_bounds__(SINK_THREADS)
-sink_softmax_chunk_stats(const T* __restrict__ x, float* __restrict__ stats, i64 n, i64 chunk,
-                         int chunks, int vec) {
+sink_softmax_chunk_stats(CUPAGED_PARAMS_SinkSoftmaxArgs) {
   __shared__ MaxSum red[SINK_THREADS / 32];
   const i64 b = blockIdx.x;
   const i64 row = b / chunks, c0 = (b % chunks) * chunk;
@@ -189,9 +187,7 @@ sink_softmax_chunk_stats(const T* __restrict__ x, float* __restrict__ stats, i64
 // of its row with the sink, then writes the probabilities of its chunk.
 template <typename T>
 __global__ void __launch_bounds__(SINK_THREADS)
-sink_softmax_chunk_write(const T* __restrict__ x, const float* __restrict__ stats,
-                         const float* __restrict__ sinks, T* __restrict__ y, i64 n, i64 chunk,
-                         int chunks, int heads, i64 rows_per_head, int vec) {
+sink_softmax_chunk_write(CUPAGED_PARAMS_SinkSoftmaxArgs) {
   __shared__ MaxSum red[SINK_THREADS / 32];
   const i64 b = blockIdx.x;
   const i64 row = b / chunks, c0 = (b % chunks) * chunk;

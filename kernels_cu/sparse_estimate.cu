@@ -2,8 +2,8 @@
 // of one sequence over all its keys, summed per key (vertical scores) and per diagonal
 // d = p - j (slash scores). Memory O(heads * kv_len): the scores are never stored.
 //
-// Two launches of one kernel: pass 0 writes each CTA's per-row max and sum of exp2 over its
-// key chunk (the host combines them into the row max M and 1 / L); pass 1 recomputes the
+// Two launches of one kernel: phase 0 writes each CTA's per-row max and sum of exp2 over its
+// key chunk (the host combines them into the row max M and 1 / L); phase 1 recomputes the
 // scores, p = exp2(x - M) / L, and accumulates column sums and diagonal sums.
 #include "sparse_tile.cuh"
 
@@ -15,17 +15,12 @@ namespace cupaged {
 // last n queries of head h (rows q_row0 + r, positions kv_len - n + r) against keys
 // [c * 64 * tiles_per_cta, ...) of kv head h / group, 64 keys per tile, double buffered.
 // Each thread holds rows g and g + 8 of its warp's 16 rows.
-// pass 0: row_max / row_sum [heads, chunks, 64] <- this chunk's max (log2 units) and sum.
-// pass 1: row_max / row_sum [heads, 64] hold M and 1 / L; vertical [heads, kv_len] <- column
+// phase 0: row_max / row_sum [heads, chunks, 64] <- this chunk's max (log2 units) and sum.
+// phase 1: row_max / row_sum [heads, 64] hold M and 1 / L; vertical [heads, kv_len] <- column
 //         sums of the chunk's keys; slash [heads, kv_len] += diagonal sums (atomics, after
 //         summing the chunk's diagonals in shared memory).
 template <typename T, int D>
-__global__ void __launch_bounds__(SP_THREADS) vs_estimate(
-    const T* __restrict__ q, i64 q_row0, int n, int num_q_heads, const T* __restrict__ k,
-    const int* __restrict__ block_table, int page_size, i64 page_stride, i64 tok_stride,
-    i64 head_stride, int group, int kv_len, int tiles_per_cta, float scale_log2, int pass,
-    float* __restrict__ row_max, float* __restrict__ row_sum, float* __restrict__ vertical,
-    float* __restrict__ slash) {
+__global__ void __launch_bounds__(SP_THREADS) vs_estimate(CUPAGED_PARAMS_VsEstimateArgs) {
   using Tl = SpTile<D>;
   constexpr int TILE = SP_KEYS * Tl::SROW;
   extern __shared__ uint4 smem_u4[];
@@ -50,7 +45,7 @@ __global__ void __launch_bounds__(SP_THREADS) vs_estimate(
   cp_async_commit();
   issue(0, 0);
   cp_async_commit();
-  if (pass == 1)
+  if (phase == 1)
     for (int i = threadIdx.x; i < EST_MAX_TILES * SP_KEYS + SP_ROWS; i += SP_THREADS) s_diag[i] = 0.f;
   cp_async_wait<1>();
   __syncthreads();
@@ -63,8 +58,8 @@ __global__ void __launch_bounds__(SP_THREADS) vs_estimate(
   for (int r = 0; r < 2; ++r) {
     row[r] = warp * 16 + g + 8 * r;
     lim[r] = row[r] < n ? p0 + row[r] : -1;
-    m_i[r] = pass == 0 ? neg_inf() : row_max[h * SP_ROWS + row[r]];
-    l_i[r] = pass == 0 ? 0.f : row_sum[h * SP_ROWS + row[r]];
+    m_i[r] = phase == 0 ? neg_inf() : row_max[h * SP_ROWS + row[r]];
+    l_i[r] = phase == 0 ? 0.f : row_sum[h * SP_ROWS + row[r]];
   }
   const int d_lo = p0 - (j_end - 1);  // smallest diagonal of the chunk (s_diag[0])
 
@@ -86,7 +81,7 @@ __global__ void __launch_bounds__(SP_THREADS) vs_estimate(
         s[j][e] = (key > lim[e >> 1] || key >= j_end) ? neg_inf() : s[j][e] * scale_log2;
       }
 
-    if (pass == 0) {
+    if (phase == 0) {
       // -- running max and sum of exp2 per row --
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -130,7 +125,7 @@ __global__ void __launch_bounds__(SP_THREADS) vs_estimate(
     __syncthreads();
   }
 
-  if (pass == 0) {
+  if (phase == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(l_i[r]);

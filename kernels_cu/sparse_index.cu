@@ -34,11 +34,7 @@ struct BlockCount {
 // ceil(columns / bn), against ceil(min(end_m, kv_len) / bn)); the threads take the query
 // blocks in turn. (Minimum one CTA an SM: ptxas would otherwise cap the walks' registers
 // and spill.)
-__global__ void __launch_bounds__(PREP_THREADS, 1) vs_prepare(
-    const int* __restrict__ v_sorted, int nv, int* __restrict__ s_sorted, int ns,
-    const int* __restrict__ kv_lens, const int* __restrict__ q_lens, int len_stride, int heads,
-    int bm, int bn, double dense_threshold, int* __restrict__ v_unique, int* __restrict__ v_count,
-    int* __restrict__ run_first, int* __restrict__ dense, long long* __restrict__ err) {
+__global__ void __launch_bounds__(PREP_THREADS, 1) vs_prepare(CUPAGED_PARAMS_VsPrepareArgs) {
   __shared__ int buf[PREP_THREADS];
   __shared__ unsigned long long sums[2];
   const i64 row = blockIdx.x;
@@ -131,13 +127,7 @@ struct WarpLists {
 // untouched). Lengths outside 0 <= seqlens[b] <= max_q and seqlens[b] <= kv_seqlens[b] <=
 // max_kv (the bounds the host sized the lists by) are reported to err by the warp of
 // (b, 0, 0) and give the sequence empty lists.
-__global__ void __launch_bounds__(SP_THREADS) vs_index_kernel(
-    const int* __restrict__ seqlens, const int* __restrict__ kv_seqlens,
-    const int* __restrict__ s_sorted, const int* __restrict__ run_first, int ns,
-    const int* __restrict__ v_unique, const int* __restrict__ v_count, int nv, int batch, int heads,
-    int num_m, int bm, int bn, int* __restrict__ block_count, int* __restrict__ block_offset, int w_s,
-    int* __restrict__ column_count, int* __restrict__ column_index, int w_v, int max_q, int max_kv,
-    long long* __restrict__ err) {
+__global__ void __launch_bounds__(SP_THREADS) vs_index_kernel(CUPAGED_PARAMS_VsIndexArgs) {
   const i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   if (item >= (i64)batch * heads * num_m) return;
   const int m = (int)(item % num_m);
@@ -182,12 +172,7 @@ struct TileWrite {
 // none) the dense kernel's sequence, every tile_n keys below the CTA's causal clip held by
 // both halves (at most ceil(max_kv / tile_n) <= cap tiles). (One CTA an SM at least, as
 // vs_prepare.)
-__global__ void __launch_bounds__(SP_THREADS, 1) vs_plan_kernel(
-    const int* __restrict__ meta, const int* __restrict__ s_sorted,
-    const int* __restrict__ run_first, int ns, const int* __restrict__ v_unique,
-    const int* __restrict__ v_count, int nv, const int* __restrict__ dense, int batch,
-    int total_heads, int head0, int heads, int cta_bound, int bm, int bn, int tile_n, int cap,
-    int* __restrict__ counts, int2* __restrict__ tiles) {
+__global__ void __launch_bounds__(SP_THREADS, 1) vs_plan_kernel(CUPAGED_PARAMS_VsPlanArgs) {
   const i64 item = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   if (item >= (i64)heads * cta_bound) return;
   const int at = (int)(item % cta_bound), h = (int)(item / cta_bound);

@@ -10,7 +10,8 @@ from cupaged.core import abi
 from cupaged.core.launch import TENSOR_MAP, ArgBuffer, Record, pack
 
 _CTYPES = {"i64": ctypes.c_int64, "long long": ctypes.c_int64, "u64": ctypes.c_uint64,
-           "int": ctypes.c_int32, "unsigned": ctypes.c_uint32, "float": ctypes.c_float}
+           "int": ctypes.c_int32, "unsigned": ctypes.c_uint32, "float": ctypes.c_float,
+           "double": ctypes.c_double}
 
 
 def _ctypes_struct(record):
@@ -27,6 +28,8 @@ def _values(record, rng):
             out[f.name] = int(rng.integers(1, 2**47)) * 16
         elif f.ctype == "float":
             out[f.name] = float(np.float32(rng.standard_normal()))
+        elif f.ctype == "double":
+            out[f.name] = float(rng.standard_normal())
         elif f.ctype in ("unsigned", "u64"):
             out[f.name] = int(rng.integers(0, 2**31))
         else:

@@ -197,6 +197,55 @@ BSR_PREPARE = Record("BsrPrepareArgs", [
     ("int", "cta_bound"),
 ])
 
+# Vertical+slash index preparation (sparse_index.cu vs_prepare, a CTA a row of the index
+# arrays): sorted slashes deduplicated in place with their runs, sorted verticals
+# deduplicated and counted, and (dense) the rows whose pattern keeps more than
+# dense_threshold of its causal blocks.
+VS_PREPARE = Record("VsPrepareArgs", [
+    ("const int* __restrict__", "v_sorted"), ("int", "nv"), ("int* __restrict__", "s_sorted"),
+    ("int", "ns"), ("const int* __restrict__", "kv_lens"),
+    ("const int* __restrict__", "q_lens", NULL), ("int", "len_stride"), ("int", "heads"),
+    ("int", "bm"), ("int", "bn"), ("double", "dense_threshold", 0.0),
+    ("int* __restrict__", "v_unique"), ("int* __restrict__", "v_count"),
+    ("int* __restrict__", "run_first"), ("int* __restrict__", "dense", NULL),
+    ("long long* __restrict__", "err", NULL),
+])
+
+# MInference's lists of every query block (sparse_index.cu vs_index_kernel, a warp a block).
+VS_INDEX = Record("VsIndexArgs", [
+    ("const int* __restrict__", "seqlens"), ("const int* __restrict__", "kv_seqlens"),
+    ("const int* __restrict__", "s_sorted"), ("const int* __restrict__", "run_first"),
+    ("int", "ns"), ("const int* __restrict__", "v_unique"),
+    ("const int* __restrict__", "v_count"), ("int", "nv"), ("int", "batch"), ("int", "heads"),
+    ("int", "num_m"), ("int", "bm"), ("int", "bn"), ("int* __restrict__", "block_count"),
+    ("int* __restrict__", "block_offset"), ("int", "w_s"), ("int* __restrict__", "column_count"),
+    ("int* __restrict__", "column_index"), ("int", "w_v"), ("int", "max_q"), ("int", "max_kv"),
+    ("long long* __restrict__", "err", NULL),
+])
+
+# The attention kernel's tile lists of a head group (sparse_index.cu vs_plan_kernel, a warp a
+# CTA of the attention launch).
+VS_PLAN = Record("VsPlanArgs", [
+    ("const int* __restrict__", "meta"), ("const int* __restrict__", "s_sorted"),
+    ("const int* __restrict__", "run_first"), ("int", "ns"),
+    ("const int* __restrict__", "v_unique"), ("const int* __restrict__", "v_count"),
+    ("int", "nv"), ("const int* __restrict__", "dense", NULL), ("int", "batch"),
+    ("int", "total_heads"), ("int", "head0"), ("int", "heads"), ("int", "cta_bound"),
+    ("int", "bm"), ("int", "bn"), ("int", "tile_n"), ("int", "cap"),
+    ("int* __restrict__", "counts"), ("int2* __restrict__", "tiles"),
+])
+
+# The pattern estimate (sparse_estimate.cu vs_estimate): phase 0 the chunks' row maxima and
+# sums, phase 1 the vertical and slash sums under the combined rows.
+VS_ESTIMATE = Record("VsEstimateArgs", [
+    ("const T* __restrict__", "q"), ("i64", "q_row0"), ("int", "n"), ("int", "num_q_heads"),
+    ("const T* __restrict__", "k"), ("const int* __restrict__", "block_table", NULL),
+    ("int", "page_size"), ("i64", "page_stride"), ("i64", "tok_stride"), ("i64", "head_stride"),
+    ("int", "group"), ("int", "kv_len"), ("int", "tiles_per_cta"), ("float", "scale_log2"),
+    ("int", "phase"), ("float* __restrict__", "row_max"), ("float* __restrict__", "row_sum"),
+    ("float* __restrict__", "vertical", NULL), ("float* __restrict__", "slash", NULL),
+], template="typename T")
+
 # Quest page selection for decode (kernels_cu/quest.cu, cupaged.sparse.quest): per-page key
 # bounds; page scores; the top pages of each (sequence, kv head) as a one-kv-head view's
 # block table (tokens_per_page entries a page) and lengths; a sink folded into a decode's output.
@@ -268,6 +317,14 @@ ROPE = Record("RopeArgs", [
     ("int", "rotary_dim"), ("int", "rot_units"), ("int", "pass_units"),
 ], template="typename T")
 
+# ----------------------------------------------------------------------------- sink softmax
+SINK_SOFTMAX = Record("SinkSoftmaxArgs", [
+    ("const T* __restrict__", "x"), ("const float* __restrict__", "sinks", NULL),
+    ("T* __restrict__", "y", NULL), ("float* __restrict__", "stats", NULL),
+    ("i64", "num_rows"), ("i64", "n"), ("i64", "chunk", 0), ("i64", "rows_per_head", 1),
+    ("int", "heads", 1), ("int", "chunks", 1), ("int", "vec"),
+], template="typename T")
+
 # ----------------------------------------------------------------------------- model
 GEMM = Record("GemmArgs", [
     ("const float* __restrict__", "a"), ("const float* __restrict__", "b"),
@@ -276,9 +333,9 @@ GEMM = Record("GemmArgs", [
 ])
 
 RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_TMA,
-           PREFILL_PLAN,
-           SPARSE, BSR_PREPARE, QUEST_BOUNDS, QUEST_SCORE, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE,
-           COPY_BLOCKS, ROPE, GEMM)
+           PREFILL_PLAN, SPARSE, BSR_PREPARE, VS_PREPARE, VS_INDEX, VS_PLAN, VS_ESTIMATE,
+           QUEST_BOUNDS, QUEST_SCORE, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE, COPY_BLOCKS, ROPE,
+           SINK_SOFTMAX, GEMM)
 
 
 # the plan kernel (kernels_cu/plan.cu) of decode and prefill: its block, and its grid's most CTAs

@@ -12,7 +12,7 @@ code takes a struct parameter by reference.)
 
 Fields are listed with their C++ type and laid out as the C++ compiler lays out the struct:
 each at its natural alignment (8 bytes for pointers and ``i64``, 4 for ``int``,
-``unsigned`` and ``float``), the whole padded to a multiple of 8. A :data:`TENSOR_MAP` field
+``unsigned``, ``float`` and ``double``), the whole padded to a multiple of 8. A :data:`TENSOR_MAP` field
 (a TMA ``CUtensorMap``, 128 bytes given as ``bytes``) is a kernel parameter only, passed by
 value in the parameter space (``__grid_constant__``: TMA reads the map where it lies), 64-byte
 aligned; a record holding one declares its parameters but no struct (``struct=False``).
@@ -25,7 +25,7 @@ import threading
 from typing import NamedTuple
 
 _SCALARS = {"i64": ("q", 8), "long long": ("q", 8), "u64": ("Q", 8),
-            "int": ("i", 4), "unsigned": ("I", 4), "float": ("f", 4)}
+            "int": ("i", 4), "unsigned": ("I", 4), "float": ("f", 4), "double": ("d", 8)}
 # A TMA tensor map by value (kernels_cu/bulk_copy.cuh TensorMap: 128 bytes, 64-byte aligned)
 TENSOR_MAP = "const __grid_constant__ TensorMap"
 TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 64

@@ -16,9 +16,10 @@ import numpy as np
 from ..core import abi
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_head_dim
 from ..core.checks import check_cu_seqlens, check_gqa, check_int
-from ..core.compile import Spec, ctype, get_kernel
+from ..core.compile import Spec, ctype, launcher
 from ..core.device import current, uploader
 from ..core.errors import strict
+from ..core.launch import ptr
 from ..reference import sink as ref
 
 MODES = ref.MODES
@@ -65,23 +66,20 @@ def plan_softmax(num_rows, n, num_sms):
 def _softmax_launch(plan, logits, sinks, out):
     import cupy
     t = ctype(logits.dtype)
-    heads, rows_per_head = np.int32(logits.shape[-3]), np.int64(logits.shape[-2])
-    vec = np.int32(logits.data.ptr % 16 == 0 and out.data.ptr % 16 == 0)
-    rows, n = np.int64(plan.num_rows), np.int64(plan.n)
+    rows = dict(x=ptr(logits), sinks=ptr(sinks), y=ptr(out), num_rows=plan.num_rows, n=plan.n,
+                heads=logits.shape[-3], rows_per_head=logits.shape[-2],
+                vec=int(logits.data.ptr % 16 == 0 and out.data.ptr % 16 == 0))
     if plan.path != "split":
         group, per_cta = (32, WARP_ROWS) if plan.path == "warp" else (CTA_THREADS, 1)
-        kern = get_kernel("sink", f"cupaged::sink_softmax_rows<{t}, {group}>")
-        kern((-(-plan.num_rows // per_cta),), (group * per_cta,),
-             (logits, sinks, out, rows, n, heads, rows_per_head, vec))
+        launcher("sink", f"cupaged::sink_softmax_rows<{t}, {group}>", abi.SINK_SOFTMAX)(
+            -(-plan.num_rows // per_cta), group * per_cta, **rows)
         return
     blocks = plan.num_rows * plan.chunks
     stats = cupy.empty(2 * blocks, dtype=cupy.float32)
-    chunk, chunks = np.int64(plan.chunk), np.int32(plan.chunks)
-    get_kernel("sink", f"cupaged::sink_softmax_chunk_stats<{t}>")(
-        (blocks,), (CTA_THREADS,), (logits, stats, n, chunk, chunks, vec))
-    get_kernel("sink", f"cupaged::sink_softmax_chunk_write<{t}>")(
-        (blocks,), (CTA_THREADS,), (logits, stats, sinks, out, n, chunk, chunks, heads,
-                                    rows_per_head, vec))
+    split = dict(rows, stats=ptr(stats), chunk=plan.chunk, chunks=plan.chunks)
+    for step in ("stats", "write"):
+        launcher("sink", f"cupaged::sink_softmax_chunk_{step}<{t}>", abi.SINK_SOFTMAX)(
+            blocks, CTA_THREADS, **split)
 
 
 def kernel_specializations():

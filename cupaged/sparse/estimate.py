@@ -12,9 +12,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..core import abi
 from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
 from ..core.checks import (INT32_MAX, check_block_tables, check_gqa, check_int, check_options,
     check_query)
+from ..core.launch import ptr
 from ..core.layouts import CacheGeometry, resolve_layout
 from ..reference import attention as ref_attention
 from ..reference import sparse as ref
@@ -185,24 +187,27 @@ def _estimate_gpu(q, kv, plan):
     tpc = estimate_tiles_per_cta(plan.kv_len, plan.num_q_heads)
     chunks = -(-plan.kv_len // (tpc * kernels.KEYS))
     smem = kernels.estimate_smem(plan.head_dim)
-    kern = kernels.kernel("sparse_estimate", kernels.estimate_expr(q.dtype, plan.head_dim), smem)
-    common = (q, np.int64(plan.q_len - plan.n), np.int32(plan.n), np.int32(plan.num_q_heads),
-              kv.k, kernels.NULL if kv.table is None else kv.table, np.int32(kv.page_size),
-              np.int64(kv.page_stride), np.int64(kv.tok_stride), np.int64(kv.head_stride),
-              np.int32(plan.num_q_heads // plan.num_kv_heads), np.int32(plan.kv_len),
-              np.int32(tpc), np.float32(plan.sm_scale * kernels.LOG2E))
-    grid, block = (plan.num_q_heads, chunks), (kernels.THREADS,)
+    kern = kernels.kernel("sparse_estimate", kernels.estimate_expr(q.dtype, plan.head_dim),
+                          abi.VS_ESTIMATE, smem)
+    common = dict(q=ptr(q), q_row0=plan.q_len - plan.n, n=plan.n, num_q_heads=plan.num_q_heads,
+                  k=ptr(kv.k), block_table=ptr(kv.table), page_size=kv.page_size,
+                  page_stride=kv.page_stride, tok_stride=kv.tok_stride,
+                  head_stride=kv.head_stride, group=plan.num_q_heads // plan.num_kv_heads,
+                  kv_len=plan.kv_len, tiles_per_cta=tpc,
+                  scale_log2=plan.sm_scale * kernels.LOG2E)
+    grid = (plan.num_q_heads, chunks)
     part_max = cupy.empty((plan.num_q_heads, chunks, kernels.ROWS), np.float32)
     part_sum = cupy.empty_like(part_max)
-    kern(grid, block, common + (np.int32(0), part_max, part_sum, kernels.NULL, kernels.NULL),
-         shared_mem=smem)
+    kern(grid, kernels.THREADS, smem, phase=0, row_max=ptr(part_max), row_sum=ptr(part_sum),
+         **common)
     # -- combine the chunks: row max M (log2 units) and 1 / L --
     row_max = part_max.max(axis=1)
     row_inv = 1.0 / (part_sum * cupy.exp2(part_max - row_max[:, None, :])).sum(axis=1)
     vertical = cupy.empty((plan.num_q_heads, plan.kv_len), np.float32)
     slash = cupy.zeros_like(vertical)
-    kern(grid, block, common + (np.int32(1), row_max, row_inv.astype(np.float32), vertical, slash),
-         shared_mem=smem)
+    row_inv = row_inv.astype(np.float32)
+    kern(grid, kernels.THREADS, smem, phase=1, row_max=ptr(row_max), row_sum=ptr(row_inv),
+         vertical=ptr(vertical), slash=ptr(slash), **common)
     vertical[:, :plan.num_sink_tokens] = np.inf
     slash[:, :plan.num_recent_diags] = np.inf
     return top_sorted(vertical, plan.nv), top_sorted(slash, plan.ns)

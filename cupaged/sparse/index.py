@@ -16,9 +16,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core.arrays import accepts_dlpack, array_module, check_array, check_range, host
-from ..core import errors
+from ..core import abi, errors
 from ..core.checks import check_cu_seqlens, check_int
 from ..core.errors import strict
+from ..core.launch import ptr
 from ..reference import sparse as ref
 from ..reference.bsr import bsr_row_offsets
 from . import launch as kernels
@@ -229,14 +230,13 @@ def prepare(v_idx, s_idx, kv_lens, block_m, *, q_lens=None, len_stride=1, block_
     v_count = cupy.zeros((batch, heads), np.int32)
     dense = None if dense_threshold is None else cupy.zeros((batch, heads), np.int32)
     if batch * heads:
-        kern = kernels.kernel("sparse_index", kernels.PREPARE_EXPR)
-        null = kernels.NULL
-        kern((batch * heads,), (kernels.PREP_THREADS,),
-             (v_sorted, np.int32(nv), s_sorted, np.int32(s_sorted.shape[2]), kv_lens,
-              null if q_lens is None else q_lens, np.int32(len_stride), np.int32(heads),
-              np.int32(block_m), np.int32(block_n),
-              np.float64(0.0 if dense_threshold is None else dense_threshold), v_unique,
-              v_count, run_first, null if dense is None else dense, null if err is None else err))
+        kernels.kernel("sparse_index", kernels.PREPARE_EXPR, abi.VS_PREPARE)(
+            batch * heads, kernels.PREP_THREADS, v_sorted=ptr(v_sorted), nv=nv,
+            s_sorted=ptr(s_sorted), ns=s_sorted.shape[2], kv_lens=ptr(kv_lens),
+            q_lens=ptr(q_lens), len_stride=len_stride, heads=heads, bm=block_m, bn=block_n,
+            dense_threshold=0.0 if dense_threshold is None else dense_threshold,
+            v_unique=ptr(v_unique), v_count=ptr(v_count), run_first=ptr(run_first),
+            dense=ptr(dense), err=ptr(err))
     return Prepared(s_sorted, run_first, v_unique, v_count, block_m, dense)
 
 
@@ -253,13 +253,14 @@ def build_index(plan, seqlens, kv_seqlens, prep):
     ci = cupy.zeros(rows + (plan.w_v,), np.int32)
     warps = plan.batch * plan.heads * plan.num_m
     if warps:
-        kern = kernels.kernel("sparse_index", kernels.INDEX_EXPR)
-        kern((-(-warps // (kernels.THREADS // 32)),), (kernels.THREADS,),
-             (seqlens, kv_seqlens, prep.s, prep.run_first, np.int32(prep.s.shape[2]), prep.v,
-              prep.v_count, np.int32(prep.v.shape[2]), np.int32(plan.batch), np.int32(plan.heads),
-              np.int32(plan.num_m), np.int32(plan.block_m), np.int32(plan.block_n), bc, bo,
-              np.int32(plan.w_s), cc, ci, np.int32(plan.w_v), np.int32(plan.max_q),
-              np.int32(plan.max_kv), errors.error_word()))
+        kernels.kernel("sparse_index", kernels.INDEX_EXPR, abi.VS_INDEX)(
+            -(-warps // (kernels.THREADS // 32)), kernels.THREADS, seqlens=ptr(seqlens),
+            kv_seqlens=ptr(kv_seqlens), s_sorted=ptr(prep.s), run_first=ptr(prep.run_first),
+            ns=prep.s.shape[2], v_unique=ptr(prep.v), v_count=ptr(prep.v_count),
+            nv=prep.v.shape[2], batch=plan.batch, heads=plan.heads, num_m=plan.num_m,
+            bm=plan.block_m, bn=plan.block_n, block_count=ptr(bc), block_offset=ptr(bo),
+            w_s=plan.w_s, column_count=ptr(cc), column_index=ptr(ci), w_v=plan.w_v,
+            max_q=plan.max_q, max_kv=plan.max_kv, err=ptr(errors.error_word()))
     return bc, bo, cc, ci
 
 

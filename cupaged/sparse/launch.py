@@ -16,13 +16,12 @@ import numpy as np
 from ..core import abi
 from ..core.arrays import HEAD_DIMS, bfloat16, float16
 from ..core.layouts import key_geometry, layout_strides
-from ..core.compile import Spec, ctype, get_kernel, launcher
+from ..core.compile import Spec, ctype, launcher
 from ..core.errors import error_word
 from ..core.launch import ptr
 from ..prefill.plan import TileShape
 
 KERNEL_DTYPES = (float16, bfloat16)
-NULL = np.uint64(0)          # a null pointer argument
 # the sparse kernels' geometry (the generated abi.cuh: cpp())
 ROWS = KEYS = 64             # estimate: query rows and keys per tile; pattern halves of 64 rows
 CTA_ROWS = 128               # attention: query rows per CTA (two 64-row halves)
@@ -206,7 +205,8 @@ def attention_kernel(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS, ge
                     abi.SPARSE, smem=attention_smem(head_dim, rows), carveout=True)
 
 
-def kernel(stem, expr, smem=0):
-    """The compiled kernel, allowed ``smem`` bytes of dynamic shared memory (carveout at its
-    maximum: two CTAs per SM where they fit)."""
-    return get_kernel(stem, expr, smem=smem, carveout=True)
+def kernel(stem, expr, record, smem=0):
+    """The :class:`cupaged.core.launch.Kernel` of ``expr`` (arguments: ``record``), allowed
+    ``smem`` bytes of dynamic shared memory (carveout at its maximum: two CTAs per SM where
+    they fit)."""
+    return launcher(stem, expr, record, smem=smem, carveout=True)

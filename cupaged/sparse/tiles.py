@@ -123,14 +123,15 @@ def vs_lists(prep, dense, meta, batch, cta_bound, max_kv, block_n, tile_n, budge
     slots = groups[0][1] * cta_bound if groups else 0
     counts = cupy.empty(max(slots, 1), np.int32)
     tiles = cupy.empty((max(slots * cap, 1), 2), np.int32)
-    kern = kernels.kernel("sparse_index", kernels.VS_PLAN_EXPR)
+    kern = kernels.kernel("sparse_index", kernels.VS_PLAN_EXPR, abi.VS_PLAN)
     for h0, hs in groups:
         n = hs * cta_bound
-        kern((-(-n // (kernels.THREADS // 32)),), (kernels.THREADS,),
-             (meta, prep.s, prep.run_first, np.int32(ns), prep.v, prep.v_count, np.int32(nv),
-              kernels.NULL if dense is None else dense, np.int32(batch), np.int32(heads),
-              np.int32(h0), np.int32(hs), np.int32(cta_bound), np.int32(prep.block_m),
-              np.int32(block_n), np.int32(tile_n), np.int32(cap), counts, tiles))
+        kern(-(-n // (kernels.THREADS // 32)), kernels.THREADS, meta=address(meta),
+             s_sorted=address(prep.s), run_first=address(prep.run_first), ns=ns,
+             v_unique=address(prep.v), v_count=address(prep.v_count), nv=nv,
+             dense=address(dense), batch=batch, total_heads=heads, head0=h0, heads=hs,
+             cta_bound=cta_bound, bm=prep.block_m, bn=block_n, tile_n=tile_n, cap=cap,
+             counts=address(counts), tiles=address(tiles))
         yield TileLists(counts, tiles, h0, hs, cap, prep.v, heads, nv)
 
 
