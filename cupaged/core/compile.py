@@ -256,7 +256,7 @@ _DYNAMIC_SMEM = {}  # id(kernel) -> the most dynamic shared memory asked for it 
 
 
 def allow_dynamic_smem(kernel, smem):
-    """Let ``kernel`` (from :func:`get_kernel`, kept for the process) launch with ``smem``
+    """Let ``kernel`` (a compiled raw kernel, kept for the process) launch with ``smem``
     bytes of dynamic shared memory.
 
     Past the default (48 KiB less the kernel's static shared memory) the function's limit is
@@ -271,20 +271,6 @@ def allow_dynamic_smem(kernel, smem):
         kernel.max_dynamic_shared_size_bytes = smem
     _DYNAMIC_SMEM[id(kernel)] = smem
     return True
-
-
-def get_kernel(stem, expr, *, hopper=False, options=(), smem=0, carveout=False):
-    """The ``cupy.RawKernel`` for template expression ``expr`` of ``kernels_cu/<stem>.cu``.
-
-    Compiled once per (device, arch, options) and cached in memory and on disk. With
-    ``smem``, its dynamic shared-memory limit raised to that many bytes
-    (:func:`allow_dynamic_smem`), and with ``carveout`` also the shared-memory carveout
-    preferred at its maximum (for resident CTAs' tiles).
-    """
-    import cupy
-    kernel = _kernel(cupy.cuda.Device().id, stem, expr, device_arch(hopper), tuple(options))
-    _reserve_smem(kernel, smem, carveout)
-    return kernel
 
 
 def _reserve_smem(kernel, smem, carveout):
