@@ -338,6 +338,10 @@ RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PRE
            SINK_SOFTMAX, GEMM)
 
 
+# log2(e): score scales reach the kernels as scale_log2 = sm_scale * LOG2E (their exp2 softmax;
+# kernels_cu/common.cuh has the float32 value for in-kernel use)
+LOG2E = 1.4426950408889634
+
 # the plan kernel (kernels_cu/plan.cu) of decode and prefill: its block, and its grid's most CTAs
 # (sequences are checked a CTA at a time)
 PLAN_THREADS = 512

@@ -21,7 +21,6 @@ from ..core.fp8 import KV_DTYPES
 from ..core.launch import ptr
 from ..core.layouts import block_stride
 
-LOG2E = 1.4426950408889634
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -127,7 +126,7 @@ def _decode_fields(launch, num_q_heads, bt_stride, opts, fused):
                 bt_stride=bt_stride, num_q_heads=num_q_heads,
                 num_kv_heads=launch.num_kv_heads, head_warps=launch.heads.head_warps,
                 head_chunks=launch.heads.head_chunks, window_left=opts.window_left,
-                fused_merge=int(fused), scale_log2=opts.sm_scale * LOG2E,
+                fused_merge=int(fused), scale_log2=opts.sm_scale * abi.LOG2E,
                 sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
                 tile_tokens=launch.tiles.tile)
 

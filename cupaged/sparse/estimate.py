@@ -194,7 +194,7 @@ def _estimate_gpu(q, kv, plan):
                   page_stride=kv.page_stride, tok_stride=kv.tok_stride,
                   head_stride=kv.head_stride, group=plan.num_q_heads // plan.num_kv_heads,
                   kv_len=plan.kv_len, tiles_per_cta=tpc,
-                  scale_log2=plan.sm_scale * kernels.LOG2E)
+                  scale_log2=plan.sm_scale * abi.LOG2E)
     grid = (plan.num_q_heads, chunks)
     part_max = cupy.empty((plan.num_q_heads, chunks, kernels.ROWS), np.float32)
     part_sum = cupy.empty_like(part_max)

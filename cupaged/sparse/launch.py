@@ -29,7 +29,6 @@ MAX_CTA_ROWS = 65535         # grid.y of the attention kernels
 THREADS = 128                # the estimate's and the index kernels' block (4 warps)
 PREP_THREADS = 256           # vs_prepare's and bsr_prepare's block
 EST_MAX_TILES = 16           # key tiles per estimate CTA
-LOG2E = 1.4426950408889634
 PREPARE_EXPR = "cupaged::vs_prepare"
 INDEX_EXPR = "cupaged::vs_index_kernel"
 VS_PLAN_EXPR = "cupaged::vs_plan_kernel"
@@ -146,7 +145,7 @@ def common_fields(q, out, lse, kv, num_kv_heads, opts, causal):
     from ..core.checks import token_stride
     return dict(q=ptr(q), out=ptr(out), lse=ptr(lse), q_tok=token_stride("q", q),
                 num_q_heads=q.shape[1], group=q.shape[1] // num_kv_heads, causal=int(causal),
-                scale_log2=opts.sm_scale * LOG2E, sm_scale=opts.sm_scale,
+                scale_log2=opts.sm_scale * abi.LOG2E, sm_scale=opts.sm_scale,
                 window_left=opts.window_left, soft_cap=opts.logits_soft_cap,
                 alibi=ptr(opts.alibi_slopes), sinks=ptr(opts.sinks), **kv.fields())
 
