@@ -824,11 +824,10 @@ __device__ __forceinline__ void ws_produce_fp8(const Prob& P, const WorkItem& it
   const bool copier = threadIdx.x < 32, lead = threadIdx.x == 0;
   TmaParts boxes;
   boxes.template init<BN>(P, it);
-  // part p's codes into its slot (warp 0; the slot's previous part is widened)
-  auto copy = [&](int p) {
+  // part p's codes into its slot (warp 0; the slot's previous part is widened), lane's box
+  // at key y of block blk (TmaParts::at)
+  auto copy = [&](int p, int y, int blk) {
     const int x = p % SLOTS;
-    int y, blk;
-    boxes.at(P, it, (n_last - p / 2) * BN, lane, y, blk);
     if (lead) mbar_arrive_expect_tx(bar.s_full(x), PART);
     __syncwarp();
     if (boxes.issuer)
@@ -839,7 +838,11 @@ __device__ __forceinline__ void ws_produce_fp8(const Prob& P, const WorkItem& it
       prefetch_tensor_map(k_map);
       prefetch_tensor_map(v_map);
     }
-    for (int p = 0; p < min(parts, SLOTS); ++p) copy(p);
+    for (int p = 0; p < min(parts, SLOTS); ++p) {
+      int y, blk;
+      boxes.at(P, it, (n_last - p / 2) * BN, lane, y, blk);
+      copy(p, y, blk);
+    }
   }
   for (int q = 0; q < parts; ++q) {
     const int x = q % SLOTS, i = q / 2, st = i % STAGES, u = i / STAGES, j0 = (n_last - i) * BN;
@@ -857,9 +860,11 @@ __device__ __forceinline__ void ws_produce_fp8(const Prob& P, const WorkItem& it
     mbar_arrive(vp ? bar.v_full(st) : bar.k_full(st));
     mbar_arrive(bar.s_empty(x));
     if (copier && q + SLOTS < parts) {
+      int y, blk;  // the block id's load under the wait
+      boxes.at(P, it, (n_last - (q + SLOTS) / 2) * BN, lane, y, blk);
       if (lead) mbar_wait(bar.s_empty(x), (q / SLOTS) & 1);  // one waiter, the warp after it
       __syncwarp();
-      copy(q + SLOTS);
+      copy(q + SLOTS, y, blk);
     }
   }
   cp_async_wait_all();
