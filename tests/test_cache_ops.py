@@ -206,12 +206,15 @@ def test_write_launch_config():
     geo = CacheGeometry(10, 16, 8, 128)
     expr, grid, smem, f = cache_ops.write_launch_config(1001, geo, 2, "NHD")
     assert expr == "cupaged::write_rows<false, cupaged::Bits>" and f["tpt_log2"] == 7 and f["row_vecs"] == 128
-    assert grid == (251,) and smem == 0                     # 2 x 2 tokens per CTA
+    per_cta = cache_ops.ROWS_UNROLL * (cache_ops.THREADS >> 7)  # a 128-thread group a token
+    assert grid == (-(-1001 // per_cta),) and smem == 0
     expr, grid, _, f = cache_ops.write_launch_config(1001, CacheGeometry(10, 16, 1, 64), 2, "HND")
-    assert expr == "cupaged::write_rows<true, cupaged::Bits>" and f["tpt_log2"] == 3 and grid == (-(-1001 // 64),)
+    per_cta = cache_ops.ROWS_UNROLL * (cache_ops.THREADS >> 3)
+    assert expr == "cupaged::write_rows<true, cupaged::Bits>" and f["tpt_log2"] == 3 and grid == (-(-1001 // per_cta),)
     expr, grid, smem, ints = cache_ops.write_launch_config(65, geo, 4, "vllm")
-    assert expr == "cupaged::write_vllm<unsigned int, cupaged::Bits>" and grid == (3, 8)
-    assert smem == 2 * 32 * 33 * 16                          # 32 vectors per row, padded to 33
+    tile = cache_ops.VLLM_TILE
+    assert expr == "cupaged::write_vllm<unsigned int, cupaged::Bits>" and grid == (-(-65 // tile), 8)
+    assert smem == 2 * tile * 33 * 16                        # 32 vectors per row, padded to 33
     assert cache_ops.write_launch_config(65, CacheGeometry(1, 1, 1, 256), 4, "vllm")[2] > 48 << 10
 
 

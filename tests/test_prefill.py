@@ -770,7 +770,7 @@ def test_wgmma_tile_shares_work_list_and_fits():
     def expr(t, kv, d, vt, g):
         tile = plan_.wgmma_tile(d, kv, vt == "true")
         if kv is None and vt == "false" and d != 256:
-            assert tile.ws and tile.threads == 384
+            assert tile.ws and tile.threads == plan_.WS_THREADS
             return (f"cupaged::prefill_ws_kernel<{t}, {t}, {d}, {tile.block_n}, {tile.stages}, {g}, "
                     f"{plan_.ws_producer_regs(d)}>")
         assert not tile.ws and tile.threads == 256

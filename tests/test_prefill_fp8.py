@@ -452,7 +452,7 @@ def test_fp8_tma_launch_record(monkeypatch, rng):
     assert run.kernel.expr == ("cupaged::prefill_ws_tma_kernel<__nv_bfloat16, cupaged::fp8_e5m2, "
                                "128, 128, 2, false, 72, 4>")
     assert run.kernel.record is abi.PREFILL_TMA and run.kernel.kw["hopper"]
-    assert (run.go.grid, run.go.threads, run.threads) == (4, 384, 384)
+    assert (run.go.grid, run.go.threads, run.threads) == (4, plan_.WS_THREADS, plan_.WS_THREADS)
     assert run.go.smem == run.smem == plan_.wgmma_smem_bytes(128, tile, "fp8_e5m2")
     k_geo = run._maps._geo[0]
     assert k_geo.box == (128, 16, 1, 1) and k_geo.dtype == tma._UINT8

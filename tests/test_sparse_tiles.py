@@ -11,6 +11,7 @@ import pytest
 
 from cupaged.core.compile import KERNEL_DIR
 from cupaged.reference import sparse as ref
+from cupaged.sparse import launch as kernels
 from cupaged.sparse import tiles
 
 HARNESS = r"""
@@ -51,7 +52,7 @@ long bsr_tiles(const int* indptr, const int* indices, int c, int q_len, int kv_l
   st.init(bn, tile_n);
   for (int k = 0; k < 2; ++k) {
     HalfTile half;
-    half.init(2 * c + k, q_len, kv_len, bm, bm / 64, causal != 0);
+    half.init(2 * c + k, q_len, kv_len, bm, bm / HALF_ROWS, causal != 0);
     const int lo = half.valid ? indptr[half.prow] : 0, hi = half.valid ? indptr[half.prow + 1] : 0;
     st.init_half(k, indices, lo, hi, half.valid ? half.clip : 0);
   }
@@ -70,8 +71,9 @@ def plan_lib(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler for the host build of sparse_plan.cuh")
     d = tmp_path_factory.mktemp("plan")
-    # the tile flags the device build takes from the generated abi.cuh
-    (d / "harness.cpp").write_text(f"namespace cupaged {{\n{tiles.cpp()}\n}}\n{HARNESS}")
+    # the tile flags and half rows the device build takes from the generated abi.cuh
+    (d / "harness.cpp").write_text(f"namespace cupaged {{\n{tiles.cpp()}\n{kernels.cpp()}\n}}\n"
+                                   f"{HARNESS}")
     subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{KERNEL_DIR}",
                     str(d / "harness.cpp"), "-o", str(d / "libplan.so")], check=True)
     lib = ctypes.CDLL(str(d / "libplan.so"))
