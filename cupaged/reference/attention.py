@@ -41,15 +41,18 @@ def query_positions(q_len, kv_len):
     return np.arange(q_len, dtype=np.int64) + (kv_len - q_len)
 
 
-def visible_keys(q_len, kv_len, *, causal=True, window_left=-1):
+def visible_keys(q_len, kv_len, *, causal=True, window_left=-1, positions=None):
     """Mask of the keys each query sees, bool ``[q_len, kv_len]``.
 
     Key ``j`` is visible to query ``i`` (position ``p``) iff ``j <= p`` when ``causal`` and
-    ``j >= p - window_left`` when ``window_left >= 0``.
+    ``j >= p - window_left`` when ``window_left >= 0``; ``positions`` (int64 ``[q_len]``)
+    gives the queries' positions, default :func:`query_positions`.
     """
-    p = query_positions(q_len, kv_len)[:, None]
+    if positions is None:
+        positions = query_positions(q_len, kv_len)
+    p = positions[:, None]
     j = np.arange(kv_len, dtype=np.int64)[None, :]
-    visible = np.ones((q_len, kv_len), dtype=bool)
+    visible = np.ones((len(positions), kv_len), dtype=bool)
     if causal:
         visible &= j <= p
     if window_left >= 0:
@@ -188,7 +191,6 @@ def attend(q, k, v, *, causal=True, sm_scale=None, window_left=-1, alibi_slopes=
         ``-inf`` (or ``sink_h``) for a row with no visible key.
     """
     q_len, kv_len = q.shape[0], k.shape[0]
-    visible = visible_keys(q_len, kv_len, causal=causal, window_left=window_left)
     positions = query_positions(q_len, kv_len)
     k, v = np.ascontiguousarray(k, np.float64), np.ascontiguousarray(v, np.float64)
     out = np.zeros((q_len, q.shape[1], v.shape[2]))
@@ -198,10 +200,12 @@ def attend(q, k, v, *, causal=True, sm_scale=None, window_left=-1, alibi_slopes=
     # memory)
     for r0 in range(0, q_len, _ROWS):
         rows = slice(r0, r0 + _ROWS)
-        seen = np.flatnonzero(visible[rows].any(axis=0))
+        visible = visible_keys(q_len, kv_len, causal=causal, window_left=window_left,
+                               positions=positions[rows])
+        seen = np.flatnonzero(visible.any(axis=0))
         lo, hi = (int(seen[0]), int(seen[-1]) + 1) if len(seen) else (0, 0)
         out[rows], lse[rows] = attend_masked(
-            q[rows], k[lo:hi], v[lo:hi], visible[rows, lo:hi], sm_scale=sm_scale,
+            q[rows], k[lo:hi], v[lo:hi], visible[:, lo:hi], sm_scale=sm_scale,
             alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap,
             positions=positions[rows] - lo)
     return out, lse
