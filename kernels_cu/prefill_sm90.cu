@@ -617,9 +617,16 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 // From an fp8 cache (NHD / HND, the same head sizes) warp 0's tensor copies bring the codes
 // into staging slots and the producer's four warps widen them into the 16-bit tiles
 // (ws_produce_fp8), so that the consumers' loop is the one of 16-bit caches.
-// The consumers' budget beside a producer budget of PRODUCER_REGS: the register file's
-// 64K registers over the three warpgroups, in setmaxnreg's multiples of 8.
-__host__ __device__ constexpr int ws_consumer_regs(int producer_regs) { return ((65536 / 128 - producer_regs) / 2) & ~7; }
+// The consumers' budget beside a producer budget of PRODUCER_REGS, in setmaxnreg's
+// multiples of 8. setmaxnreg moves registers within the CTA's allocation at launch (each
+// thread's WS_ENTRY_REGS, the 64K register file over WS_THREADS rounded down to a multiple
+// of 8), not the whole register file: an increase past what the producer's decrease freed
+// waits forever.
+constexpr int WS_ENTRY_REGS = (65536 / WS_THREADS) & ~7;
+__host__ __device__ constexpr int ws_consumer_regs(int producer_regs) {
+  return ((3 * WS_ENTRY_REGS - producer_regs) / 2) & ~7;
+}
+static_assert(WS_THREADS == 3 * 128, "one producer and two consumer warpgroups");
 
 // The mbarriers (8 bytes each, after the tiles): Q landed; per stage s, its K and its V tile
 // landed (full: an arrival from each producer thread as its copies land; TMA: one arrival
@@ -970,6 +977,8 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const Tensor
   __syncthreads();
 
   if (wg == 0) {
+    static_assert(PRODUCER_REGS + 2 * ws_consumer_regs(PRODUCER_REGS) <= 3 * WS_ENTRY_REGS,
+                  "the consumers' increase fits in what the producer's decrease frees");
     setmaxnreg_dec<PRODUCER_REGS>();
     if constexpr (FP8) {
       ws_produce_fp8<T, KV, C>(P, it, k_map, v_map, bar, sQ, sKV, sS, n_first, n_last);

@@ -136,10 +136,8 @@ def test_numpy_path_matches_reference(rng, layout, dtype, feats, append):
     assert got is out
     assert rel_err(got, want) < TOL[np.dtype(dtype)]
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(k_as_nhd(case["k_cache"], layout).astype(np.float32),
-                                  after["k_cache"])
-    np.testing.assert_array_equal(v_as_nhd(case["v_cache"], layout).astype(np.float32),
-                                  after["v_cache"])
+    assert_same_values(k_as_nhd(case["k_cache"], layout), after["k_cache"])
+    assert_same_values(v_as_nhd(case["v_cache"], layout), after["v_cache"])
 
 
 def test_numpy_empty_rows_are_zero_with_sink_lse(rng):
@@ -330,6 +328,12 @@ def assert_matches(got, lse, want, want_lse, dtype):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-4, atol=1e-3)
 
 
+def assert_same_values(got, want):
+    """Cache contents equal by value, NaN poison included: both sides as float32 (NumPy's
+    NaN matching does not see the NaNs of ml_dtypes' bfloat16)."""
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def check_gpu(cp, rng, case, layout, feats=(), **kw):
     opts = features(rng, case["q"].shape[1], feats)
     (want, want_lse), after = oracle(case, layout, **opts)
@@ -337,8 +341,7 @@ def check_gpu(cp, rng, case, layout, feats=(), **kw):
     assert_matches(got, lse, want, want_lse, case["q"].dtype)
     if case["k_new"] is not None:  # the append wrote exactly the reference's values
         for name, as_nhd in (("k_cache", k_as_nhd), ("v_cache", v_as_nhd)):
-            np.testing.assert_array_equal(as_nhd(dev[name].get(), layout).astype(np.float32),
-                                          after[name])
+            assert_same_values(as_nhd(dev[name].get(), layout), after[name])
 
 
 SHAPES = [  # id, layout, dtype, head_dim, block_size, Hq, Hk, lengths
@@ -430,8 +433,7 @@ def test_kernel_blocks_past_2_31_elements(rng, cp, layout):
     out, lse = cupaged.paged_decode(**dev, layout=layout, sinks=cp.asarray(opts["sinks"]),
                                     return_lse=True)
     assert_matches(out.get(), lse.get(), want, want_lse, np.float16)
-    np.testing.assert_array_equal(k_as_nhd(dev["k_cache"][top:].get(), layout).astype(np.float32),
-                                  after["k_cache"])
+    assert_same_values(k_as_nhd(dev["k_cache"][top:].get(), layout), after["k_cache"])
 
 
 @pytest.mark.gpu

@@ -161,10 +161,11 @@ def cpp() -> str:
 
 def ws_producer_regs(head_dim):
     """The producer warpgroup's register budget in the warp-specialised kernel (the
-    consumers take the rest of the register file, ``ws_consumer_regs`` in prefill_sm90.cu):
-    the largest with which both compile without spilling, 72 (consumers 216), and 64
-    (consumers 224) at d112, whose general score path needs more."""
-    return 64 if head_dim == 112 else 72
+    consumers take the rest of the CTA's registers at launch, ``ws_consumer_regs`` in
+    prefill_sm90.cu: 504 a thread of each warpgroup, 168 x 3): the largest with which both
+    compile without spilling, 72 (consumers 216), and 56 (consumers 224) at d112, whose
+    general score path needs more."""
+    return 56 if head_dim == 112 else 72
 
 
 # head sizes the TMA producer takes: core.tma's (rows of whole 128-byte column blocks)
