@@ -4,6 +4,11 @@ between tests, and tests that started and never ended (a hang, or the run's limi
 
     CUPAGED_TEST_TIMELINE=$OUT/timeline.txt python3 -m pytest -n 15 ...
     python3 scripts/suite_timeline.py $OUT/timeline.txt
+
+With ``--done``: the node ids of the tests the timelines record as passed, one a line, for
+``pytest --skip-done FILE`` to resume a suite that a call's time limit stopped:
+
+    python3 scripts/suite_timeline.py --done call1/timeline.txt > done.txt
 """
 import sys
 from pathlib import Path
@@ -41,5 +46,19 @@ def summarise(path):
     print(f"busy {total_busy:.1f} of {len(events) * (t1 - t0):.1f} process-seconds")
 
 
+def passed(paths):
+    """Node ids of the tests that a "passed" event of any of the timelines records."""
+    done = set()
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            parts = line.split(" ", 3)
+            if len(parts) == 4 and parts[2] == "passed":
+                done.add(parts[3].strip())
+    return sorted(done)
+
+
 if __name__ == "__main__":
-    summarise(sys.argv[1])
+    if sys.argv[1] == "--done":
+        print("\n".join(passed(sys.argv[2:])))
+    else:
+        summarise(sys.argv[1])

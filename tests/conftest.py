@@ -24,6 +24,9 @@ def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run part I of N (1-based) of the collected tests, each test's part "
                           "fixed by its node id: the GPU suite in N device calls (1/2, then 2/2)")
+    parser.addoption("--skip-done", default=None, metavar="FILE",
+                     help="deselect the tests whose node ids are lines of FILE (those a "
+                          "previous call passed): a suite resumed where a call stopped")
 
 
 def _shard(config, items):
@@ -48,8 +51,20 @@ def _shard_of(item, parts):
     return zlib.crc32(getattr(item, "nodeid", str(item)).encode()) % parts
 
 
+def _skip_done(config, items):
+    """Deselect the tests listed in ``--skip-done FILE`` (one node id a line)."""
+    path = config.getoption("--skip-done")
+    if path is None:
+        return
+    with open(path) as f:
+        done = {line.strip() for line in f if line.strip()}
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+    items[:] = [item for item in items if item.nodeid not in done]
+
+
 def pytest_collection_modifyitems(config, items):
     _shard(config, items)
+    _skip_done(config, items)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="needs a usable CUDA device (CuPy sees none)")
@@ -60,8 +75,9 @@ def pytest_collection_modifyitems(config, items):
 
 # $CUPAGED_TEST_TIMELINE (a file): every process (each xdist worker, or the one process)
 # appends "<unix time> <process> <event> <node id>" lines to it (whole lines by O_APPEND),
-# events the session's start, collection's end and each test's start and end, so that a
-# suite's wall time can be laid against its workers' busy time (scripts/suite_timeline.py).
+# events the session's start, collection's end and each test's start, end and pass, so that
+# a suite's wall time can be laid against its workers' busy time, and a suite stopped by a
+# call's limit resumed with --skip-done (scripts/suite_timeline.py).
 _TIMELINE = os.environ.get("CUPAGED_TEST_TIMELINE")
 
 
@@ -86,6 +102,11 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logfinish(nodeid, location):
     _timeline("end", nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        _timeline("passed", report.nodeid)
 
 
 @pytest.fixture

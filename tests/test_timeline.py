@@ -38,3 +38,24 @@ def test_conftest_writes_the_timeline(tmp_path):
     assert {e[1] for e in events} == {"main"}
     starts = [e[3] for e in events if e[2] == "start"]
     assert starts and starts == [e[3] for e in events if e[2] == "end"]
+
+
+def test_passed_tests_resume_a_suite(tmp_path):
+    """A run's passed tests (its timeline's "passed" events, --done) deselected by
+    --skip-done leave exactly the others."""
+    root = Path(__file__).resolve().parents[1]
+    path = tmp_path / "t.txt"
+    env = {**os.environ, "CUPAGED_TEST_TIMELINE": str(path)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    subprocess.run(run + ["tests/test_shard.py", "-k", "partition"], cwd=root, env=env,
+                   check=True, capture_output=True)
+    done = suite_timeline.passed([path])
+    assert done and all(n.startswith("tests/test_shard.py::") and "partition" in n for n in done)
+    (tmp_path / "done.txt").write_text("\n".join(done) + "\n")
+    out = subprocess.run(run + ["--collect-only", "--skip-done", str(tmp_path / "done.txt"),
+                                "tests/test_shard.py"], cwd=root, env=env, check=True,
+                         capture_output=True, text=True).stdout
+    left = [line for line in out.splitlines() if "::" in line]
+    assert left and not set(left) & set(done)
+    assert f"{len(done)} deselected" in out
