@@ -15,7 +15,9 @@
 #   OUT              output directory (default: $TMPDIR/cupaged-gpu-suite)
 #   TESTS            pytest paths or node ids (default: tests)
 #   PYTEST_ARGS      extra pytest arguments, e.g. "-x -k decode", or "--shard 1/2" (half
-#                    the tests, each by its node id; then "--shard 2/2": the suite in two calls)
+#                    the tests, each by its node id; then "--shard 2/2": the suite in two calls),
+#                    or "--skip-done done.txt" (the tests a stopped call's timeline records as
+#                    passed: scripts/suite_timeline.py --done timeline.txt > done.txt)
 #   RUN_TESTS=0      skip the plain GPU test run
 #   SANITIZE=1       also run SANITIZE_TESTS (default: $TESTS) under compute-sanitizer
 #                    memcheck and RACECHECK_TESTS (default: the decode and prefill tests)
