@@ -15,9 +15,9 @@
 
 namespace cupaged {
 
-// THREADS, ROWS_UNROLL (tokens a thread group of write_rows), VLLM_TILE (tokens a CTA of
-// write_vllm) and COPY_UNROLL (vectors in flight a thread of copy_blocks_kernel): from
-// cupaged.cache_ops.api
+// THREADS, ROWS_UNROLL (tokens a thread group of write_rows and gather_kv), VLLM_TILE
+// (tokens a CTA of write_vllm) and COPY_UNROLL (vectors in flight a thread of
+// copy_blocks_kernel): from cupaged.cache_ops.api
 using namespace cache;
 
 // The cache's image of one 16-byte input vector. Bits: the vector itself.
@@ -231,6 +231,100 @@ __global__ void __launch_bounds__(THREADS) copy_blocks_kernel(CUPAGED_PARAMS_Cop
     for (int u = 0; u < COPY_UNROLL; ++u) {
       const i64 v = v0 + u * THREADS;
       if (v < block_vecs) dst[v] = r[u];
+    }
+  }
+}
+
+
+// -- gather_kv: a batch's cached key and value rows, packed, as 16-bit elements -------------
+// Grid:  x = CTAs a sequence (grid-strided over its tokens), y = sequence b (b >= batch: none).
+// Block: THREADS threads in groups of tpt = 1 << tpt_log2 threads, as write_rows: a group
+// owns ROWS_UNROLL tokens of a pass, THREADS >> tpt_log2 apart, and each of its threads the
+// 16-byte input chunks v = lane, lane + tpt, ... < num_kv_heads * chunks of their rows (chunk
+// c of head h), all loads of a step before its stores. Token t of sequence b lands at packed
+// row cu_k[b] + t: its chunk of a 16-bit cache as it is; of an fp8 cache (KV) widened to T
+// exactly (fp8.cuh: every e4m3 and e5m2 value is a 16-bit value), two output vectors; the
+// scales stay with the attention kernel, which applies them in fp32 as it does to the
+// cache. Keys are 16-byte chunks in every layout; values are too but in the vllm layout
+// (V_T: dims block_size elements apart, read one by one). A block id outside the cache is
+// reported (report_error) and its rows written as zeros.
+template <typename T, typename KV, bool V_T>
+__global__ void __launch_bounds__(THREADS) gather_kv(CUPAGED_PARAMS_GatherKVArgs) {
+  constexpr bool FP8 = Fp8Traits<KV>::FP8;
+  constexpr int X = 16 / sizeof(KV);  // elements of an input chunk
+  constexpr int OUT = FP8 ? 2 : 1;    // output vectors of an input chunk
+  const int b = blockIdx.y;
+  if (b >= batch) return;
+  const KV* kc = static_cast<const KV*>(k_cache);
+  const KV* vc = static_cast<const KV*>(v_cache);
+  const int len = __ldg(seq_lens + b);
+  const i64 first = __ldg(cu_k + b);
+  const int* table = block_tables + (i64)b * bt_stride;
+  const int tpt = 1 << tpt_log2, tokens_per_pass = THREADS >> tpt_log2;
+  const int row_vecs = num_kv_heads * chunks;
+  const bool reports = (threadIdx.x & (tpt - 1)) == 0;
+  const int step = gridDim.x * tokens_per_pass * ROWS_UNROLL;
+  for (int t0 = blockIdx.x * tokens_per_pass * ROWS_UNROLL + (threadIdx.x >> tpt_log2); t0 < len;
+       t0 += step) {
+    i64 blk[ROWS_UNROLL];
+    int off[ROWS_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ROWS_UNROLL; ++u) {
+      const int t = t0 + u * tokens_per_pass;
+      blk[u] = -1;
+      off[u] = 0;
+      if (t < len) {
+        const int id = __ldg(table + t / block_size);
+        off[u] = t % block_size;
+        if (id >= 0 && id < num_blocks) blk[u] = id;
+        else if (reports)
+          report_error(err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, t / block_size, id,
+                       num_blocks);
+      }
+    }
+    for (int v = threadIdx.x & (tpt - 1); v < row_vecs; v += tpt) {
+      // -- load every token's chunks, then store them --
+      const int h = v / chunks, c = v - h * chunks;
+      uint4 kk[ROWS_UNROLL], vv[ROWS_UNROLL];
+#pragma unroll
+      for (int u = 0; u < ROWS_UNROLL; ++u) {
+        kk[u] = vv[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (blk[u] < 0) continue;
+        const i64 k_at =
+            blk[u] * k_block + (i64)h * k_head + (i64)off[u] * k_tok + (i64)c * k_chunk;
+        kk[u] = __ldg(reinterpret_cast<const uint4*>(kc + k_at));
+        const i64 v_at = blk[u] * v_block + (i64)h * v_head + (i64)off[u] * v_tok;
+        if constexpr (V_T) {
+          KV* e = reinterpret_cast<KV*>(&vv[u]);
+#pragma unroll
+          for (int x = 0; x < X; ++x) e[x] = vc[v_at + (i64)(c * X + x) * v_dim];
+        } else {
+          vv[u] = __ldg(reinterpret_cast<const uint4*>(vc + v_at + c * X));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < ROWS_UNROLL; ++u) {
+        const int t = t0 + u * tokens_per_pass;
+        if (t >= len) continue;
+        const i64 at = (((first + t) * num_kv_heads + h) * chunks + c) * OUT;
+        if constexpr (FP8) {
+          const u32 kw[4] = {kk[u].x, kk[u].y, kk[u].z, kk[u].w};
+          const u32 vw[4] = {vv[u].x, vv[u].y, vv[u].z, vv[u].w};
+          u32 ko[8], vo[8];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            widen_fp8x4<T, KV>(kw[i], ko[2 * i], ko[2 * i + 1]);
+            widen_fp8x4<T, KV>(vw[i], vo[2 * i], vo[2 * i + 1]);
+          }
+          k_out[at] = make_uint4(ko[0], ko[1], ko[2], ko[3]);
+          k_out[at + 1] = make_uint4(ko[4], ko[5], ko[6], ko[7]);
+          v_out[at] = make_uint4(vo[0], vo[1], vo[2], vo[3]);
+          v_out[at + 1] = make_uint4(vo[4], vo[5], vo[6], vo[7]);
+        } else {
+          k_out[at] = kk[u];
+          v_out[at] = vv[u];
+        }
+      }
     }
   }
 }

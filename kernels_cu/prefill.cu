@@ -25,7 +25,8 @@
 // are copied with cp.async as 16-byte chunks of 16 codes into per-thread staging slots
 // (half the bytes of a 16-bit tile), and each thread widens its own chunks into the 16-bit
 // K/V tile once they land (Fp8Stage), so the tensor-core loop reads the tiles a 16-bit
-// cache gives; the kv head's k_scale multiplies the score scale and its v_scale the output.
+// cache gives. The kv head's k_scale multiplies the score scale and its v_scale the output,
+// for 16-bit K/V too (1 unless given: a packed copy of an fp8 cache's codes).
 #include "attn_common.cuh"
 #include "attn_tile.cuh"
 #include "score.cuh"
@@ -344,10 +345,9 @@ __device__ __forceinline__ void prefill_mma(const Problem<T, KV>& P) {
   reload_tile(P, C::BLOCK_M, t);
   st.publish(P, t, MT * 16);
   // plain path: raw dots, scale folded into the exponential; general: log2-unit scores first.
-  // An fp8 cache's k_scale joins the score scale (s = sm_scale * q . (k_scale * code)).
+  // The kv head's k_scale joins the score scale (s = sm_scale * q . (k_scale * code)).
   const bool general = P.soft_cap > 0.f || P.alibi != nullptr || !(P.sm_scale > 0.f);
-  const float sm = F::FP8 ? P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, t.hk)
-                          : P.sm_scale;
+  const float sm = P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, t.hk);
   const float sc = general ? 1.f : sm * LOG2E;
 
   // key tiles n_first .. n_last (inclusive) hold every key a row of the CTA sees
@@ -427,7 +427,7 @@ __device__ __forceinline__ void prefill_mma(const Problem<T, KV>& P) {
     __syncthreads();
   }
   reload_tile(P, C::BLOCK_M, t);
-  const float vs = F::FP8 ? kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, t.hk) : 1.f;
+  const float vs = kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, t.hk);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const float m_log2[2] = {m[mt][0] * sc, m[mt][1] * sc};

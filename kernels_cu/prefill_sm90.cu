@@ -24,7 +24,9 @@
 // cp.async as 16-byte chunks of 16 codes into per-thread staging slots, and each thread
 // widens its own chunks into the tile's 16-bit buffer (Pipe::land) while its warpgroup's
 // wgmma batches of the tile before run, so the wgmma loops read the tiles a 16-bit cache
-// gives; the kv head's k_scale multiplies the score scale and its v_scale the output. The
+// gives. The kv head's k_scale multiplies the score scale and its v_scale the output, for
+// 16-bit K/V too (1 unless given: a paged prefill's packed copy of an fp8 cache's codes,
+// cupaged.prefill.launch.GatherLaunches). The
 // warp-specialised kernel takes fp8 caches by TMA alone (an explicit tile, prefill.plan
 // tma_tile(d, kv=...)): the codes land in staging slots and producer warps widen them into
 // the same tiles (ws_produce_fp8).
@@ -566,9 +568,8 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
                              P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table, it.kv_len,
                              (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, sS};
   Rows rows;
-  // an fp8 cache's k_scale joins the score scale (s = sm_scale * q . (k_scale * code))
-  const float sm = FP8 ? P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk)
-                       : P.sm_scale;
+  // the kv head's k_scale joins the score scale (s = sm_scale * q . (k_scale * code))
+  const float sm = P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk);
   rows.init<C>(P, it, wg, warp, lane, sm);
 
   // key tiles n_first .. n_last hold every key a row of the CTA sees
@@ -599,7 +600,7 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 
   cp_async_wait_all();
   __syncthreads();  // every wgmma done reading sQ; Q's own copy landed
-  const float vs = FP8 ? kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, it.hk) : 1.f;
+  const float vs = kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, it.hk);
   store_rows<T, C>(P, it, 64 * wg + 16 * warp, o, m, l, rows.sc, vs, sQ, lane);
 }
 
@@ -994,16 +995,16 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const Tensor
     setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
     Rows rows;
-    // an fp8 cache's k_scale joins the score scale, its v_scale scales the output (as prefill_wgmma)
+    // the kv head's k_scale joins the score scale, its v_scale scales the output (as prefill_wgmma)
     rows.init<C>(P, it, g, warp, lane,
-                 FP8 ? P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk) : P.sm_scale);
+                 P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk));
     float o[C::HEAD / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < C::HEAD / 2; ++i) o[i] = 0.f;
     const Turns turn{g};
     if (g == 1 && n_last >= n_first) turn.pass();  // consumer 0 takes the first turn
     ws_consume<T, C>(P, rows, bar, turn, sQ + g * 64 * C::SW, sKV, n_first, n_last, o, m, l);
-    const float vs = FP8 ? kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, it.hk) : 1.f;
+    const float vs = kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, it.hk);
     store_rows<T, C>(P, it, 64 * g + 16 * warp, o, m, l, rows.sc, vs, sQ, lane);
   }
 }

@@ -170,11 +170,12 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma",
 
 
 def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16, backend="mma",
-                    kv_dtype=None, k_scale=None, v_scale=None, tile=None):
+                    kv_dtype=None, k_scale=None, v_scale=None, tile=None, gather=False):
     """PagedPrefiller.run over a ``layout`` cache holding k/v in shuffled pages (``kv_dtype``:
     an fp8 cache written with the scales ``k_scale`` / ``v_scale``, device arrays); with
     ``tile`` (a wgmma tile no default takes, such as ``plan.tma_tile(d, kv=kv_dtype)``) the
-    launch of that tile over a host work list instead, set up once (:func:`_tile_launch`)."""
+    launch of that tile over a host work list instead, set up once (:func:`_tile_launch`);
+    ``gather``: PagedPrefiller's (False: the cache read in place)."""
     import cupy
     import cupaged
     from ..core.layouts import cache_shapes
@@ -198,7 +199,8 @@ def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16, backe
         return _tile_launch(q, kc, vc, out, cu_host, tables, causal, layout, tile, kv_dtype,
                             k_scale, v_scale)
     pre = cupaged.PagedPrefiller(H, H, q.shape[2], block_size, dtype=q.dtype, layout=layout,
-                                 causal=causal, backend=backend, kv_dtype=kv_dtype)
+                                 causal=causal, backend=backend, kv_dtype=kv_dtype,
+                                 gather=gather)
     pre.plan(cu_host, tables, lens.astype(np.int32))
     return lambda: pre.run(q, kc, vc, out=out, **fp8)
 
@@ -278,26 +280,32 @@ def wgmma_label(tile):
 
 def bench_wgmma(inputs, causal, layouts=(), tiles=None):
     """The wgmma kernel on the inputs of a default row: each of ``tiles`` (default: the
-    head size's own) on the ragged rows, then the default tile through PagedPrefiller over
-    a cache of page 16 in each of ``layouts``; checked against the reference and the
-    default's output; [] off sm_90."""
+    head size's own) on the ragged rows, then PagedPrefiller over a cache of page 16 in
+    each of ``layouts``, read in place (its default tile) and gathered into packed rows
+    (``gather``: the ragged default tile after the gather), ``vs_ragged`` against the first
+    ragged row; checked against the reference and the default's output; [] off sm_90."""
     q, k, v, cu_host, base_out, base_s, flops = inputs
     if not _hopper() or q.shape[2] not in plan_.WGMMA_HEAD_DIMS:
         return []
     import cupy
-    rows = []
-    for tile, layout in ([(t, None) for t in tiles or [_ragged_default(q, k)]]
-                         + [(_paged_default(q, k, x), x) for x in layouts]):
+    rows, ragged_s = [], None
+    for tile, layout, gather in ([(t, None, False) for t in tiles or [_ragged_default(q, k)]]
+                                 + [(_paged_default(q, k, x), x, False) for x in layouts]
+                                 + [(_ragged_default(q, k), x, True) for x in layouts]):
         if layout is not None:
-            launch, kernel = _paged_launcher(q, k, v, cu_host, causal, layout, backend="wgmma"), None
+            launch, kernel = _paged_launcher(q, k, v, cu_host, causal, layout, backend="wgmma",
+                                             gather=gather), None
         else:
             launch, kernel = _ragged_launcher(q, k, v, cu_host, cupy.asarray(cu_host), causal, tile, "wgmma")
         ok = _check(launch().copy(), q, k, v, cu_host, causal, base_out)
         seconds = time_gpu(launch)
+        ragged_s = seconds if ragged_s is None else ragged_s
         row = dict(op="varlen" if layout is None else "paged",
-                   variant="wgmma" + ("" if layout is None else f" {layout} page16"),
+                   variant="wgmma" + ("" if layout is None else f" {layout} page16")
+                   + (" gather" if gather else ""),
                    tile=wgmma_label(tile), shape=_shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal),
-                   ms=seconds * 1e3, TFLOPs=flops / seconds / 1e12, vs_default=base_s / seconds, checked=ok)
+                   ms=seconds * 1e3, TFLOPs=flops / seconds / 1e12, vs_default=base_s / seconds,
+                   vs_ragged=None if layout is None else ragged_s / seconds, checked=ok)
         if kernel is not None:
             row.update(regs=kernel.raw.num_regs, local_B=kernel.raw.local_size_bytes)
         rows.append(row)
@@ -436,7 +444,8 @@ def bench_paged(inputs, causal, layouts=("NHD",)):
 def bench_fp8(inputs, causal, layouts=("NHD",), kv_dtype="fp8_e4m3"):
     """Paged prefill (PagedPrefiller, page 16, backend "auto") from a ``kv_dtype`` cache in
     each of ``layouts`` with per-head scales (each head's largest magnitude at the format's
-    largest value), beside the same prefill from a bf16 cache of that layout in this run:
+    largest value), read in place and gathered (``gather``), beside the same prefill from a
+    bf16 cache of that layout read the same way in this run:
     ``vs_bf16`` the bf16 time over the fp8 time (issue 21: >= 0.9), ``err_vs_bf16`` the fp8
     output's relative error (norm) against the bf16 cache's; ``checked``: sequence 0's
     first and last rows against the reference over the dequantised cache. On sm_90 the NHD
@@ -457,20 +466,23 @@ def bench_fp8(inputs, causal, layouts=("NHD",), kv_dtype="fp8_e4m3"):
     shape = _shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal)
     tma = plan_.tma_tile(q.shape[2], kv=kv_dtype) if q.shape[2] in plan_.TMA_HEAD_DIMS else None
     rows = []
-    for layout in layouts:
-        plain = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto")
+    for layout, gather in [(x, g) for x in layouts for g in (False, True)]:
+        plain = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto", gather=gather)
         want = plain().copy()
         t_plain = time_gpu(plain)
-        tiles = [None] + ([tma] if tma is not None and layout != "vllm" and _hopper() else [])
+        tiles = [None] + ([tma] if tma is not None and layout != "vllm" and _hopper()
+                          and not gather else [])
         for tile in tiles:
             fp8 = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto",
-                                  kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, tile=tile)
+                                  kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, tile=tile,
+                                  gather=gather)
             got = fp8()
             err = float(cupy.linalg.norm(_bf16_as_f32(got) - _bf16_as_f32(want))
                         / cupy.linalg.norm(_bf16_as_f32(want)))
             ok = _check(got, q, k0, v0, cu_host, causal)
             t_fp8 = time_gpu(fp8)
-            rows.append(dict(op="paged", variant=f"{layout} page16 {kv_dtype} cache",
+            rows.append(dict(op="paged", variant=f"{layout} page16 {kv_dtype} cache"
+                             + (" gather" if gather else ""),
                              tile="default" if tile is None else wgmma_label(tile), shape=shape,
                              ms=t_fp8 * 1e3, TFLOPs=flops / t_fp8 / 1e12,
                              vs_bf16=t_plain / t_fp8, err_vs_bf16=err, checked=ok))

@@ -25,10 +25,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import abi, errors
-from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module, check_array,
-                           check_choice, check_range, host, hot, is_cupy)
-from ..core.checks import check_aligned, token_stride
-from ..core.compile import Spec, ctype, launcher
+from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module, bfloat16,
+                           check_array, check_choice, check_range, float16, host, hot, is_cupy)
+from ..core.checks import check_aligned, table_stride, token_stride
+from ..core.compile import Spec, ctype, kv_types, launcher
+from ..core.device import current
 from ..core.fp8 import (KV_DTYPES, given_kv_dtype, is_host_scale, kernel_scales,
                         resolve_kv_dtype, scale_parts)
 from ..core.launch import current_stream, ptr
@@ -40,6 +41,7 @@ THREADS = 256      # block of every cache kernel
 ROWS_UNROLL = 2    # tokens a thread group of write_rows
 VLLM_TILE = 32     # tokens a CTA of write_vllm: one a lane
 COPY_UNROLL = 4    # vectors in flight a thread of copy_blocks_kernel
+GATHER_CTAS_PER_SM = 8  # gather_kv's grid: CTAs an SM over the batch, whatever its lengths
 MEMCPY_MIN_RUN_BYTES = 1 << 20
 SWAP_METHODS = ("auto", "memcpy", "kernel")
 _ELEMENT_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
@@ -75,7 +77,15 @@ def kernel_specializations():
              for size in ((2, 4) if layout == "vllm" else (2,))]
     exprs += [write_expr(layout, 1, quantiser(dt, kv)) for layout in LAYOUTS
               for kv in KV_DTYPES for dt in FLOAT_DTYPES]
+    exprs += [gather_expr(dt, kv, v_t) for dt in (float16, bfloat16)
+              for kv in (None,) + KV_DTYPES for v_t in (False, True)]
     return [Spec("cache_ops", e) for e in exprs + ["cupaged::copy_blocks_kernel"]]
+
+
+def gather_expr(dtype, kv_dtype, v_transposed):
+    """The gather kernel into packed rows of ``dtype`` (16-bit) from caches of fp8 format
+    ``kv_dtype`` (None: of ``dtype``); ``v_transposed``: values in the vllm layout."""
+    return f"cupaged::gather_kv<{kv_types(dtype, kv_dtype)}, {str(bool(v_transposed)).lower()}>"
 
 
 # ----------------------------------------------------------------------------- checks
@@ -477,3 +487,54 @@ def swap_blocks(src_cache, dst_cache, block_mapping, *, method="auto"):
         _launch_copy((src, dst, src, dst), pairs, block_bytes, 1, src_cache.shape[0],
                      dst_cache.shape[0])
     return dst_cache
+
+
+# ----------------------------------------------------------------------------- gather
+class GatherLaunch:
+    """The gather of a batch's cached keys and values into packed rows (``gather_kv`` of
+    ``kernels_cu/cache_ops.cu``), its fixed arguments packed once: sequence ``b``'s token
+    ``t`` to row ``cu_k[b] + t`` of ``k_out`` / ``v_out`` (``[rows, num_kv_heads,
+    head_dim]`` of the 16-bit ``dtype``); an fp8 cache's codes widened exactly (the
+    scales are left to the consumer). The grid covers ``batch`` sequences whatever their
+    lengths (a captured launch replays for any lengths within the output's rows).
+
+    Parameters
+    ----------
+    dtype : dtype
+        float16 or bfloat16: the packed rows' type (and a 16-bit cache's).
+    kv_dtype : str or None
+        The caches' fp8 format, or None.
+    strides : cupaged.core.layouts.CacheStrides
+        The caches' element strides (every offset a whole 16-byte chunk but the vllm
+        value dims, ``v_dim != 1``).
+    geometry : cupaged.core.layouts.CacheGeometry
+    batch : int
+        Sequences the launch covers (its grid's y).
+    tables : array
+        int32 device ``[batch, width]`` block tables (their row stride is fixed here).
+    cu_k, k_out, v_out : array
+        int32 ``[batch + 1]`` packed-row offsets and the packed rows: device arrays at
+        fixed addresses.
+    """
+
+    def __init__(self, dtype, kv_dtype, strides, geometry, batch, tables, cu_k, k_out, v_out):
+        cache_itemsize = 1 if kv_dtype is not None else np.dtype(dtype).itemsize
+        x = 16 // cache_itemsize
+        hk, d = geometry.num_kv_heads, geometry.head_dim
+        row_vecs = hk * (d // x)
+        v_transposed = strides.v_dim != 1
+        kernel = launcher("cache_ops", gather_expr(dtype, kv_dtype, v_transposed), abi.GATHER_KV)
+        grid = (max(1, -(-GATHER_CTAS_PER_SM * current().sms // max(batch, 1))), batch)
+        self.go = kernel.at(grid, THREADS)
+        self.args = abi.GATHER_KV.bind(
+            k_out=ptr(k_out), v_out=ptr(v_out), cu_k=ptr(cu_k), err=ptr(errors.error_word()),
+            k_block=strides.k_block, v_block=strides.v_block, num_blocks=geometry.num_blocks,
+            k_head=strides.k_head, k_chunk=strides.k_chunk, k_tok=strides.k_tok,
+            v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok,
+            bt_stride=table_stride(tables), batch=batch, block_size=geometry.block_size,
+            num_kv_heads=hk, chunks=d // x, tpt_log2=min(8, (row_vecs - 1).bit_length()))
+        self._pack = self.args.packer("k_cache", "v_cache", "block_tables", "seq_lens")
+
+    def __call__(self, k_cache, v_cache, block_tables, seq_lens, stream):
+        """Launch on ``stream`` (a raw pointer), every array by its device address."""
+        self.go(self._pack(k_cache, v_cache, block_tables, seq_lens), stream)

@@ -306,6 +306,21 @@ COPY_BLOCKS = Record("CopyBlocksArgs", [
     ("i64", "block_vecs"), ("i64", "num_src"), ("i64", "num_dst"),
 ])
 
+# Gather of a batch's cached keys and values into packed rows (a paged prefill's
+# workspace): cache element strides (k_block ... v_tok as cupaged.core.layouts.CacheStrides,
+# k_chunk of a 16-byte chunk of key elements), the packed rows [cu_k[b] + t, head, :] of
+# 16-byte output vectors (chunks input chunks a head row).
+GATHER_KV = Record("GatherKVArgs", [
+    ("const void* __restrict__", "k_cache"), ("const void* __restrict__", "v_cache"),
+    ("uint4* __restrict__", "k_out"), ("uint4* __restrict__", "v_out"),
+    ("const int* __restrict__", "block_tables"), ("const int* __restrict__", "seq_lens"),
+    ("const int* __restrict__", "cu_k"), ("long long* __restrict__", "err", NULL),
+    ("i64", "k_block"), ("i64", "v_block"), ("i64", "num_blocks"),
+    ("int", "k_head"), ("int", "k_chunk"), ("int", "k_tok"), ("int", "v_head"),
+    ("int", "v_dim"), ("int", "v_tok"), ("int", "bt_stride"), ("int", "batch"),
+    ("int", "block_size"), ("int", "num_kv_heads"), ("int", "chunks"), ("int", "tpt_log2"),
+])
+
 # ----------------------------------------------------------------------------- rope
 ROPE = Record("RopeArgs", [
     ("const void* __restrict__", "positions"), ("const double* __restrict__", "inv_freq"),
@@ -334,8 +349,8 @@ GEMM = Record("GemmArgs", [
 
 RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_TMA,
            PREFILL_PLAN, SPARSE, BSR_PREPARE, VS_PREPARE, VS_INDEX, VS_PLAN, VS_ESTIMATE,
-           QUEST_BOUNDS, QUEST_SCORE, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE, COPY_BLOCKS, ROPE,
-           SINK_SOFTMAX, GEMM)
+           QUEST_BOUNDS, QUEST_SCORE, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE, COPY_BLOCKS,
+           GATHER_KV, ROPE, SINK_SOFTMAX, GEMM)
 
 
 # log2(e): score scales reach the kernels as scale_log2 = sm_scale * LOG2E (their exp2 softmax;

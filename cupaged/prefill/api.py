@@ -30,7 +30,7 @@ from ..core.arrays import (CallCache, accepts_dlpack, array_module, as_dtype, ch
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_cu_seqlens,
                            check_gqa, check_int, check_lse, check_options, check_out,
                            token_stride)
-from ..core.device import Uploader
+from ..core.device import Uploader, current, owned_array
 from ..core.fp8 import (check_scale_arrays, fp8_format, given_kv_dtype, resolve_kv_dtype,
                         scale_parts)
 from ..core.launch import current_stream, ptr
@@ -38,8 +38,9 @@ from ..core.layouts import (CACHE_DTYPES, CacheGeometry, accepts_cache, cache_ge
                             cache_strides, layout_strides, resolve_layout)
 from ..reference import attention as ref
 from ..decode.launch import row_map_buffers
-from .launch import (Launches, addresses, can_split, choose_backend, host_work, split_launches,
-                     work_capacity)
+from ..cache_ops.api import GatherLaunch
+from .launch import (GatherLaunches, Launches, addresses, can_split, choose_backend, gatherable,
+                     host_work, split_launches, work_capacity)
 
 __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller"]
 
@@ -490,12 +491,22 @@ class PagedPrefiller:
         pieces are cut on the device at each run, into buffers the prefiller owns, so a
         captured run stays valid), or every row on the prefill launch (False; needed
         where ``prefill.launch.can_split`` refuses the run's arrays after a host plan).
+    gather : bool, optional
+        For host plans (NumPy metadata, ``planner="host"``) without ``split_decode``: each
+        ``run`` first gathers the batch's keys and values into packed rows of ``dtype``
+        that the prefiller owns (fp8 codes widened exactly; ``2 * tokens * num_kv_heads *
+        head_dim`` elements, grown only when a plan has more tokens, which invalidates
+        captured graphs), then runs the ragged kernel on them, with the fp8 scales applied
+        as the paged kernel applies them. None (default): where the batch's reuse of its
+        keys makes it pay (``prefill.plan.gather_pays``) on an sm_90 device; True: for
+        every host plan (on any device); False: never. Caches whose strides are not whole
+        16-byte chunks are read in place (``prefill.launch.gatherable``).
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
                  layout=None, *, causal=True, window_left=-1, logits_soft_cap=0.0,
                  sm_scale=None, backend="auto", max_batch=None, max_blocks_per_seq=None,
-                 kv_dtype=None, split_decode=False):
+                 kv_dtype=None, split_decode=False, gather=None):
         self.num_q_heads = check_int("num_q_heads", num_q_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
         self.block_size = check_int("block_size", block_size)
@@ -520,6 +531,14 @@ class PagedPrefiller:
                       0 if max_blocks_per_seq is None
                       else check_int("max_blocks_per_seq", max_blocks_per_seq), 0)
         self.split_decode = plan_.check_flag("split_decode", split_decode)
+        self.gather = None if gather is None else plan_.check_flag("gather", gather)
+        if self.gather and self.split_decode:
+            raise ValueError("gather: expected False or None with split_decode=True (the split "
+                             "plan reads decode rows in place), got True")
+        if self.gather and self.dtype == float32:
+            raise ValueError("gather: expected False or None for float32 (packed rows are "
+                             "16-bit), got True")
+        self._rows = None  # the gather's packed rows and offsets (owned, grown only)
         self._decode_owned = (None, None)  # (geometry key, decode buffers) of split runs
         self._retired = []  # replaced decode buffers (graphs captured earlier point at them)
         self._uploader = Uploader()
@@ -557,6 +576,9 @@ class PagedPrefiller:
         if planner is not None:
             check_choice("planner", planner, ("host", "device"))
         xp = array_module(cu_seqlens_q, block_tables, seq_lens)
+        if self.gather and (planner == "device" or (xp is not np and not errors.strict(validate))):
+            raise ValueError("gather: expected a host plan (NumPy metadata, planner='host') for "
+                             "gather=True, got a device plan")
         self._runs.clear()
         contents = xp is np or errors.strict(validate)
         cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, contents=contents)
@@ -574,13 +596,55 @@ class PagedPrefiller:
         q_lens, rows = np.diff(cu), None
         if on_host and self.split_decode:
             q_lens, rows = plan_.decode_rows(cu)
+        gather = on_host and self._gathers(q_lens, sl)
+        # a gathered batch's list is the ragged kernel's (packed 16-bit rows; the same items)
         work = host_work(q_lens, sl, self.dtype, self.num_q_heads, self.num_kv_heads,
-                         self.head_dim, self._v_transposed, self.causal, self._opts,
-                         kv=self.kv_dtype) if on_host else None
+                         self.head_dim, self._v_transposed and not gather, self.causal,
+                         self._opts, kv=None if gather else self.kv_dtype) if on_host else None
         self._host = dict(cu=cu, bt=bt, sl=sl, total_q=int(cu[-1]) if on_host else None,
-                          max_block=int(bt[used].max()) if used.any() else -1)
+                          max_block=int(bt[used].max()) if used.any() else -1, gather=gather)
         self._device = self._upload(work, cu, sl, bt, rows) if gpu_available() else None
+        if gather and self._device is not None:
+            self._upload_offsets(sl)
         return self
+
+    @property
+    def gathers(self):
+        """Whether the last plan's runs gather the batch's pages into packed rows first
+        (``gather``; caches read in place where ``prefill.launch.gatherable`` refuses
+        them)."""
+        return bool(self._host and self._host.get("gather"))
+
+    def _gathers(self, q_lens, kv_lens):
+        """The ``gather`` choice for a host plan of these lengths."""
+        if self.gather is not None or self.split_decode:
+            return bool(self.gather)
+        if self.dtype == float32 or not gpu_available() or current().compute_capability != "90":
+            return False
+        return plan_.gather_pays(q_lens, kv_lens, self.num_q_heads // self.num_kv_heads,
+                                 self.causal, self._opts.window_left, self.kv_dtype)
+
+    def _upload_offsets(self, kv_lens):
+        """The gather's packed rows grown to the plan's keys, and its offsets and lengths
+        uploaded (``[cu_k (S + 1) | lens (S)]`` at the capacity ``S``: sequences past the
+        plan's batch empty)."""
+        n_seq = self._caps[0]
+        tokens = int(np.sum(kv_lens, dtype=np.int64))
+        have = self._rows
+        if have is None or have["lens"].shape[0] < n_seq or have["k"].shape[0] < tokens:
+            rows = max(tokens, 1 if have is None else have["k"].shape[0])
+            shape = (rows, self.num_kv_heads, self.head_dim)
+            size = int(np.prod(shape))
+            offsets = owned_array(2 * n_seq + 1, np.int32)
+            self._rows = dict(k=owned_array(size, self.dtype).reshape(shape),
+                              v=owned_array(size, self.dtype).reshape(shape),
+                              offsets=offsets, cu_k=offsets[:n_seq + 1], lens=offsets[n_seq + 1:])
+            self._runs.clear()
+        image = np.zeros(2 * n_seq + 1, np.int32)
+        image[1:len(kv_lens) + 1] = np.cumsum(kv_lens)
+        image[len(kv_lens) + 1:n_seq + 1] = image[len(kv_lens)]
+        image[n_seq + 1:n_seq + 1 + len(kv_lens)] = kv_lens
+        self._uploader.upload(self._rows["offsets"], image)
 
     def _grow(self, batch, width, items):
         """The owned buffers, grown (only) to hold ``batch`` sequences, tables ``width`` wide
@@ -680,15 +744,25 @@ class PagedPrefiller:
         d = self._device
         work = d["work"] if host_planned else None
         owned = None if host_planned else (d["work"], d["scratch"], d["done"])
+        strides = cache_strides(k_cache, v_cache, self.layout, geo)
+        if self.gathers and gatherable(strides, self.kv_dtype, q.itemsize):
+            rows = self._rows
+            packed = layout_strides("ragged", 1, self.num_kv_heads, self.head_dim, q.itemsize)
+            ragged = Launches(q, n_seq, None, 1, 0, rows["k"].shape[0], self.num_kv_heads,
+                              packed, opts, self.causal, False, backend, work=work,
+                              name="prefiller", scales=scales)
+            gather = GatherLaunch(self.dtype, self.kv_dtype, strides, geo, n_seq, d["bt"],
+                                  rows["cu_k"], rows["k"], rows["v"])
+            return GatherLaunches(gather, ragged, rows)
         if split:
             return split_launches(q, k_cache, v_cache, n_seq, d["bt"], geo, self.layout, opts,
                                   self.causal, self._v_transposed, backend, self.kv_dtype,
                                   scales, work=work, rows=d["rows"], owned=owned,
                                   decode_buffers=self._decode_buffers, name="prefiller")
         return Launches(q, n_seq, d["bt"], self.block_size, geo.num_blocks, 0,
-                        self.num_kv_heads, cache_strides(k_cache, v_cache, self.layout, geo),
-                        opts, self.causal, self._v_transposed, backend, work=work,
-                        name="prefiller", owned=owned, kv=self.kv_dtype, scales=scales)
+                        self.num_kv_heads, strides, opts, self.causal, self._v_transposed,
+                        backend, work=work, name="prefiller", owned=owned, kv=self.kv_dtype,
+                        scales=scales)
 
     def _decode_buffers(self, launch, batch):
         """The split runs' decode buffers (``decode.launch.row_map_buffers``), owned and

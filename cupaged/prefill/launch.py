@@ -281,6 +281,40 @@ class MixedLaunches:
                                     tables, kv_info, stream)
 
 
+class GatherLaunches:
+    """A host-planned paged batch as the gather of its sequences' pages into packed rows
+    (``gather``, a ``cache_ops.api.GatherLaunch`` writing ``rows``' ``k`` and ``v`` at the
+    offsets ``cu_k`` of its lengths ``lens``: int32 ``[batch + 1 | batch]``) and the ragged
+    launches over them (``ragged``, a :class:`Launches` over a host work list, the kv
+    info ``cu_k``; an fp8 cache's scales given to it, as to the paged kernel). Called as
+    :class:`Launches`: the cache, its block tables and the scales are the call's."""
+
+    def __init__(self, gather, ragged, rows):
+        self.gather, self.ragged = gather, ragged
+        self.dtype = ragged.dtype
+        self.work = ragged.work
+        self._k, self._v = ptr(rows["k"]), ptr(rows["v"])
+        self._cu_k, self._lens = ptr(rows["cu_k"]), ptr(rows["lens"])
+
+    def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream,
+                 k_scale=0, v_scale=0):
+        """Launch both on ``stream``, without a host sync (``kv_info``, the paged lengths,
+        is not read: the gather has its own)."""
+        self.gather(k, v, tables, self._lens, stream)
+        self.ragged(q, self._k, self._v, out, lse, cu_q, self._cu_k, 0, alibi, sinks, stream,
+                    k_scale, v_scale)
+
+
+def gatherable(strides, kv, itemsize):
+    """Whether ``gather_kv`` can read caches of these element strides (``kv``: fp8 format
+    or None): every key offset, and the value offsets but the vllm layout's dims, whole
+    16-byte chunks."""
+    x = 16 // (1 if kv is not None else itemsize)
+    keys = (strides.k_block, strides.k_head, strides.k_tok, strides.k_chunk)
+    values = (strides.v_block, strides.v_head) + ((strides.v_tok,) if strides.v_dim == 1 else ())
+    return all(s % x == 0 for s in keys + values)
+
+
 def can_split(q, k_cache, v_cache, batch):
     """Whether paged_attention's decode rows can take the decode launch: a batch with
     query rows, and q's row stride and the caches' block strides within the decode

@@ -438,7 +438,36 @@ def decode_rows(cu_seqlens_q):
     return np.where(one, 0, q_lens), np.where(one, cu[:-1], -1).astype(np.int32)
 
 
-# ----------------------------------------------------------------------------- strides
+# ----------------------------------------------------------------------------- gather
+# A host-planned PagedPrefiller may gather its batch's pages into packed rows (one pass
+# over the keys and values, cache_ops.GatherLaunch) and run the ragged kernel on them: the
+# paged kernel pays a page's block-table read and its own copies on every tile a query
+# block reads (fp8: widening too), the gather once a key. GATHER_ROWS: the packed query
+# rows a key is seen by, on average over the batch (gather_rows), from which gathering
+# pays, for 16-bit and fp8 caches (the gather's bytes a key against the paged kernel's
+# extra time a key and row; benchmarks/NOTES.md, "Paged prefill by a gather").
+GATHER_ROWS = {False: 2048, True: 512}
+
+
+def gather_rows(q_lens, kv_lens, group, causal, window_left=-1):
+    """Packed query rows (``group`` a query) that see a key, on average over a batch's
+    keys: each sequence's visible (query, key) pairs, causal and window counted, over its
+    keys."""
+    q = np.asarray(q_lens, np.float64)
+    kv = np.asarray(kv_lens, np.float64)
+    pairs = q * (kv - q) + q * (q + 1) / 2 if causal else q * kv
+    if window_left >= 0:
+        pairs = np.minimum(pairs, q * (window_left + 1))
+    keys = kv.sum()
+    return float(group * pairs.sum() / keys) if keys else 0.0
+
+
+def gather_pays(q_lens, kv_lens, group, causal, window_left, kv):
+    """Whether gathering a batch's pages before the ragged kernel pays (GATHER_ROWS; ``kv``:
+    the caches' fp8 format or None)."""
+    return gather_rows(q_lens, kv_lens, group, causal, window_left) >= GATHER_ROWS[kv is not None]
+
+
 # ----------------------------------------------------------------------------- checks
 def check_flag(name, value):
     if not isinstance(value, (bool, np.bool_)):
