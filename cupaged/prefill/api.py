@@ -30,7 +30,7 @@ from ..core.arrays import (CallCache, accepts_dlpack, array_module, as_dtype, ch
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_cu_seqlens,
                            check_gqa, check_int, check_lse, check_options, check_out,
                            token_stride)
-from ..core.device import Uploader, current, owned_array
+from ..core.device import Uploader, current
 from ..core.fp8 import (check_scale_arrays, fp8_format, given_kv_dtype, resolve_kv_dtype,
                         scale_parts)
 from ..core.launch import current_stream, ptr
@@ -632,12 +632,11 @@ class PagedPrefiller:
         tokens = int(np.sum(kv_lens, dtype=np.int64))
         have = self._rows
         if have is None or have["lens"].shape[0] < n_seq or have["k"].shape[0] < tokens:
-            rows = max(tokens, 1 if have is None else have["k"].shape[0])
-            shape = (rows, self.num_kv_heads, self.head_dim)
-            size = int(np.prod(shape))
-            offsets = owned_array(2 * n_seq + 1, np.int32)
-            self._rows = dict(k=owned_array(size, self.dtype).reshape(shape),
-                              v=owned_array(size, self.dtype).reshape(shape),
+            import cupy  # the pool, as _grow's buffers: a prefiller a step reuses its memory
+            shape = (max(tokens, 1 if have is None else have["k"].shape[0]), self.num_kv_heads,
+                     self.head_dim)
+            offsets = cupy.empty(2 * n_seq + 1, np.int32)
+            self._rows = dict(k=cupy.empty(shape, self.dtype), v=cupy.empty(shape, self.dtype),
                               offsets=offsets, cu_k=offsets[:n_seq + 1], lens=offsets[n_seq + 1:])
             self._runs.clear()
         image = np.zeros(2 * n_seq + 1, np.int32)
