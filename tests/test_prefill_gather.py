@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import cupaged
+from cupaged.cache_ops import api as cache_ops_api
 from cupaged.core.arrays import HEAD_DIMS, bfloat16
 from cupaged.core.layouts import LAYOUTS, CacheStrides, layout_strides
 from cupaged.prefill import plan as plan_
@@ -100,6 +101,16 @@ def test_strides_off_the_chunks_are_read_in_place():
     assert not gatherable(s._replace(k_block=s.k_block + 4), None, 2)
     assert not gatherable(s._replace(v_block=s.v_block + 8), "fp8_e4m3", 1)
     assert gatherable(CacheStrides(*s)._replace(k_block=s.k_block + 8), None, 2)
+
+
+@pytest.mark.parametrize("kv", [None] + list(FORMATS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_gather_specializations_cover_the_launches(dtype, layout, kv):
+    """The gather a PagedPrefiller can launch is among the compile gate's kernels."""
+    strides = layout_strides(layout, 16, 2, 128, 1 if kv else np.dtype(dtype).itemsize)
+    expr = cache_ops_api.gather_expr(dtype, kv, strides.v_dim != 1)
+    assert expr in {s.expr for s in cache_ops_api.kernel_specializations()}
 
 
 def test_gather_bad_arguments(rng):
