@@ -224,6 +224,12 @@ def _pinned_pointer(name, a):
 
 
 # ----------------------------------------------------------------------------- planning
+def token_group_log2(row_vecs):
+    """log2 of the threads a token of ``write_rows`` and ``gather_kv``: the power of two
+    covering a token's ``row_vecs`` 16-byte vectors, at most the block."""
+    return min(THREADS.bit_length() - 1, (row_vecs - 1).bit_length())
+
+
 def write_launch_config(num_tokens, geo, itemsize, layout, cache_itemsize=None, q=BITS):
     """(kernel expression, grid, dynamic shared bytes, CACHE_WRITE fields) of a cache write
     of rows of ``itemsize``-byte elements into a cache of ``cache_itemsize``-byte ones
@@ -238,7 +244,7 @@ def write_launch_config(num_tokens, geo, itemsize, layout, cache_itemsize=None, 
                      block_size=geo.block_size, tpt_log2=0,
                      row_vecs=geo.num_kv_heads * head_vecs))
     row_vecs = geo.num_kv_heads * head_vecs
-    tpt_log2 = min(8, (row_vecs - 1).bit_length())
+    tpt_log2 = token_group_log2(row_vecs)
     grid = (-(-num_tokens // (ROWS_UNROLL * (THREADS >> tpt_log2))),)
     return (write_expr(layout, cache_itemsize, q), grid, 0,
             dict(num_tokens=num_tokens, tpt_log2=tpt_log2, row_vecs=row_vecs,
@@ -532,7 +538,7 @@ class GatherLaunch:
             k_head=strides.k_head, k_chunk=strides.k_chunk, k_tok=strides.k_tok,
             v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok,
             bt_stride=table_stride(tables), batch=batch, block_size=geometry.block_size,
-            num_kv_heads=hk, chunks=d // x, tpt_log2=min(8, (row_vecs - 1).bit_length()))
+            num_kv_heads=hk, chunks=d // x, tpt_log2=token_group_log2(row_vecs))
         self._pack = self.args.packer("k_cache", "v_cache", "block_tables", "seq_lens")
 
     def __call__(self, k_cache, v_cache, block_tables, seq_lens, stream):
