@@ -12,18 +12,23 @@
 #include "common.cuh"
 #include "abi.cuh"
 #include "fp8.cuh"
+#include "index_checks.cuh"
 
 namespace cupaged {
 
 // THREADS, ROWS_UNROLL (tokens a thread group of write_rows and gather_kv), VLLM_TILE
-// (tokens a CTA of write_vllm) and COPY_UNROLL (vectors in flight a thread of
-// copy_blocks_kernel): from cupaged.cache_ops.api
+// (tokens a CTA of write_vllm), COPY_UNROLL (vectors in flight a thread of
+// copy_blocks_kernel) and GATHER_UNIT (elements a thread of gather_kv moves at a time):
+// from cupaged.cache_ops.api
 using namespace cache;
 
-// The cache's image of one 16-byte input vector. Bits: the vector itself.
+// The cache's image of one 16-byte input vector. Bits: the vector itself. A kv head's scale
+// is prepared once (scale) for every vector put with it.
 struct Bits {
   typedef uint4 Out;
-  __device__ static __forceinline__ Out put(const uint4& in, float) { return in; }
+  struct Scale {};
+  __device__ static __forceinline__ Scale scale(float) { return {}; }
+  __device__ static __forceinline__ Out put(const uint4& in, Scale) { return in; }
 };
 
 // N 1-byte codes as one vector (uint2 or a 4-byte word) from N / 4 words.
@@ -56,9 +61,14 @@ struct Fp8Vec {
     }
     return CodesOf<N>::make(w);
   }
-  __device__ static __forceinline__ Out put(const uint4& in, float scale) {
-    if (fp8_reciprocal_exact(scale)) return encode<true>(in, scale, 1.0f / scale);
-    return encode<false>(in, scale, 0.0f);
+  struct Scale {
+    float s, r;  // the scale and its reciprocal, 0 where quotients need the division
+  };
+  __device__ static __forceinline__ Scale scale(float s) {
+    return {s, fp8_reciprocal_exact(s) ? 1.0f / s : 0.0f};
+  }
+  __device__ static __forceinline__ Out put(const uint4& in, Scale sc) {
+    return sc.r != 0.0f ? encode<true>(in, sc.s, sc.r) : encode<false>(in, sc.s, 0.0f);
   }
 };
 
@@ -69,7 +79,8 @@ struct Fp8Vec {
 // lane + tpt, ... < row_vecs of its tokens' key and value rows ([num_kv_heads, head_dim] =
 // row_vecs vectors, head_vecs per head; key[t, h] at t * key_tok + h * key_head vectors) to
 // the tokens' slots as Q puts them (Bits, or Fp8Vec with head h's scales): all loads of a
-// step before its stores. Tokens with slot -1 are skipped.
+// step before its stores, issued whatever the slots (so they do not wait for the slots'
+// loads). Tokens with slot -1 are not written.
 __device__ __forceinline__ i64 checked_block(i64 slot, i64 num_slots, int block_size,
                                              long long* err, int t) {
   if (slot < 0) return -1;
@@ -77,7 +88,8 @@ __device__ __forceinline__ i64 checked_block(i64 slot, i64 num_slots, int block_
     report_error(err, error_code(ARG_SLOT_MAPPING, CHECK_RANGE), t, -1, slot, num_slots);
     return -1;
   }
-  return slot / block_size;
+  // a 32-bit division where the slot allows (a 64-bit one is a long software sequence)
+  return slot <= INT32_MAX_ ? (i64)((u32)slot / (u32)block_size) : slot / block_size;
 }
 
 template <bool HND, typename Q>
@@ -100,11 +112,14 @@ __global__ void __launch_bounds__(THREADS) write_rows(CUPAGED_PARAMS_CacheWriteA
   for (int v = threadIdx.x & (tpt - 1); v < row_vecs; v += tpt) {
     // -- load every token's vectors, then place them --
     const int h = v / head_vecs, c = v - h * head_vecs;
+    const typename Q::Scale ks = Q::scale(kv_scale(k_scale, k_scale_stride, k_scale_value, h));
+    const typename Q::Scale vs = Q::scale(kv_scale(v_scale, v_scale_stride, v_scale_value, h));
     uint4 kk[ROWS_UNROLL], vv[ROWS_UNROLL];
 #pragma unroll
     for (int u = 0; u < ROWS_UNROLL; ++u) {
+      // every token's rows, skipped slots too: the loads need not wait for the slot's
       const i64 t = t0 + u * tokens_per_pass;
-      if (t < num_tokens && blk[u] >= 0) {
+      if (t < num_tokens) {
         kk[u] = __ldg(key + t * key_tok + h * key_head + c);
         vv[u] = __ldg(value + t * value_tok + h * value_head + c);
       }
@@ -122,8 +137,8 @@ __global__ void __launch_bounds__(THREADS) write_rows(CUPAGED_PARAMS_CacheWriteA
         kd = blk[u] * k_block + in;
         vd = blk[u] * v_block + in;
       }
-      k_rows[kd] = Q::put(kk[u], kv_scale(k_scale, k_scale_stride, k_scale_value, h));
-      v_rows[vd] = Q::put(vv[u], kv_scale(v_scale, v_scale_stride, v_scale_value, h));
+      k_rows[kd] = Q::put(kk[u], ks);
+      v_rows[vd] = Q::put(vv[u], vs);
     }
   }
 }
@@ -166,8 +181,8 @@ __global__ void __launch_bounds__(THREADS) write_vllm(CUPAGED_PARAMS_CacheWriteA
     s_off[threadIdx.x] = (int)(slot - blk * block_size);
   }
   // -- stage 1: rows of head h into shared memory --
-  const float ks = kv_scale(k_scale, k_scale_stride, k_scale_value, h);
-  const float vs = kv_scale(v_scale, v_scale_stride, v_scale_value, h);
+  const typename Q::Scale ks = Q::scale(kv_scale(k_scale, k_scale_stride, k_scale_value, h));
+  const typename Q::Scale vs = Q::scale(kv_scale(v_scale, v_scale_stride, v_scale_value, h));
   Out* s_key_out = reinterpret_cast<Out*>(s_key);
   Out* s_val_out = reinterpret_cast<Out*>(s_val);
   for (int i = threadIdx.x; i < tile * head_vecs; i += THREADS) {
@@ -239,87 +254,110 @@ __global__ void __launch_bounds__(THREADS) copy_blocks_kernel(CUPAGED_PARAMS_Cop
 // -- gather_kv: a batch's cached key and value rows, packed, as 16-bit elements -------------
 // Grid:  x = CTAs a sequence (grid-strided over its tokens), y = sequence b (b >= batch: none).
 // Block: THREADS threads in groups of tpt = 1 << tpt_log2 threads, as write_rows: a group
-// owns ROWS_UNROLL tokens of a pass, THREADS >> tpt_log2 apart, and each of its threads the
-// 16-byte input chunks v = lane, lane + tpt, ... < num_kv_heads * chunks of their rows (chunk
-// c of head h), all loads of a step before its stores. Token t of sequence b lands at packed
-// row cu_k[b] + t: its chunk of a 16-bit cache as it is; of an fp8 cache (KV) widened to T
-// exactly (fp8.cuh: every e4m3 and e5m2 value is a 16-bit value), two output vectors; the
-// scales stay with the attention kernel, which applies them in fp32 as it does to the
-// cache. Keys are 16-byte chunks in every layout; values are too but in the vllm layout
-// (V_T: dims block_size elements apart, read one by one). A block id outside the cache is
-// reported (report_error) and its rows written as zeros.
+// owns TOKENS tokens of a pass (below), THREADS >> tpt_log2 apart, and each of its threads the
+// units v = lane, lane + tpt, ... < num_kv_heads * units of their rows (unit c of head h:
+// GATHER_UNIT elements, 16 bytes of a 16-bit cache or 8 of an fp8 one, one 16-byte output
+// vector), all loads of a step before its stores. Sequence b's rows start at the lengths
+// before it (each CTA sums them: lengths are read on the device, never by the host), which
+// CTA (0, b) writes to cu_k[b + 1] (and CTA (0, 0) cu_k[0] = 0) for the ragged launch that
+// follows; a length that is negative or past the block-table row (max_blocks blocks) is
+// reported (keys_fit) and counts as 0. Token t lands at row cu_k[b] + t: a 16-bit unit as it is, an
+// fp8 one (KV) widened to T exactly (fp8.cuh: every e4m3 and e5m2 value is a 16-bit value);
+// the scales stay with the attention kernel, which applies them in fp32 as it does to the
+// cache. Keys are whole units in every layout; values are too but in the vllm layout (V_T:
+// dims block_size elements apart, read one by one). Each CTA checks the block ids of its
+// sequence's row first (table_row_ok, reported by CTA x = 0): a sequence with one outside
+// the cache has every row written as zeros, so that its outputs come out as zeros (zero
+// values), as from the paged kernels.
+__device__ __forceinline__ int gathered_len(int len, int max_blocks, int block_size,
+                                            long long* err, int b) {
+  return keys_fit(len, len, max_blocks, block_size, err, b) ? len : 0;
+}
+
+template <bool FP8> struct UnitOf { typedef uint4 type; };  // a unit's elements as loaded
+template <> struct UnitOf<true> { typedef uint2 type; };
+
 template <typename T, typename KV, bool V_T>
 __global__ void __launch_bounds__(THREADS) gather_kv(CUPAGED_PARAMS_GatherKVArgs) {
   constexpr bool FP8 = Fp8Traits<KV>::FP8;
-  constexpr int X = 16 / sizeof(KV);  // elements of an input chunk
-  constexpr int OUT = FP8 ? 2 : 1;    // output vectors of an input chunk
+  constexpr int UNIT = GATHER_UNIT;
+  constexpr int PER_CHUNK = 16 / sizeof(KV) / UNIT;  // units of a 16-byte cache chunk
+  typedef typename UnitOf<FP8>::type In;
+  static_assert(sizeof(In) == UNIT * sizeof(KV) && UNIT * sizeof(T) == sizeof(uint4), "a unit");
+  // tokens of a group's pass: ROWS_UNROLL 16-byte loads a thread and row in flight, as
+  // write_rows keeps, whatever the unit's size (an fp8 unit is 8 bytes: twice the tokens)
+  constexpr int TOKENS = ROWS_UNROLL * (int)(sizeof(uint4) / sizeof(In));
+  __shared__ i64 s_part[THREADS / 32];
   const int b = blockIdx.y;
   if (b >= batch) return;
+  // -- the rows before sequence b: the valid lengths of sequences 0 .. b - 1 --
+  i64 first = 0;
+  for (int i = threadIdx.x; i < b; i += THREADS)
+    first += gathered_len(__ldg(seq_lens + i), max_blocks, block_size, nullptr, i);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) first += __shfl_xor_sync(0xffffffffu, first, o);
+  if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = first;
+  __syncthreads();
+  first = 0;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) first += s_part[w];
+  const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
+  const int len = gathered_len(__ldg(seq_lens + b), max_blocks, block_size, lead ? err : nullptr, b);
+  if (lead) {
+    cu_k[b + 1] = (int)(first + len);
+    if (b == 0) cu_k[0] = 0;
+  }
+  const int* table = block_tables + (i64)b * bt_stride;
+  const bool ok = table_row_ok<THREADS>(table, (len + block_size - 1) / block_size, num_blocks,
+                                        blockIdx.x == 0 ? err : nullptr, b);
   const KV* kc = static_cast<const KV*>(k_cache);
   const KV* vc = static_cast<const KV*>(v_cache);
-  const int len = __ldg(seq_lens + b);
-  const i64 first = __ldg(cu_k + b);
-  const int* table = block_tables + (i64)b * bt_stride;
   const int tpt = 1 << tpt_log2, tokens_per_pass = THREADS >> tpt_log2;
-  const int row_vecs = num_kv_heads * chunks;
-  const bool reports = (threadIdx.x & (tpt - 1)) == 0;
-  const int step = gridDim.x * tokens_per_pass * ROWS_UNROLL;
-  for (int t0 = blockIdx.x * tokens_per_pass * ROWS_UNROLL + (threadIdx.x >> tpt_log2); t0 < len;
+  const int row_vecs = num_kv_heads * units;
+  const int step = gridDim.x * tokens_per_pass * TOKENS;
+  for (int t0 = blockIdx.x * tokens_per_pass * TOKENS + (threadIdx.x >> tpt_log2); t0 < len;
        t0 += step) {
-    i64 blk[ROWS_UNROLL];
-    int off[ROWS_UNROLL];
+    i64 blk[TOKENS];
+    int off[TOKENS];
 #pragma unroll
-    for (int u = 0; u < ROWS_UNROLL; ++u) {
+    for (int u = 0; u < TOKENS; ++u) {
       const int t = t0 + u * tokens_per_pass;
-      blk[u] = -1;
-      off[u] = 0;
-      if (t < len) {
-        const int id = __ldg(table + t / block_size);
-        off[u] = t % block_size;
-        if (id >= 0 && id < num_blocks) blk[u] = id;
-        else if (reports)
-          report_error(err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, t / block_size, id,
-                       num_blocks);
-      }
+      blk[u] = ok && t < len ? __ldg(table + t / block_size) : -1;
+      off[u] = t % block_size;
     }
     for (int v = threadIdx.x & (tpt - 1); v < row_vecs; v += tpt) {
-      // -- load every token's chunks, then store them --
-      const int h = v / chunks, c = v - h * chunks;
-      uint4 kk[ROWS_UNROLL], vv[ROWS_UNROLL];
+      // -- load every token's units, then store them --
+      const int h = v / units, c = v - h * units;
+      const i64 in_chunk = (i64)(c / PER_CHUNK) * k_chunk + (c % PER_CHUNK) * UNIT;
+      In kk[TOKENS], vv[TOKENS];
 #pragma unroll
-      for (int u = 0; u < ROWS_UNROLL; ++u) {
-        kk[u] = vv[u] = make_uint4(0u, 0u, 0u, 0u);
+      for (int u = 0; u < TOKENS; ++u) {
+        kk[u] = vv[u] = In{};
         if (blk[u] < 0) continue;
-        const i64 k_at =
-            blk[u] * k_block + (i64)h * k_head + (i64)off[u] * k_tok + (i64)c * k_chunk;
-        kk[u] = __ldg(reinterpret_cast<const uint4*>(kc + k_at));
+        const i64 k_at = blk[u] * k_block + (i64)h * k_head + (i64)off[u] * k_tok + in_chunk;
+        kk[u] = __ldg(reinterpret_cast<const In*>(kc + k_at));
         const i64 v_at = blk[u] * v_block + (i64)h * v_head + (i64)off[u] * v_tok;
         if constexpr (V_T) {
           KV* e = reinterpret_cast<KV*>(&vv[u]);
 #pragma unroll
-          for (int x = 0; x < X; ++x) e[x] = vc[v_at + (i64)(c * X + x) * v_dim];
+          for (int x = 0; x < UNIT; ++x) e[x] = vc[v_at + (i64)(c * UNIT + x) * v_dim];
         } else {
-          vv[u] = __ldg(reinterpret_cast<const uint4*>(vc + v_at + c * X));
+          vv[u] = __ldg(reinterpret_cast<const In*>(vc + v_at + c * UNIT));
         }
       }
 #pragma unroll
-      for (int u = 0; u < ROWS_UNROLL; ++u) {
+      for (int u = 0; u < TOKENS; ++u) {
         const int t = t0 + u * tokens_per_pass;
         if (t >= len) continue;
-        const i64 at = (((first + t) * num_kv_heads + h) * chunks + c) * OUT;
+        const i64 at = ((first + t) * num_kv_heads + h) * units + c;
         if constexpr (FP8) {
-          const u32 kw[4] = {kk[u].x, kk[u].y, kk[u].z, kk[u].w};
-          const u32 vw[4] = {vv[u].x, vv[u].y, vv[u].z, vv[u].w};
-          u32 ko[8], vo[8];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            widen_fp8x4<T, KV>(kw[i], ko[2 * i], ko[2 * i + 1]);
-            widen_fp8x4<T, KV>(vw[i], vo[2 * i], vo[2 * i + 1]);
-          }
+          u32 ko[4], vo[4];
+          widen_fp8x4<T, KV>(kk[u].x, ko[0], ko[1]);
+          widen_fp8x4<T, KV>(kk[u].y, ko[2], ko[3]);
+          widen_fp8x4<T, KV>(vv[u].x, vo[0], vo[1]);
+          widen_fp8x4<T, KV>(vv[u].y, vo[2], vo[3]);
           k_out[at] = make_uint4(ko[0], ko[1], ko[2], ko[3]);
-          k_out[at + 1] = make_uint4(ko[4], ko[5], ko[6], ko[7]);
           v_out[at] = make_uint4(vo[0], vo[1], vo[2], vo[3]);
-          v_out[at + 1] = make_uint4(vo[4], vo[5], vo[6], vo[7]);
         } else {
           k_out[at] = kk[u];
           v_out[at] = vv[u];

@@ -8,6 +8,22 @@ namespace cupaged {
 
 constexpr int INT32_MAX_ = 2147483647;
 
+// Whether sequence b's length len is not negative and its kv keys (len and any appended
+// ones) fit its block-table row of `width` blocks; a failure is reported (err may be null): a
+// negative length as a range error, keys past the row as a table error (value kv).
+__device__ __forceinline__ bool keys_fit(int len, i64 kv, int width, int block_size,
+                                         long long* err, int b) {
+  if (len < 0) {
+    report_error(err, error_code(ARG_SEQ_LENS, CHECK_RANGE), b, -1, len, INT32_MAX_);
+    return false;
+  }
+  if ((kv + block_size - 1) / block_size > width) {
+    report_error(err, error_code(ARG_SEQ_LENS, CHECK_TABLE), b, -1, kv, (i64)width * block_size);
+    return false;
+  }
+  return true;
+}
+
 // Whether the first `need` entries of block-table row b are block ids in [0, num_blocks); the
 // first bad one found is reported (err may be null). Every thread of the CTA (THREADS) calls.
 template <int THREADS>

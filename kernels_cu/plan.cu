@@ -67,21 +67,14 @@ __device__ __forceinline__ bool last_cta(int* done, int* s_flag) {
 }
 
 // Whether sequence b is usable: its length len is not negative, its kv = len + append keys
-// fit its block-table row of `width` blocks, and their block ids are in [0, num_blocks).
-// The first failure is reported: a negative length as a range error, keys past the row as a
-// table error (value kv), a bad block id by table_row_ok. Every thread of the CTA calls.
+// fit its block-table row of `width` blocks (keys_fit, reported by thread 0), and their block
+// ids are in [0, num_blocks) (table_row_ok). Every thread of the CTA calls.
 __device__ __forceinline__ bool sequence_ok(int len, int append, const int* table_row, int width,
                                             int block_size, int num_blocks, long long* err, int b) {
   const i64 kv = (i64)len + append;
-  const i64 need = (kv + block_size - 1) / block_size;
-  const bool len_ok = len >= 0 && need <= width;
-  if (threadIdx.x == 0 && !len_ok) {
-    if (len < 0)
-      report_error(err, error_code(ARG_SEQ_LENS, CHECK_RANGE), b, -1, len, INT32_MAX_);
-    else
-      report_error(err, error_code(ARG_SEQ_LENS, CHECK_TABLE), b, -1, kv, (i64)width * block_size);
-  }
-  return len_ok && table_row_ok<THREADS>(table_row, len_ok ? (int)need : 0, num_blocks, err, b);
+  const bool len_ok = keys_fit(len, kv, width, block_size, threadIdx.x == 0 ? err : nullptr, b);
+  const int need = len_ok ? (int)((kv + block_size - 1) / block_size) : 0;
+  return len_ok && table_row_ok<THREADS>(table_row, need, num_blocks, err, b);
 }
 
 // ---------------------------------------------------------------------------- decode

@@ -42,6 +42,7 @@ ROWS_UNROLL = 2    # tokens a thread group of write_rows
 VLLM_TILE = 32     # tokens a CTA of write_vllm: one a lane
 COPY_UNROLL = 4    # vectors in flight a thread of copy_blocks_kernel
 GATHER_CTAS_PER_SM = 8  # gather_kv's grid: CTAs an SM over the batch, whatever its lengths
+GATHER_UNIT = 8  # elements a thread of gather_kv moves at a time (one 16-byte output vector)
 MEMCPY_MIN_RUN_BYTES = 1 << 20
 SWAP_METHODS = ("auto", "memcpy", "kernel")
 _ELEMENT_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"}
@@ -51,7 +52,8 @@ BITS = "cupaged::Bits"
 def cpp() -> str:
     """C++ of the cache kernels' constants for the generated ``abi.cuh``."""
     return abi.constants("cache", dict(THREADS=THREADS, ROWS_UNROLL=ROWS_UNROLL,
-                                       VLLM_TILE=VLLM_TILE, COPY_UNROLL=COPY_UNROLL))
+                                       VLLM_TILE=VLLM_TILE, COPY_UNROLL=COPY_UNROLL,
+                                       GATHER_UNIT=GATHER_UNIT))
 
 
 def quantiser(in_dtype, kv_dtype):
@@ -500,9 +502,11 @@ class GatherLaunch:
     """The gather of a batch's cached keys and values into packed rows (``gather_kv`` of
     ``kernels_cu/cache_ops.cu``), its fixed arguments packed once: sequence ``b``'s token
     ``t`` to row ``cu_k[b] + t`` of ``k_out`` / ``v_out`` (``[rows, num_kv_heads,
-    head_dim]`` of the 16-bit ``dtype``); an fp8 cache's codes widened exactly (the
-    scales are left to the consumer). The grid covers ``batch`` sequences whatever their
-    lengths (a captured launch replays for any lengths within the output's rows).
+    head_dim]`` of the 16-bit ``dtype``), where the kernel writes ``cu_k`` as the prefix
+    sums of the lengths it reads on the device (a bad one reported and counted as 0); an
+    fp8 cache's codes widened exactly (the scales are left to the consumer). The grid covers
+    ``batch`` sequences whatever their lengths (a captured launch replays for any lengths
+    whose keys fit the output's rows).
 
     Parameters
     ----------
@@ -517,17 +521,18 @@ class GatherLaunch:
     batch : int
         Sequences the launch covers (its grid's y).
     tables : array
-        int32 device ``[batch, width]`` block tables (their row stride is fixed here).
-    cu_k, k_out, v_out : array
-        int32 ``[batch + 1]`` packed-row offsets and the packed rows: device arrays at
-        fixed addresses.
+        int32 device ``[batch, width]`` block tables (their row stride and width are fixed
+        here).
+    cu_k : array
+        int32 device ``[batch + 1]``, written by each launch.
+    k_out, v_out : array
+        The packed rows, at least ``sum(seq_lens)`` of ``num_kv_heads * head_dim`` 16-bit
+        elements each: device arrays at fixed addresses.
     """
 
     def __init__(self, dtype, kv_dtype, strides, geometry, batch, tables, cu_k, k_out, v_out):
-        cache_itemsize = 1 if kv_dtype is not None else np.dtype(dtype).itemsize
-        x = 16 // cache_itemsize
         hk, d = geometry.num_kv_heads, geometry.head_dim
-        row_vecs = hk * (d // x)
+        units = d // GATHER_UNIT
         v_transposed = strides.v_dim != 1
         kernel = launcher("cache_ops", gather_expr(dtype, kv_dtype, v_transposed), abi.GATHER_KV)
         grid = (max(1, -(-GATHER_CTAS_PER_SM * current().sms // max(batch, 1))), batch)
@@ -537,8 +542,9 @@ class GatherLaunch:
             k_block=strides.k_block, v_block=strides.v_block, num_blocks=geometry.num_blocks,
             k_head=strides.k_head, k_chunk=strides.k_chunk, k_tok=strides.k_tok,
             v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok,
-            bt_stride=table_stride(tables), batch=batch, block_size=geometry.block_size,
-            num_kv_heads=hk, chunks=d // x, tpt_log2=token_group_log2(row_vecs))
+            bt_stride=table_stride(tables), max_blocks=tables.shape[1], batch=batch,
+            block_size=geometry.block_size, num_kv_heads=hk, units=units,
+            tpt_log2=token_group_log2(hk * units))
         self._pack = self.args.packer("k_cache", "v_cache", "block_tables", "seq_lens")
 
     def __call__(self, k_cache, v_cache, block_tables, seq_lens, stream):

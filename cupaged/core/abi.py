@@ -314,11 +314,12 @@ GATHER_KV = Record("GatherKVArgs", [
     ("const void* __restrict__", "k_cache"), ("const void* __restrict__", "v_cache"),
     ("uint4* __restrict__", "k_out"), ("uint4* __restrict__", "v_out"),
     ("const int* __restrict__", "block_tables"), ("const int* __restrict__", "seq_lens"),
-    ("const int* __restrict__", "cu_k"), ("long long* __restrict__", "err", NULL),
+    ("int* __restrict__", "cu_k"), ("long long* __restrict__", "err", NULL),
     ("i64", "k_block"), ("i64", "v_block"), ("i64", "num_blocks"),
     ("int", "k_head"), ("int", "k_chunk"), ("int", "k_tok"), ("int", "v_head"),
-    ("int", "v_dim"), ("int", "v_tok"), ("int", "bt_stride"), ("int", "batch"),
-    ("int", "block_size"), ("int", "num_kv_heads"), ("int", "chunks"), ("int", "tpt_log2"),
+    ("int", "v_dim"), ("int", "v_tok"), ("int", "bt_stride"), ("int", "max_blocks"),
+    ("int", "batch"), ("int", "block_size"), ("int", "num_kv_heads"), ("int", "units"),
+    ("int", "tpt_log2"),
 ])
 
 # ----------------------------------------------------------------------------- rope

@@ -38,9 +38,8 @@ from ..core.layouts import (CACHE_DTYPES, CacheGeometry, accepts_cache, cache_ge
                             cache_strides, layout_strides, resolve_layout)
 from ..reference import attention as ref
 from ..decode.launch import row_map_buffers
-from ..cache_ops.api import GatherLaunch
-from .launch import (GatherLaunches, Launches, addresses, can_split, choose_backend, gatherable,
-                     host_work, split_launches, work_capacity)
+from .launch import (Launches, addresses, can_split, choose_backend, gather_buffers,
+                     gather_launches, gatherable, host_work, split_launches, work_capacity)
 
 __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller"]
 
@@ -260,8 +259,11 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *, 
     seq_lens : array
         int32 ``[batch_size]`` key counts including the new tokens.
     causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, out, return_lse, backend
-        As in :func:`varlen_prefill` ("wgmma": every layout; "auto" leaves HND on
-        mma.sync).
+        As in :func:`varlen_prefill` ("wgmma", and "auto" on sm_90: every layout). On the
+        wgmma backend of an sm_90 device a long prefill's pages are first gathered into
+        packed rows by a kernel that reads the lengths on the device, where its shapes'
+        bound says that pays (docs/prefill.md, "Paged prefill by a gather"; per-stream
+        scratch of up to ``prefill.plan.GATHER_MAX_BYTES``).
     validate : bool, optional
         As in :func:`varlen_prefill`, for the prefix sums, lengths and block tables (a bad
         length or block id gives its sequence's rows as zeros).
@@ -357,6 +359,9 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
     # launch is paged_prefill's (the launch's default tile)
     tile = (plan_.wgmma_tile(geo.head_dim, kv, v_t, decode_rows=True)
             if mixed and not split and backend == "wgmma" else None)
+    strides = cache_strides(k_cache, v_cache, layout, geo)
+    gather = not mixed and _gathers(q, geo, strides, batch, block_tables.shape[1], cu_q,
+                                    kv_lens, causal, opts, backend, kv)
     work = rows = None
     if cu_q is not None:  # strict mode: a host work list (and the decode rows' map)
         q_lens = np.diff(cu_q)
@@ -364,19 +369,45 @@ def _paged_checked(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, al
             q_lens, rows = plan_.decode_rows(cu_q)
             rows = xp.asarray(rows)
         work = xp.asarray(host_work(q_lens, kv_lens, q.dtype, q.shape[1], geo.num_kv_heads,
-                                    geo.head_dim, v_t, causal, opts, backend=backend, kv=kv))
-    if split:
+                                    geo.head_dim, v_t and not gather, causal, opts,
+                                    backend=backend, kv=None if gather else kv))
+    if gather:
+        tokens = (int(np.sum(kv_lens, dtype=np.int64)) if work is not None else
+                  batch * block_tables.shape[1] * geo.block_size)
+        rows = gather_buffers("prefill", tokens, batch, geo.num_kv_heads, geo.head_dim, q.dtype)
+        run = gather_launches(q, batch, block_tables, geo, strides, opts, causal, backend, kv,
+                              scales, rows, work=work)
+    elif split:
         run = split_launches(q, k_cache, v_cache, batch, block_tables, geo, layout, opts, causal,
                              v_t, backend, kv, scales, work=work, rows=rows, tile=tile)
     else:
         run = Launches(q, batch, block_tables, geo.block_size, geo.num_blocks, 0,
-                       geo.num_kv_heads, cache_strides(k_cache, v_cache, layout, geo), opts,
-                       causal, v_t, backend, tile=tile, work=work, kv=kv, scales=scales)
+                       geo.num_kv_heads, strides, opts, causal, v_t, backend, tile=tile,
+                       work=work, kv=kv, scales=scales)
     if work is None:
         _CALLS.put(cache_key, run)
     return _run(run, q, out, return_lse, (q, k_cache, v_cache, cu_seqlens_q, seq_lens,
                                           block_tables, alibi_slopes, sinks,
                                           *scale_parts(k_scale, v_scale)[0]))
+
+
+def _gathers(q, geo, strides, batch, width, cu_q, kv_lens, causal, opts, backend, kv):
+    """Whether a paged_prefill call gathers its pages into packed rows before the ragged
+    kernel (``prefill.launch.gather_launches``): on the wgmma backend of an sm_90 device,
+    for caches ``gatherable`` reads but the vllm value layout (read an element at a time),
+    where ``plan.gather_pays`` for its lengths (strict mode: ``cu_q`` and ``kv_lens`` on the
+    host) or ``plan.gather_pays_at_bound`` for its shapes (lengths left on the device)."""
+    if backend != "wgmma" or current().compute_capability != "90" or q.dtype == float32:
+        return False
+    if strides.v_dim != 1 or not gatherable(strides, kv, q.itemsize, geo.block_size):
+        return False
+    group = q.shape[1] // geo.num_kv_heads
+    window = opts.window_left
+    if cu_q is not None:
+        return plan_.gather_pays(np.diff(cu_q), kv_lens, group, causal, window, kv)
+    row_bytes = geo.num_kv_heads * geo.head_dim * q.itemsize
+    return plan_.gather_pays_at_bound(q.shape[0], batch, width * geo.block_size, group, causal,
+                                      window, kv, row_bytes)
 
 
 @accepts_cache(1)
@@ -492,15 +523,19 @@ class PagedPrefiller:
         captured run stays valid), or every row on the prefill launch (False; needed
         where ``prefill.launch.can_split`` refuses the run's arrays after a host plan).
     gather : bool, optional
-        For host plans (NumPy metadata, ``planner="host"``) without ``split_decode``: each
-        ``run`` first gathers the batch's keys and values into packed rows of ``dtype``
-        that the prefiller owns (fp8 codes widened exactly; ``2 * tokens * num_kv_heads *
-        head_dim`` elements, grown only when a plan has more tokens, which invalidates
-        captured graphs), then runs the ragged kernel on them, with the fp8 scales applied
-        as the paged kernel applies them. None (default): where the batch's reuse of its
-        keys makes it pay (``prefill.plan.gather_pays``) on an sm_90 device; True: for
-        every host plan (on any device); False: never. Caches whose strides are not whole
-        16-byte chunks are read in place (``prefill.launch.gatherable``).
+        Without ``split_decode``: each ``run`` first gathers the batch's keys and values into
+        packed rows of ``dtype`` that the prefiller owns (fp8 codes widened exactly; the
+        lengths read on the device by the gather), then runs the ragged kernel on them, with
+        the fp8 scales applied as the paged kernel applies them (docs/prefill.md, "Paged
+        prefill by a gather"). The rows, ``2 * rows * num_kv_heads * head_dim`` elements,
+        hold a host plan's keys or, for a device plan, the capacity's bound
+        (``max_batch * max_blocks_per_seq * block_size``); they grow only when a plan needs
+        more, which invalidates captured graphs. None (default): on an sm_90 device where
+        the batch's reuse of its keys makes it pay (``prefill.plan.gather_pays`` for a host
+        plan's lengths, ``gather_pays_at_bound`` for a device plan's run), never for the
+        vllm value layout; True: every plan (on any device); False: never. Caches whose
+        strides are not whole 16-byte chunks are read in place
+        (``prefill.launch.gatherable``).
     """
 
     def __init__(self, num_q_heads, num_kv_heads, head_dim, block_size, dtype="float16",
@@ -576,9 +611,6 @@ class PagedPrefiller:
         if planner is not None:
             check_choice("planner", planner, ("host", "device"))
         xp = array_module(cu_seqlens_q, block_tables, seq_lens)
-        if self.gather and (planner == "device" or (xp is not np and not errors.strict(validate))):
-            raise ValueError("gather: expected a host plan (NumPy metadata, planner='host') for "
-                             "gather=True, got a device plan")
         self._runs.clear()
         contents = xp is np or errors.strict(validate)
         cu = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, contents=contents)
@@ -587,7 +619,8 @@ class PagedPrefiller:
         bt, sl = check_block_tables(block_tables, seq_lens, geo, xp, batch=batch,
                                     contents=contents)
         if not contents:
-            self._host = dict(cu=None, bt=None, sl=None, total_q=None, max_block=-1)
+            self._host = dict(cu=None, bt=None, sl=None, total_q=None, max_block=-1,
+                              gather=None)
             self._device = self._take(cu_seqlens_q, block_tables, seq_lens)
             return self
         cu, bt, sl = (np.array(a, np.int32) for a in (cu, bt, sl))  # the plan's own copies
@@ -596,7 +629,7 @@ class PagedPrefiller:
         q_lens, rows = np.diff(cu), None
         if on_host and self.split_decode:
             q_lens, rows = plan_.decode_rows(cu)
-        gather = on_host and self._gathers(q_lens, sl)
+        gather = self._gathers(q_lens, sl) if on_host else None  # a device plan: at run
         # a gathered batch's list is the ragged kernel's (packed 16-bit rows; the same items)
         work = host_work(q_lens, sl, self.dtype, self.num_q_heads, self.num_kv_heads,
                          self.head_dim, self._v_transposed and not gather, self.causal,
@@ -605,45 +638,53 @@ class PagedPrefiller:
                           max_block=int(bt[used].max()) if used.any() else -1, gather=gather)
         self._device = self._upload(work, cu, sl, bt, rows) if gpu_available() else None
         if gather and self._device is not None:
-            self._upload_offsets(sl)
+            self._gather_rows(int(np.sum(sl, dtype=np.int64)))
         return self
 
     @property
     def gathers(self):
-        """Whether the last plan's runs gather the batch's pages into packed rows first
-        (``gather``; caches read in place where ``prefill.launch.gatherable`` refuses
-        them)."""
-        return bool(self._host and self._host.get("gather"))
+        """Whether runs of the last plan gather the batch's pages into packed rows first
+        (``gather``; for a device plan, known from its first run, None before; caches are
+        read in place where ``prefill.launch.gatherable`` refuses them)."""
+        return None if self._host is None else self._host.get("gather")
 
     def _gathers(self, q_lens, kv_lens):
         """The ``gather`` choice for a host plan of these lengths."""
-        if self.gather is not None or self.split_decode:
+        if not self._may_gather():
             return bool(self.gather)
-        if self.dtype == float32 or not gpu_available() or current().compute_capability != "90":
-            return False
         return plan_.gather_pays(q_lens, kv_lens, self.num_q_heads // self.num_kv_heads,
                                  self.causal, self._opts.window_left, self.kv_dtype)
 
-    def _upload_offsets(self, kv_lens):
-        """The gather's packed rows grown to the plan's keys, and its offsets and lengths
-        uploaded (``[cu_k (S + 1) | lens (S)]`` at the capacity ``S``: sequences past the
-        plan's batch empty)."""
+    def _gathers_at_bound(self, total_q, batch, width):
+        """The ``gather`` choice for a device plan's run over ``total_q`` query rows at the
+        capacity (``batch`` sequences of tables ``width`` wide)."""
+        if not self._may_gather():
+            return bool(self.gather)
+        row_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return plan_.gather_pays_at_bound(total_q, batch, width * self.block_size,
+                                          self.num_q_heads // self.num_kv_heads, self.causal,
+                                          self._opts.window_left, self.kv_dtype, row_bytes)
+
+    def _may_gather(self):
+        """Whether ``gather=None`` leaves the choice to the batch: an sm_90 device, 16-bit
+        rows, no split, values not in the vllm layout's dims (read an element at a time)."""
+        v_dims = self._v_transposed and self.block_size > 1
+        return (self.gather is None and not self.split_decode and self.dtype != float32
+                and not v_dims and gpu_available() and current().compute_capability == "90")
+
+    def _gather_rows(self, tokens):
+        """The gather's packed rows and offsets, grown (only) to ``tokens`` rows and the
+        capacity's sequences (a new buffer drops the run setups that held the old)."""
         n_seq = self._caps[0]
-        tokens = int(np.sum(kv_lens, dtype=np.int64))
         have = self._rows
-        if have is None or have["lens"].shape[0] < n_seq or have["k"].shape[0] < tokens:
+        if have is None or have["cu_k"].shape[0] < n_seq + 1 or have["k"].shape[0] < tokens:
             import cupy  # the pool, as _grow's buffers: a prefiller a step reuses its memory
-            shape = (max(tokens, 1 if have is None else have["k"].shape[0]), self.num_kv_heads,
-                     self.head_dim)
-            offsets = cupy.empty(2 * n_seq + 1, np.int32)
-            self._rows = dict(k=cupy.empty(shape, self.dtype), v=cupy.empty(shape, self.dtype),
-                              offsets=offsets, cu_k=offsets[:n_seq + 1], lens=offsets[n_seq + 1:])
+            rows = max(tokens, 1 if have is None else have["k"].shape[0])
+            shape = (rows, self.num_kv_heads, self.head_dim)
+            self._rows = dict(k=cupy.empty(shape, np.uint16), v=cupy.empty(shape, np.uint16),
+                              cu_k=cupy.empty(n_seq + 1, np.int32))
             self._runs.clear()
-        image = np.zeros(2 * n_seq + 1, np.int32)
-        image[1:len(kv_lens) + 1] = np.cumsum(kv_lens)
-        image[len(kv_lens) + 1:n_seq + 1] = image[len(kv_lens)]
-        image[n_seq + 1:n_seq + 1 + len(kv_lens)] = kv_lens
-        self._uploader.upload(self._rows["offsets"], image)
+        return self._rows
 
     def _grow(self, batch, width, items):
         """The owned buffers, grown (only) to hold ``batch`` sequences, tables ``width`` wide
@@ -744,15 +785,15 @@ class PagedPrefiller:
         work = d["work"] if host_planned else None
         owned = None if host_planned else (d["work"], d["scratch"], d["done"])
         strides = cache_strides(k_cache, v_cache, self.layout, geo)
-        if self.gathers and gatherable(strides, self.kv_dtype, q.itemsize):
-            rows = self._rows
-            packed = layout_strides("ragged", 1, self.num_kv_heads, self.head_dim, q.itemsize)
-            ragged = Launches(q, n_seq, None, 1, 0, rows["k"].shape[0], self.num_kv_heads,
-                              packed, opts, self.causal, False, backend, work=work,
-                              name="prefiller", scales=scales)
-            gather = GatherLaunch(self.dtype, self.kv_dtype, strides, geo, n_seq, d["bt"],
-                                  rows["cu_k"], rows["k"], rows["v"])
-            return GatherLaunches(gather, ragged, rows)
+        if not host_planned:
+            self._host["gather"] = self._gathers_at_bound(q.shape[0], n_seq, self._caps[1])
+        if self._host["gather"] and gatherable(strides, self.kv_dtype, q.itemsize,
+                                               self.block_size):
+            rows = (self._rows if host_planned else
+                    self._gather_rows(n_seq * self._caps[1] * self.block_size))
+            return gather_launches(q, n_seq, d["bt"], geo, strides, opts, self.causal, backend,
+                                   self.kv_dtype, scales, rows, work=work, owned=owned,
+                                   name="prefiller")
         if split:
             return split_launches(q, k_cache, v_cache, n_seq, d["bt"], geo, self.layout, opts,
                                   self.causal, self._v_transposed, backend, self.kv_dtype,

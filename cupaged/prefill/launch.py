@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..cache_ops.api import GatherLaunch
 from ..core import abi, errors, tma
 from . import plan as plan_
 from ..core.arrays import HEAD_DIMS, bfloat16, float16, float32, gpu_available
@@ -282,36 +283,63 @@ class MixedLaunches:
 
 
 class GatherLaunches:
-    """A host-planned paged batch as the gather of its sequences' pages into packed rows
-    (``gather``, a ``cache_ops.api.GatherLaunch`` writing ``rows``' ``k`` and ``v`` at the
-    offsets ``cu_k`` of its lengths ``lens``: int32 ``[batch + 1 | batch]``) and the ragged
-    launches over them (``ragged``, a :class:`Launches` over a host work list, the kv
-    info ``cu_k``; an fp8 cache's scales given to it, as to the paged kernel). Called as
-    :class:`Launches`: the cache, its block tables and the scales are the call's."""
+    """A paged batch as the gather of its sequences' pages into packed rows (``gather``, a
+    ``cache_ops.api.GatherLaunch`` writing ``rows``' ``k`` and ``v`` and their offsets
+    ``cu_k``, int32 ``[batch + 1]``, from the lengths it reads on the device) and the
+    ragged launches over them (``ragged``, a :class:`Launches` over a host work list or
+    the plan kernel's, the kv info ``cu_k``; an fp8 cache's scales given to it, as to the
+    paged kernel). Called as :class:`Launches`: the cache, its block tables, the lengths and
+    the scales are the call's."""
 
     def __init__(self, gather, ragged, rows):
         self.gather, self.ragged = gather, ragged
         self.dtype = ragged.dtype
         self.work = ragged.work
-        self._k, self._v = ptr(rows["k"]), ptr(rows["v"])
-        self._cu_k, self._lens = ptr(rows["cu_k"]), ptr(rows["lens"])
+        self._k, self._v, self._cu_k = ptr(rows["k"]), ptr(rows["v"]), ptr(rows["cu_k"])
 
     def __call__(self, q, k, v, out, lse, cu_q, kv_info, tables, alibi, sinks, stream,
                  k_scale=0, v_scale=0):
-        """Launch both on ``stream``, without a host sync (``kv_info``, the paged lengths,
-        is not read: the gather has its own)."""
-        self.gather(k, v, tables, self._lens, stream)
+        """Launch both on ``stream``, without a host sync (``kv_info``: the paged lengths,
+        read by the gather)."""
+        self.gather(k, v, tables, kv_info, stream)
         self.ragged(q, self._k, self._v, out, lse, cu_q, self._cu_k, 0, alibi, sinks, stream,
                     k_scale, v_scale)
 
 
-def gatherable(strides, kv, itemsize):
+def gather_launches(q, batch, tables, geo, strides, opts, causal, backend, kv, scales, rows,
+                    work=None, owned=None, name="prefill"):
+    """The :class:`GatherLaunches` of a paged call shape over ``batch`` sequences (block
+    tables ``tables``, cache geometry ``geo`` and element ``strides``; ``kv``: the caches'
+    fp8 format or None) into ``rows`` (``gather_buffers``); ``work`` and ``owned`` as in
+    :class:`Launches`, for the ragged launch over the packed rows."""
+    packed = layout_strides("ragged", 1, geo.num_kv_heads, geo.head_dim, q.itemsize)
+    ragged = Launches(q, batch, None, 1, 0, rows["k"].shape[0], geo.num_kv_heads, packed, opts,
+                      causal, False, backend, work=work, name=name, owned=owned, scales=scales)
+    gather = GatherLaunch(q.dtype, kv, strides, geo, batch, tables, rows["cu_k"], rows["k"],
+                          rows["v"])
+    return GatherLaunches(gather, ragged, rows)
+
+
+def gather_buffers(name, tokens, batch, num_kv_heads, head_dim, dtype):
+    """Packed rows for :func:`gather_launches` from per-stream scratch ``name`` (grown only;
+    a replaced buffer is kept for the launches that hold it): ``k`` and ``v`` of ``tokens``
+    rows ``[num_kv_heads, head_dim]`` of 16-bit elements, ``cu_k`` of ``batch + 1``
+    ints."""
+    n = max(int(tokens), 1) * num_kv_heads * head_dim
+    k = scratch(f"{name}.gather_k", n, np.uint16)[:n].reshape(-1, num_kv_heads, head_dim)
+    v = scratch(f"{name}.gather_v", n, np.uint16)[:n].reshape(-1, num_kv_heads, head_dim)
+    return dict(k=k, v=v, cu_k=scratch(f"{name}.gather_cu", batch + 1)[:batch + 1])
+
+
+def gatherable(strides, kv, itemsize, block_size):
     """Whether ``gather_kv`` can read caches of these element strides (``kv``: fp8 format
-    or None): every key offset, and the value offsets but the vllm layout's dims, whole
-    16-byte chunks."""
+    or None) and block size: every key offset, and the value offsets but the vllm layout's
+    dims, whole 16-byte chunks (token strides do not count in blocks of one token)."""
     x = 16 // (1 if kv is not None else itemsize)
-    keys = (strides.k_block, strides.k_head, strides.k_tok, strides.k_chunk)
-    values = (strides.v_block, strides.v_head) + ((strides.v_tok,) if strides.v_dim == 1 else ())
+    toks = block_size > 1
+    keys = (strides.k_block, strides.k_head, strides.k_chunk) + ((strides.k_tok,) if toks else ())
+    values = (strides.v_block, strides.v_head) + (
+        (strides.v_tok,) if strides.v_dim == 1 and toks else ())
     return all(s % x == 0 for s in keys + values)
 
 

@@ -439,14 +439,17 @@ def decode_rows(cu_seqlens_q):
 
 
 # ----------------------------------------------------------------------------- gather
-# A host-planned PagedPrefiller may gather its batch's pages into packed rows (one pass
-# over the keys and values, cache_ops.GatherLaunch) and run the ragged kernel on them: the
-# paged kernel pays a page's block-table read and its own copies on every tile a query
-# block reads (fp8: widening too), the gather once a key. GATHER_ROWS: the packed query
-# rows a key is seen by, on average over the batch (gather_rows), from which gathering
-# pays, for 16-bit and fp8 caches (the gather's bytes a key against the paged kernel's
-# extra time a key and row; benchmarks/NOTES.md, "Paged prefill by a gather").
+# A paged prefill may gather its batch's pages into packed rows (one pass over the keys and
+# values, cache_ops.GatherLaunch) and run the ragged kernel on them: the paged kernel pays a
+# page's block-table read and its own copies on every tile a query block reads (fp8:
+# widening too), the gather once a key. GATHER_ROWS: the packed query rows a key is seen
+# by, on average over the batch (gather_rows), from which gathering pays, for 16-bit and fp8
+# caches (the gather's bytes a key against the paged kernel's extra time a key and row;
+# benchmarks/NOTES.md, "Paged prefill by a gather"). A batch whose lengths stay on the
+# device is judged at its shapes' bound (gather_pays_at_bound), and gathers only while its
+# packed rows at that bound take at most GATHER_MAX_BYTES.
 GATHER_ROWS = {False: 2048, True: 512}
+GATHER_MAX_BYTES = 1 << 30
 
 
 def gather_rows(q_lens, kv_lens, group, causal, window_left=-1):
@@ -466,6 +469,17 @@ def gather_pays(q_lens, kv_lens, group, causal, window_left, kv):
     """Whether gathering a batch's pages before the ragged kernel pays (GATHER_ROWS; ``kv``:
     the caches' fp8 format or None)."""
     return gather_rows(q_lens, kv_lens, group, causal, window_left) >= GATHER_ROWS[kv is not None]
+
+
+def gather_pays_at_bound(total_q, batch, max_keys, group, causal, window_left, kv, row_bytes):
+    """``gather_pays`` for a batch known by its shapes alone: ``batch`` sequences sharing
+    ``total_q`` query rows evenly, each with the ``max_keys`` keys its block-table row can
+    hold; and its packed rows at that bound (``batch * max_keys`` of ``row_bytes``, keys and
+    values) within GATHER_MAX_BYTES."""
+    if batch <= 0 or max_keys <= 0 or 2 * batch * max_keys * row_bytes > GATHER_MAX_BYTES:
+        return False
+    q = min(total_q / batch, max_keys)
+    return gather_pays([q] * batch, [max_keys] * batch, group, causal, window_left, kv)
 
 
 # ----------------------------------------------------------------------------- checks
