@@ -1,4 +1,6 @@
-"""Benchmark of the cache ops: write_kv_cache per layout, copy_blocks, swap_blocks both ways.
+"""Benchmark of the cache ops: write_kv_cache per layout, the gather of paged prefill
+(``gather_kv``: a batch's pages into packed 16-bit rows, from bf16 and fp8 caches),
+copy_blocks, swap_blocks both ways.
 
 Reports milliseconds, TB/s counting bytes read plus bytes written, and the fraction of the
 device-to-device copy bandwidth measured in the same run (``timing.copy_bandwidth``); the
@@ -89,6 +91,57 @@ def bench_write(layout, tokens, check=True, kv_dtype=None):
                 t, nbytes, tp, ok)
 
 
+def bench_gather(layout, tokens, kv_dtype=None, seqs=4):
+    """One row: ``gather_kv`` of ``seqs`` sequences of ``tokens / seqs`` keys each, in pages
+    of random order, from a bf16 cache or (``kv_dtype``) an fp8 one into packed bf16 rows
+    (the bytes of the cache read, 2 an element written); checked: the packed rows are the
+    written rows (bf16 bits), or their codes' values (fp8, scales left out)."""
+    import cupy
+    from ..prefill.launch import gather_buffers
+    from ..core.layouts import cache_strides
+    from ..reference.fp8 import dequantize, quantize
+    per_seq = tokens // seqs
+    width = -(-per_seq // BLOCK_SIZE)
+    num_blocks = seqs * width + 3
+    geo = CacheGeometry(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    fmt = None if kv_dtype is None else fp8_format(kv_dtype)
+    ks, vs = cache_shapes(layout, *geo, DTYPE if fmt is None else fmt.name)
+    k, v = (cupy.zeros(ks, DTYPE if fmt is None else np.uint8),
+            cupy.zeros(vs, DTYPE if fmt is None else np.uint8))
+    key = _random((seqs * per_seq, KV_HEADS, HEAD_DIM), 5)
+    value = _random((seqs * per_seq, KV_HEADS, HEAD_DIM), 6)
+    tables = np.random.default_rng(7).permutation(num_blocks)[:seqs * width].astype(np.int32)
+    tables = tables.reshape(seqs, width)
+    t = np.arange(per_seq)
+    slots = np.concatenate([tables[b, t // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE
+                            + t % BLOCK_SIZE for b in range(seqs)])
+    host_scales = [None, None] if fmt is None else [
+        np.random.default_rng(s).uniform(0.01, 0.1, KV_HEADS).astype(np.float32) for s in (8, 9)]
+    k_scale, v_scale = (None if s is None else cupy.asarray(s) for s in host_scales)
+    cache_ops.write_kv_cache(key, value, k, v, cupy.asarray(slots), layout=layout,
+                             kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+    rows = gather_buffers("bench", seqs * per_seq, seqs, KV_HEADS, HEAD_DIM, DTYPE)
+    tables_dev = cupy.asarray(tables)
+    lens = cupy.full(seqs, per_seq, np.int32)
+    gather = cache_ops.GatherLaunch(DTYPE, kv_dtype, cache_strides(k, v, layout, geo), geo, seqs,
+                                    tables_dev, rows["cu_k"], rows["k"], rows["v"])
+    stream = cupy.cuda.get_current_stream().ptr
+    launch = lambda: gather(k.data.ptr, v.data.ptr, tables_dev.data.ptr, lens.data.ptr, stream)
+    launch()
+    ok = True
+    for src, out, scale in ((key, rows["k"], host_scales[0]), (value, rows["v"], host_scales[1])):
+        got = out.get().view(DTYPE).astype(np.float32)
+        want = src.get().astype(np.float32)
+        if fmt is not None:  # the codes' values: x / scale quantised
+            want = dequantize(quantize(want, scale, fmt.name), 1.0, fmt.name)
+        ok = ok and bool((got == want).all())
+    seconds = time_gpu(launch)
+    nbytes = (k.itemsize + 2) * (key.size + value.size)
+    kind = "bf16" if fmt is None else f"{fmt.name} -> bf16"
+    return _row("gather_kv", layout, f"{seqs} x {per_seq} tok x {KV_HEADS}h x d{HEAD_DIM} {kind}",
+                seconds, nbytes, None, ok)
+
+
 def bench_copy(num_pairs, check=True):
     """One row: copy_blocks of ``num_pairs`` random (src, dst) pairs in an NHD cache."""
     num_blocks = 3 * num_pairs
@@ -145,6 +198,9 @@ def run(quick=False):
     tokens = 8192 if quick else 65536
     rows = [bench_write(layout, tokens) for layout in LAYOUTS]
     rows.append(bench_write("NHD", tokens, kv_dtype="fp8_e4m3"))
+    gathers = [("NHD", None), ("NHD", "fp8_e4m3")] + ([] if quick else [
+        ("HND", None), ("HND", "fp8_e4m3"), ("vllm", None), ("vllm", "fp8_e4m3")])
+    rows += [bench_gather(layout, 65536, kv) for layout, kv in gathers]
     rows.append(bench_copy(512 if quick else 2048))
     n = 256 if quick else 1024
     for direction in ("out", "in"):

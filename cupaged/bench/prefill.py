@@ -25,7 +25,10 @@ Rows (bf16, H 32 query and kv heads):
   bf16 time over fp8 time, issue 21's goal >= 0.9 for NHD; ``err_vs_bf16``: the output's
   relative error against the bf16 cache's). On sm_90, NHD and HND also time the opt-in
   fp8 TMA tile (``plan.tma_tile(d, kv=...)``, tile ``ws ... tma fp8 slots4``) beside it,
-  ``vs_bf16`` against the same bf16 row.
+  ``vs_bf16`` against the same bf16 row. ``paged_prefill`` rows: the public call with
+  device metadata (lengths never read by the host; it gathers where its shapes' bound
+  pays, ``plan.gather_pays_at_bound``) from the bf16 cache (``vs_ragged`` against the ragged
+  wgmma default row) and from the fp8 one (``vs_bf16`` against it).
 - ``mixed decode + chunk``: issue 20's batch of 63 decode rows at 8K and a 2K-token chunk
   through one ``paged_attention`` (one prefill launch), beside ``paged_decode`` +
   ``paged_prefill`` on its parts (``vs_split`` >= 1 is the goal) and
@@ -170,12 +173,14 @@ def _ragged_launcher(q, k, v, cu_host, cu_dev, causal, tile=None, backend="mma",
 
 
 def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16, backend="mma",
-                    kv_dtype=None, k_scale=None, v_scale=None, tile=None, gather=False):
+                    kv_dtype=None, k_scale=None, v_scale=None, tile=None, gather=False,
+                    call=False):
     """PagedPrefiller.run over a ``layout`` cache holding k/v in shuffled pages (``kv_dtype``:
     an fp8 cache written with the scales ``k_scale`` / ``v_scale``, device arrays); with
     ``tile`` (a wgmma tile no default takes, such as ``plan.tma_tile(d, kv=kv_dtype)``) the
     launch of that tile over a host work list instead, set up once (:func:`_tile_launch`);
-    ``gather``: PagedPrefiller's (False: the cache read in place)."""
+    ``gather``: PagedPrefiller's (False: the cache read in place); ``call``: the public
+    ``paged_prefill`` with device metadata instead (its own choice of gather)."""
     import cupy
     import cupaged
     from ..core.layouts import cache_shapes
@@ -198,6 +203,10 @@ def _paged_launcher(q, k, v, cu_host, causal, layout="NHD", block_size=16, backe
     if tile is not None:
         return _tile_launch(q, kc, vc, out, cu_host, tables, causal, layout, tile, kv_dtype,
                             k_scale, v_scale)
+    if call:
+        meta = [cupy.asarray(a) for a in (cu_host, tables, lens.astype(np.int32))]
+        return lambda: cupaged.paged_prefill(q, kc, vc, *meta, causal=causal, layout=layout,
+                                             backend=backend, kv_dtype=kv_dtype, out=out, **fp8)
     pre = cupaged.PagedPrefiller(H, H, q.shape[2], block_size, dtype=q.dtype, layout=layout,
                                  causal=causal, backend=backend, kv_dtype=kv_dtype,
                                  gather=gather)
@@ -441,11 +450,14 @@ def bench_paged(inputs, causal, layouts=("NHD",)):
     return rows
 
 
-def bench_fp8(inputs, causal, layouts=("NHD",), kv_dtype="fp8_e4m3"):
+def bench_fp8(inputs, causal, layouts=("NHD",), kv_dtype="fp8_e4m3", ragged_s=None):
     """Paged prefill (PagedPrefiller, page 16, backend "auto") from a ``kv_dtype`` cache in
     each of ``layouts`` with per-head scales (each head's largest magnitude at the format's
-    largest value), read in place and gathered (``gather``), beside the same prefill from a
-    bf16 cache of that layout read the same way in this run:
+    largest value), read in place and gathered (``gather``), and the public
+    ``paged_prefill`` with device metadata (``paged_prefill`` rows: its own choice), beside
+    the same prefill from a bf16 cache of that layout run the same way in this run (the
+    ``paged_prefill`` row of the bf16 cache is a row too, ``vs_ragged`` against ``ragged_s``,
+    the ragged wgmma default):
     ``vs_bf16`` the bf16 time over the fp8 time (issue 21: >= 0.9), ``err_vs_bf16`` the fp8
     output's relative error (norm) against the bf16 cache's; ``checked``: sequence 0's
     first and last rows against the reference over the dequantised cache. On sm_90 the NHD
@@ -466,23 +478,32 @@ def bench_fp8(inputs, causal, layouts=("NHD",), kv_dtype="fp8_e4m3"):
     shape = _shape(list(np.diff(cu_host)), cu_host, q.shape[2], causal)
     tma = plan_.tma_tile(q.shape[2], kv=kv_dtype) if q.shape[2] in plan_.TMA_HEAD_DIMS else None
     rows = []
-    for layout, gather in [(x, g) for x in layouts for g in (False, True)]:
-        plain = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto", gather=gather)
+    modes = (("", dict(gather=False)), (" gather", dict(gather=True)),
+             (" paged_prefill", dict(call=True)))
+    for layout, (label, mode) in [(x, m) for x in layouts for m in modes]:
+        plain = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto", **mode)
         want = plain().copy()
         t_plain = time_gpu(plain)
+        if mode.get("call"):
+            rows.append(dict(op="paged_prefill", variant=f"{layout} page16 bf16 cache",
+                             tile="default", shape=shape, ms=t_plain * 1e3,
+                             TFLOPs=flops / t_plain / 1e12,
+                             vs_ragged=None if ragged_s is None else ragged_s / t_plain,
+                             checked=_check(want, q, k, v, cu_host, causal)))
         tiles = [None] + ([tma] if tma is not None and layout != "vllm" and _hopper()
-                          and not gather else [])
+                          and not label else [])
         for tile in tiles:
             fp8 = _paged_launcher(q, k, v, cu_host, causal, layout, backend="auto",
                                   kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, tile=tile,
-                                  gather=gather)
+                                  **mode)
             got = fp8()
             err = float(cupy.linalg.norm(_bf16_as_f32(got) - _bf16_as_f32(want))
                         / cupy.linalg.norm(_bf16_as_f32(want)))
             ok = _check(got, q, k0, v0, cu_host, causal)
             t_fp8 = time_gpu(fp8)
-            rows.append(dict(op="paged", variant=f"{layout} page16 {kv_dtype} cache"
-                             + (" gather" if gather else ""),
+            rows.append(dict(op="paged_prefill" if mode.get("call") else "paged",
+                             variant=f"{layout} page16 {kv_dtype} cache"
+                             + ("" if mode.get("call") else label),
                              tile="default" if tile is None else wgmma_label(tile), shape=shape,
                              ms=t_fp8 * 1e3, TFLOPs=flops / t_fp8 / 1e12,
                              vs_bf16=t_plain / t_fp8, err_vs_bf16=err, checked=ok))
@@ -493,9 +514,11 @@ def run(quick=False):
     """All rows; ``quick`` keeps the tile comparison at d128 and a few others."""
     paged = ("NHD", "HND") if quick else ("NHD", "HND", "vllm")
     rows, inputs = bench_tiles([8192] * 2, 128, True, VARIANTS[128])
-    rows += bench_wgmma(inputs, True, paged, WGMMA_VARIANTS) + bench_wgmma_scores(inputs, True)
+    wgmma = bench_wgmma(inputs, True, paged, WGMMA_VARIANTS)
+    ragged_s = next((r["ms"] / 1e3 for r in wgmma if r["op"] == "varlen"), None)
+    rows += wgmma + bench_wgmma_scores(inputs, True)
     rows += bench_paged(inputs, True, ("NHD",) if quick else ("NHD", "HND", "vllm"))
-    rows += bench_fp8(inputs, True, ("NHD",) if quick else ("NHD", "HND", "vllm"))
+    rows += bench_fp8(inputs, True, paged, ragged_s=ragged_s)
     del inputs
     r, inputs = bench_tiles([8192] * 2, 128, False, VARIANTS[128][:1] if quick else VARIANTS[128][:4])
     rows += r + bench_wgmma(inputs, False, tiles=WGMMA_VARIANTS)
