@@ -30,9 +30,9 @@ Rows (bf16, H 32 query and kv heads):
   pays, ``plan.gather_pays_at_bound``) from the bf16 cache (``vs_ragged`` against the ragged
   wgmma default row) and from the fp8 one (``vs_bf16`` against it).
 - ``mixed decode + chunk``: issue 20's batch of 63 decode rows at 8K and a 2K-token chunk
-  through one ``paged_attention`` (one prefill launch), beside ``paged_decode`` +
-  ``paged_prefill`` on its parts (``vs_split`` >= 1 is the goal) and
-  ``paged_attention(..., split_decode=True)`` (decode rows on the decode launch).
+  through one ``paged_attention`` (its default split: decode rows on the decode launch),
+  beside ``paged_decode`` + ``paged_prefill`` on its parts (``vs_split`` >= 1 is the goal)
+  and ``paged_attention(..., split_decode=False)`` (every row on one prefill launch).
 
 Causal flops count the visible (query, key) pairs: 2 * B * H * S * S * D for equal lengths.
 ``ms`` times the kernel launch alone (work list and launch set up once, as a public call's
@@ -361,10 +361,11 @@ def bench_wgmma_scores(inputs, causal):
 def bench_mixed_decode(decode_rows=63, context=8192, chunk=2048):
     """Issue 20's mixed batch: ``decode_rows`` decode rows of ``context`` keys and one
     prefill chunk of ``chunk`` new tokens (Hq 32, Hk 8, d128 bf16, NHD page 16) through one
-    ``paged_attention`` call, beside ``paged_decode`` on the decode rows plus
-    ``paged_prefill`` on the chunk (``vs_split``: the split pair's time over the mixed
-    call's; goal >= 1), and the same call with ``split_decode=False`` (every row on the
-    prefill launch, the pre-split path). ``checked``: all give the same rows."""
+    ``paged_attention`` call (its default: decode rows on the split-KV decode launch),
+    beside ``paged_decode`` on the decode rows plus ``paged_prefill`` on the chunk
+    (``vs_split``: the pair's time over the mixed call's; goal >= 1), and the same call
+    with ``split_decode=False`` (every row on one prefill launch). ``checked``: all give
+    the same rows."""
     import cupy
     import cupaged
     hq, hk, d, bs = 32, 8, 128, 16
@@ -385,8 +386,8 @@ def bench_mixed_decode(decode_rows=63, context=8192, chunk=2048):
     def mixed():
         return cupaged.paged_attention(q, kc, vc, cu, bt, sl, layout="NHD")
 
-    def split_decode():  # the opt-in split: decode rows on the decode launch
-        return cupaged.paged_attention(q, kc, vc, cu, bt, sl, layout="NHD", split_decode=True)
+    def one_launch():  # every row on the prefill launch
+        return cupaged.paged_attention(q, kc, vc, cu, bt, sl, layout="NHD", split_decode=False)
 
     def split():
         return (cupaged.paged_decode(q[:decode_rows], kc, vc, dec_bt, dec_sl, layout="NHD"),
@@ -396,16 +397,16 @@ def bench_mixed_decode(decode_rows=63, context=8192, chunk=2048):
     dec, pre = split()
     want = cupy.concatenate([_bf16_as_f32(dec), _bf16_as_f32(pre)])
     ok = float(cupy.linalg.norm(got - want)) <= 1e-2 * float(cupy.linalg.norm(want))
-    ok_split_decode = float(cupy.linalg.norm(_bf16_as_f32(split_decode()) - want)) <= 1e-2 * float(
+    ok_one = float(cupy.linalg.norm(_bf16_as_f32(one_launch()) - want)) <= 1e-2 * float(
         cupy.linalg.norm(want))
-    t_mixed, t_split, t_split_decode = time_gpu(mixed), time_gpu(split), time_gpu(split_decode)
+    t_mixed, t_split, t_one = time_gpu(mixed), time_gpu(split), time_gpu(one_launch)
     shape = f"{decode_rows} x L{context} + chunk {chunk}, Hq{hq} Hk{hk} d{d} page {bs}"
     return [dict(op="paged_attention", variant="mixed decode + chunk", shape=shape,
                  ms=t_mixed * 1e3, vs_split=t_split / t_mixed, checked=ok),
             dict(op="decode + prefill", variant="split pair", shape=shape, ms=t_split * 1e3,
                  checked=ok),
-            dict(op="paged_attention", variant="mixed, split_decode=True", shape=shape,
-                 ms=t_split_decode * 1e3, vs_split=t_split / t_split_decode, checked=ok_split_decode)]
+            dict(op="paged_attention", variant="mixed, split_decode=False", shape=shape,
+                 ms=t_one * 1e3, vs_split=t_split / t_one, checked=ok_one)]
 
 
 def bench_tiles(q_lens, head_dim, causal, tiles, label="tiles", peers=True, public=True):

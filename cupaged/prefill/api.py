@@ -415,21 +415,19 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, seq_lens, *
                     sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                     logits_soft_cap=0.0, layout=None, out=None, return_lse=False,
                     backend="auto", validate=None, kv_dtype=None, k_scale=None, v_scale=None,
-                    split_decode=False):
+                    split_decode=True):
     """Attention for a batch mixing decode rows (``q_len = 1``) and prefill rows.
 
-    Same arguments, semantics and results as :func:`paged_prefill`. By default one prefill
-    launch serves every row, on a kernel for batches with decode rows
-    (``plan.wgmma_tile(..., decode_rows=True)``). With ``split_decode=True`` the
-    batch is split on the device without a host read (docs/prefill.md, "Mixed batches"): the prefill
-    plan kernel lists the rows of sequences with ``q_len > 1`` for the prefill kernel and
-    writes a row map of the decode rows, whose keys the split-KV decode kernel streams
-    (persistent grid and merge, as :func:`cupaged.paged_decode`), reading q and writing
-    out / lse through the map. Strict mode splits on the host the same way
-    (``prefill.plan.decode_rows``). Every row stays on the prefill launch where the decode
-    kernel cannot take the arrays (``prefill.launch.can_split``: strides past 32 bits, an
-    empty batch). The split is not the default: it has not yet met the time of
-    ``paged_decode`` plus ``paged_prefill`` on the parts (docs/prefill.md, "Mixed batches").
+    Same arguments, semantics and results as :func:`paged_prefill`. By default the batch
+    is split on the device without a host read (docs/prefill.md, "Mixed batches"): the
+    prefill plan kernel lists the rows of sequences with ``q_len > 1`` for the prefill
+    kernel and writes a row map of the decode rows, whose keys the split-KV decode kernel
+    streams (persistent grid and merge, as :func:`cupaged.paged_decode`), reading q and
+    writing out / lse through the map. Strict mode splits on the host the same way
+    (``prefill.plan.decode_rows``). Every row stays on one prefill launch, on a kernel for
+    batches with decode rows (``plan.wgmma_tile(..., decode_rows=True)``), with
+    ``split_decode=False`` and where the decode kernel cannot take the arrays
+    (``prefill.launch.can_split``: strides past 32 bits, an empty batch).
 
     Parameters
     ----------
@@ -452,8 +450,8 @@ return_lse, backend, validate, kv_dtype, k_scale, v_scale
         As in :func:`paged_prefill` (``backend`` picks the prefill kernel; the decode rows
         take ``paged_decode``'s "auto" kernel).
     split_decode : bool
-        Decode rows on the split-KV decode launch, or all rows on the prefill launch (one
-        launch, the default).
+        Decode rows on the split-KV decode launch (the default), or all rows on one
+        prefill launch.
 
     Returns
     -------
@@ -516,12 +514,14 @@ class PagedPrefiller:
         Initial capacity of the buffers (sequences, block-table width); default: the first
         plan's.
     split_decode : bool
-        Decode rows (``q_len = 1``) on the split-KV decode launch, as in
-        :func:`paged_attention` (default; a host plan lists only the other rows and uploads
-        the decode rows' map, a device plan's kernel writes both at each run; the decode
-        pieces are cut on the device at each run, into buffers the prefiller owns, so a
-        captured run stays valid), or every row on the prefill launch (False; needed
-        where ``prefill.launch.can_split`` refuses the run's arrays after a host plan).
+        True: decode rows (``q_len = 1``) on the split-KV decode launch, as
+        :func:`paged_attention` by default (a host plan lists only the other rows and
+        uploads the decode rows' map, a device plan's kernel writes both at each run; the
+        decode pieces are cut on the device at each run, into buffers the prefiller owns, so
+        a captured run stays valid). False (default): every row on the prefill launch (a
+        batch of prefill rows needs no decode launch; needed where
+        ``prefill.launch.can_split`` refuses the run's arrays after a host plan, and for
+        ``gather``).
     gather : bool, optional
         Without ``split_decode``: each ``run`` first gathers the batch's keys and values into
         packed rows of ``dtype`` that the prefiller owns (fp8 codes widened exactly; the
