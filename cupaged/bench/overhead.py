@@ -1,7 +1,8 @@
 """What a caller sees: public calls issued back to back, beside the kernels they launch.
 
 For each op (``paged_decode`` at B64 x L8K and B1 x L2K, ``paged_attention`` on a mixed
-batch, ``varlen_prefill`` B2 x S8K causal, ``write_kv_cache`` of 64K tokens, ``apply_rope``
+batch, ``varlen_prefill`` B2 x S8K causal, ``paged_prefill`` B2 x S8K causal from a bf16 and
+an fp8 cache (device metadata), ``write_kv_cache`` of 64K tokens, ``apply_rope``
 of 16K tokens, ``PagedDecoder.plan`` from host and from device metadata and
 ``PagedDecoder.run``) and each kind of caller array (``cupy``; ``torch`` tensors and ``jax``
 arrays where they are importable), one row gives:
@@ -280,6 +281,40 @@ def _prefill_rows(kinds):
     return rows
 
 
+def _paged_prefill_rows(kinds):
+    """paged_prefill B2 x S8K causal with device metadata (the lengths read by the kernels
+    alone: it gathers the pages first), from the bf16 cache and from an fp8 e4m3 one (codes
+    drawn below NaN, per-head device scales)."""
+    import cupy
+    b, s = 2, 8192
+    case = _paged(b, s, seed=3)
+    case.update(q=_rand((b * s, HQ, D), 14),
+                cu=cupy.asarray(np.arange(b + 1, dtype=np.int32) * s),
+                k8=cupy.asarray(np.random.default_rng(4).integers(0, 256, case["kc"].shape,
+                                                                  np.uint8) & 0x77),
+                v8=cupy.asarray(np.random.default_rng(5).integers(0, 256, case["vc"].shape,
+                                                                  np.uint8) & 0x77),
+                ks=cupy.full(HK, 0.05, np.float32), vs=cupy.full(HK, 0.05, np.float32))
+    flops = 4 * b * s * s * D * HQ / 2
+    rows = []
+    for cache, fp8 in (("bf16", False), ("fp8_e4m3", True)):
+        for kind in kinds:
+            a = _as(kind, case)
+
+            def call(a=a, fp8=fp8):
+                if fp8:
+                    return prefill.paged_prefill(a["q"], a["k8"], a["v8"], a["cu"], a["tables"],
+                                                 a["lens"], layout="NHD", kv_dtype="fp8_e4m3",
+                                                 k_scale=a["ks"], v_scale=a["vs"])
+                return prefill.paged_prefill(a["q"], a["kc"], a["vc"], a["cu"], a["tables"],
+                                             a["lens"], layout="NHD")
+            row = _row("paged_prefill", f"B2 x S8K causal, {cache} cache", kind, call,
+                       lambda fp8=fp8: call(case, fp8))
+            row["TFLOP/s"] = flops / row["gpu_us"] / 1e6
+            rows.append(row)
+    return rows
+
+
 def _write_rows(kinds):
     import cupy
     tokens = 65536
@@ -336,6 +371,7 @@ def run(quick=False):
     rows += _decode_rows(64, 8192, kinds) + _decode_rows(1, 2048, kinds)
     rows += _plan_rows(64, 8192, kinds) + _plan_rows(256, 2048, kinds)
     rows += _prefill_rows(kinds)  # the TMA launch's host cost (tensor maps per K/V address)
+    rows += _paged_prefill_rows(kinds)
     if not quick:
         rows += _mixed_rows(kinds)
     rows += _write_rows(kinds) + _rope_rows(kinds)

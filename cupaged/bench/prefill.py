@@ -17,7 +17,8 @@ Rows (bf16, H 32 query and kv heads):
   S8192 d128 causal; ``vs_default`` its speed relative to the plain wgmma launch.
 - ``paged``: the default tile through ``PagedPrefiller`` on NHD, HND and vllm caches of page
   16 with shuffled blocks; ``vs_ragged`` is its speed relative to the ragged row (goal >= 0.9).
-- ``sweep``: default tile, S 512 .. 32K (batch chosen so each row has 16K-32K tokens).
+- ``sweep``: default tile, S 512 .. 32K (batch chosen so each row has 16K-32K tokens; B8 x S2K
+  in ``--quick`` too, an issue 20 row).
 - ``mixed``: one ragged batch of very different lengths (1 .. 16K).
 - ``NHD page16 fp8_e4m3 cache`` (and HND, vllm without ``--quick``): the paged row's
   prefill (``PagedPrefiller``, backend "auto") from an fp8 e4m3 cache with per-head scales,
@@ -532,7 +533,7 @@ def run(quick=False):
         r, inputs = bench_tiles([8192] * 2, d, True, [plan_.default_tile(d)], peers=False)
         rows += r + bench_wgmma(inputs, True)
     del inputs
-    for s in ((512, 4096) if quick else (512, 2048, 32768)):
+    for s in ((512, 2048, 4096) if quick else (512, 2048, 32768)):  # 2048: B8 x S2K
         r, inputs = bench_tiles([s] * max(1, 16384 // s), 128, True, VARIANTS[128][:1], "sweep")
         rows += r + bench_wgmma(inputs, True) + (bench_paged(inputs, True) if s == 2048 else [])
     mixed = [16384, 1, 700, 5000, 33, 3000, 128, 9000, 1, 250] if not quick else [4096, 1, 700, 33]
