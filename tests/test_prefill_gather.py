@@ -316,6 +316,21 @@ def test_gpu_functional_gather(cp, rng, always_gather, layout, kv, block_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+@pytest.mark.parametrize("head_dim, kv", [(d, None) for d in HEAD_DIMS]
+                         + [(d, "fp8_e4m3") for d in plan_.FP8_HEAD_DIMS])
+def test_gpu_functional_gather_head_dims(cp, rng, always_gather, head_dim, kv, dtype):
+    """Every head size and dtype through the functional gather, odd lengths and an empty
+    row (the ragged kernel's tile for the head size after the gather)."""
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the gather runs on sm_90")
+    case, fp8 = build(rng, kv, [1, 63, 64, 65, 0, 200], [1, 63, 64, 1000, 7, 4097], d=head_dim,
+                      dtype=dtype)
+    check_gpu(cp, case, fp8, "NHD")
+    assert len(gathered_calls()) == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_gpu_functional_gather_features(cp, rng, always_gather, feature, kv):
