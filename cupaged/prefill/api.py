@@ -30,7 +30,7 @@ from ..core.arrays import (CallCache, accepts_dlpack, array_module, as_dtype, ch
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_cu_seqlens,
                            check_gqa, check_int, check_lse, check_options, check_out,
                            token_stride)
-from ..core.device import Uploader, current
+from ..core.device import Uploader
 from ..core.fp8 import (check_scale_arrays, fp8_format, given_kv_dtype, resolve_kv_dtype,
                         scale_parts)
 from ..core.launch import current_stream, ptr
@@ -39,7 +39,8 @@ from ..core.layouts import (CACHE_DTYPES, CacheGeometry, accepts_cache, cache_ge
 from ..reference import attention as ref
 from ..decode.launch import row_map_buffers
 from .launch import (Launches, addresses, can_split, choose_backend, gather_buffers,
-                     gather_launches, gatherable, host_work, split_launches, work_capacity)
+                     gather_launches, gatherable, gathers_by_default, host_work, split_launches,
+                     work_capacity)
 
 __all__ = ["varlen_prefill", "paged_prefill", "paged_attention", "PagedPrefiller"]
 
@@ -397,9 +398,9 @@ def _gathers(q, geo, strides, batch, width, cu_q, kv_lens, causal, opts, backend
     for caches ``gatherable`` reads but the vllm value layout (read an element at a time),
     where ``plan.gather_pays`` for its lengths (strict mode: ``cu_q`` and ``kv_lens`` on the
     host) or ``plan.gather_pays_at_bound`` for its shapes (lengths left on the device)."""
-    if backend != "wgmma" or current().compute_capability != "90" or q.dtype == float32:
+    if backend != "wgmma" or not gathers_by_default(q.dtype, strides.v_dim != 1):
         return False
-    if strides.v_dim != 1 or not gatherable(strides, kv, q.itemsize, geo.block_size):
+    if not gatherable(strides, kv, q.itemsize, geo.block_size):
         return False
     group = q.shape[1] // geo.num_kv_heads
     window = opts.window_left
@@ -666,11 +667,10 @@ class PagedPrefiller:
                                           self._opts.window_left, self.kv_dtype, row_bytes)
 
     def _may_gather(self):
-        """Whether ``gather=None`` leaves the choice to the batch: an sm_90 device, 16-bit
-        rows, no split, values not in the vllm layout's dims (read an element at a time)."""
-        v_dims = self._v_transposed and self.block_size > 1
-        return (self.gather is None and not self.split_decode and self.dtype != float32
-                and not v_dims and gpu_available() and current().compute_capability == "90")
+        """Whether ``gather=None`` leaves the choice to the batch (no split, and
+        ``prefill.launch.gathers_by_default``)."""
+        return (self.gather is None and not self.split_decode
+                and gathers_by_default(self.dtype, self._v_transposed and self.block_size > 1))
 
     def _gather_rows(self, tokens):
         """The gather's packed rows and offsets, grown (only) to ``tokens`` rows and the

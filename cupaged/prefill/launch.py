@@ -331,6 +331,14 @@ def gather_buffers(name, tokens, batch, num_kv_heads, head_dim, dtype):
     return dict(k=k, v=v, cu_k=scratch(f"{name}.gather_cu", batch + 1)[:batch + 1])
 
 
+def gathers_by_default(dtype, value_dims):
+    """Whether a paged prefill leaves its gather to the batch's reuse of its keys
+    (``plan.gather_pays``): an sm_90 device, 16-bit rows, values not in the vllm layout's
+    dims (``value_dims``: read an element at a time, too slow to pay)."""
+    return (np.dtype(dtype) != float32 and not value_dims and gpu_available()
+            and current().compute_capability == "90")
+
+
 def gatherable(strides, kv, itemsize, block_size):
     """Whether ``gather_kv`` can read caches of these element strides (``kv``: fp8 format
     or None) and block size: every key offset, and the value offsets but the vllm layout's
