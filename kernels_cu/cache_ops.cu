@@ -13,10 +13,12 @@
 #include "abi.cuh"
 #include "fp8.cuh"
 #include "index_checks.cuh"
+#include "mma.cuh"  // cp_async16
 
 namespace cupaged {
 
-// THREADS, ROWS_UNROLL (tokens a thread group of write_rows and gather_kv), VLLM_TILE
+// THREADS, WRITE_UNROLL (tokens a thread group of write_rows), ROWS_UNROLL (16-byte loads
+// a thread and row in flight in gather_kv), VLLM_TILE
 // (tokens a CTA of write_vllm), COPY_UNROLL (vectors in flight a thread of
 // copy_blocks_kernel) and GATHER_UNIT (elements a thread of gather_kv moves at a time):
 // from cupaged.cache_ops.api
@@ -73,14 +75,18 @@ struct Fp8Vec {
 };
 
 // -- write_rows: NHD ([b, o, h, :]) and HND ([b, h, o, :]) layouts --------------------------
-// Grid:  x = ceil(num_tokens / (ROWS_UNROLL * (THREADS >> tpt_log2))).
-// Block: THREADS threads in groups of tpt = 1 << tpt_log2 threads; a group owns ROWS_UNROLL
-// tokens, THREADS >> tpt_log2 apart. Each thread copies the 16-byte vectors v = lane,
-// lane + tpt, ... < row_vecs of its tokens' key and value rows ([num_kv_heads, head_dim] =
+// Grid:  x = passes of WRITE_UNROLL * (THREADS >> tpt_log2) tokens, y = vector steps
+// (ceil(row_vecs / tpt)).
+// Block: THREADS threads in groups of tpt = 1 << tpt_log2 threads; a group owns WRITE_UNROLL
+// tokens of the pass, THREADS >> tpt_log2 apart. Each thread copies vector v = step * tpt +
+// lane (if v < row_vecs) of its tokens' key and value rows ([num_kv_heads, head_dim] =
 // row_vecs vectors, head_vecs per head; key[t, h] at t * key_tok + h * key_head vectors) to
-// the tokens' slots as Q puts them (Bits, or Fp8Vec with head h's scales): all loads of a
-// step before its stores, issued whatever the slots (so they do not wait for the slots'
-// loads). Tokens with slot -1 are not written.
+// the tokens' slots as Q puts them (Bits, or Fp8Vec with head h's scales).
+// The rows go by cp.async into the thread's own shared-memory slots ([2 (key, value)]
+// [WRITE_UNROLL][THREADS] vectors), all of them before any store and whatever the slots, so
+// the bytes in flight are not bounded by the registers (the fp8 encode's bound the CTAs an
+// SM). No thread reads another's slots: there is no barrier. Tokens with slot -1 are not
+// written.
 __device__ __forceinline__ i64 checked_block(i64 slot, i64 num_slots, int block_size,
                                              long long* err, int t) {
   if (slot < 0) return -1;
@@ -95,51 +101,46 @@ __device__ __forceinline__ i64 checked_block(i64 slot, i64 num_slots, int block_
 template <bool HND, typename Q>
 __global__ void __launch_bounds__(THREADS) write_rows(CUPAGED_PARAMS_CacheWriteArgs) {
   typedef typename Q::Out Out;
+  extern __shared__ uint4 s_rows[];  // [2][WRITE_UNROLL][THREADS]
+  const int tokens_per_pass = THREADS >> tpt_log2;
+  const int lane = threadIdx.x & ((1 << tpt_log2) - 1);
+  const int v = (blockIdx.y << tpt_log2) + lane;
+  if (v >= row_vecs) return;
+  const int t0 = blockIdx.x * tokens_per_pass * WRITE_UNROLL + (threadIdx.x >> tpt_log2);
+  const int h = v / head_vecs, c = v - h * head_vecs;
+  uint4* s_key = s_rows + threadIdx.x;  // token u's vectors at s_key[u * THREADS], s_val[...]
+  uint4* s_val = s_key + WRITE_UNROLL * THREADS;
+  // -- every token's vectors in flight, skipped slots' too (no wait for the slots) --
+#pragma unroll
+  for (int u = 0; u < WRITE_UNROLL; ++u) {
+    const i64 t = t0 + u * tokens_per_pass;
+    if (t < num_tokens) {
+      cp_async16(s_key + u * THREADS, key + t * key_tok + h * key_head + c);
+      cp_async16(s_val + u * THREADS, value + t * value_tok + h * value_head + c);
+    }
+  }
+  cp_async_commit();
+  // -- the slots and scales while the rows land, then the rows placed --
+  i64 slot[WRITE_UNROLL];
+#pragma unroll
+  for (int u = 0; u < WRITE_UNROLL; ++u) {
+    const int t = t0 + u * tokens_per_pass;
+    slot[u] = t < num_tokens ? __ldg(slot_mapping + t) : -1;
+  }
+  const typename Q::Scale ks = Q::scale(kv_scale(k_scale, k_scale_stride, k_scale_value, h));
+  const typename Q::Scale vs = Q::scale(kv_scale(v_scale, v_scale_stride, v_scale_value, h));
+  cp_async_wait<0>();
   Out* k_rows = static_cast<Out*>(k_cache);
   Out* v_rows = static_cast<Out*>(v_cache);
-  const int tokens_per_pass = THREADS >> tpt_log2;
-  const int t0 = blockIdx.x * tokens_per_pass * ROWS_UNROLL + (threadIdx.x >> tpt_log2);
-  const int tpt = 1 << tpt_log2;
-  const bool reports = (threadIdx.x & (tpt - 1)) == 0;  // one thread a token reports
-  i64 blk[ROWS_UNROLL], off[ROWS_UNROLL];
 #pragma unroll
-  for (int u = 0; u < ROWS_UNROLL; ++u) {
-    const int t = t0 + u * tokens_per_pass;
-    const i64 slot = t < num_tokens ? __ldg(slot_mapping + t) : -1;
-    blk[u] = checked_block(slot, num_slots, block_size, reports ? err : nullptr, t);
-    off[u] = slot - blk[u] * block_size;
-  }
-  for (int v = threadIdx.x & (tpt - 1); v < row_vecs; v += tpt) {
-    // -- load every token's vectors, then place them --
-    const int h = v / head_vecs, c = v - h * head_vecs;
-    const typename Q::Scale ks = Q::scale(kv_scale(k_scale, k_scale_stride, k_scale_value, h));
-    const typename Q::Scale vs = Q::scale(kv_scale(v_scale, v_scale_stride, v_scale_value, h));
-    uint4 kk[ROWS_UNROLL], vv[ROWS_UNROLL];
-#pragma unroll
-    for (int u = 0; u < ROWS_UNROLL; ++u) {
-      // every token's rows, skipped slots too: the loads need not wait for the slot's
-      const i64 t = t0 + u * tokens_per_pass;
-      if (t < num_tokens) {
-        kk[u] = __ldg(key + t * key_tok + h * key_head + c);
-        vv[u] = __ldg(value + t * value_tok + h * value_head + c);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < ROWS_UNROLL; ++u) {
-      if (blk[u] < 0) continue;
-      i64 kd, vd;
-      if (HND) {
-        const i64 in = ((i64)h * block_size + off[u]) * head_vecs + c;
-        kd = blk[u] * k_block + in;
-        vd = blk[u] * v_block + in;
-      } else {
-        const i64 in = off[u] * row_vecs + v;
-        kd = blk[u] * k_block + in;
-        vd = blk[u] * v_block + in;
-      }
-      k_rows[kd] = Q::put(kk[u], ks);
-      v_rows[vd] = Q::put(vv[u], vs);
-    }
+  for (int u = 0; u < WRITE_UNROLL; ++u) {
+    const i64 blk = checked_block(slot[u], num_slots, block_size, v == 0 ? err : nullptr,
+                                  t0 + u * tokens_per_pass);  // one thread a token reports
+    if (blk < 0) continue;
+    const i64 off = slot[u] - blk * block_size;
+    const i64 in = HND ? ((i64)h * block_size + off) * head_vecs + c : off * row_vecs + v;
+    k_rows[blk * k_block + in] = Q::put(s_key[u * THREADS], ks);
+    v_rows[blk * v_block + in] = Q::put(s_val[u * THREADS], vs);
   }
 }
 

@@ -206,11 +206,16 @@ def test_write_launch_config():
     geo = CacheGeometry(10, 16, 8, 128)
     expr, grid, smem, f = cache_ops.write_launch_config(1001, geo, 2, "NHD")
     assert expr == "cupaged::write_rows<false, cupaged::Bits>" and f["tpt_log2"] == 7 and f["row_vecs"] == 128
-    per_cta = cache_ops.ROWS_UNROLL * (cache_ops.THREADS >> 7)  # a 128-thread group a token
-    assert grid == (-(-1001 // per_cta),) and smem == 0
+    per_cta = cache_ops.WRITE_UNROLL * (cache_ops.THREADS >> 7)  # a 128-thread group a token
+    assert grid == (-(-1001 // per_cta), 1)  # one vector step: 128 vectors a row
+    assert smem == 2 * cache_ops.WRITE_UNROLL * cache_ops.THREADS * 16  # staging slots
+    # 64 heads x d128: 1024 vectors a row, four steps of 256 threads
+    _, grid, _, f = cache_ops.write_launch_config(1001, CacheGeometry(10, 16, 64, 128), 2, "NHD")
+    assert f["tpt_log2"] == 8 and grid == (-(-1001 // cache_ops.WRITE_UNROLL), 4)
     expr, grid, _, f = cache_ops.write_launch_config(1001, CacheGeometry(10, 16, 1, 64), 2, "HND")
-    per_cta = cache_ops.ROWS_UNROLL * (cache_ops.THREADS >> 3)
-    assert expr == "cupaged::write_rows<true, cupaged::Bits>" and f["tpt_log2"] == 3 and grid == (-(-1001 // per_cta),)
+    per_cta = cache_ops.WRITE_UNROLL * (cache_ops.THREADS >> 3)
+    assert expr == "cupaged::write_rows<true, cupaged::Bits>" and f["tpt_log2"] == 3
+    assert grid == (-(-1001 // per_cta), 1)
     expr, grid, smem, ints = cache_ops.write_launch_config(65, geo, 4, "vllm")
     tile = cache_ops.VLLM_TILE
     assert expr == "cupaged::write_vllm<unsigned int, cupaged::Bits>" and grid == (-(-65 // tile), 8)
@@ -439,6 +444,37 @@ def test_gpu_write_bit_exact(rng, cp, layout, dtype, bs):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_write_head_dims(rng, cp, layout, dtype, d):
     _check_gpu_write(rng, cp, layout, dtype, 7, 16, 5, d, 97)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("hk,t", [(32, 6001), (8, 8193), (3, 20011)])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_gpu_write_many_tokens_and_steps(rng, cp, layout, hk, t, fmt):
+    """Thousands of CTAs; at 32 heads x d128 two vector steps a token (grid y), at 3 heads
+    rows of 48 vectors in 64-thread groups, lanes past the row idle."""
+    bs, d = 16, 128
+    nb = -(-t // bs) + 7
+    if fmt is None:
+        k, v = _caches(rng, layout, nb, bs, hk, d, bfloat16)
+        key, value = _rand(rng, (t, hk, d), bfloat16), _rand(rng, (t, hk, d), bfloat16)
+        scales = {}
+    else:
+        k, v = _fp8_caches(rng, layout, nb, bs, hk, d)
+        key, value = _fp8_rows(rng, (t, hk, d), bfloat16), _fp8_rows(rng, (t, hk, d), bfloat16)
+        ks, vs = _fp8_scales(rng, "heads", hk)
+        scales = dict(kv_dtype=fmt, k_scale=ks, v_scale=vs)
+    slots = _slots(rng, t, nb * bs)
+    dk, dv = cp.asarray(k), cp.asarray(v)
+    dev = {n: cp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in scales.items()}
+    cupaged.write_kv_cache(cp.asarray(key), cp.asarray(value), dk, dv, cp.asarray(slots),
+                           layout=layout, **dev)
+    ref.write_kv_cache(key, value, k, v, slots, layout, **scales)
+    if fmt is None:
+        assert (_bits(dk) == _bits(k)).all() and (_bits(dv) == _bits(v)).all()
+    else:
+        _assert_same_codes(dk.get(), k, fmt)
+        _assert_same_codes(dv.get(), v, fmt)
 
 
 @pytest.mark.gpu

@@ -38,7 +38,8 @@ from ..reference import cache as ref
 
 # the cache kernels' geometry (namespace cache of the generated abi.cuh: cpp())
 THREADS = 256      # block of every cache kernel
-ROWS_UNROLL = 2    # tokens a thread group of write_rows
+WRITE_UNROLL = 2   # tokens a thread group of write_rows (staged in shared memory)
+ROWS_UNROLL = 2    # 16-byte loads a thread and row in flight in gather_kv
 VLLM_TILE = 32     # tokens a CTA of write_vllm: one a lane
 COPY_UNROLL = 4    # vectors in flight a thread of copy_blocks_kernel
 GATHER_CTAS_PER_SM = 8  # gather_kv's grid: CTAs an SM over the batch, whatever its lengths
@@ -51,7 +52,8 @@ BITS = "cupaged::Bits"
 
 def cpp() -> str:
     """C++ of the cache kernels' constants for the generated ``abi.cuh``."""
-    return abi.constants("cache", dict(THREADS=THREADS, ROWS_UNROLL=ROWS_UNROLL,
+    return abi.constants("cache", dict(THREADS=THREADS, WRITE_UNROLL=WRITE_UNROLL,
+                                       ROWS_UNROLL=ROWS_UNROLL,
                                        VLLM_TILE=VLLM_TILE, COPY_UNROLL=COPY_UNROLL,
                                        GATHER_UNIT=GATHER_UNIT))
 
@@ -247,8 +249,9 @@ def write_launch_config(num_tokens, geo, itemsize, layout, cache_itemsize=None, 
                      row_vecs=geo.num_kv_heads * head_vecs))
     row_vecs = geo.num_kv_heads * head_vecs
     tpt_log2 = token_group_log2(row_vecs)
-    grid = (-(-num_tokens // (ROWS_UNROLL * (THREADS >> tpt_log2))),)
-    return (write_expr(layout, cache_itemsize, q), grid, 0,
+    grid = (-(-num_tokens // (WRITE_UNROLL * (THREADS >> tpt_log2))), -(-row_vecs >> tpt_log2))
+    smem = 2 * WRITE_UNROLL * THREADS * 16  # write_rows' staging slots
+    return (write_expr(layout, cache_itemsize, q), grid, smem,
             dict(num_tokens=num_tokens, tpt_log2=tpt_log2, row_vecs=row_vecs,
                  head_vecs=head_vecs, num_kv_heads=geo.num_kv_heads, block_size=geo.block_size))
 
@@ -297,7 +300,8 @@ def _write_setup(key, value, k_cache, v_cache, geo, layout, fmt, scales):
         key_tok=token_stride("key", key) // vec, key_head=head_vecs,
         value_tok=token_stride("value", value) // vec, value_head=head_vecs, **scales,
         **fields)
-    return launcher("cache_ops", expr, abi.CACHE_WRITE, smem=smem).at(grid, THREADS, smem), args
+    kernel = launcher("cache_ops", expr, abi.CACHE_WRITE, smem=smem, carveout=True)
+    return kernel.at(grid, THREADS, smem), args
 
 
 def _launch_write(setup, ptrs, stream):
