@@ -455,6 +455,13 @@ struct Rows {
   // raw dots of tile j0 -> scores in log2 units (general path), keys the rows do not see -> -inf
   template <typename C>
   __device__ __forceinline__ void scores(float (&s)[C::KEYS / 2], int j0) const {
+    epilogue<C>(s, j0);
+    if (gk.needs_mask(j0, C::KEYS)) mask<C::KEYS>(s, lo, hi, j0, lane);
+  }
+  // general path: raw dots of the keys j0 + 8 i + 2 (lane % 4) + (e & 1) -> scores in log2
+  // units (score epilogue, ALiBi); nothing on the plain path
+  template <typename C>
+  __device__ __forceinline__ void epilogue(float (&s)[C::KEYS / 2], int j0) const {
     constexpr int BN = C::KEYS;
     if constexpr (C::GENERAL_SCORES) {
       // The ALiBi term slope * (j - p) of key j = j0 + 2 (lane % 4) + 8 i + (e & 1) as
@@ -467,7 +474,6 @@ struct Rows {
       if (epi.softcap) general<true, BN>(s, base);
       else general<false, BN>(s, base);
     }
-    if (gk.needs_mask(j0, BN)) mask<BN>(s, lo, hi, j0, lane);
   }
   template <bool CAP, int BN>
   __device__ __forceinline__ void general(float (&s)[BN / 2], const float (&base)[2]) const {
@@ -640,8 +646,9 @@ static_assert(WS_THREADS == 3 * 128, "one producer and two consumer warpgroups")
 // use u > 0, for the empty phase of parity (u - 1) & 1. fp8 TMA: then per staging slot x
 // (SLOTS of them, after the barriers of the stages) its codes landed (s_full) and widened
 // (s_empty); part q of an item (the K part of tile i is q = 2 i, its V part 2 i + 1) sits
-// in slot q % SLOTS as its use q / SLOTS, waited for by the same parities.
-template <int STAGES, bool TMA = false, int SLOTS_ = 0>
+// in slot q % SLOTS as its use q / SLOTS, waited for by the same parities. META: arrivals
+// a K tile's full phase takes besides its fillers' (sparse_sm90.cu: the tile's descriptor).
+template <int STAGES, bool TMA = false, int SLOTS_ = 0, int META = 0>
 struct WsBarriers {
   static constexpr int SLOTS = SLOTS_, WIDENERS = 128;  // fp8: the producer's warps widen the staged parts
   static constexpr int COUNT = 1 + 4 * STAGES + 2 * SLOTS, PRODUCERS = 128, CONSUMERS = 256;
@@ -660,7 +667,7 @@ struct WsBarriers {
     mbar_init(q(), PRODUCERS);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(k_full(s), FILLERS);
+      mbar_init(k_full(s), FILLERS + META);
       mbar_init(v_full(s), FILLERS);
       mbar_init(k_empty(s), CONSUMERS);
       mbar_init(v_empty(s), CONSUMERS);

@@ -16,7 +16,7 @@ from cupaged.core.checks import AttentionOptions
 from cupaged.reference import bsr as ref
 from cupaged.sparse import bsr
 from test_reference_bsr import _batch, _cu, _full, _pattern, _to_paged
-from test_sparse_gpu import FEATURES, TOL, _check_close, _rand, _rel_err, on_device, score_options
+from test_sparse_gpu import BACKENDS, FEATURES, TOL, _check_close, _rand, _rel_err, on_device, score_options
 
 
 
@@ -84,6 +84,7 @@ def _case(rng):
     (dict(block_n=0), ValueError, "block_n"),
     (dict(k=np.zeros((12, 2, 8), np.float32)), TypeError, "k: expected dtype float32 and head size 64"),
     (dict(sinks=np.zeros(3, np.float32)), ValueError, "sinks"),
+    (dict(backend="tiles"), ValueError, r"backend: expected one of .*'wgmma'.*got 'tiles'"),
 ])
 def test_bad_arguments_raise_naming_them(rng, edit, error, match):
     kw = dict(_case(rng), pattern_heads=2) | edit
@@ -154,12 +155,12 @@ def _want_varlen(q, k, v, cu_q, cu_k, indptr, indices, bm, bn, heads, **opts):
                                              pattern_heads=heads, **opts)
 
 
-def _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, bm, bn, heads, **opts):
+def _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, bm, bn, heads, backend="auto", **opts):
     dev = [cp.asarray(x) for x in (q, k, v, cu_q, cu_k, indptr, indices)]
     opts = on_device(cp, opts)
     out = cp.full(q.shape, np.nan, dtype=q.dtype)
     got, lse = cupaged.varlen_block_sparse_attention(*dev, bm, bn, pattern_heads=heads, out=out,
-                                                     return_lse=True, **opts)
+                                                     return_lse=True, backend=backend, **opts)
     assert got is out
     return cp.asnumpy(got), cp.asnumpy(lse)
 
@@ -180,12 +181,13 @@ Q_LENS, KV_LENS = [300, 0, 1, 129, 64, 77, 5], [300, 50, 64, 700, 64, 77, 0]
     (bfloat16, 256, 64, 64, "kv", True, False),
     (np.float16, 256, 128, 48, "q", False, True),
 ])
-def test_varlen_matches_reference(cp, rng, dtype, d, bm, bn, heads, causal, sinks):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_matches_reference(cp, rng, dtype, d, bm, bn, heads, causal, sinks, backend):
     hq, hk = 8, 2
     h_p = {"q": hq, "kv": hk, "shared": 1}[heads]
     case = _gpu_case(rng, Q_LENS, KV_LENS, hq, hk, d, dtype, bm, bn, h_p, 0.4)
     opts = dict(causal=causal, sinks=rng.standard_normal(hq).astype(np.float32) if sinks else None)
-    got = _run_varlen(cp, *case, bm, bn, h_p, **opts)
+    got = _run_varlen(cp, *case, bm, bn, h_p, backend=backend, **opts)
     _check(got, _want_varlen(*case, bm, bn, h_p, **opts), dtype)
     cupaged.check_errors()                       # a good pattern reports nothing
 
@@ -201,14 +203,17 @@ def test_varlen_matches_reference(cp, rng, dtype, d, bm, bn, heads, causal, sink
     (bfloat16, 128, 64, 64, "shared", False),
     (np.float16, 256, 64, 64, "q", True),
 ])
-def test_varlen_score_options_match_reference(cp, rng, feature, dtype, d, bm, bn, heads, causal):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_score_options_match_reference(cp, rng, feature, dtype, d, bm, bn, heads, causal,
+                                              backend):
     """window_left, ALiBi, soft-cap and a negative scale, alone and together, causal or not,
-    on both CTA heights (block_m 64 / 192: 64-row CTAs; 128: 128-row CTAs)."""
+    on both kernels and, on the mma.sync one, both CTA heights (block_m 64 / 192: 64-row CTAs;
+    128: 128-row CTAs)."""
     hq, hk = 8, 2
     h_p = {"q": hq, "kv": hk, "shared": 1}[heads]
     case = _gpu_case(rng, Q_LENS, KV_LENS, hq, hk, d, dtype, bm, bn, h_p, 0.5)
     opts = dict(causal=causal, **score_options(rng, hq, feature))
-    got = _run_varlen(cp, *case, bm, bn, h_p, **opts)
+    got = _run_varlen(cp, *case, bm, bn, h_p, backend=backend, **opts)
     _check(got, _want_varlen(*case, bm, bn, h_p, **opts), dtype)
     cupaged.check_errors()
 
@@ -520,8 +525,9 @@ def recorded(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("wgmma", [False, True])
 @pytest.mark.parametrize("paged", [False, True])
-def test_bsr_launches_pack_their_records(rng, recorded, paged):
+def test_bsr_launches_pack_their_records(rng, recorded, paged, wgmma):
     from cupaged.sparse import launch
     q_lens, kv_lens = [300, 0, 77], [300, 50, 200]
     q, k, v, cu_q, cu_k = _batch(rng, q_lens, kv_lens, 8, 2, 128, np.float16)
@@ -532,16 +538,21 @@ def test_bsr_launches_pack_their_records(rng, recorded, paged):
     if paged:
         kc, vc, tables = _to_paged(rng, k, v, kv_lens, "HND", 16)
         kv = launch.paged_kv(kc, vc, tables, "HND")
-        bsr._launch(q, kv, 2, cu_q, np.array(kv_lens, np.int32), 0, pattern, opts, True, out, lse)
+        bsr._launch(q, kv, 2, cu_q, np.array(kv_lens, np.int32), 0, pattern, opts, True, out, lse,
+                    wgmma=wgmma)
     else:
         bsr._launch(q, launch.dense_kv(k, v, cu_k), 2, cu_q, None, k.shape[0], pattern, opts,
-                    True, out, lse)
+                    True, out, lse, wgmma=wgmma)
     (prep, g0, b0, _, f0), (attn, g1, b1, smem, f1) = recorded
     assert (prep, attn) == ("BsrPrepareArgs", "SparseArgs")
-    bound = -(-377 // 64) + 3                          # block_m 64: 64-row CTAs
+    rows = 128 if wgmma else 64                        # block_m 64: 64-row mma.sync CTAs
+    bound = -(-377 // rows) + 3
     assert g0 == 1 and b0 == launch.PREP_THREADS and g1 == (8, bound)
-    assert b1 == launch.attention_tile(128, 64).threads and smem == launch.attention_smem(128, 64)
-    assert f0["cta_bound"] == f1["cta_bound"] == bound and f0["cta_rows"] == 64
+    if wgmma:
+        assert b1 == 384 and smem == launch.ws_smem(128)
+    else:
+        assert b1 == launch.attention_tile(128, 64).threads and smem == launch.attention_smem(128, 64)
+    assert f0["cta_bound"] == f1["cta_bound"] == bound and f0["cta_rows"] == rows
     assert f0["indptr_len"] == f1["indptr_len"] == len(indptr) and f1["nnz"] == len(indices)
     assert f1["pattern_group"] == 4 and f1["group"] == 4 and f1["q_tok"] == 8 * 128
     assert f0["row_bytes"] == 8 * 128 * 2 and f0["table_width"] == (tables.shape[1] if paged else 0)
@@ -561,7 +572,7 @@ def test_vertical_slash_launch_packs_its_record(rng, recorded):
     opts = AttentionOptions(0.125, -1, None, None, 0.0)
     meta = np.zeros(launch.bsr_meta_size(1, 3), np.int32)
     attention.launch(q, launch.dense_kv(k, v, cu_k), np.empty_like(q), None, cu_q, meta, batch, 3,
-                     lists, opts)
+                     lists, opts, launch.attention_launch(np.float16, 64))
     (name, grid, _, _, fields), = recorded
     assert name == "SparseArgs" and grid == (4, 3)
     assert fields["list_cap"] == 7 and fields["cols_width"] == 3 and fields["lse"] == 0

@@ -253,6 +253,30 @@ def test_window_on_top_of_the_pattern(rng):
         np.testing.assert_allclose(out[:, h], want[:, 0], rtol=1e-5, atol=1e-6)
 
 
+def test_backend_is_checked_by_name(rng):
+    """NumPy inputs run the reference whatever the backend, but a name not in the choices
+    is refused before anything runs."""
+    q, k, v = _qkv(rng, 70, 70)
+    v_idx = np.sort(rng.choice(70, (4, 5), replace=False), axis=1).astype(np.int32)
+    s_idx = np.sort(rng.choice(70, (4, 3), replace=False), axis=1).astype(np.int32)
+    want = sparse.vertical_slash_attention(q, k, v, v_idx, s_idx)
+    np.testing.assert_array_equal(sparse.vertical_slash_attention(q, k, v, v_idx, s_idx,
+                                                                  backend="mma"), want)
+    with pytest.raises(ValueError, match=r"backend: expected one of .*got 'sm90'"):
+        sparse.vertical_slash_attention(q, k, v, v_idx, s_idx, backend="sm90")
+
+
+def test_wgmma_kernels_fit_one_cta_an_sm():
+    """The sm_90a attention kernels' shared memory stays within an H100/H200 SM's 227 KB
+    for every head size, and each (dtype, head size, kind, score path) is a spec."""
+    from cupaged.core.arrays import HEAD_DIMS
+    from cupaged.sparse import launch
+    assert all(launch.ws_smem(d) <= 232448 for d in HEAD_DIMS)
+    specs = [s for s in launch.kernel_specializations() if s.stem == "sparse_sm90"]
+    assert all(s.hopper for s in specs)
+    assert len(specs) == 2 * len(HEAD_DIMS) * 2 * 2
+
+
 def test_pattern_attention_is_masked_dense(rng):
     q, k, v = _qkv(rng, 140, 140)
     v_idx = np.sort(rng.choice(140, (4, 10)), axis=1).astype(np.int32)

@@ -14,6 +14,10 @@ pytestmark = pytest.mark.gpu
 TOL = {np.dtype(np.float16): 2e-3, np.dtype(bfloat16): 1e-2}
 
 
+# the attention kernels on the GPU: "auto" (wgmma on sm_90) and the mma.sync one
+BACKENDS = ["auto", "mma"]
+
+
 def _rand(rng, shape, dtype):
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
 
@@ -242,11 +246,13 @@ def _vs_gpu(cp, q, k, v, v_idx, s_idx, **kw):
     (bfloat16, 128, 4, 4, 321, 321, False),
     (bfloat16, 256, 2, 1, 190, 260, True),
 ])
-def test_vertical_slash_matches_reference(cp, rng, dtype, d, hq, hk, q_len, kv_len, sinks):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vertical_slash_matches_reference(cp, rng, dtype, d, hq, hk, q_len, kv_len, sinks, backend):
     q, k, v = (_rand(rng, s, dtype) for s in ((q_len, hq, d), (kv_len, hk, d), (kv_len, hk, d)))
     v_idx, s_idx = _random_pattern(rng, hq, kv_len, 20, 12)
     sk = rng.standard_normal(hq).astype(np.float32) if sinks else None
-    got, lse = _vs_gpu(cp, q, k, v, v_idx, s_idx, sinks=None if sk is None else cp.asarray(sk))
+    got, lse = _vs_gpu(cp, q, k, v, v_idx, s_idx, sinks=None if sk is None else cp.asarray(sk),
+                       backend=backend)
     want, want_lse = sparse.vertical_slash_attention(q.astype(np.float32), k.astype(np.float32),
                                                      v.astype(np.float32), v_idx, s_idx, sinks=sk,
                                                      return_lse=True)
@@ -366,7 +372,8 @@ def _paged(rng, k, v, cu_k, bs, num_blocks, layout, cp, top=False):
 @pytest.mark.bigmem
 @pytest.mark.parametrize("layout,big,bs", [("NHD", False, 16), ("HND", False, 16), ("NHD", True, 16),
                                            ("HND", False, 24)])
-def test_paged_equals_dense(cp, rng, layout, big, bs):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_equals_dense(cp, rng, layout, big, bs, backend):
     q_lens, kv_lens = [70, 128, 1], [500, 128, 33]
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
@@ -380,11 +387,12 @@ def test_paged_equals_dense(cp, rng, layout, big, bs):
     out = cp.full(q.shape, np.nan, dtype=q.dtype)
     sparse.paged_vertical_slash_attention(cp.asarray(q), kc, vc, cp.asarray(v_idx), cp.asarray(s_idx),
                                           cp.asarray(cu_q), cp.asarray(tables),
-                                          cp.asarray(np.array(kv_lens, np.int32)), layout=layout, out=out)
+                                          cp.asarray(np.array(kv_lens, np.int32)), layout=layout, out=out,
+                                          backend=backend)
     dense = cp.full(q.shape, np.nan, dtype=q.dtype)
     sparse.vertical_slash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(v_idx),
                                     cp.asarray(s_idx), cu_seqlens_q=cp.asarray(cu_q),
-                                    cu_seqlens_k=cp.asarray(cu_k), out=dense)
+                                    cu_seqlens_k=cp.asarray(cu_k), out=dense, backend=backend)
     np.testing.assert_array_equal(_host(cp, out), _host(cp, dense))
     del kc, vc
 
@@ -614,14 +622,15 @@ FEATURES = ["window", "window0", "alibi", "soft_cap", "negative_scale", "all"]
     (np.float16, 128, 8, 2, 500, 777),
     (bfloat16, 256, 2, 1, 190, 260),
 ])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_vertical_slash_score_options_match_reference(cp, rng, feature, dtype, d, hq, hk, q_len,
-                                                      kv_len):
+                                                      kv_len, backend):
     """window_left, ALiBi, soft-cap and a negative scale, alone and together, against the
-    float64 reference (poisoned outputs, odd sizes, GQA)."""
+    float64 reference (poisoned outputs, odd sizes, GQA), on both kernels."""
     q, k, v = (_rand(rng, s, dtype) for s in ((q_len, hq, d), (kv_len, hk, d), (kv_len, hk, d)))
     v_idx, s_idx = _random_pattern(rng, hq, kv_len, 20, 12)
     opts = score_options(rng, hq, feature)
-    got, lse = _vs_gpu(cp, q, k, v, v_idx, s_idx, **on_device(cp, opts))
+    got, lse = _vs_gpu(cp, q, k, v, v_idx, s_idx, backend=backend, **on_device(cp, opts))
     want, want_lse = sparse.vertical_slash_attention(
         *(x.astype(np.float32) for x in (q, k, v)), v_idx, s_idx, return_lse=True, **opts)
     _check_close(got, want, dtype)

@@ -19,35 +19,39 @@ scattered diagonals, each costing a 64-wide band.
 
 Columns: ``est_ms`` (pattern estimate), ``index_ms`` (``bsr_prepare``'s schedule, the sort,
 run preparation with the dense decision and the tile lists of ``sparse.tiles``: device work
-only, no host sync; one head group), ``kernel_ms`` (the sparse kernel),
-``sparse_ms`` (all three), ``est_share`` (estimate over ``sparse_ms``), ``op_ms`` (the public
-``vertical_slash_attention`` with its argument checks, plus the estimate), ``dense_ms`` (our
-``varlen_prefill``, causal, default backend: the wgmma kernel on sm_90) and ``vs_dense`` (dense over ``sparse_ms``; issue 7's
-goal: >= 5 at 128K with the contract's budget), ``mma_ms`` (the same with the mma.sync kernel,
-whose tile core the sparse kernel shares), ``cudnn_ms`` / ``vs_cudnn`` (torch SDPA cuDNN,
-GQA; the same run), ``diag_frac`` (slashes kept over S), ``kept`` (the kept fraction: pairs
-the kernel computes, whole tiles, over the causal pairs, the dense fallback's heads
-included; printed beside every figure), ``dense_frac`` (the share of heads whose pattern
-keeps more than ``sparse.DENSE_THRESHOLD`` of their causal blocks: they run every causal
-tile),
-``pair_ratio`` (pairs per second of the sparse kernel over the
-mma.sync dense kernel's causal pairs per second: its efficiency per computed pair, ~1 when
-the inner loops match), ``mass`` (share of the causal softmax mass
-the pattern keeps, last query block of heads 0-3) and ``checked`` (the kernel's rows there
-against a float32 recomputation).
+only, no host sync; one head group), ``kernel_ms`` (the sparse kernel the op takes: wgmma
+on sm_90), ``mma_kernel_ms`` (the mma.sync sparse kernel on the same lists),
+``sparse_ms`` (estimate, index and ``kernel_ms``), ``est_share`` (estimate over
+``sparse_ms``), ``op_ms`` (the public ``vertical_slash_attention`` with its argument checks,
+plus the estimate), ``dense_ms`` (our ``varlen_prefill``, causal, default backend: the wgmma
+kernel on sm_90) and ``vs_dense`` (dense over ``sparse_ms``; issue 7's goal: >= 5 at 128K
+with the contract's budget), ``mma_ms`` (the same with the mma.sync kernel, whose tile core
+the mma.sync sparse kernel shares), ``cudnn_ms`` / ``vs_cudnn`` (torch SDPA cuDNN, GQA; the
+same run; issue 22's goal: >= 6 at 128K), ``diag_frac`` (slashes kept over S), ``kept``
+(the kept fraction: pairs the kernel computes, whole tiles, over the causal pairs, the
+dense fallback's heads included; printed beside every figure), ``dense_frac`` (the share of
+heads whose pattern keeps more than ``sparse.DENSE_THRESHOLD`` of their causal blocks: they
+run every causal tile), ``pair_ratio`` (pairs per second of the sparse kernel over the
+default dense kernel's causal pairs per second: its efficiency per computed pair, ~1 when
+the inner loops match) and ``mma_pair_ratio`` (the mma.sync sparse kernel against the
+mma.sync dense one), ``mass`` (share of the causal softmax mass the pattern keeps, last
+query block of heads 0-3) and ``checked`` (the kernel's rows there against a float32
+recomputation).
 
 Batched BSR rows (``budget`` "bsr"): ``varlen_block_sparse_attention`` over B 4 x S 8K
 (random q/k/v, same heads and dtype), 64 x 64 blocks, one pattern per kv head keeping the
 diagonal block of every block row and random causal blocks besides, beside dense causal
 ``varlen_prefill`` of the same batch: ``kept`` (kept blocks over the causal blocks),
-``bsr_ms`` (the public op: checks, ``bsr_prepare`` and the kernel, on 64-row CTAs),
-``bsr128_ms`` (the same launches on 128-row CTAs, whose two halves are two block rows),
-``dense_ms``, ``mma_ms``,
-``vs_dense`` (dense over ``bsr_ms``), ``block_ratio`` (kept blocks per second over the
-mma.sync dense kernel's causal blocks per second; issue 22's goal: >= 0.8) and ``busy``
-(the share of the (tile, 64-row half) slots that compute on 128-row CTAs: random rows
-share few blocks, so those halves often wait for each other; ``bsr128_ms`` is bounded by
-it, 64-row CTAs are not, at twice the shared-memory reads per computed block).
+``bsr_ms`` (the public op: checks, ``bsr_prepare`` and the kernel; on sm_90 the wgmma
+kernel, 128-row CTAs whose halves compute apart), ``bsr_mma_ms`` (the same with
+``backend="mma"``: 64-row CTAs), ``bsr128_ms`` (the mma.sync launches on 128-row CTAs, whose
+two halves are two block rows), ``dense_ms``, ``mma_ms``, ``vs_dense`` (dense over
+``bsr_ms``), ``block_ratio`` (kept blocks per second over the default dense kernel's causal
+blocks per second; issue 22's goal: >= 0.8), ``mma_block_ratio`` (mma.sync against
+mma.sync) and ``busy`` (the share of the (tile, 64-row half) slots that compute on 128-row
+CTAs: random rows share few blocks, so on one mma.sync CTA those halves wait for each
+other; ``bsr128_ms`` is bounded by it, 64-row CTAs are not, at twice the shared-memory
+reads per computed block).
 Quest decode rows (``budget`` "quest <layout> <bounds dtype>", float32 and bfloat16 bounds
 for each layout): B 32 x 32K keys keeping the top 64 pages (``kept`` 1/32 of them) per
 (sequence, kv head), and B 8 x 128K keeping 256 (4096 keys, issue 22's budget; not with
@@ -117,9 +121,10 @@ def _inputs(seqlen, seed=0):
     return q.astype(bfloat16), k.astype(bfloat16), v.astype(bfloat16)
 
 
-def _split_times(q, k, v, v_idx, s_idx, reps):
+def _split_times(q, k, v, v_idx, s_idx, reps, wgmma):
     """Median (index seconds, kernel seconds), computed pairs, the heads that run dense (host
-    bool ``[Hq]``) and the output of the op's steps, with a list budget of one head group."""
+    bool ``[Hq]``) and the output of the op's steps, with a list budget of one head group;
+    ``wgmma``: the sm_90a attention kernel, else the mma.sync one."""
     import cupy
     from ..core.checks import check_options
     from ..sparse import attention as sa, index, launch as kernels, tiles
@@ -127,7 +132,8 @@ def _split_times(q, k, v, v_idx, s_idx, reps):
     batch = sa.Batch(HQ, HK, D, 1, n)
     cu = cupy.asarray([0, n], dtype=np.int32)
     kv, opts, out = kernels.dense_kv(k, v, cu), check_options(cupy, HQ, D), cupy.empty_like(q)
-    tile_n = kernels.attention_tile(D).block_n
+    attn = kernels.attention_launch(q.dtype, D, wgmma=wgmma)
+    tile_n = attn.tile_n
     cta_bound = -(-n // kernels.CTA_ROWS) + 1
     budget = HQ * cta_bound * tiles.TILE_BYTES * tiles.list_bound(
         n, v_idx.shape[1], s_idx.shape[1], 64, tile_n)
@@ -140,7 +146,7 @@ def _split_times(q, k, v, v_idx, s_idx, reps):
                              len_stride=4, dense_threshold=sa.DENSE_THRESHOLD, err=err)
         (lists,) = tiles.vs_lists(prep, prep.dense, meta, 1, cta_bound, n, 64, tile_n, budget)
         b.record()
-        sa.launch(q, kv, out, None, cu, meta, batch, cta_bound, lists, opts)
+        sa.launch(q, kv, out, None, cu, meta, batch, cta_bound, lists, opts, attn)
         c.record()
         c.synchronize()
         runs.append((cupy.cuda.get_elapsed_time(a, b) * 1e-3, cupy.cuda.get_elapsed_time(b, c) * 1e-3))
@@ -218,6 +224,7 @@ INPUTS = {"structured": _inputs, "random": _random_inputs}
 def bench_length(seqlen, budgets, reps, inputs="structured"):
     """Rows of one sequence length and kind of inputs, one per budget."""
     from .. import sparse
+    from ..sparse import launch as kernels
     q, k, v = INPUTS[inputs](seqlen)
     dense = _dense_seconds(q, k, v, reps)
     dense_mma = _dense_seconds(q, k, v, reps, backend="mma")
@@ -230,8 +237,12 @@ def bench_length(seqlen, budgets, reps, inputs="structured"):
         v_idx, s_idx = sparse.estimate_vertical_slash(q, k, **opts)
         op = time_gpu(lambda: sparse.vertical_slash_attention(q, k, v, v_idx, s_idx), warmup=1,
                       reps=reps)
-        t_index, t_kernel, pairs, dense_heads, out = _split_times(q, k, v, v_idx, s_idx, reps)
+        wgmma = kernels.use_wgmma("auto")
+        t_index, t_kernel, pairs, dense_heads, out = _split_times(q, k, v, v_idx, s_idx, reps,
+                                                                  wgmma)
         mass, ok = _probe(q, k, v, out, v_idx, s_idx, dense_heads)
+        t_mma_kernel, mma_pairs = (_split_times(q, k, v, v_idx, s_idx, reps, False)[1:3]
+                                   if wgmma else (t_kernel, pairs))
         total = est + t_index + t_kernel
         rows.append(dict(
             S=seqlen, inputs=inputs, budget=label, nv=v_idx.shape[1], ns=s_idx.shape[1],
@@ -241,7 +252,9 @@ def bench_length(seqlen, budgets, reps, inputs="structured"):
             dense_ms=dense * 1e3, vs_dense=dense / total, mma_ms=dense_mma * 1e3,
             cudnn_ms=None if cudnn is None else cudnn * 1e3, vs_cudnn=_ratio(cudnn, total),
             kept=pairs / causal_pairs, dense_frac=float(dense_heads.mean()),
-            pair_ratio=(pairs / t_kernel) / (causal_pairs / dense_mma),
+            pair_ratio=(pairs / t_kernel) / (causal_pairs / dense),
+            mma_kernel_ms=t_mma_kernel * 1e3,
+            mma_pair_ratio=(mma_pairs / t_mma_kernel) / (causal_pairs / dense_mma),
             mass=mass, checked=ok))
     return rows
 
@@ -287,9 +300,9 @@ def bench_bsr(keep, reps):
                                               BSR_BLOCK, HK, keep)
     indptr, indices = cupy.asarray(indptr), cupy.asarray(indices)
     out = cupy.empty_like(q)
-    t_bsr = time_gpu(lambda: cupaged.varlen_block_sparse_attention(
-        q, k, v, cu, cu, indptr, indices, BSR_BLOCK, BSR_BLOCK, pattern_heads=HK, out=out),
-        warmup=1, reps=reps)
+    t_bsr, t_bsr_mma = (time_gpu(lambda: cupaged.varlen_block_sparse_attention(
+        q, k, v, cu, cu, indptr, indices, BSR_BLOCK, BSR_BLOCK, pattern_heads=HK, out=out,
+        backend=b), warmup=1, reps=reps) for b in ("auto", "mma"))
     # the same pattern on 128-row CTAs (two block rows a CTA) instead of the op's 64
     from ..core.checks import check_options
     from ..sparse import bsr, launch as kernels
@@ -301,8 +314,10 @@ def bench_bsr(keep, reps):
                                                               backend=b), warmup=1, reps=reps)
                       for b in ("auto", "mma"))
     return dict(S=BSR_LEN, budget="bsr", B=BSR_BATCH, kept=kept, busy=busy, bsr_ms=t_bsr * 1e3,
-                bsr128_ms=t_128 * 1e3, dense_ms=t_dense * 1e3, mma_ms=t_mma * 1e3,
-                vs_dense=t_dense / t_bsr, block_ratio=(kept / t_bsr) / (1 / t_mma))
+                bsr_mma_ms=t_bsr_mma * 1e3, bsr128_ms=t_128 * 1e3, dense_ms=t_dense * 1e3,
+                mma_ms=t_mma * 1e3, vs_dense=t_dense / t_bsr,
+                block_ratio=(kept / t_bsr) / (1 / t_dense),
+                mma_block_ratio=(kept / t_bsr_mma) / (1 / t_mma))
 
 
 QUEST_PAGE = 16
@@ -388,8 +403,9 @@ def run(quick=False, long=False):
 
 COLUMNS = ["S", "inputs", "budget", "nv", "ns", "diag_frac", "kept", "est_ms", "index_ms",
            "kernel_ms", "sparse_ms", "est_share", "op_ms", "dense_ms", "vs_dense", "mma_ms",
-           "cudnn_ms", "vs_cudnn", "pair_ratio", "mass", "checked", "B", "busy", "bsr_ms",
-           "bsr128_ms", "block_ratio", "bounds_ms", "bounds_last_ms", "select_ms", "quest_ms", "step_vs_dense"]
+           "cudnn_ms", "vs_cudnn", "pair_ratio", "mma_kernel_ms", "mma_pair_ratio", "mass",
+           "checked", "B", "busy", "bsr_ms", "bsr_mma_ms", "bsr128_ms", "block_ratio",
+           "mma_block_ratio", "bounds_ms", "bounds_last_ms", "select_ms", "quest_ms", "step_vs_dense"]
 
 
 def main(argv=None):

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array
+from ..core.arrays import FLOAT_DTYPES, accepts_dlpack, array_module, check_array, check_choice
 from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
     check_out, check_query, table_stride)
 from ..core.errors import strict
@@ -101,10 +101,11 @@ def _outputs(q, out, return_lse, xp):
     return out, lse
 
 
-def _settings(xp, q, block_m, block_n, dense_threshold, out, return_lse, **score):
-    """The checked block sizes, dense threshold and score options of a vertical-slash call,
-    and its outputs: ``(block_m, block_n, threshold, opts, out, lse)``."""
+def _settings(xp, q, block_m, block_n, dense_threshold, out, return_lse, backend, **score):
+    """The checked block sizes, dense threshold, backend and score options of a vertical-slash
+    call, and its outputs: ``(block_m, block_n, threshold, opts, out, lse)``."""
     _, hq, d = q.shape
+    check_choice("backend", backend, kernels.BACKENDS)
     block_m, block_n = check_block_size("block_m", block_m), check_block_size("block_n", block_n)
     threshold = check_dense_threshold(dense_threshold)
     opts = check_options(xp, hq, d, **score)
@@ -128,22 +129,21 @@ def _finish_reference(result, out, lse):
 
 
 # ----------------------------------------------------------------------------- launch
-def launch(q, kv, out, lse, cu_q, meta, batch, cta_bound, lists, opts):
-    """One ``sparse_attention`` launch over the heads of ``lists`` (``tiles.TileLists``),
-    its CTAs placed by ``meta`` (``bsr_prepare``'s schedule of ``cta_bound`` entries)."""
-    d = batch.head_dim
-    kern = kernels.attention_kernel(q.dtype, d, general=kernels.general_scores(opts))
-    kern((lists.heads, cta_bound), kernels.attention_tile(d).threads, kernels.attention_smem(d),
-         cu_q=ptr(cu_q), bsr_meta=ptr(meta), batch=batch.size, cta_bound=cta_bound,
-         **kernels.common_fields(q, out, lse, kv, batch.num_kv_heads, opts, True),
-         **lists.fields())
+def launch(q, kv, out, lse, cu_q, meta, batch, cta_bound, lists, opts, attn):
+    """One attention launch ``attn`` (``launch.AttentionLaunch``) over the heads of
+    ``lists`` (``tiles.TileLists``), its CTAs placed by ``meta`` (``bsr_prepare``'s schedule
+    of ``cta_bound`` entries)."""
+    attn((lists.heads, cta_bound), cu_q=ptr(cu_q), bsr_meta=ptr(meta), batch=batch.size,
+         cta_bound=cta_bound, **kernels.common_fields(q, out, lse, kv, batch.num_kv_heads, opts,
+                                                      True), **lists.fields())
 
 
 def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, seq_lens, total_k, batch, opts, out, lse,
-                       block_m, block_n, dense_threshold, list_budget=None):
+                       block_m, block_n, dense_threshold, list_budget=None, wgmma=False):
     """The CuPy path, no host read: ``launch.schedule``, index rows prepared and the
     dense rows decided (``index.prepare``), then per head group (``tiles.vs_lists``, at most
-    ``list_budget`` bytes of lists) its lists and its attention launch.
+    ``list_budget`` bytes of lists) its lists and its attention launch (``wgmma``: the sm_90a
+    kernel).
 
     ``kv``: ``launch.KVSource``; ``seq_lens``: the paged key counts, or None (dense rows of
     ``kv.cu_k``, ``total_k`` of them); ``v_idx``, ``s_idx``: ``[B, Hq, n]``.
@@ -155,16 +155,18 @@ def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, seq_lens, total_k, batch, opts
     # meta[4 b + 1] keys and meta[4 b + 3] queries of sequence b, as checked
     prep = prepare(v_idx, s_idx, meta[1:], block_m, q_lens=meta[3:], len_stride=4,
                    block_n=block_n, dense_threshold=dense_threshold, err=err)
-    tile_n = kernels.attention_tile(batch.head_dim).block_n
+    attn = kernels.attention_launch(q.dtype, batch.head_dim, general=kernels.general_scores(opts),
+                                    wgmma=wgmma)
     for lists in tiles.vs_lists(prep, prep.dense, meta, batch.size, cta_bound, batch.max_kv,
-                                block_n, tile_n, list_budget):
-        launch(q, kv, out, lse, cu_q, meta, batch, cta_bound, lists, opts)
+                                block_n, attn.tile_n, list_budget):
+        launch(q, kv, out, lse, cu_q, meta, batch, cta_bound, lists, opts, attn)
 # ----------------------------------------------------------------------------- public ops
 @accepts_dlpack
 def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seqlens_k=None,
                              sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
                              logits_soft_cap=0.0, block_m=64, block_n=64, return_lse=False,
-                             out=None, dense_threshold=DENSE_THRESHOLD, validate=None):
+                             out=None, dense_threshold=DENSE_THRESHOLD, validate=None,
+                             backend="auto"):
     """Causal attention restricted to a vertical+slash pattern (MInference's kernel).
 
     The pattern of each query block is given by :func:`vertical_slash_index` on
@@ -208,6 +210,9 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
         Check device lengths and indices on the host first (default: ``CUPAGED_STRICT``);
         else the kernels check them (``cupaged.check_errors``; rows of bad entries are
         zeros, and on CuPy query rows past ``cu_seqlens_q[-1]`` are zeroed padding).
+    backend : {"auto", "mma", "wgmma"}
+        The CUDA kernel: "auto" takes the wgmma kernel on sm_90 (Hopper), else the mma.sync
+        one; "wgmma" needs sm_90. NumPy inputs run the reference whatever it says.
 
     Returns
     -------
@@ -240,7 +245,7 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
     batch = Batch(hq, k.shape[1], d, size, k.shape[0], *lengths)
     _check_vs_indices(v_idx, s_idx, batch, xp, batched, hosted)
     block_m, block_n, threshold, opts, out, lse = _settings(
-        xp, q, block_m, block_n, dense_threshold, out, return_lse, sm_scale=sm_scale,
+        xp, q, block_m, block_n, dense_threshold, out, return_lse, backend, sm_scale=sm_scale,
         window_left=window_left, alibi_slopes=alibi_slopes, sinks=sinks,
         logits_soft_cap=logits_soft_cap)
     if xp is np:
@@ -260,7 +265,8 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
                           for n in (q.shape[0], k.shape[0]))
         v_idx, s_idx = v_idx[None], s_idx[None]
     run_vertical_slash(q, kernels.dense_kv(k, v, cu_k_d), v_idx, s_idx, cu_q_d, None, k.shape[0],
-                       batch, opts, out, lse, block_m, block_n, threshold)
+                       batch, opts, out, lse, block_m, block_n, threshold,
+                       wgmma=kernels.use_wgmma(backend))
     return out if lse is None else (out, lse)
 
 
@@ -269,7 +275,8 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
                                    seq_lens, *, layout=None, sm_scale=None, window_left=-1,
                                    alibi_slopes=None, sinks=None, logits_soft_cap=0.0,
                                    block_m=64, block_n=64, return_lse=False, out=None,
-                                   dense_threshold=DENSE_THRESHOLD, validate=None):
+                                   dense_threshold=DENSE_THRESHOLD, validate=None,
+                                   backend="auto"):
     """Vertical+slash attention of new queries against a paged KV cache (chunked prefill).
 
     Parameters
@@ -292,7 +299,7 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
     layout : {"NHD", "HND"}, optional
         Default "NHD", refused (ValueError) when k_cache's shape also reads validly as HND.
     sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, block_m, block_n,
-    return_lse, out, dense_threshold, validate
+    return_lse, out, dense_threshold, validate, backend
         As in :func:`vertical_slash_attention`.
 
     Returns
@@ -321,7 +328,7 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
                   block_tables.shape[1] * geo.block_size, *lengths)
     _check_vs_indices(v_idx, s_idx, batch, xp, True, hosted)
     block_m, block_n, threshold, opts, out, lse = _settings(
-        xp, q, block_m, block_n, dense_threshold, out, return_lse, sm_scale=sm_scale,
+        xp, q, block_m, block_n, dense_threshold, out, return_lse, backend, sm_scale=sm_scale,
         window_left=window_left, alibi_slopes=alibi_slopes, sinks=sinks,
         logits_soft_cap=logits_soft_cap)
     if xp is np:
@@ -339,5 +346,5 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
                          f"{kv.page_stride}")
     kv = kv._replace(table_stride=table_stride(block_tables))
     run_vertical_slash(q, kv, v_idx, s_idx, cu_seqlens_q, seq_lens, 0, batch, opts, out, lse,
-                       block_m, block_n, threshold)
+                       block_m, block_n, threshold, wgmma=kernels.use_wgmma(backend))
     return out if lse is None else (out, lse)

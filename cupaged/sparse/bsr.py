@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core.arrays import accepts_dlpack, array_module, check_array
+from ..core.arrays import accepts_dlpack, array_module, check_array, check_choice
 from ..core.checks import (check_block_tables, check_cu_seqlens, check_gqa, check_options,
     check_query, table_stride)
 from ..core.errors import strict
@@ -64,12 +64,14 @@ def cta_rows(block_m):
 
 
 def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal, out, lse,
-            rows=None):
+            rows=None, wgmma=False):
     """``bsr_prepare`` then ``bsr_attention`` over the batch (CuPy arrays; no host read).
 
     ``kv``: ``launch.KVSource`` (dense rows with ``cu_k``, or pages); ``seq_lens``: the paged
-    key counts, or None; ``total_k``: rows of dense keys; ``rows``: query rows per CTA, 64 or
-    128 (default :func:`cta_rows`; both are right for any ``block_m``).
+    key counts, or None; ``total_k``: rows of dense keys; ``rows``: query rows per CTA of the
+    mma.sync kernel, 64 or 128 (default :func:`cta_rows`; both are right for any
+    ``block_m``); ``wgmma``: the sm_90a kernel instead (128 rows: its two halves compute
+    apart, each only its own blocks).
     """
     batch, (total_q, hq, d) = cu_q.shape[0] - 1, q.shape
     if batch < 1 or total_q == 0:
@@ -77,13 +79,13 @@ def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal,
         if lse is not None:
             lse.fill(-np.inf)
         return
-    rows = rows or cta_rows(pattern.block_m)
+    rows = kernels.CTA_ROWS if wgmma else rows or cta_rows(pattern.block_m)
     nnz = pattern.indices.shape[0]
     sched = kernels.schedule(q, out, lse, cu_q, kv, seq_lens, total_k, rows, pattern.indptr, nnz,
                              pattern.block_m, pattern.heads)
-    kern = kernels.attention_kernel(q.dtype, d, "bsr_attention", rows, kernels.general_scores(opts))
-    kern((hq, sched.cta_bound), kernels.attention_tile(d, rows).threads,
-         kernels.attention_smem(d, rows), cu_q=ptr(cu_q), indptr=ptr(pattern.indptr),
+    attn = kernels.attention_launch(q.dtype, d, "bsr_attention", rows, kernels.general_scores(opts),
+                                    wgmma)
+    attn((hq, sched.cta_bound), cu_q=ptr(cu_q), indptr=ptr(pattern.indptr),
          indices=ptr(pattern.indices), bsr_meta=ptr(sched.meta), err=ptr(sched.err),
          pattern_group=hq // pattern.heads, block_n=pattern.block_n, batch=batch,
          indptr_len=pattern.indptr.shape[0], nnz=nnz, block_m=pattern.block_m,
@@ -97,7 +99,7 @@ def varlen_block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, indptr, i
                                   block_m, block_n, *, pattern_heads, causal=True,
                                   sm_scale=None, window_left=-1, alibi_slopes=None,
                                   sinks=None, logits_soft_cap=0.0, return_lse=False, out=None,
-                                  validate=None):
+                                  validate=None, backend="auto"):
     """Block-sparse attention of a ragged batch under one BSR pattern (``reference.bsr``).
 
     Parameters
@@ -130,6 +132,9 @@ def varlen_block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, indptr, i
         ``[total_q, Hq, D]`` output buffer.
     validate : bool, optional
         Check device lengths and the pattern on the host first (default: ``CUPAGED_STRICT``).
+    backend : {"auto", "mma", "wgmma"}
+        The CUDA kernel: "auto" takes the wgmma kernel on sm_90 (Hopper), else the mma.sync
+        one; "wgmma" needs sm_90. NumPy inputs run the reference whatever it says.
 
     Returns
     -------
@@ -152,6 +157,7 @@ def varlen_block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, indptr, i
                              lengths, xp)
     opts = check_options(xp, hq, d, sm_scale=sm_scale, window_left=window_left,
                          alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
+    check_choice("backend", backend, kernels.BACKENDS)
     out, lse = _outputs(q, out, return_lse, xp)
     if xp is np:
         return _finish_reference(ref.varlen_block_sparse_attention(
@@ -160,7 +166,7 @@ def varlen_block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, indptr, i
             out, lse)
     _check_gpu(q, pattern)
     _launch(q, kernels.dense_kv(k, v, cu_seqlens_k), k.shape[1], cu_seqlens_q, None, k.shape[0],
-            pattern, opts, causal, out, lse)
+            pattern, opts, causal, out, lse, wgmma=kernels.use_wgmma(backend))
     return out if lse is None else (out, lse)
 
 
@@ -170,7 +176,7 @@ def paged_block_sparse_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables
                                  causal=True, sm_scale=None, window_left=-1, alibi_slopes=None,
                                  sinks=None, logits_soft_cap=0.0, layout=None, kv_dtype=None,
                                  k_scale=None, v_scale=None, return_lse=False, out=None,
-                                 validate=None):
+                                 validate=None, backend="auto"):
     """:func:`varlen_block_sparse_attention` with keys and values in a paged cache.
 
     Parameters
@@ -190,7 +196,7 @@ def paged_block_sparse_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables
         int32 ``[B]`` keys per sequence: ``kv_len_b``, which sizes its block columns. The page
         size and ``block_n`` are independent.
     indptr, indices, block_m, block_n, pattern_heads, causal, sm_scale, window_left,
-    alibi_slopes, sinks, logits_soft_cap, return_lse, out, validate
+    alibi_slopes, sinks, logits_soft_cap, return_lse, out, validate, backend
         As in :func:`varlen_block_sparse_attention`.
     layout : {"NHD", "HND", "vllm"}, optional
         Default "NHD" (``cupaged.core.layouts.resolve_layout``).
@@ -222,6 +228,7 @@ def paged_block_sparse_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables
                              geo.num_kv_heads, lengths, xp)
     opts = check_options(xp, hq, d, sm_scale=sm_scale, window_left=window_left,
                          alibi_slopes=alibi_slopes, sinks=sinks, logits_soft_cap=logits_soft_cap)
+    check_choice("backend", backend, kernels.BACKENDS)
     out, lse = _outputs(q, out, return_lse, xp)
     if xp is np:
         return _finish_reference(ref.paged_block_sparse_attention(
@@ -238,14 +245,15 @@ def paged_block_sparse_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables
         raise ValueError(f"k_cache: the CUDA kernel needs a cache block under 2^32 elements, got "
                          f"{kv.page_stride}")
     kv = kv._replace(table_stride=table_stride(block_tables))
-    _launch(q, kv, geo.num_kv_heads, cu_seqlens_q, seq_lens, 0, pattern, opts, causal, out, lse)
+    _launch(q, kv, geo.num_kv_heads, cu_seqlens_q, seq_lens, 0, pattern, opts, causal, out, lse,
+            wgmma=kernels.use_wgmma(backend))
     return out if lse is None else (out, lse)
 
 
 @accepts_dlpack
 def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal=True,
                            sm_scale=None, window_left=-1, alibi_slopes=None, sinks=None,
-                           logits_soft_cap=0.0, return_lse=False, out=None):
+                           logits_soft_cap=0.0, return_lse=False, out=None, backend="auto"):
     """Attention of one sequence under a BSR pattern shared by all heads: the batch of one
     of :func:`varlen_block_sparse_attention` (``pattern_heads=1``).
 
@@ -263,7 +271,7 @@ def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal
         increasing within a row.
     block_m, block_n : int
         Block shape (the CUDA kernel needs ``block_m`` a multiple of 64).
-    causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, return_lse, out
+    causal, sm_scale, window_left, alibi_slopes, sinks, logits_soft_cap, return_lse, out, backend
         As in :func:`varlen_block_sparse_attention`.
 
     Returns
@@ -286,4 +294,4 @@ def block_sparse_attention(q, k, v, indptr, indices, block_m, block_n, *, causal
                                          pattern_heads=1, causal=causal, sm_scale=sm_scale,
                                          window_left=window_left, alibi_slopes=alibi_slopes,
                                          sinks=sinks, logits_soft_cap=logits_soft_cap,
-                                         return_lse=return_lse, out=out)
+                                         return_lse=return_lse, out=out, backend=backend)

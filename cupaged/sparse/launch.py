@@ -2,10 +2,11 @@
 
 Sources: ``kernels_cu/sparse_estimate.cu`` (pattern estimate), ``sparse_index.cu`` (index
 preparation, MInference's index conversion and the attention kernel's tile lists, walks in
-``sparse_plan.cuh``), ``sparse_attention.cu`` (block-sparse attention on the tensor-core tile
-core of ``attn_tile.cuh``, shared with the dense prefill kernel); ``sparse_tile.cuh`` holds
-the estimate's K tile gather and Q.K^T tile. Kernels take fp16 or bf16 and every head size
-of ``HEAD_DIMS``.
+``sparse_plan.cuh``), ``sparse_attention.cu`` (block-sparse attention on the mma.sync tile
+core of ``attn_tile.cuh``, shared with the dense prefill kernel), ``sparse_sm90.cu`` (the
+same on sm_90a: the warp-specialised wgmma loop of ``prefill_sm90.cu``), both walking the
+tile sources of ``sparse_source.cuh``; ``sparse_tile.cuh`` holds the estimate's K tile gather
+and Q.K^T tile. Kernels take fp16 or bf16 and every head size of ``HEAD_DIMS``.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..core.layouts import key_geometry, layout_strides
 from ..core.compile import Spec, ctype, launcher
 from ..core.errors import error_word
 from ..core.launch import ptr
+from ..prefill import plan as prefill_plan
 from ..prefill.plan import TileShape
 
 KERNEL_DTYPES = (float16, bfloat16)
@@ -55,12 +57,73 @@ def attention_tile(head_dim, rows=CTA_ROWS):
     return TileShape(4, 2, 64, 2, False, 2)
 
 
-def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS, general=False):
+def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS, general=False,
+                   wgmma=False):
     """``kernel``: ``"sparse_attention"`` (tile lists) or ``"bsr_attention"`` (batched BSR);
-    ``general``: scores through the score epilogue (:func:`general_scores`)."""
-    tile = attention_tile(head_dim, rows)
+    ``general``: scores through the score epilogue (:func:`general_scores`); ``wgmma``: the
+    sm_90a kernel of ``sparse_sm90.cu`` (128 rows a CTA)."""
     flag = "true" if general else "false"
+    if wgmma:
+        return (f"cupaged::{WS_KERNELS[kernel]}<{ctype(dtype)}, {head_dim}, {WS_TILE_N}, "
+                f"{ws_stages(head_dim)}, {flag}, {prefill_plan.ws_producer_regs(head_dim)}>")
+    tile = attention_tile(head_dim, rows)
     return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {tile.cpp()}, {flag}>"
+
+
+# the wgmma kernels (sparse_sm90.cu): CTAs of CTA_ROWS rows, a producer and two consumer
+# warpgroups (prefill.plan.WS_THREADS; the producer's registers as the dense kernel's),
+# tiles of WS_TILE_N keys (a pattern block), three K/V stages (two at d256: shared memory)
+WS_TILE_N = 64
+BACKENDS = prefill_plan.BACKENDS   # the attention ops' kernel choice, as the dense prefill's
+WS_KERNELS = {"sparse_attention": "sparse_ws_kernel", "bsr_attention": "bsr_ws_kernel"}
+
+
+def ws_stages(head_dim):
+    return 2 if head_dim > 128 else 3
+
+
+def ws_smem(head_dim):
+    """Dynamic shared memory of the wgmma kernels: Q ``[128][D]``, the stages' K and V
+    tiles ``[64][D]`` (16-bit), the mbarriers (Q, per stage K and V full and empty) rounded
+    to 16 bytes, a 16-byte descriptor slot a stage, and 1024 bytes to align the swizzled
+    tiles."""
+    stages = ws_stages(head_dim)
+    barriers = -(-8 * (1 + 4 * stages) // 16) * 16
+    return 2 * (CTA_ROWS + 2 * stages * WS_TILE_N) * head_dim + barriers + 16 * stages + 1024
+
+
+def use_wgmma(backend):
+    """Whether a CuPy call asking for ``backend`` (``"auto"``, ``"mma"``, ``"wgmma"``) runs
+    the wgmma kernels: "auto" on an sm_90 device; "wgmma" elsewhere is refused."""
+    import cupy
+    arch = cupy.cuda.Device().compute_capability
+    return prefill_plan.resolve_backend(backend, None, arch) == "wgmma"
+
+
+class AttentionLaunch(NamedTuple):
+    """An attention kernel with its block and dynamic shared memory."""
+    kernel: object
+    threads: int
+    smem: int
+    tile_n: int           # keys a tile (the tile lists' tile_n)
+
+    def __call__(self, grid, **fields):
+        self.kernel(grid, self.threads, self.smem, **fields)
+
+
+def attention_launch(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS, general=False,
+                     wgmma=False):
+    """The :class:`AttentionLaunch` of ``kind`` (``"sparse_attention"``: tile lists,
+    ``"bsr_attention"``: batched BSR) on the mma.sync kernel (``rows`` 128 or 64 query rows
+    a CTA) or, with ``wgmma``, on the sm_90a kernel (128 rows)."""
+    if wgmma:
+        return AttentionLaunch(launcher("sparse_sm90", attention_expr(dtype, head_dim, kind, CTA_ROWS,
+                                                                      general, True),
+                                        abi.SPARSE, hopper=True, smem=ws_smem(head_dim)),
+                               prefill_plan.WS_THREADS, ws_smem(head_dim), WS_TILE_N)
+    tile = attention_tile(head_dim, rows)
+    return AttentionLaunch(attention_kernel(dtype, head_dim, kind, rows, general), tile.threads,
+                           attention_smem(head_dim, rows), tile.block_n)
 
 
 def general_scores(opts):
@@ -137,6 +200,8 @@ def kernel_specializations():
                 for rows in (CTA_ROWS, ROWS):
                     specs.append(Spec("sparse_attention", attention_expr(
                         dtype, d, "bsr_attention", rows, general)))
+                specs += [Spec("sparse_sm90", attention_expr(dtype, d, kind, CTA_ROWS, general, True),
+                               hopper=True) for kind in WS_KERNELS]
     return specs
 
 

@@ -1,0 +1,314 @@
+// Block-sparse attention on Hopper warpgroup tensor cores (wgmma, sm_90a): the vertical+slash
+// and batched BSR patterns of sparse_attention.cu on the warp-specialised loop of
+// prefill_sm90.cu (prefill_ws), fp16/bf16, every head size of the dense kernel, dense packed
+// or paged K/V, GQA, sinks, LSE, window_left, ALiBi and soft-cap.
+//
+// A CTA computes 128 query rows of one head, sparse_attention.cu's 64-row halves a and b
+// (tiles 2c and 2c + 1 of the sequence), over the descriptor stream of its tile source
+// (sparse_source.cuh). Warpgroup 0 produces: its thread 0 pulls each descriptor and
+// publishes it in its stage's slot of a ring in shared memory; the 128 threads copy Q and
+// each tile's K and V rows with cp.async (contiguous keys, or vertical columns gathered row
+// by row; dense rows or pages) into swizzled stages. Warpgroups 1 and 2 consume, consumer g
+// computing half g: the wgmma loop of ws_consume over the tiles whose flags name its half
+// and whose keys some row of it sees, skipping the others (their stages released at once).
+// The union of both halves' tiles is loaded once, and each half computes only its own: a
+// half does not idle through the other's tiles as on one mma.sync CTA. A computed tile is
+// S = Q K^T in the consumer's turn (Turns: the two consumers' batches alternate, so one's
+// softmax runs under the other's), the softmax, then O += P V; every consumer takes one
+// turn a tile, computing or not, and one at the end, so that their turns stay paired.
+#include "prefill_sm90.cu"
+#include "sparse_source.cuh"
+
+namespace cupaged {
+namespace sm90 {
+
+// The descriptor of a stage's tile in its ring slot (16 bytes): {x, width | flags << 8} as
+// pulled, then its first and last key (ascending: a gathered tile's columns are sorted).
+__device__ __forceinline__ void st_shared_int4(u32 addr, int4 t) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "r"(t.x), "r"(t.y), "r"(t.z), "r"(t.w)
+               : "memory");
+}
+__device__ __forceinline__ int4 ld_shared_int4(u32 addr) {
+  int4 t;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(t.x), "=r"(t.y), "=r"(t.z), "=r"(t.w) : "r"(addr)
+               : "memory");
+  return t;
+}
+
+// Where the K/V rows of the CTA's keys come from: the kv head's bases (dense rows: from the
+// sequence's first key), the sequence's block table (null: dense rows), the head's vertical
+// row (gathered tiles' keys), the page geometry (page_shift >= 0: power-of-two pages). Page
+// and token strides fit in 32 bits (the host checks: blocks under 2^32 elements).
+template <typename T, typename C>
+struct SparseKV {
+  static constexpr int BN = C::KEYS, RPT = BN / C::ROW_STEP;  // rows a thread copies a part
+  const T* kb;
+  const T* vb;
+  const int* table;
+  const int* cols;
+  int page_size, page_shift;
+  u32 page_stride, tok_stride;
+
+  __device__ __forceinline__ void init(const SparseArgs<T>& P, int b, int h) {
+    const i64 base = (i64)(h / P.group) * P.head_stride +
+                     (P.block_tables == nullptr ? (i64)P.cu_k[b] * P.tok_stride : 0);
+    kb = P.k + base;
+    vb = P.v + base;
+    table = P.block_tables == nullptr ? nullptr : P.block_tables + (i64)b * P.table_stride;
+    cols = P.cols == nullptr ? nullptr : P.cols + ((i64)b * P.cols_heads + h) * P.cols_width;
+    page_size = P.page_size;
+    page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+    page_stride = (u32)P.page_stride;
+    tok_stride = (u32)P.tok_stride;
+  }
+  // key of row r (< width) of tile t
+  __device__ __forceinline__ int key(const int4& t, int r) const {
+    return (t.y & TILE_GATHER) ? __ldg(cols + t.x + r) : t.x + r;
+  }
+  // element offset of key j's row from the bases
+  __device__ __forceinline__ i64 offset(int j) const {
+    if (table == nullptr) return wide((u32)j, tok_stride);
+    const int page = __ldg(table + (page_shift >= 0 ? j >> page_shift : j / page_size));
+    const u32 in_page = page_shift >= 0 ? j & (page_size - 1) : j % page_size;
+    return wide((u32)page, page_stride) + wide(in_page, tok_stride);
+  }
+  // One part (K: KP, else V rows) of tile t -> dst (swizzled [BN][D]): thread tid copies
+  // 16-byte chunk tid % CL of rows tid / CL + ROW_STEP i, rows past the width zero-filled;
+  // each row's key and page read just before its copy (no state across the producer's
+  // waits, which run in few registers).
+  template <bool KP>
+  __device__ __forceinline__ void issue_part(const int4& t, u32 dst) const {
+    const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
+    if (C::CL != C::CH && c >= C::CH) return;
+    const int w = t.y & TILE_WIDTH;
+    const T* base = (KP ? kb : vb) + c * 8;
+#pragma unroll 4
+    for (int i = 0; i < RPT; ++i) {
+      const int r = r0 + i * C::ROW_STEP;
+      const bool ok = r < w;
+      cp_async16(dst + swizzled<BN, C::SW>(r, c), base + (ok ? offset(key(t, r)) : 0), ok ? 16 : 0);
+    }
+  }
+};
+
+// The thread's two rows (Rows over the CTA's head) and what a descriptor's tile needs of
+// them: the half's flag (TILE_A or TILE_B) and the head's vertical row (gathered keys).
+struct SparseRows {
+  Rows rw;
+  const int* cols;
+  int half;
+
+  // The half computes tile t: its pattern holds the tile and a row of it sees a key in
+  // [first key, last key].
+  __device__ __forceinline__ bool runs(const int4& t) const {
+    return (t.y & half) != 0 && rw.gk.sees(t.z, t.w - t.z + 1);
+  }
+  // Raw dots of tile t -> scores (log2 units on the general path); keys a row does not see,
+  // and rows past the tile's width, -> -inf.
+  template <typename C>
+  __device__ __forceinline__ void scores(float (&s)[C::KEYS / 2], const int4& t) const {
+    constexpr int BN = C::KEYS;
+    const int w = t.y & TILE_WIDTH;
+    if (t.y & TILE_GATHER) {
+      if (C::GENERAL_SCORES || w < BN || rw.gk.needs_mask(t.z, t.w - t.z + 1)) {
+        if (rw.epi.softcap) gathered<C, true>(s, t);
+        else gathered<C, false>(s, t);
+      }
+    } else {
+      rw.epilogue<C>(s, t.x);
+      if (w < BN || rw.gk.needs_mask(t.x, w)) {
+        const int hi[2] = {min(rw.hi[0], t.x + w), min(rw.hi[1], t.x + w)};
+        mask<BN>(s, rw.lo, hi, t.x, rw.lane);
+      }
+    }
+  }
+  // Gathered columns: key j of column c read from the vertical row, per score the
+  // epilogue and ALiBi term (general path) and the mask.
+  template <typename C, bool CAP>
+  __device__ __forceinline__ void gathered(float (&s)[C::KEYS / 2], const int4& t) const {
+    constexpr int BN = C::KEYS;
+    const int w = t.y & TILE_WIDTH;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int c = 8 * i + 2 * (rw.lane % 4) + e1;
+        const int j = c < w ? __ldg(cols + t.x + c) : EMPTY_KEY;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          float& x = s[4 * i + 2 * hr + e1];
+          if constexpr (C::GENERAL_SCORES) x = rw.epi.at<CAP, true>(x) + rw.slope[hr] * (float)(j - rw.p[hr]);
+          if (j < rw.lo[hr] || j >= rw.hi[hr]) x = neg_inf();
+        }
+      }
+  }
+};
+
+// Producer (warpgroup 0): Q, then per tile its descriptor, its K part and its V part.
+// Thread 0 pulls the descriptor, waits until the consumers are done with the stage's
+// previous tile, writes the stage's ring slot and arrives on the K full barrier (the META
+// arrival, whose release orders the slot before the consumers' reads); the producer's
+// named barrier hands the slot to the 128 threads, which copy the K rows and then, once the
+// stage's previous V is released, the V rows. A width-0 descriptor ends the stream: the
+// consumers find it in the ring with no copies behind it.
+template <typename T, typename C, typename Src, typename Bar>
+__device__ __forceinline__ void sparse_produce(const SparseArgs<T>& P, const WorkItem& it, Src& src,
+                                               const SparseKV<T, C>& kv, const Bar& bar, u32 sQ, u32 sKV,
+                                               u32 ring) {
+  constexpr int STAGES = C::BUFFERS;
+  load_q<T, C::HEAD, C>(P, it, sQ);
+  cp_async_arrive(bar.q());
+  for (int i = 0;; ++i) {
+    const int st = i % STAGES, u = i / STAGES;
+    const u32 slot = ring + 16 * st, sK = sKV + 2 * st * C::KV_BYTES;
+    if (threadIdx.x == 0) {
+      const int2 d = src.pull();
+      const int w = d.y & TILE_WIDTH;
+      int4 t = make_int4(d.x, d.y, 0, -1);
+      if (w > 0) {
+        t.z = kv.key(t, 0);
+        t.w = kv.key(t, w - 1);
+      }
+      if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
+      st_shared_int4(slot, t);
+      mbar_arrive(bar.k_full(st));
+    }
+    bar_sync(PRODUCER_BAR, 128);
+    const int4 t = ld_shared_int4(slot);
+    if ((t.y & TILE_WIDTH) == 0) {  // the end: the phase completes without copies
+      mbar_arrive(bar.k_full(st));
+      break;
+    }
+    kv.template issue_part<true>(t, sK);
+    cp_async_arrive(bar.k_full(st));
+    if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+    kv.template issue_part<false>(t, sK + C::KV_BYTES);
+    cp_async_arrive(bar.v_full(st));
+  }
+  cp_async_wait_all();
+}
+
+// Consumer g (rows 64 g .. 64 g + 63: half g) over the tiles of the ring (the header's
+// order). A tile it computes: S = Q K^T in the consumer's turn, the softmax, then O += P V
+// (the other consumer's batches run under this one's softmax: the ping-pong); a tile it
+// skips takes its turn with nothing to issue and releases the stage.
+template <typename T, typename C, typename Bar>
+__device__ __forceinline__ void sparse_consume(const SparseRows& rows, const Bar& bar, const Turns& turn, u32 sQg,
+                                               u32 sKV, u32 ring, float (&o)[C::HEAD / 2], float (&m)[2],
+                                               float (&l)[2]) {
+  constexpr int D = C::HEAD, BN = C::KEYS, STAGES = C::BUFFERS;
+  mbar_wait(bar.q(), 0);
+  for (int i = 0;; ++i) {
+    const int st = i % STAGES;
+    const u32 par = (i / STAGES) & 1, sK = sKV + 2 * st * C::KV_BYTES;
+    mbar_wait(bar.k_full(st), par);
+    const int4 t = ld_shared_int4(ring + 16 * st);
+    if ((t.y & TILE_WIDTH) == 0) break;
+    turn.wait();
+    if (rows.runs(t)) {
+      float s[BN / 2], alpha[2];
+      u32 pf[BN / 16][4];
+      qk<T, C>(s, sQg, sK);
+      turn.pass();
+      wgmma_wait<0>();
+      fence_operands(s);
+      mbar_arrive(bar.k_empty(st));
+      rows.template scores<C>(s, t);
+      softmax<T, BN>(s, m, l, pf, alpha, rows.rw.sc);
+      rescale<D>(o, alpha);
+      mbar_wait(bar.v_full(st), par);
+      pv<T, C>(o, pf, sK + C::KV_BYTES);
+      drain<D>(o, pf);
+    } else {
+      turn.pass();
+      mbar_arrive(bar.k_empty(st));
+      mbar_wait(bar.v_full(st), par);
+    }
+    mbar_arrive(bar.v_empty(st));
+  }
+  turn.wait();  // the end's turn
+  if (turn.g == 0) turn.pass();  // consumer 1's last turn is nobody's to wait for
+}
+
+// Body of sparse_ws_kernel and bsr_ws_kernel: the CTA of grid (x, y) placed by its source
+// (head head0 + x), its rows as a work item of one head (group 1), then the producer and
+// the two consumers (WS_THREADS threads; the producer's budget PRODUCER_REGS, the
+// consumers' the rest). GENERAL: window_left and scores through the score epilogue.
+template <typename T, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS, typename Src>
+__device__ __forceinline__ void sparse_ws(const SparseArgs<T>& P) {
+  using C = Config<T, T, D, BN, STAGES, false, GENERAL, 128>;
+  using Bar = WsBarriers<STAGES, false, 0, 1>;
+  static_assert(C::BLOCK_M == 2 * HALF_ROWS, "a consumer a pattern half");
+  static_assert(PRODUCER_REGS + 2 * ws_consumer_regs(PRODUCER_REGS) <= 3 * WS_ENTRY_REGS,
+                "the consumers' increase fits in what the producer's decrease frees");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ Src src;
+  const u32 sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+  const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
+  const Bar bar{sKV + 2 * STAGES * C::KV_BYTES};
+  const u32 ring = (bar.base + 8 * Bar::COUNT + 15) & ~15u;  // STAGES descriptor slots
+  const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+
+  const int hh = blockIdx.x, h = P.head0 + hh;
+  CtaSeq cs;
+  if (!Src::locate(P, cs)) return;
+  const int m0 = cs.c * C::BLOCK_M;
+  if (m0 >= cs.q_len) return;
+  WorkItem it;
+  it.b = cs.b;
+  it.hk = h;  // group 1: head(r) = h, token_row(r) = q0 + m0 + r
+  it.row0 = m0;
+  it.rows = min(C::BLOCK_M, cs.q_len - m0);
+  it.group = 1;
+  it.q_start = cs.q0;
+  it.q_len = cs.q_len;
+  it.kv_len = cs.kv_len;
+  it.kv_start = 0;
+  it.table = nullptr;
+  src.template init<2>(P, cs, hh, BN);
+  if (threadIdx.x == 0) bar.init();
+  __syncthreads();
+
+  if (wg == 0) {
+    setmaxnreg_dec<PRODUCER_REGS>();
+    SparseKV<T, C> kv;
+    kv.init(P, cs.b, h);
+    sparse_produce<T, C>(P, it, src, kv, bar, sQ, sKV, ring);
+  } else {
+    setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
+    const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
+    SparseRows rows;
+    rows.rw.init<C>(P, it, g, warp, lane, P.sm_scale);
+    rows.cols = P.cols == nullptr ? nullptr : P.cols + ((i64)cs.b * P.cols_heads + h) * P.cols_width;
+    rows.half = g == 0 ? TILE_A : TILE_B;
+    float o[D / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    const Turns turn{g};
+    if (g == 1) turn.pass();  // consumer 0 takes the first turn
+    sparse_consume<T, C>(rows, bar, turn, sQ + g * 64 * C::SW, sKV, ring, o, m, l);
+    store_rows<T, C>(P, it, 64 * g + 16 * warp, o, m, l, rows.rw.sc, 1.f, sQ, lane);
+  }
+}
+
+}  // namespace sm90
+
+// grid (heads in this call, cta_bound), block WS_THREADS (a producer and two consumer
+// warpgroups); dynamic smem: Q [128][D], STAGES K and V tiles [BN][D] (swizzled, 1024-byte
+// aligned), the WsBarriers and the descriptor ring (cupaged.sparse.launch.ws_smem). CTA
+// (x, y) computes the 128 query rows of its CTA map entry, head head0 + x, over its tile
+// list (ListSource, tiles of at most BN keys).
+template <typename T, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
+__global__ void __launch_bounds__(sm90::WS_THREADS, 1) sparse_ws_kernel(CUPAGED_PARAMS_SparseArgs) {
+  const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};
+  sm90::sparse_ws<T, D, BN, STAGES, GENERAL, PRODUCER_REGS, ListSource>(P);
+}
+
+// The same over a batched BSR pattern walked in place (BsrSource), CTAs of 128 rows.
+template <typename T, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
+__global__ void __launch_bounds__(sm90::WS_THREADS, 1) bsr_ws_kernel(CUPAGED_PARAMS_SparseArgs) {
+  const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};
+  sm90::sparse_ws<T, D, BN, STAGES, GENERAL, PRODUCER_REGS, BsrSource>(P);
+}
+
+}  // namespace cupaged
