@@ -14,6 +14,7 @@
 #include "abi.cuh"
 #include "index_checks.cuh"
 #include "block_scan.cuh"
+#include "topk.cuh"
 
 namespace cupaged {
 namespace quest {
@@ -106,13 +107,8 @@ __global__ void __launch_bounds__(THREADS) quest_bounds_kernel(CUPAGED_PARAMS_Qu
 }
 
 // ---------------------------------------------------------------------------- select
-// A score's order-preserving unsigned key (a larger float, a larger key; -0 and +0 one key;
-// NaN scores were made -inf). The last page takes the largest key of all, above +inf (no
-// +inf score may displace it).
-__device__ __forceinline__ u32 order_key(float s) {
-  const u32 u = s == 0.f ? 0u : __float_as_uint(s);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
+// The last page takes the largest key of all, above +inf (order_key, topk.cuh: no +inf
+// score may displace it).
 constexpr u32 LAST_KEY = 0xffffffffu, FIRST_KEY = 0xfffffffeu;
 
 // The selection key of page i of n: the last page above the first `first` pages, those above
@@ -210,7 +206,6 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
   __shared__ int s_hist[256];
   __shared__ int s_warp[THREADS / 32 + 1];
   const int b = blockIdx.x / a.num_kv_heads, h = blockIdx.x - b * a.num_kv_heads;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int* table = a.block_tables + (i64)b * a.bt_stride;
   const float* row_scores = a.scores + (i64)blockIdx.x * a.width;
   const int len = __ldg(a.seq_lens + b);
@@ -218,88 +213,22 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
   const int used = len_ok ? (int)(((i64)len + a.block_size - 1) / a.block_size) : 0;
   const int n = table_row_ok<THREADS>(table, used, a.num_blocks, nullptr, b) ? used : 0;
 
-  // the k-th largest key (the threshold) and how many pages equal to it are kept
+  // the top k pages by key (topk.cuh), written in position order
   const int k = min(a.top_k, a.width);
-  u32 threshold = 0;
-  int ties = n;  // with n <= k every page is kept: all lie above threshold 0
-  if (n > k) {
-    u32 prefix = 0, mask = 0;
-    int want = k;  // pages still to take among those matching the prefix
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = threadIdx.x; i < 256; i += THREADS) s_hist[i] = 0;
-      __syncthreads();
-      for (int i = threadIdx.x; i < n; i += THREADS) {
-        const u32 key = page_key(i, n, a.first_pages, row_scores[i]);
-        if ((key & mask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255], 1);
-      }
-      __syncthreads();
-      if (warp == 0) {  // the digit where the count from the top reaches `want`
-        int sum = 0;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sum += s_hist[255 - (lane * 8 + e)];
-        int incl = sum;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int y = __shfl_up_sync(0xffffffffu, incl, o);
-          if (lane >= o) incl += y;
-        }
-        int above = incl - sum, digit = -1, over = 0;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int c = s_hist[255 - (lane * 8 + e)];
-          if (digit < 0 && above + c >= want) {
-            digit = 255 - (lane * 8 + e);
-            over = above;
-          }
-          above += c;
-        }
-        const unsigned hit = __ballot_sync(0xffffffffu, digit >= 0);
-        const int src = __ffs(hit) - 1;
-        digit = __shfl_sync(0xffffffffu, digit, src);
-        over = __shfl_sync(0xffffffffu, over, src);
-        if (lane == 0) {
-          s_hist[0] = digit;
-          s_hist[1] = over;
-        }
-      }
-      __syncthreads();
-      prefix |= (u32)s_hist[0] << shift;
-      mask |= 255u << shift;
-      want -= s_hist[1];
-      __syncthreads();
-    }
-    threshold = prefix;
-    ties = want;
-  }
-
-  // keep, in position order, the pages above the threshold and the first `ties` equal to it
+  const auto key = [&](int i) { return page_key(i, n, a.first_pages, row_scores[i]); };
+  const TopK top = radix_select<THREADS>(key, n, k, s_hist);
   const int tpp = a.tokens_per_page;
   int* pos_row = a.positions ? a.positions + (i64)blockIdx.x * k : nullptr;
   int* tab_row = a.sel_tables + (i64)blockIdx.x * k * tpp;
-  int carry_gt = 0, carry_eq = 0;
-  for (int base = 0; base < n; base += THREADS) {
-    const int i = base + threadIdx.x;
-    u32 key = 0;
-    if (i < n) key = page_key(i, n, a.first_pages, row_scores[i]);
-    const int gt = i < n && key > threshold, eq = i < n && key == threshold;
-    int total;
-    const int incl = block_scan<THREADS>(gt | eq << 16, s_warp, total) + (gt | eq << 16);
-    const int gt_before = carry_gt + (incl & 0xffff) - gt;
-    const int eq_before = carry_eq + (incl >> 16) - eq;
-    if (gt || (eq && eq_before < ties)) {
-      const int slot = gt_before + min(eq_before, ties);
-      const int blk = __ldg(table + i);
-      if (pos_row) pos_row[slot] = i;
-      if (tpp == 1) {
-        tab_row[slot] = blk * a.num_kv_heads + h;
-      } else {
-        for (int t = 0; t < tpp; ++t)
-          tab_row[slot * tpp + t] = (blk * a.block_size + t) * a.num_kv_heads + h;
-      }
+  keep_in_order<THREADS>(key, n, top, s_warp, [&](int slot, int i) {
+    const int blk = __ldg(table + i);
+    if (pos_row) pos_row[slot] = i;
+    if (tpp == 1) {
+      tab_row[slot] = blk * a.num_kv_heads + h;
+    } else {
+      for (int t = 0; t < tpp; ++t) tab_row[slot * tpp + t] = (blk * a.block_size + t) * a.num_kv_heads + h;
     }
-    carry_gt += total & 0xffff;
-    carry_eq += total >> 16;
-  }
+  });
   const int count = min(n, k);
   for (int s = count + threadIdx.x; s < k; s += THREADS) {
     if (pos_row) pos_row[s] = -1;

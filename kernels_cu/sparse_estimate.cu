@@ -6,6 +6,7 @@
 // key chunk (the host combines them into the row max M and 1 / L); phase 1 recomputes the
 // scores, p = exp2(x - M) / L, and accumulates column sums and diagonal sums.
 #include "sparse_tile.cuh"
+#include "topk.cuh"
 
 namespace cupaged {
 
@@ -142,6 +143,25 @@ __global__ void __launch_bounds__(SP_THREADS) vs_estimate(CUPAGED_PARAMS_VsEstim
       if (val != 0.f) atomicAdd(&slash[(i64)h * kv_len + d_lo + i], val);
     }
   }
+}
+
+// grid rows, block THREADS: row r of scores [rows, width] -> out[r, :k], the positions of
+// its k largest scores in ascending order (ties to the earlier position; NaN as -inf):
+// topk.cuh's radix select and ordered pass. The estimate's forced entries (sink columns,
+// recent diagonals) are +inf, above every sum.
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) vs_top_kernel(CUPAGED_PARAMS_VsTopArgs) {
+  const VsTopArgs a{CUPAGED_FIELDS_VsTopArgs};
+  __shared__ int s_hist[256];
+  __shared__ int s_warp[THREADS / 32 + 1];
+  const float* row = a.scores + (i64)blockIdx.x * a.width;
+  int* kept = a.out + (i64)blockIdx.x * a.k;
+  const auto key = [&](int i) {
+    const float x = row[i];
+    return order_key(x != x ? neg_inf() : x);
+  };
+  const TopK top = radix_select<THREADS>(key, a.width, a.k, s_hist);
+  keep_in_order<THREADS>(key, a.width, top, s_warp, [&](int slot, int i) { kept[slot] = i; });
 }
 
 }  // namespace cupaged

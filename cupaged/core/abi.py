@@ -246,6 +246,14 @@ VS_ESTIMATE = Record("VsEstimateArgs", [
     ("float* __restrict__", "vertical", NULL), ("float* __restrict__", "slash", NULL),
 ], template="typename T")
 
+# The estimate's top verticals and slashes (sparse_estimate.cu vs_top_kernel, a CTA a row):
+# the k largest of each row of scores [rows, width] (ties to the earlier), ascending positions
+# out [rows, k] (k <= width).
+VS_TOP = Record("VsTopArgs", [
+    ("const float* __restrict__", "scores"), ("int* __restrict__", "out"), ("int", "width"),
+    ("int", "k"),
+])
+
 # Quest page selection for decode (kernels_cu/quest.cu, cupaged.sparse.quest): per-page key
 # bounds; page scores; the top pages of each (sequence, kv head) as a one-kv-head view's
 # block table (tokens_per_page entries a page) and lengths; a sink folded into a decode's output.
@@ -349,7 +357,7 @@ GEMM = Record("GemmArgs", [
 ])
 
 RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_TMA,
-           PREFILL_PLAN, SPARSE, BSR_PREPARE, VS_PREPARE, VS_INDEX, VS_PLAN, VS_ESTIMATE,
+           PREFILL_PLAN, SPARSE, BSR_PREPARE, VS_PREPARE, VS_INDEX, VS_PLAN, VS_ESTIMATE, VS_TOP,
            QUEST_BOUNDS, QUEST_SCORE, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE, COPY_BLOCKS,
            GATHER_KV, ROPE, SINK_SOFTMAX, GEMM)
 

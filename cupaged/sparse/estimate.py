@@ -214,7 +214,12 @@ def _estimate_gpu(q, kv, plan):
 
 
 def top_sorted(scores, k):
-    """int32 indices of the ``k`` largest entries of each row, ascending (CuPy)."""
+    """int32 positions of the ``k <= width`` largest entries of each row of float32
+    ``scores`` ``[rows, width]``, ascending, ties to the earlier position (the reference's
+    stable order): ``vs_top_kernel``, a CTA a row (CuPy)."""
     import cupy
-    order = cupy.argsort(-scores, axis=-1)[:, :k]
-    return cupy.sort(order, axis=-1).astype(np.int32)
+    rows, width = scores.shape
+    out = cupy.empty((rows, k), np.int32)
+    kern = kernels.kernel("sparse_estimate", kernels.TOP_EXPR, abi.VS_TOP)
+    kern(rows, kernels.PREP_THREADS, 0, scores=ptr(scores), out=ptr(out), width=width, k=k)
+    return out

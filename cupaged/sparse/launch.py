@@ -36,6 +36,7 @@ INDEX_EXPR = "cupaged::vs_index_kernel"
 VS_PLAN_EXPR = "cupaged::vs_plan_kernel"
 BSR_PREPARE_EXPR = "cupaged::bsr_prepare"
 INDEX_EXPRS = (PREPARE_EXPR, INDEX_EXPR, VS_PLAN_EXPR, BSR_PREPARE_EXPR)
+TOP_EXPR = f"cupaged::vs_top_kernel<{PREP_THREADS}>"   # the estimate's top k (sparse_estimate.cu)
 
 
 def cpp() -> str:
@@ -191,7 +192,8 @@ def kernel_specializations():
     """Every sparse kernel the library can launch: the index kernels, estimate and
     attention per dtype (fp16, bf16) and head size, and Quest's (``sparse.quest``)."""
     from . import quest
-    specs = [Spec("sparse_index", e) for e in INDEX_EXPRS] + quest.kernel_specializations()
+    specs = ([Spec("sparse_index", e) for e in INDEX_EXPRS] + [Spec("sparse_estimate", TOP_EXPR)]
+             + quest.kernel_specializations())
     for dtype in KERNEL_DTYPES:
         for d in HEAD_DIMS:
             specs.append(Spec("sparse_estimate", estimate_expr(dtype, d)))
