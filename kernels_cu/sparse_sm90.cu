@@ -5,10 +5,10 @@
 //
 // A CTA computes 128 query rows of one head, sparse_attention.cu's 64-row halves a and b
 // (tiles 2c and 2c + 1 of the sequence), over the descriptor stream of its tile source
-// (sparse_source.cuh). Warpgroup 0 produces: its thread 0 pulls each descriptor and
-// publishes it in its stage's slot of a ring in shared memory; the 128 threads copy Q and
+// (sparse_source.cuh). Warpgroup 0 produces: its thread 0 pulls each descriptor (one tile
+// ahead) and publishes it in its stage's slot in shared memory; the 128 threads copy Q and
 // each tile's K and V rows with cp.async (contiguous keys, or vertical columns gathered row
-// by row; dense rows or pages) into swizzled stages. Warpgroups 1 and 2 consume, consumer g
+// by row with their keys; dense rows or pages) into swizzled stages. Warpgroups 1 and 2 consume, consumer g
 // computing half g: the wgmma loop of ws_consume over the tiles whose flags name its half
 // and whose keys some row of it sees, skipping the others (their stages released at once).
 // The union of both halves' tiles is loaded once, and each half computes only its own: a
@@ -22,18 +22,43 @@
 namespace cupaged {
 namespace sm90 {
 
-// The descriptor of a stage's tile in its ring slot (16 bytes): {x, width | flags << 8} as
-// pulled, then its first and last key (ascending: a gathered tile's columns are sorted).
-__device__ __forceinline__ void st_shared_int4(u32 addr, int4 t) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "r"(t.x), "r"(t.y), "r"(t.z), "r"(t.w)
-               : "memory");
+// A stage's descriptor slot (8 bytes: {x, width | flags << 8} as pulled) and, for a
+// gathered tile, the keys of its rows (BN ints, copied with the rows).
+__device__ __forceinline__ void st_shared_int2(u32 addr, int2 d) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" :: "r"(addr), "r"(d.x), "r"(d.y) : "memory");
 }
-__device__ __forceinline__ int4 ld_shared_int4(u32 addr) {
-  int4 t;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(t.x), "=r"(t.y), "=r"(t.z), "=r"(t.w) : "r"(addr)
-               : "memory");
-  return t;
+__device__ __forceinline__ int2 ld_shared_int2(u32 addr) {
+  int2 d;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(d.x), "=r"(d.y) : "r"(addr) : "memory");
+  return d;
 }
+__device__ __forceinline__ int ld_shared_int(u32 addr) {
+  int x;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x) : "r"(addr) : "memory");
+  return x;
+}
+// cp.async of 4 bytes (the L1-allocating form; .cg takes only 16)
+__device__ __forceinline__ void cp_async4(u32 smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem), "l"(gmem) : "memory");
+}
+
+// A stage's tile as the consumers see it: descriptor d, its rows' keys at `keys` (gathered)
+// and its first and last key.
+struct StageTile {
+  int2 d;
+  u32 keys;
+  int first, last;
+  __device__ __forceinline__ int width() const { return d.y & TILE_WIDTH; }
+  __device__ __forceinline__ bool gathered() const { return (d.y & TILE_GATHER) != 0; }
+  __device__ __forceinline__ int key(int r) const { return gathered() ? ld_shared_int(keys + 4 * r) : d.x + r; }
+  __device__ __forceinline__ void load(u32 slot, u32 keys_) {
+    d = ld_shared_int2(slot);
+    keys = keys_;
+    const int w = width();
+    first = w > 0 ? key(0) : 0;
+    last = w > 0 ? key(w - 1) : -1;
+  }
+};
 
 // Where the K/V rows of the CTA's keys come from: the kv head's bases (dense rows: from the
 // sequence's first key), the sequence's block table (null: dense rows), the head's vertical
@@ -61,10 +86,6 @@ struct SparseKV {
     page_stride = (u32)P.page_stride;
     tok_stride = (u32)P.tok_stride;
   }
-  // key of row r (< width) of tile t
-  __device__ __forceinline__ int key(const int4& t, int r) const {
-    return (t.y & TILE_GATHER) ? __ldg(cols + t.x + r) : t.x + r;
-  }
   // element offset of key j's row from the bases
   __device__ __forceinline__ i64 offset(int j) const {
     if (table == nullptr) return wide((u32)j, tok_stride);
@@ -72,68 +93,70 @@ struct SparseKV {
     const u32 in_page = page_shift >= 0 ? j & (page_size - 1) : j % page_size;
     return wide((u32)page, page_stride) + wide(in_page, tok_stride);
   }
-  // One part (K: KP, else V rows) of tile t -> dst (swizzled [BN][D]): thread tid copies
-  // 16-byte chunk tid % CL of rows tid / CL + ROW_STEP i, rows past the width zero-filled;
-  // each row's key and page read just before its copy (no state across the producer's
-  // waits, which run in few registers).
+  // One part (K: KP, else V rows) of the tile of descriptor d -> dst (swizzled [BN][D]):
+  // thread tid copies 16-byte chunk tid % CL of rows tid / CL + ROW_STEP i, rows past the
+  // width zero-filled; each row's key and page read just before its copy (no state across
+  // the producer's waits, which run in few registers). A gathered tile's K part also copies
+  // each row's key to `keys` (chunk 0's thread).
   template <bool KP>
-  __device__ __forceinline__ void issue_part(const int4& t, u32 dst) const {
+  __device__ __forceinline__ void issue_part(int2 d, u32 dst, u32 keys) const {
     const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
     if (C::CL != C::CH && c >= C::CH) return;
-    const int w = t.y & TILE_WIDTH;
+    const int w = d.y & TILE_WIDTH;
+    const bool gather = (d.y & TILE_GATHER) != 0;
     const T* base = (KP ? kb : vb) + c * 8;
 #pragma unroll 4
     for (int i = 0; i < RPT; ++i) {
       const int r = r0 + i * C::ROW_STEP;
       const bool ok = r < w;
-      cp_async16(dst + swizzled<BN, C::SW>(r, c), base + (ok ? offset(key(t, r)) : 0), ok ? 16 : 0);
+      const int j = !ok ? 0 : gather ? __ldg(cols + d.x + r) : d.x + r;
+      if (KP && gather && ok && c == 0) cp_async4(keys + 4 * r, cols + d.x + r);
+      cp_async16(dst + swizzled<BN, C::SW>(r, c), base + (ok ? offset(j) : 0), ok ? 16 : 0);
     }
   }
 };
 
-// The thread's two rows (Rows over the CTA's head) and what a descriptor's tile needs of
-// them: the half's flag (TILE_A or TILE_B) and the head's vertical row (gathered keys).
+// The thread's two rows (Rows over the CTA's head) and the half's flag (TILE_A or TILE_B).
 struct SparseRows {
   Rows rw;
-  const int* cols;
   int half;
 
   // The half computes tile t: its pattern holds the tile and a row of it sees a key in
   // [first key, last key].
-  __device__ __forceinline__ bool runs(const int4& t) const {
-    return (t.y & half) != 0 && rw.gk.sees(t.z, t.w - t.z + 1);
+  __device__ __forceinline__ bool runs(const StageTile& t) const {
+    return (t.d.y & half) != 0 && rw.gk.sees(t.first, t.last - t.first + 1);
   }
   // Raw dots of tile t -> scores (log2 units on the general path); keys a row does not see,
   // and rows past the tile's width, -> -inf.
   template <typename C>
-  __device__ __forceinline__ void scores(float (&s)[C::KEYS / 2], const int4& t) const {
+  __device__ __forceinline__ void scores(float (&s)[C::KEYS / 2], const StageTile& t) const {
     constexpr int BN = C::KEYS;
-    const int w = t.y & TILE_WIDTH;
-    if (t.y & TILE_GATHER) {
-      if (C::GENERAL_SCORES || w < BN || rw.gk.needs_mask(t.z, t.w - t.z + 1)) {
+    const int w = t.width();
+    if (t.gathered()) {
+      if (C::GENERAL_SCORES || w < BN || rw.gk.needs_mask(t.first, t.last - t.first + 1)) {
         if (rw.epi.softcap) gathered<C, true>(s, t);
         else gathered<C, false>(s, t);
       }
     } else {
-      rw.epilogue<C>(s, t.x);
-      if (w < BN || rw.gk.needs_mask(t.x, w)) {
-        const int hi[2] = {min(rw.hi[0], t.x + w), min(rw.hi[1], t.x + w)};
-        mask<BN>(s, rw.lo, hi, t.x, rw.lane);
+      rw.epilogue<C>(s, t.d.x);
+      if (w < BN || rw.gk.needs_mask(t.d.x, w)) {
+        const int hi[2] = {min(rw.hi[0], t.d.x + w), min(rw.hi[1], t.d.x + w)};
+        mask<BN>(s, rw.lo, hi, t.d.x, rw.lane);
       }
     }
   }
-  // Gathered columns: key j of column c read from the vertical row, per score the
-  // epilogue and ALiBi term (general path) and the mask.
+  // Gathered columns: key j of column c from the stage's keys, per score the epilogue and
+  // ALiBi term (general path) and the mask.
   template <typename C, bool CAP>
-  __device__ __forceinline__ void gathered(float (&s)[C::KEYS / 2], const int4& t) const {
+  __device__ __forceinline__ void gathered(float (&s)[C::KEYS / 2], const StageTile& t) const {
     constexpr int BN = C::KEYS;
-    const int w = t.y & TILE_WIDTH;
+    const int w = t.width();
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
       for (int e1 = 0; e1 < 2; ++e1) {
         const int c = 8 * i + 2 * (rw.lane % 4) + e1;
-        const int j = c < w ? __ldg(cols + t.x + c) : EMPTY_KEY;
+        const int j = c < w ? t.key(c) : EMPTY_KEY;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           float& x = s[4 * i + 2 * hr + e1];
@@ -145,65 +168,63 @@ struct SparseRows {
 };
 
 // Producer (warpgroup 0): Q, then per tile its descriptor, its K part and its V part.
-// Thread 0 pulls the descriptor, waits until the consumers are done with the stage's
-// previous tile, writes the stage's ring slot and arrives on the K full barrier (the META
-// arrival, whose release orders the slot before the consumers' reads); the producer's
-// named barrier hands the slot to the 128 threads, which copy the K rows and then, once the
+// Thread 0 holds the next descriptor (pulled from the source under the copies of the
+// tile before), waits until the consumers are done with the stage's previous tile, writes
+// the stage's slot and arrives on the K full barrier (the META arrival, whose release
+// orders the slot before the consumers' reads); the producer's named barrier hands the slot
+// to the 128 threads, which copy the K rows (and a gathered tile's keys) and then, once the
 // stage's previous V is released, the V rows. A width-0 descriptor ends the stream: the
-// consumers find it in the ring with no copies behind it.
+// consumers find it in the slot with no copies behind it.
 template <typename T, typename C, typename Src, typename Bar>
 __device__ __forceinline__ void sparse_produce(const SparseArgs<T>& P, const WorkItem& it, Src& src,
                                                const SparseKV<T, C>& kv, const Bar& bar, u32 sQ, u32 sKV,
-                                               u32 ring) {
-  constexpr int STAGES = C::BUFFERS;
+                                               u32 slots, u32 keys) {
+  constexpr int STAGES = C::BUFFERS, BN = C::KEYS;
+  const bool lead = threadIdx.x == 0;
   load_q<T, C::HEAD, C>(P, it, sQ);
   cp_async_arrive(bar.q());
+  int2 next = lead ? src.pull() : make_int2(0, 0);
   for (int i = 0;; ++i) {
     const int st = i % STAGES, u = i / STAGES;
-    const u32 slot = ring + 16 * st, sK = sKV + 2 * st * C::KV_BYTES;
-    if (threadIdx.x == 0) {
-      const int2 d = src.pull();
-      const int w = d.y & TILE_WIDTH;
-      int4 t = make_int4(d.x, d.y, 0, -1);
-      if (w > 0) {
-        t.z = kv.key(t, 0);
-        t.w = kv.key(t, w - 1);
-      }
+    const u32 slot = slots + 8 * st, sK = sKV + 2 * st * C::KV_BYTES, sKeys = keys + 4 * BN * st;
+    if (lead) {
       if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
-      st_shared_int4(slot, t);
+      st_shared_int2(slot, next);
       mbar_arrive(bar.k_full(st));
     }
     bar_sync(PRODUCER_BAR, 128);
-    const int4 t = ld_shared_int4(slot);
-    if ((t.y & TILE_WIDTH) == 0) {  // the end: the phase completes without copies
+    const int2 d = ld_shared_int2(slot);
+    if ((d.y & TILE_WIDTH) == 0) {  // the end: the phase completes without copies
       mbar_arrive(bar.k_full(st));
       break;
     }
-    kv.template issue_part<true>(t, sK);
+    kv.template issue_part<true>(d, sK, sKeys);
     cp_async_arrive(bar.k_full(st));
+    if (lead) next = src.pull();
     if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
-    kv.template issue_part<false>(t, sK + C::KV_BYTES);
+    kv.template issue_part<false>(d, sK + C::KV_BYTES, sKeys);
     cp_async_arrive(bar.v_full(st));
   }
   cp_async_wait_all();
 }
 
-// Consumer g (rows 64 g .. 64 g + 63: half g) over the tiles of the ring (the header's
+// Consumer g (rows 64 g .. 64 g + 63: half g) over the stages' tiles (the header's
 // order). A tile it computes: S = Q K^T in the consumer's turn, the softmax, then O += P V
 // (the other consumer's batches run under this one's softmax: the ping-pong); a tile it
 // skips takes its turn with nothing to issue and releases the stage.
 template <typename T, typename C, typename Bar>
 __device__ __forceinline__ void sparse_consume(const SparseRows& rows, const Bar& bar, const Turns& turn, u32 sQg,
-                                               u32 sKV, u32 ring, float (&o)[C::HEAD / 2], float (&m)[2],
-                                               float (&l)[2]) {
+                                               u32 sKV, u32 slots, u32 keys, float (&o)[C::HEAD / 2],
+                                               float (&m)[2], float (&l)[2]) {
   constexpr int D = C::HEAD, BN = C::KEYS, STAGES = C::BUFFERS;
   mbar_wait(bar.q(), 0);
   for (int i = 0;; ++i) {
     const int st = i % STAGES;
     const u32 par = (i / STAGES) & 1, sK = sKV + 2 * st * C::KV_BYTES;
     mbar_wait(bar.k_full(st), par);
-    const int4 t = ld_shared_int4(ring + 16 * st);
-    if ((t.y & TILE_WIDTH) == 0) break;
+    StageTile t;
+    t.load(slots + 8 * st, keys + 4 * BN * st);
+    if (t.width() == 0) break;
     turn.wait();
     if (rows.runs(t)) {
       float s[BN / 2], alpha[2];
@@ -246,7 +267,8 @@ __device__ __forceinline__ void sparse_ws(const SparseArgs<T>& P) {
   const u32 sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
   const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
   const Bar bar{sKV + 2 * STAGES * C::KV_BYTES};
-  const u32 ring = (bar.base + 8 * Bar::COUNT + 15) & ~15u;  // STAGES descriptor slots
+  const u32 slots = bar.base + 8 * Bar::COUNT;  // STAGES descriptor slots, then their keys
+  const u32 keys = slots + 8 * STAGES;
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
 
   const int hh = blockIdx.x, h = P.head0 + hh;
@@ -273,20 +295,19 @@ __device__ __forceinline__ void sparse_ws(const SparseArgs<T>& P) {
     setmaxnreg_dec<PRODUCER_REGS>();
     SparseKV<T, C> kv;
     kv.init(P, cs.b, h);
-    sparse_produce<T, C>(P, it, src, kv, bar, sQ, sKV, ring);
+    sparse_produce<T, C>(P, it, src, kv, bar, sQ, sKV, slots, keys);
   } else {
     setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
     SparseRows rows;
     rows.rw.init<C>(P, it, g, warp, lane, P.sm_scale);
-    rows.cols = P.cols == nullptr ? nullptr : P.cols + ((i64)cs.b * P.cols_heads + h) * P.cols_width;
     rows.half = g == 0 ? TILE_A : TILE_B;
     float o[D / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     const Turns turn{g};
     if (g == 1) turn.pass();  // consumer 0 takes the first turn
-    sparse_consume<T, C>(rows, bar, turn, sQ + g * 64 * C::SW, sKV, ring, o, m, l);
+    sparse_consume<T, C>(rows, bar, turn, sQ + g * 64 * C::SW, sKV, slots, keys, o, m, l);
     store_rows<T, C>(P, it, 64 * g + 16 * warp, o, m, l, rows.rw.sc, 1.f, sQ, lane);
   }
 }
@@ -295,7 +316,8 @@ __device__ __forceinline__ void sparse_ws(const SparseArgs<T>& P) {
 
 // grid (heads in this call, cta_bound), block WS_THREADS (a producer and two consumer
 // warpgroups); dynamic smem: Q [128][D], STAGES K and V tiles [BN][D] (swizzled, 1024-byte
-// aligned), the WsBarriers and the descriptor ring (cupaged.sparse.launch.ws_smem). CTA
+// aligned), the WsBarriers, the stages' descriptor slots and keys (cupaged.sparse.launch
+// ws_smem). CTA
 // (x, y) computes the 128 query rows of its CTA map entry, head head0 + x, over its tile
 // list (ListSource, tiles of at most BN keys).
 template <typename T, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>

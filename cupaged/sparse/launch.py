@@ -85,12 +85,13 @@ def ws_stages(head_dim):
 
 def ws_smem(head_dim):
     """Dynamic shared memory of the wgmma kernels: Q ``[128][D]``, the stages' K and V
-    tiles ``[64][D]`` (16-bit), the mbarriers (Q, per stage K and V full and empty) rounded
-    to 16 bytes, a 16-byte descriptor slot a stage, and 1024 bytes to align the swizzled
-    tiles."""
+    tiles ``[64][D]`` (16-bit), the mbarriers (Q, per stage K and V full and empty), per
+    stage an 8-byte descriptor slot and its tile's keys (an int a row), and 1024 bytes to
+    align the swizzled tiles."""
     stages = ws_stages(head_dim)
-    barriers = -(-8 * (1 + 4 * stages) // 16) * 16
-    return 2 * (CTA_ROWS + 2 * stages * WS_TILE_N) * head_dim + barriers + 16 * stages + 1024
+    barriers = 8 * (1 + 4 * stages)
+    return (2 * (CTA_ROWS + 2 * stages * WS_TILE_N) * head_dim + barriers
+            + stages * (8 + 4 * WS_TILE_N) + 1024)
 
 
 def use_wgmma(backend):
