@@ -73,10 +73,12 @@ struct SparseKV {
   const int* cols;
   int page_size, page_shift;
   u32 page_stride, tok_stride;
+  int hk, kv_start;  // the kv head; dense rows: the sequence's first key (TMA coordinates)
 
   __device__ __forceinline__ void init(const SparseArgs<T>& P, int b, int h) {
-    const i64 base = (i64)(h / P.group) * P.head_stride +
-                     (P.block_tables == nullptr ? (i64)P.cu_k[b] * P.tok_stride : 0);
+    hk = h / P.group;
+    kv_start = P.block_tables == nullptr ? P.cu_k[b] : 0;
+    const i64 base = (i64)hk * P.head_stride + (i64)kv_start * P.tok_stride;
     kb = P.k + base;
     vb = P.v + base;
     table = P.block_tables == nullptr ? nullptr : P.block_tables + (i64)b * P.table_stride;
@@ -113,6 +115,13 @@ struct SparseKV {
       if (KP && gather && ok && c == 0) cp_async4(keys + 4 * r, cols + d.x + r);
       cp_async16(dst + swizzled<BN, C::SW>(r, c), base + (ok ? offset(j) : 0), ok ? 16 : 0);
     }
+  }
+  // TMA (dense rows, a whole tile of contiguous keys): one part of tile d as D / 64 tensor
+  // copies (the map's boxes of 64 dims x BN keys, 128-byte swizzle, kernels_cu/bulk_copy.cuh
+  // and cupaged.core.tma) at the sequence's first key plus d.x, landing on `full`.
+  __device__ __forceinline__ void tma_part(const TensorMap* map, int2 d, u32 dst, u32 full) const {
+#pragma unroll
+    for (int b = 0; b < C::HEAD / 64; ++b) tma_load_4d(dst + b * BN * 128, map, 64 * b, kv_start + d.x, hk, 0, full);
   }
 };
 
@@ -178,8 +187,13 @@ struct SparseRows {
 template <typename T, typename C, typename Src, typename Bar>
 __device__ __forceinline__ void sparse_produce(const SparseArgs<T>& P, const WorkItem& it, Src& src,
                                                const SparseKV<T, C>& kv, const Bar& bar, u32 sQ, u32 sKV,
-                                               u32 slots, u32 keys) {
+                                               u32 slots, u32 keys, const TensorMap* k_map,
+                                               const TensorMap* v_map) {
   constexpr int STAGES = C::BUFFERS, BN = C::KEYS;
+  if (k_map != nullptr && threadIdx.x == 0) {
+    prefetch_tensor_map(k_map);
+    prefetch_tensor_map(v_map);
+  }
   const bool lead = threadIdx.x == 0;
   load_q<T, C::HEAD, C>(P, it, sQ);
   cp_async_arrive(bar.q());
@@ -198,12 +212,30 @@ __device__ __forceinline__ void sparse_produce(const SparseArgs<T>& P, const Wor
       mbar_arrive(bar.k_full(st));
       break;
     }
-    kv.template issue_part<true>(d, sK, sKeys);
-    cp_async_arrive(bar.k_full(st));
+    // a whole tile of contiguous keys by TMA (the lead's arrival announces its bytes), any
+    // other by the 128 threads' cp.async (rows past the width zero-filled)
+    const bool tma = k_map != nullptr && (d.y & (TILE_GATHER | TILE_WIDTH)) == BN;
+    if (!tma) {
+      kv.template issue_part<true>(d, sK, sKeys);
+      cp_async_arrive(bar.k_full(st));
+    } else if (lead) {
+      mbar_arrive_expect_tx(bar.k_full(st), C::KV_BYTES);
+      kv.tma_part(k_map, d, sK, bar.k_full(st));
+    } else {
+      mbar_arrive(bar.k_full(st));
+    }
     if (lead) next = src.pull();
-    if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
-    kv.template issue_part<false>(d, sK + C::KV_BYTES, sKeys);
-    cp_async_arrive(bar.v_full(st));
+    if (!tma) {
+      if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+      kv.template issue_part<false>(d, sK + C::KV_BYTES, sKeys);
+      cp_async_arrive(bar.v_full(st));
+    } else if (lead) {
+      if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+      mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
+      kv.tma_part(v_map, d, sK + C::KV_BYTES, bar.v_full(st));
+    } else {
+      mbar_arrive(bar.v_full(st));
+    }
   }
   cp_async_wait_all();
 }
@@ -256,7 +288,8 @@ __device__ __forceinline__ void sparse_consume(const SparseRows& rows, const Bar
 // the two consumers (WS_THREADS threads; the producer's budget PRODUCER_REGS, the
 // consumers' the rest). GENERAL: window_left and scores through the score epilogue.
 template <typename T, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS, typename Src>
-__device__ __forceinline__ void sparse_ws(const SparseArgs<T>& P) {
+__device__ __forceinline__ void sparse_ws(const SparseArgs<T>& P, const TensorMap* k_map = nullptr,
+                                          const TensorMap* v_map = nullptr) {
   using C = Config<T, T, D, BN, STAGES, false, GENERAL, 128>;
   using Bar = WsBarriers<STAGES, false, 0, 1>;
   static_assert(C::BLOCK_M == 2 * HALF_ROWS, "a consumer a pattern half");
@@ -295,7 +328,7 @@ __device__ __forceinline__ void sparse_ws(const SparseArgs<T>& P) {
     setmaxnreg_dec<PRODUCER_REGS>();
     SparseKV<T, C> kv;
     kv.init(P, cs.b, h);
-    sparse_produce<T, C>(P, it, src, kv, bar, sQ, sKV, slots, keys);
+    sparse_produce<T, C>(P, it, src, kv, bar, sQ, sKV, slots, keys, k_map, v_map);
   } else {
     setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
@@ -331,6 +364,24 @@ template <typename T, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS
 __global__ void __launch_bounds__(sm90::WS_THREADS, 1) bsr_ws_kernel(CUPAGED_PARAMS_SparseArgs) {
   const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};
   sm90::sparse_ws<T, D, BN, STAGES, GENERAL, PRODUCER_REGS, BsrSource>(P);
+}
+
+// The two kernels over dense rows of head size 64 or 128 (rows of whole 128-byte column
+// blocks), each whole tile of contiguous keys copied by TMA: the tensor maps k_map and v_map
+// over K and V (cupaged.core.tma, boxes of BN keys). Arguments: SparseArgs' fields, then
+// the maps (SparseArgsTma, abi.cuh).
+template <typename T, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
+__global__ void __launch_bounds__(sm90::WS_THREADS, 1) sparse_ws_tma_kernel(CUPAGED_PARAMS_SparseArgsTma) {
+  static_assert(D == 64 || D == 128, "rows of whole 128-byte column blocks");
+  const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};
+  sm90::sparse_ws<T, D, BN, STAGES, GENERAL, PRODUCER_REGS, ListSource>(P, &k_map, &v_map);
+}
+
+template <typename T, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
+__global__ void __launch_bounds__(sm90::WS_THREADS, 1) bsr_ws_tma_kernel(CUPAGED_PARAMS_SparseArgsTma) {
+  static_assert(D == 64 || D == 128, "rows of whole 128-byte column blocks");
+  const SparseArgs<T> P{CUPAGED_FIELDS_SparseArgs};
+  sm90::sparse_ws<T, D, BN, STAGES, GENERAL, PRODUCER_REGS, BsrSource>(P, &k_map, &v_map);
 }
 
 }  // namespace cupaged

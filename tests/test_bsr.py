@@ -16,7 +16,8 @@ from cupaged.core.checks import AttentionOptions
 from cupaged.reference import bsr as ref
 from cupaged.sparse import bsr
 from test_reference_bsr import _batch, _cu, _full, _pattern, _to_paged
-from test_sparse_gpu import BACKENDS, FEATURES, TOL, _check_close, _rand, _rel_err, on_device, score_options
+from test_sparse_gpu import (BACKENDS, FEATURES, TOL, _check_close, _rand, _rel_err, needs_backend,
+                             on_device, score_options)
 
 
 
@@ -156,6 +157,7 @@ def _want_varlen(q, k, v, cu_q, cu_k, indptr, indices, bm, bn, heads, **opts):
 
 
 def _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, bm, bn, heads, backend="auto", **opts):
+    needs_backend(cp, backend)
     dev = [cp.asarray(x) for x in (q, k, v, cu_q, cu_k, indptr, indices)]
     opts = on_device(cp, opts)
     out = cp.full(q.shape, np.nan, dtype=q.dtype)
@@ -347,7 +349,8 @@ def _run_paged(cp, q, kc, vc, cu_q, tables, lens, indptr, indices, bm, bn, heads
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("page", [1, 16, 24, 128])
 @pytest.mark.parametrize("bm", [64, 128])
-def test_paged_equals_ragged(cp, rng, layout, page, bm):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_equals_ragged(cp, rng, layout, page, bm, backend):
     """Every page size (powers of two and not) gives the ragged kernel's result exactly, and
     the reference's; q_len > kv_len rows see nothing when causal."""
     q_lens, kv_lens = [70, 0, 129, 1, 9], [500, 33, 200, 64, 4]
@@ -355,8 +358,9 @@ def test_paged_equals_ragged(cp, rng, layout, page, bm):
                                                      np.float16, bm, 64, 2, 0.4)
     kc, vc, tables = _to_paged(rng, k, v, kv_lens, layout, page)
     lens = np.array(kv_lens, np.int32)
-    got = _run_paged(cp, q, kc, vc, cu_q, tables, lens, indptr, indices, bm, 64, 2, layout)
-    ragged = _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, bm, 64, 2)
+    got = _run_paged(cp, q, kc, vc, cu_q, tables, lens, indptr, indices, bm, 64, 2, layout,
+                     backend=backend)
+    ragged = _run_varlen(cp, q, k, v, cu_q, cu_k, indptr, indices, bm, 64, 2, backend=backend)
     np.testing.assert_array_equal(got[0], ragged[0])
     np.testing.assert_array_equal(got[1], ragged[1])
     _check(got, _want_varlen(q, k, v, cu_q, cu_k, indptr, indices, bm, 64, 2), np.float16)
@@ -521,6 +525,7 @@ def recorded(monkeypatch):
                         lambda dtype, d, kind="sparse_attention", rows=128, general=False:
                         _Recorder(abi.SPARSE, calls))
     monkeypatch.setattr(launch, "error_word", lambda: np.zeros(8, np.int64))
+    monkeypatch.setattr(launch.tma, "encode", lambda address, geometry: bytes(128))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty))
     return calls
 
@@ -544,7 +549,9 @@ def test_bsr_launches_pack_their_records(rng, recorded, paged, wgmma):
         bsr._launch(q, launch.dense_kv(k, v, cu_k), 2, cu_q, None, k.shape[0], pattern, opts,
                     True, out, lse, wgmma=wgmma)
     (prep, g0, b0, _, f0), (attn, g1, b1, smem, f1) = recorded
-    assert (prep, attn) == ("BsrPrepareArgs", "SparseArgs")
+    tma = wgmma and not paged                          # dense rows of d128: the TMA kernel
+    assert (prep, attn) == ("BsrPrepareArgs", "SparseArgsTma" if tma else "SparseArgs")
+    assert ("k_map" in f1) == tma
     rows = 128 if wgmma else 64                        # block_m 64: 64-row mma.sync CTAs
     bound = -(-377 // rows) + 3
     assert g0 == 1 and b0 == launch.PREP_THREADS and g1 == (8, bound)

@@ -274,7 +274,8 @@ def test_wgmma_kernels_fit_one_cta_an_sm():
     assert all(launch.ws_smem(d) <= 232448 for d in HEAD_DIMS)
     specs = [s for s in launch.kernel_specializations() if s.stem == "sparse_sm90"]
     assert all(s.hopper for s in specs)
-    assert len(specs) == 2 * len(HEAD_DIMS) * 2 * 2
+    kinds = len(HEAD_DIMS) + len(launch.WS_TMA_HEAD_DIMS)   # cp.async, and TMA where it fits
+    assert len(specs) == 2 * kinds * 2 * 2
 
 
 def test_pattern_attention_is_masked_dense(rng):

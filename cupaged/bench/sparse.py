@@ -132,7 +132,7 @@ def _split_times(q, k, v, v_idx, s_idx, reps, wgmma):
     batch = sa.Batch(HQ, HK, D, 1, n)
     cu = cupy.asarray([0, n], dtype=np.int32)
     kv, opts, out = kernels.dense_kv(k, v, cu), check_options(cupy, HQ, D), cupy.empty_like(q)
-    attn = kernels.attention_launch(q.dtype, D, wgmma=wgmma)
+    attn = kernels.attention_launch(q.dtype, D, wgmma=wgmma, ragged=True)
     tile_n = attn.tile_n
     cta_bound = -(-n // kernels.CTA_ROWS) + 1
     budget = HQ * cta_bound * tiles.TILE_BYTES * tiles.list_bound(
@@ -237,7 +237,7 @@ def bench_length(seqlen, budgets, reps, inputs="structured"):
         v_idx, s_idx = sparse.estimate_vertical_slash(q, k, **opts)
         op = time_gpu(lambda: sparse.vertical_slash_attention(q, k, v, v_idx, s_idx), warmup=1,
                       reps=reps)
-        wgmma = kernels.use_wgmma("auto")
+        wgmma = kernels.use_wgmma("auto", "sparse_attention", D, True)
         t_index, t_kernel, pairs, dense_heads, out = _split_times(q, k, v, v_idx, s_idx, reps,
                                                                   wgmma)
         mass, ok = _probe(q, k, v, out, v_idx, s_idx, dense_heads)

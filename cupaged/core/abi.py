@@ -180,6 +180,10 @@ SPARSE = Record("SparseArgs", [
     ("const float* __restrict__", "alibi", NULL),
 ], template="typename T")
 
+# SPARSE's fields, then the K and V tensor maps of ragged K/V (sparse_sm90.cu's TMA kernels).
+SPARSE_TMA = Record("SparseArgsTma", [*SPARSE.fields, (TENSOR_MAP, "k_map"), (TENSOR_MAP, "v_map")],
+                    template="typename T", struct=False)
+
 # The device schedule of a batched BSR launch (sparse_index.cu, bsr_prepare): lengths and
 # block tables checked, the CSR row and first CTA of each sequence, the CTA map, padding
 # rows zeroed. Its output bsr_meta is int4 [batch + 1] then int [cta_bound]
@@ -357,7 +361,8 @@ GEMM = Record("GemmArgs", [
 ])
 
 RECORDS = (DECODE, APPEND, MERGE_PIECES, MERGE_STATES, DECODE_PLAN, PREFILL, PREFILL_TMA,
-           PREFILL_PLAN, SPARSE, BSR_PREPARE, VS_PREPARE, VS_INDEX, VS_PLAN, VS_ESTIMATE, VS_TOP,
+           PREFILL_PLAN, SPARSE, SPARSE_TMA, BSR_PREPARE, VS_PREPARE, VS_INDEX, VS_PLAN,
+           VS_ESTIMATE, VS_TOP,
            QUEST_BOUNDS, QUEST_SCORE, QUEST_SELECT, QUEST_SINKS, CACHE_WRITE, COPY_BLOCKS,
            GATHER_KV, ROPE, SINK_SOFTMAX, GEMM)
 

@@ -133,7 +133,7 @@ def launch(q, kv, out, lse, cu_q, meta, batch, cta_bound, lists, opts, attn):
     """One attention launch ``attn`` (``launch.AttentionLaunch``) over the heads of
     ``lists`` (``tiles.TileLists``), its CTAs placed by ``meta`` (``bsr_prepare``'s schedule
     of ``cta_bound`` entries)."""
-    attn((lists.heads, cta_bound), cu_q=ptr(cu_q), bsr_meta=ptr(meta), batch=batch.size,
+    attn((lists.heads, cta_bound), kv, cu_q=ptr(cu_q), bsr_meta=ptr(meta), batch=batch.size,
          cta_bound=cta_bound, **kernels.common_fields(q, out, lse, kv, batch.num_kv_heads, opts,
                                                       True), **lists.fields())
 
@@ -156,7 +156,7 @@ def run_vertical_slash(q, kv, v_idx, s_idx, cu_q, seq_lens, total_k, batch, opts
     prep = prepare(v_idx, s_idx, meta[1:], block_m, q_lens=meta[3:], len_stride=4,
                    block_n=block_n, dense_threshold=dense_threshold, err=err)
     attn = kernels.attention_launch(q.dtype, batch.head_dim, general=kernels.general_scores(opts),
-                                    wgmma=wgmma)
+                                    wgmma=wgmma, ragged=kv.table is None)
     for lists in tiles.vs_lists(prep, prep.dense, meta, batch.size, cta_bound, batch.max_kv,
                                 block_n, attn.tile_n, list_budget):
         launch(q, kv, out, lse, cu_q, meta, batch, cta_bound, lists, opts, attn)
@@ -266,7 +266,7 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
         v_idx, s_idx = v_idx[None], s_idx[None]
     run_vertical_slash(q, kernels.dense_kv(k, v, cu_k_d), v_idx, s_idx, cu_q_d, None, k.shape[0],
                        batch, opts, out, lse, block_m, block_n, threshold,
-                       wgmma=kernels.use_wgmma(backend))
+                       wgmma=kernels.use_wgmma(backend, "sparse_attention", d, True))
     return out if lse is None else (out, lse)
 
 
@@ -346,5 +346,6 @@ def paged_vertical_slash_attention(q, k_cache, v_cache, v_idx, s_idx, cu_seqlens
                          f"{kv.page_stride}")
     kv = kv._replace(table_stride=table_stride(block_tables))
     run_vertical_slash(q, kv, v_idx, s_idx, cu_seqlens_q, seq_lens, 0, batch, opts, out, lse,
-                       block_m, block_n, threshold, wgmma=kernels.use_wgmma(backend))
+                       block_m, block_n, threshold,
+                       wgmma=kernels.use_wgmma(backend, "sparse_attention", d, False))
     return out if lse is None else (out, lse)

@@ -84,8 +84,8 @@ def _launch(q, kv, num_kv_heads, cu_q, seq_lens, total_k, pattern, opts, causal,
     sched = kernels.schedule(q, out, lse, cu_q, kv, seq_lens, total_k, rows, pattern.indptr, nnz,
                              pattern.block_m, pattern.heads)
     attn = kernels.attention_launch(q.dtype, d, "bsr_attention", rows, kernels.general_scores(opts),
-                                    wgmma)
-    attn((hq, sched.cta_bound), cu_q=ptr(cu_q), indptr=ptr(pattern.indptr),
+                                    wgmma, kv.table is None)
+    attn((hq, sched.cta_bound), kv, cu_q=ptr(cu_q), indptr=ptr(pattern.indptr),
          indices=ptr(pattern.indices), bsr_meta=ptr(sched.meta), err=ptr(sched.err),
          pattern_group=hq // pattern.heads, block_n=pattern.block_n, batch=batch,
          indptr_len=pattern.indptr.shape[0], nnz=nnz, block_m=pattern.block_m,
@@ -166,7 +166,8 @@ def varlen_block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, indptr, i
             out, lse)
     _check_gpu(q, pattern)
     _launch(q, kernels.dense_kv(k, v, cu_seqlens_k), k.shape[1], cu_seqlens_q, None, k.shape[0],
-            pattern, opts, causal, out, lse, wgmma=kernels.use_wgmma(backend))
+            pattern, opts, causal, out, lse,
+            wgmma=kernels.use_wgmma(backend, "bsr_attention", d, True))
     return out if lse is None else (out, lse)
 
 
@@ -246,7 +247,7 @@ def paged_block_sparse_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables
                          f"{kv.page_stride}")
     kv = kv._replace(table_stride=table_stride(block_tables))
     _launch(q, kv, geo.num_kv_heads, cu_seqlens_q, seq_lens, 0, pattern, opts, causal, out, lse,
-            wgmma=kernels.use_wgmma(backend))
+            wgmma=kernels.use_wgmma(backend, "bsr_attention", d, False))
     return out if lse is None else (out, lse)
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core import abi
+from ..core import abi, tma
 from ..core.arrays import HEAD_DIMS, bfloat16, float16
 from ..core.layouts import key_geometry, layout_strides
 from ..core.compile import Spec, ctype, launcher
@@ -59,13 +59,14 @@ def attention_tile(head_dim, rows=CTA_ROWS):
 
 
 def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS, general=False,
-                   wgmma=False):
+                   wgmma=False, use_tma=False):
     """``kernel``: ``"sparse_attention"`` (tile lists) or ``"bsr_attention"`` (batched BSR);
     ``general``: scores through the score epilogue (:func:`general_scores`); ``wgmma``: the
-    sm_90a kernel of ``sparse_sm90.cu`` (128 rows a CTA)."""
+    sm_90a kernel of ``sparse_sm90.cu`` (128 rows a CTA), ``use_tma`` its TMA form."""
     flag = "true" if general else "false"
     if wgmma:
-        return (f"cupaged::{WS_KERNELS[kernel]}<{ctype(dtype)}, {head_dim}, {WS_TILE_N}, "
+        name = (WS_TMA_KERNELS if use_tma else WS_KERNELS)[kernel]
+        return (f"cupaged::{name}<{ctype(dtype)}, {head_dim}, {ws_tile_n(head_dim)}, "
                 f"{ws_stages(head_dim)}, {flag}, {prefill_plan.ws_producer_regs(head_dim)}>")
     tile = attention_tile(head_dim, rows)
     return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {tile.cpp()}, {flag}>"
@@ -73,56 +74,82 @@ def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS, ge
 
 # the wgmma kernels (sparse_sm90.cu): CTAs of CTA_ROWS rows, a producer and two consumer
 # warpgroups (prefill.plan.WS_THREADS; the producer's registers as the dense kernel's),
-# tiles of WS_TILE_N keys (a pattern block), three K/V stages (two at d256: shared memory)
-WS_TILE_N = 64
+# tiles of ws_tile_n keys, three K/V stages (two at d256: shared memory)
 BACKENDS = prefill_plan.BACKENDS   # the attention ops' kernel choice, as the dense prefill's
 WS_KERNELS = {"sparse_attention": "sparse_ws_kernel", "bsr_attention": "bsr_ws_kernel"}
+# over dense rows of these head sizes, whole tiles of contiguous keys by TMA (core.tma)
+WS_TMA_KERNELS = {"sparse_attention": "sparse_ws_tma_kernel", "bsr_attention": "bsr_ws_tma_kernel"}
+WS_TMA_HEAD_DIMS = tma.HEAD_DIMS
 
 
 def ws_stages(head_dim):
     return 2 if head_dim > 128 else 3
 
 
+def ws_tile_n(head_dim):
+    """Keys a tile of the wgmma kernels: 128 up to d128 (the dense kernel's), 64 at d256."""
+    return 64 if head_dim > 128 else 128
+
+
 def ws_smem(head_dim):
     """Dynamic shared memory of the wgmma kernels: Q ``[128][D]``, the stages' K and V
-    tiles ``[64][D]`` (16-bit), the mbarriers (Q, per stage K and V full and empty), per
+    tiles ``[tile_n][D]`` (16-bit), the mbarriers (Q, per stage K and V full and empty), per
     stage an 8-byte descriptor slot and its tile's keys (an int a row), and 1024 bytes to
     align the swizzled tiles."""
-    stages = ws_stages(head_dim)
+    stages, tile_n = ws_stages(head_dim), ws_tile_n(head_dim)
     barriers = 8 * (1 + 4 * stages)
-    return (2 * (CTA_ROWS + 2 * stages * WS_TILE_N) * head_dim + barriers
-            + stages * (8 + 4 * WS_TILE_N) + 1024)
+    return (2 * (CTA_ROWS + 2 * stages * tile_n) * head_dim + barriers + stages * (8 + 4 * tile_n)
+            + 1024)
 
 
-def use_wgmma(backend):
-    """Whether a CuPy call asking for ``backend`` (``"auto"``, ``"mma"``, ``"wgmma"``) runs
-    the wgmma kernels: "auto" on an sm_90 device; "wgmma" elsewhere is refused."""
+def use_wgmma(backend, kind, head_dim, ragged):
+    """Whether a CuPy call of ``kind`` asking for ``backend`` (``"auto"``, ``"mma"``,
+    ``"wgmma"``) runs the wgmma kernels ("wgmma" off sm_90 is refused). "auto" takes them on
+    an sm_90 device where they measured faster than the mma.sync kernel (benchmarks/NOTES.md):
+    vertical+slash over dense K/V rows of :data:`WS_TMA_HEAD_DIMS` (whole tiles by TMA). Not
+    BSR (64-key blocks leave most 128-key tiles part full, copied by cp.async), paged caches
+    or other head sizes (every tile by cp.async, whose issue rate, not the tensor cores, sets
+    the pace)."""
     import cupy
     arch = cupy.cuda.Device().compute_capability
-    return prefill_plan.resolve_backend(backend, None, arch) == "wgmma"
+    if prefill_plan.resolve_backend(backend, None, arch) != "wgmma":
+        return False
+    return backend == "wgmma" or (kind == "sparse_attention" and ragged and
+                                  head_dim in WS_TMA_HEAD_DIMS)
 
 
 class AttentionLaunch(NamedTuple):
-    """An attention kernel with its block and dynamic shared memory."""
+    """An attention kernel with its block and dynamic shared memory; ``tma``: it takes the
+    tensor maps of the call's dense K/V rows (:data:`WS_TMA_KERNELS`)."""
     kernel: object
     threads: int
     smem: int
     tile_n: int           # keys a tile (the tile lists' tile_n)
+    tma: bool = False
 
-    def __call__(self, grid, **fields):
+    def __call__(self, grid, kv, **fields):
+        """Launch over ``kv`` (:class:`KVSource`, its ``fields()`` given in ``fields``)."""
+        if self.tma:
+            _, hk, d = kv.k.shape
+            strides = layout_strides("ragged", 1, hk, d, kv.k.itemsize)
+            maps = tma.KVMaps(hk, d, strides, self.tile_n, kv.k.shape[0])
+            fields["k_map"], fields["v_map"] = maps(ptr(kv.k), ptr(kv.v))
         self.kernel(grid, self.threads, self.smem, **fields)
 
 
 def attention_launch(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS, general=False,
-                     wgmma=False):
+                     wgmma=False, ragged=False):
     """The :class:`AttentionLaunch` of ``kind`` (``"sparse_attention"``: tile lists,
     ``"bsr_attention"``: batched BSR) on the mma.sync kernel (``rows`` 128 or 64 query rows
-    a CTA) or, with ``wgmma``, on the sm_90a kernel (128 rows)."""
+    a CTA) or, with ``wgmma``, on the sm_90a kernel (128 rows; over ``ragged`` K/V rows of
+    :data:`WS_TMA_HEAD_DIMS`, its TMA form)."""
     if wgmma:
-        return AttentionLaunch(launcher("sparse_sm90", attention_expr(dtype, head_dim, kind, CTA_ROWS,
-                                                                      general, True),
-                                        abi.SPARSE, hopper=True, smem=ws_smem(head_dim)),
-                               prefill_plan.WS_THREADS, ws_smem(head_dim), WS_TILE_N)
+        use_tma = ragged and head_dim in WS_TMA_HEAD_DIMS
+        expr = attention_expr(dtype, head_dim, kind, CTA_ROWS, general, True, use_tma)
+        return AttentionLaunch(launcher("sparse_sm90", expr, abi.SPARSE_TMA if use_tma else abi.SPARSE,
+                                        hopper=True, smem=ws_smem(head_dim)),
+                               prefill_plan.WS_THREADS, ws_smem(head_dim), ws_tile_n(head_dim),
+                               use_tma)
     tile = attention_tile(head_dim, rows)
     return AttentionLaunch(attention_kernel(dtype, head_dim, kind, rows, general), tile.threads,
                            attention_smem(head_dim, rows), tile.block_n)
@@ -203,8 +230,10 @@ def kernel_specializations():
                 for rows in (CTA_ROWS, ROWS):
                     specs.append(Spec("sparse_attention", attention_expr(
                         dtype, d, "bsr_attention", rows, general)))
-                specs += [Spec("sparse_sm90", attention_expr(dtype, d, kind, CTA_ROWS, general, True),
-                               hopper=True) for kind in WS_KERNELS]
+                specs += [Spec("sparse_sm90", attention_expr(dtype, d, kind, CTA_ROWS, general, True,
+                                                             use_tma), hopper=True)
+                          for kind in WS_KERNELS
+                          for use_tma in (False, True)[:1 + (d in WS_TMA_HEAD_DIMS)]]
     return specs
 
 
