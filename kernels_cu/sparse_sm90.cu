@@ -265,8 +265,8 @@ __device__ __forceinline__ void sparse_consume(const SparseRows& rows, const Bar
       turn.pass();
       wgmma_wait<0>();
       fence_operands(s);
-      mbar_arrive(bar.k_empty(st));
       rows.template scores<C>(s, t);
+      mbar_arrive(bar.k_empty(st));  // after the scores: a gathered tile's keys are the stage's
       softmax<T, BN>(s, m, l, pf, alpha, rows.rw.sc);
       rescale<D>(o, alpha);
       mbar_wait(bar.v_full(st), par);

@@ -663,8 +663,11 @@ def test_vertical_slash_score_options_match_reference(cp, rng, feature, dtype, d
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_paged_vertical_slash_score_options(cp, rng, layout):
-    """The paged op with every option equals the packed op bit for bit, and the reference."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_vertical_slash_score_options(cp, rng, layout, backend):
+    """The paged op with every option equals the packed op bit for bit on one kernel (its
+    cp.async tiles against the packed op's TMA ones on wgmma), and the reference."""
+    needs_backend(cp, backend)
     q_lens, kv_lens = [70, 128, 1], [500, 128, 33]
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
@@ -680,11 +683,11 @@ def test_paged_vertical_slash_score_options(cp, rng, layout):
     sparse.paged_vertical_slash_attention(cp.asarray(q), kc, vc, cp.asarray(v_idx), cp.asarray(s_idx),
                                           cp.asarray(cu_q), cp.asarray(tables),
                                           cp.asarray(np.array(kv_lens, np.int32)), layout=layout,
-                                          out=out, **dev)
+                                          out=out, backend=backend, **dev)
     dense = cp.full(q.shape, np.nan, dtype=q.dtype)
     sparse.vertical_slash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(v_idx),
                                     cp.asarray(s_idx), cu_seqlens_q=cp.asarray(cu_q),
-                                    cu_seqlens_k=cp.asarray(cu_k), out=dense, **dev)
+                                    cu_seqlens_k=cp.asarray(cu_k), out=dense, backend=backend, **dev)
     np.testing.assert_array_equal(_host(cp, out), _host(cp, dense))
     want = sparse.vertical_slash_attention(*(x.astype(np.float32) for x in (q, k, v)), v_idx, s_idx,
                                            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **opts)
