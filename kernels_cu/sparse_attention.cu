@@ -48,31 +48,13 @@ struct RowScores {
   }
 };
 
-// Per-CTA state the main loop reads from shared memory rather than holding in registers.
+// Per-CTA state the main loop reads from shared memory rather than holding in registers:
+// where the keys' rows are (SparseKeys, sparse_source.cuh) and the walk's state.
 template <typename T, int BN>
-struct SparseLoop {
-  const T* kb;          // the kv head's K / V (dense rows: from the sequence's first key)
-  const T* vb;
-  const int* table;     // the sequence's block table; nullptr: dense rows
-  const int* cols;      // the head's vertical row (gathered tiles)
-  int page_size, page_shift;   // page_shift >= 0: power-of-two pages
-  u32 page_stride, tok_stride;
+struct SparseLoop : SparseKeys<T> {
   RowScores rs;         // scores of the CTA's rows
   int2 desc[3];         // descriptor of the walk's tile i in slot i % 3 (width 0: the end)
   __align__(8) int keys[2][BN];  // key of each K/V row of a stage (EMPTY_KEY: none)
-
-  __device__ __forceinline__ void init(const SparseArgs<T>& P, int b, int h) {
-    const i64 base = (i64)(h / P.group) * P.head_stride +
-                     (P.block_tables == nullptr ? (i64)P.cu_k[b] * P.tok_stride : 0);
-    kb = P.k + base;
-    vb = P.v + base;
-    table = P.block_tables == nullptr ? nullptr : P.block_tables + (i64)b * P.table_stride;
-    cols = P.cols == nullptr ? nullptr : P.cols + ((i64)b * P.cols_heads + h) * P.cols_width;
-    page_size = P.page_size;
-    page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
-    page_stride = (u32)P.page_stride;
-    tok_stride = (u32)P.tok_stride;
-  }
 };
 
 // K and V rows of the tile described by d -> one stage (sK, sV), their keys -> keys[]. Thread

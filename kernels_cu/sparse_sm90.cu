@@ -60,41 +60,11 @@ struct StageTile {
   }
 };
 
-// Where the K/V rows of the CTA's keys come from: the kv head's bases (dense rows: from the
-// sequence's first key), the sequence's block table (null: dense rows), the head's vertical
-// row (gathered tiles' keys), the page geometry (page_shift >= 0: power-of-two pages). Page
-// and token strides fit in 32 bits (the host checks: blocks under 2^32 elements).
+// The CTA's key rows (SparseKeys, sparse_source.cuh) and the producer's copies of them.
 template <typename T, typename C>
-struct SparseKV {
+struct SparseKV : SparseKeys<T> {
   static constexpr int BN = C::KEYS, RPT = BN / C::ROW_STEP;  // rows a thread copies a part
-  const T* kb;
-  const T* vb;
-  const int* table;
-  const int* cols;
-  int page_size, page_shift;
-  u32 page_stride, tok_stride;
-  int hk, kv_start;  // the kv head; dense rows: the sequence's first key (TMA coordinates)
 
-  __device__ __forceinline__ void init(const SparseArgs<T>& P, int b, int h) {
-    hk = h / P.group;
-    kv_start = P.block_tables == nullptr ? P.cu_k[b] : 0;
-    const i64 base = (i64)hk * P.head_stride + (i64)kv_start * P.tok_stride;
-    kb = P.k + base;
-    vb = P.v + base;
-    table = P.block_tables == nullptr ? nullptr : P.block_tables + (i64)b * P.table_stride;
-    cols = P.cols == nullptr ? nullptr : P.cols + ((i64)b * P.cols_heads + h) * P.cols_width;
-    page_size = P.page_size;
-    page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
-    page_stride = (u32)P.page_stride;
-    tok_stride = (u32)P.tok_stride;
-  }
-  // element offset of key j's row from the bases
-  __device__ __forceinline__ i64 offset(int j) const {
-    if (table == nullptr) return wide((u32)j, tok_stride);
-    const int page = __ldg(table + (page_shift >= 0 ? j >> page_shift : j / page_size));
-    const u32 in_page = page_shift >= 0 ? j & (page_size - 1) : j % page_size;
-    return wide((u32)page, page_stride) + wide(in_page, tok_stride);
-  }
   // One part (K: KP, else V rows) of the tile of descriptor d -> dst (swizzled [BN][D]):
   // thread tid copies 16-byte chunk tid % CL of rows tid / CL + ROW_STEP i, rows past the
   // width zero-filled; each row's key and page read just before its copy (no state across
@@ -106,14 +76,15 @@ struct SparseKV {
     if (C::CL != C::CH && c >= C::CH) return;
     const int w = d.y & TILE_WIDTH;
     const bool gather = (d.y & TILE_GATHER) != 0;
-    const T* base = (KP ? kb : vb) + c * 8;
+    const int* cols = this->cols;
+    const T* base = (KP ? this->kb : this->vb) + c * 8;
 #pragma unroll 4
     for (int i = 0; i < RPT; ++i) {
       const int r = r0 + i * C::ROW_STEP;
       const bool ok = r < w;
       const int j = !ok ? 0 : gather ? __ldg(cols + d.x + r) : d.x + r;
       if (KP && gather && ok && c == 0) cp_async4(keys + 4 * r, cols + d.x + r);
-      cp_async16(dst + swizzled<BN, C::SW>(r, c), base + (ok ? offset(j) : 0), ok ? 16 : 0);
+      cp_async16(dst + swizzled<BN, C::SW>(r, c), base + (ok ? this->offset(j) : 0), ok ? 16 : 0);
     }
   }
   // TMA (dense rows, a whole tile of contiguous keys): one part of tile d as D / 64 tensor
@@ -121,7 +92,8 @@ struct SparseKV {
   // and cupaged.core.tma) at the sequence's first key plus d.x, landing on `full`.
   __device__ __forceinline__ void tma_part(const TensorMap* map, int2 d, u32 dst, u32 full) const {
 #pragma unroll
-    for (int b = 0; b < C::HEAD / 64; ++b) tma_load_4d(dst + b * BN * 128, map, 64 * b, kv_start + d.x, hk, 0, full);
+    for (int b = 0; b < C::HEAD / 64; ++b)
+      tma_load_4d(dst + b * BN * 128, map, 64 * b, this->kv_start + d.x, this->hk, 0, full);
   }
 };
 

@@ -21,6 +21,43 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(smem_addr(smem)), "l"(gmem) : "memory");
 }
 
+// Where the K/V rows of a CTA's keys come from: the kv head hk's bases (dense rows: from the
+// sequence's first key kv_start), the sequence's block table (null: dense rows), the head's
+// vertical row (gathered tiles' keys) and the page geometry (page_shift >= 0: power-of-two
+// pages). Page and token strides fit in 32 bits (the host checks: blocks under 2^32
+// elements).
+template <typename T>
+struct SparseKeys {
+  const T* kb;
+  const T* vb;
+  const int* table;
+  const int* cols;
+  int page_size, page_shift;
+  u32 page_stride, tok_stride;
+  int hk, kv_start;
+
+  __device__ __forceinline__ void init(const SparseArgs<T>& P, int b, int h) {
+    hk = h / P.group;
+    kv_start = P.block_tables == nullptr ? P.cu_k[b] : 0;
+    const i64 base = (i64)hk * P.head_stride + (i64)kv_start * P.tok_stride;
+    kb = P.k + base;
+    vb = P.v + base;
+    table = P.block_tables == nullptr ? nullptr : P.block_tables + (i64)b * P.table_stride;
+    cols = P.cols == nullptr ? nullptr : P.cols + ((i64)b * P.cols_heads + h) * P.cols_width;
+    page_size = P.page_size;
+    page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+    page_stride = (u32)P.page_stride;
+    tok_stride = (u32)P.tok_stride;
+  }
+  // element offset of key j's row from the bases (32 x 32 -> 64-bit products)
+  __device__ __forceinline__ i64 offset(int j) const {
+    if (table == nullptr) return (i64)((unsigned long long)(u32)j * tok_stride);
+    const int page = __ldg(table + (page_shift >= 0 ? j >> page_shift : j / page_size));
+    const u32 in_page = page_shift >= 0 ? j & (page_size - 1) : j % page_size;
+    return (i64)((unsigned long long)(u32)page * page_stride + (unsigned long long)in_page * tok_stride);
+  }
+};
+
 // The sequence rows of one CTA, from its tile source: 128-row CTA row c of sequence b.
 struct CtaSeq {
   int b, c, q0, q_len, kv_len;
