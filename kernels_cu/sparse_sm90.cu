@@ -60,10 +60,18 @@ struct StageTile {
   }
 };
 
-// The CTA's key rows (SparseKeys, sparse_source.cuh) and the producer's copies of them.
+// The CTA's key rows (SparseKeys, sparse_source.cuh) and the producer's copies of them;
+// hk, kv_start: the kv head and (dense rows) the sequence's first key, the TMA coordinates.
 template <typename T, typename C>
 struct SparseKV : SparseKeys<T> {
   static constexpr int BN = C::KEYS, RPT = BN / C::ROW_STEP;  // rows a thread copies a part
+  int hk, kv_start;
+
+  __device__ __forceinline__ void init(const SparseArgs<T>& P, int b, int h) {
+    SparseKeys<T>::init(P, b, h);
+    hk = h / P.group;
+    kv_start = P.block_tables == nullptr ? P.cu_k[b] : 0;
+  }
 
   // One part (K: KP, else V rows) of the tile of descriptor d -> dst (swizzled [BN][D]):
   // thread tid copies 16-byte chunk tid % CL of rows tid / CL + ROW_STEP i, rows past the
@@ -93,7 +101,7 @@ struct SparseKV : SparseKeys<T> {
   __device__ __forceinline__ void tma_part(const TensorMap* map, int2 d, u32 dst, u32 full) const {
 #pragma unroll
     for (int b = 0; b < C::HEAD / 64; ++b)
-      tma_load_4d(dst + b * BN * 128, map, 64 * b, this->kv_start + d.x, this->hk, 0, full);
+      tma_load_4d(dst + b * BN * 128, map, 64 * b, kv_start + d.x, hk, 0, full);
   }
 };
 

@@ -21,11 +21,10 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(smem_addr(smem)), "l"(gmem) : "memory");
 }
 
-// Where the K/V rows of a CTA's keys come from: the kv head hk's bases (dense rows: from the
-// sequence's first key kv_start), the sequence's block table (null: dense rows), the head's
-// vertical row (gathered tiles' keys) and the page geometry (page_shift >= 0: power-of-two
-// pages). Page and token strides fit in 32 bits (the host checks: blocks under 2^32
-// elements).
+// Where the K/V rows of a CTA's keys come from: the kv head's bases (dense rows: from the
+// sequence's first key), the sequence's block table (null: dense rows), the head's vertical
+// row (gathered tiles' keys) and the page geometry (page_shift >= 0: power-of-two pages).
+// Page and token strides fit in 32 bits (the host checks: blocks under 2^32 elements).
 template <typename T>
 struct SparseKeys {
   const T* kb;
@@ -34,12 +33,10 @@ struct SparseKeys {
   const int* cols;
   int page_size, page_shift;
   u32 page_stride, tok_stride;
-  int hk, kv_start;
 
   __device__ __forceinline__ void init(const SparseArgs<T>& P, int b, int h) {
-    hk = h / P.group;
-    kv_start = P.block_tables == nullptr ? P.cu_k[b] : 0;
-    const i64 base = (i64)hk * P.head_stride + (i64)kv_start * P.tok_stride;
+    const i64 base = (i64)(h / P.group) * P.head_stride +
+                     (P.block_tables == nullptr ? (i64)P.cu_k[b] * P.tok_stride : 0);
     kb = P.k + base;
     vb = P.v + base;
     table = P.block_tables == nullptr ? nullptr : P.block_tables + (i64)b * P.table_stride;
