@@ -37,10 +37,6 @@ __device__ __forceinline__ int ld_shared_int(u32 addr) {
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x) : "r"(addr) : "memory");
   return x;
 }
-// cp.async of 4 bytes (the L1-allocating form; .cg takes only 16)
-__device__ __forceinline__ void cp_async4(u32 smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem), "l"(gmem) : "memory");
-}
 
 // A stage's tile as the consumers see it: descriptor d, its rows' keys at `keys` (gathered)
 // and its first and last key.

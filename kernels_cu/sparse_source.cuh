@@ -16,9 +16,12 @@ namespace cupaged {
 // HALF_ROWS (query rows of one pattern half): from cupaged.sparse.launch
 constexpr int EMPTY_KEY = 0x7fffffff;  // key of an empty K/V tile row (past every row's limit)
 
-// cp.async of 8 bytes (the L1-allocating form; .cg takes only 16).
+// cp.async of 8 and of 4 bytes (the L1-allocating form; .cg takes only 16).
 __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem), "l"(gmem) : "memory");
 }
 
 // Where the K/V rows of a CTA's keys come from: the kv head's bases (dense rows: from the

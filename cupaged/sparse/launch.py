@@ -72,10 +72,10 @@ def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS, ge
     return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {tile.cpp()}, {flag}>"
 
 
+BACKENDS = prefill_plan.BACKENDS   # the attention ops' kernel choice, as the dense prefill's
 # the wgmma kernels (sparse_sm90.cu): CTAs of CTA_ROWS rows, a producer and two consumer
 # warpgroups (prefill.plan.WS_THREADS; the producer's registers as the dense kernel's),
 # tiles of ws_tile_n keys, three K/V stages (two at d256: shared memory)
-BACKENDS = prefill_plan.BACKENDS   # the attention ops' kernel choice, as the dense prefill's
 WS_KERNELS = {"sparse_attention": "sparse_ws_kernel", "bsr_attention": "bsr_ws_kernel"}
 # over dense rows of these head sizes, whole tiles of contiguous keys by TMA (core.tma)
 WS_TMA_KERNELS = {"sparse_attention": "sparse_ws_tma_kernel", "bsr_attention": "bsr_ws_tma_kernel"}
@@ -146,10 +146,10 @@ def attention_launch(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS, ge
     if wgmma:
         use_tma = ragged and head_dim in WS_TMA_HEAD_DIMS
         expr = attention_expr(dtype, head_dim, kind, CTA_ROWS, general, True, use_tma)
-        return AttentionLaunch(launcher("sparse_sm90", expr, abi.SPARSE_TMA if use_tma else abi.SPARSE,
-                                        hopper=True, smem=ws_smem(head_dim)),
-                               prefill_plan.WS_THREADS, ws_smem(head_dim), ws_tile_n(head_dim),
-                               use_tma)
+        record = abi.SPARSE_TMA if use_tma else abi.SPARSE
+        smem = ws_smem(head_dim)
+        return AttentionLaunch(launcher("sparse_sm90", expr, record, hopper=True, smem=smem),
+                               prefill_plan.WS_THREADS, smem, ws_tile_n(head_dim), use_tma)
     tile = attention_tile(head_dim, rows)
     return AttentionLaunch(attention_kernel(dtype, head_dim, kind, rows, general), tile.threads,
                            attention_smem(head_dim, rows), tile.block_n)
@@ -230,8 +230,8 @@ def kernel_specializations():
                 for rows in (CTA_ROWS, ROWS):
                     specs.append(Spec("sparse_attention", attention_expr(
                         dtype, d, "bsr_attention", rows, general)))
-                specs += [Spec("sparse_sm90", attention_expr(dtype, d, kind, CTA_ROWS, general, True,
-                                                             use_tma), hopper=True)
+                specs += [Spec("sparse_sm90", attention_expr(dtype, d, kind, CTA_ROWS, general,
+                                                             True, use_tma), hopper=True)
                           for kind in WS_KERNELS
                           for use_tma in (False, True)[:1 + (d in WS_TMA_HEAD_DIMS)]]
     return specs
