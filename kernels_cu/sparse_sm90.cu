@@ -201,12 +201,13 @@ __device__ __forceinline__ void sparse_produce(const SparseArgs<T>& P, const Wor
       mbar_arrive(bar.k_full(st));
     }
     if (lead) next = src.pull();
+    // every thread waits for the stage's previous V to be released, so that no arrival of
+    // this use reaches its full barrier before the previous use's phase (its bytes) completed
+    if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
     if (!tma) {
-      if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
       kv.template issue_part<false>(d, sK + C::KV_BYTES, sKeys);
       cp_async_arrive(bar.v_full(st));
     } else if (lead) {
-      if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
       mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
       kv.tma_part(v_map, d, sK + C::KV_BYTES, bar.v_full(st));
     } else {
