@@ -211,7 +211,8 @@ def vertical_slash_attention(q, k, v, v_idx, s_idx, *, cu_seqlens_q=None, cu_seq
         else the kernels check them (``cupaged.check_errors``; rows of bad entries are
         zeros, and on CuPy query rows past ``cu_seqlens_q[-1]`` are zeroed padding).
     backend : {"auto", "mma", "wgmma"}
-        The CUDA kernel: "auto" takes the wgmma kernel on sm_90 (Hopper), else the mma.sync
+        The CUDA kernel: "auto" takes the wgmma kernel on sm_90 (Hopper) for K/V rows of head
+        size 64 or 128 (not a paged cache: ``sparse.launch.use_wgmma``), else the mma.sync
         one; "wgmma" needs sm_90. NumPy inputs run the reference whatever it says.
 
     Returns
