@@ -10,8 +10,10 @@
 // the head's vertical row - each loaded once and computed by the warps of the halves whose
 // pattern holds it. Two sources share the loop: the tile lists of sparse_index.cu
 // (vertical+slash, ListSource) and a batched BSR pattern walked in place from its `indices`
-// (BsrSource, BsrStream of sparse_plan.cuh). Only tiles that cross a warp's diagonal (or are
-// not full) are masked; a tile past every row of a warp is skipped.
+// (BsrSource, BsrStream of sparse_plan.cuh), both in sparse_source.cuh (shared with the
+// sm_90 kernels of sparse_sm90.cu). Only tiles that cross a warp's diagonal (or are not full)
+// are masked; a tile past every row of a warp is skipped. (mma.sync, on every GPU; sm_90's
+// wgmma form: sparse_sm90.cu.)
 #include "attn_tile.cuh"
 #include "score.cuh"
 #include "sparse_source.cuh"
