@@ -748,6 +748,15 @@ struct WsItems {
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(idx) : "r"(slot(k)) : "memory");
     return idx;
   }
+  // item k of the run into `it` with its key tiles (key_tiles); false past the run's end
+  template <int BLOCK_M, int BN, typename Prob>
+  __device__ __forceinline__ bool item(const Prob& P, int k, WorkItem& it, int& n_first, int& n_last) const {
+    const int idx = wait(k);
+    if (idx < 0) return false;
+    it.init(P, P.work[idx], BLOCK_M);
+    key_tiles<BN>(P, it, n_first, n_last);
+    return true;
+  }
   // publisher: item k is list item idx (or the end); whether it is one
   template <typename Prob>
   __device__ __forceinline__ bool publish(const Prob& P, int k, int idx) const {
@@ -849,12 +858,9 @@ __device__ __forceinline__ void ws_produce_tma(const Prob& P, const TensorMap* k
   int next = threadIdx.x == 32 ? items.start(P) : 0;
   int t0 = 0;  // tiles of the CTA's earlier items
   for (int k = 0;; ++k) {
-    const int idx = items.wait(k);
-    if (idx < 0) break;
     WorkItem it;
-    it.init(P, P.work[idx], C::BLOCK_M);
     int n_first, n_last;
-    key_tiles<BN>(P, it, n_first, n_last);
+    if (!items.item<C::BLOCK_M, BN>(P, k, it, n_first, n_last)) break;
     const int tiles = max(n_last - n_first + 1, 0);
     const bool cut = tiles > 0 && (n_last + 1) * BN > it.kv_len;  // tile n_last runs past kv_len
     if (threadIdx.x >= 32) {  // the Q warps: Q, then the cut tile
@@ -942,12 +948,9 @@ __device__ __forceinline__ void ws_produce_fp8(const Prob& P, const TensorMap* k
   int next = threadIdx.x == 32 ? items.start(P) : 0;
   int q0 = 0;  // parts of the CTA's earlier items
   for (int k = 0;; ++k) {
-    const int idx = items.wait(k);
-    if (idx < 0) break;
     WorkItem it;
-    it.init(P, P.work[idx], C::BLOCK_M);
     int n_first, n_last;
-    key_tiles<BN>(P, it, n_first, n_last);
+    if (!items.item<C::BLOCK_M, BN>(P, k, it, n_first, n_last)) break;
     const int parts = 2 * max(n_last - n_first + 1, 0);
     if (!copier) items.load_q_tile<T, C>(P, it, bar, k, next, sQ);
     TmaParts boxes;
@@ -1011,12 +1014,9 @@ __device__ __forceinline__ void ws_produce(const Prob& P, const Bar& bar, const 
   int next = threadIdx.x == 32 ? items.start(P) : 0;
   int t0 = 0;  // tiles of the CTA's earlier items
   for (int k = 0;; ++k) {
-    const int idx = items.wait(k);
-    if (idx < 0) break;
     WorkItem it;
-    it.init(P, P.work[idx], C::BLOCK_M);
     int n_first, n_last;
-    key_tiles<BN>(P, it, n_first, n_last);
+    if (!items.item<C::BLOCK_M, BN>(P, k, it, n_first, n_last)) break;
     if (threadIdx.x >= 32) items.load_q_tile<T, C>(P, it, bar, k, next, sQ);
     const auto src = kv_rows<T, KV, C>(P, it);
     for (int n = n_last, i = t0; n >= n_first; --n, ++i) {
@@ -1148,12 +1148,9 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const Tensor
     if (g == 1) turn.pass();  // consumer 0 takes the first turn
     int t0 = 0;  // tiles of the CTA's earlier items
     for (int k = 0;; ++k) {
-      const int idx = items.wait(k);
-      if (idx < 0) break;
       WorkItem it;
-      it.init(P, P.work[idx], C::BLOCK_M);
       int n_first, n_last;
-      key_tiles<C::KEYS>(P, it, n_first, n_last);
+      if (!items.item<C::BLOCK_M, C::KEYS>(P, k, it, n_first, n_last)) break;
       Rows rows;
       // the kv head's k_scale joins the score scale, its v_scale scales the output (as prefill_wgmma)
       rows.init<C>(P, it, g, warp, lane,
