@@ -964,8 +964,8 @@ def test_gpu_persistent_grid_runs_every_item(cp, hopper, rng, monkeypatch, tma, 
     from cupaged.prefill import launch
     facts = launch.current()
     monkeypatch.setattr(launch, "current", lambda: facts._replace(sms=grid))
-    tile = plan_.tma_tile(d) if tma else plan_.wgmma_tile(d)
-    assert tile.persistent and tile.tma == tma
+    tile = (plan_.tma_tile(d) if tma else plan_.wgmma_tile(d))._replace(persistent=True)
+    assert tile.ws and tile.tma == tma
     for causal in (True, False, True):
         fo = _feature_opts(rng, "all", 8) if general else {}
         fo["causal"] = causal

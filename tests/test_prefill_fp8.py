@@ -445,7 +445,7 @@ def test_fp8_tma_launch_record(monkeypatch, rng):
     monkeypatch.setattr(launch, "scratch", lambda name, n, zero=False: np.zeros(n, np.int32))
     case, fp8 = fp8_paged(rng, [5, 70], [9, 300], layout="HND", fmt="fp8_e5m2", scale="float")
     geo = _cache_geometry(case, "HND", "fp8_e5m2")
-    tile = plan_.tma_tile(128, kv="fp8_e5m2")
+    tile = plan_.tma_tile(128, kv="fp8_e5m2")._replace(persistent=True)
     opts = check_options(np, 8, 128)
     scales = kernel_scales(fp8_format("fp8_e5m2"), 0.05, 0.04, 2, False)
     work = np.zeros((4, 4), np.int32)
@@ -470,9 +470,10 @@ def test_fp8_tma_launch_record(monkeypatch, rng):
                         True, True, "wgmma", tile=tile, work=work, kv="fp8_e5m2", scales=scales)
 
 
-def check_gpu_tma(cp, case, fp8, layout, causal=True, **opts):
-    """The fp8 TMA tile (explicit, a host work list) on the device, out and LSE
-    NaN-poisoned, against the reference on the same bytes; scales as device arrays."""
+def check_gpu_tma(cp, case, fp8, layout, causal=True, persistent=None, **opts):
+    """The fp8 TMA tile (explicit, a host work list; ``persistent``: its grid, None the
+    default) on the device, out and LSE NaN-poisoned, against the reference on the same
+    bytes; scales as device arrays."""
     from cupaged.core.checks import check_options
     from cupaged.core.fp8 import fp8_format, kernel_scales
     from cupaged.core.layouts import cache_strides
@@ -482,6 +483,8 @@ def check_gpu_tma(cp, case, fp8, layout, causal=True, **opts):
     q, hq, d, fmt = case["q"], case["q"].shape[1], case["q"].shape[2], fp8["kv_dtype"]
     geo = _cache_geometry(case, layout, fmt)
     tile = plan_.tma_tile(d, kv=fmt)
+    if persistent is not None:
+        tile = tile._replace(persistent=persistent)
     want, want_lse = ref.paged_prefill(**case, layout=layout, return_lse=True, causal=causal,
                                        **fp8, **opts)
     ho = check_options(np, hq, d, **opts)
@@ -539,7 +542,7 @@ def test_gpu_fp8_tma_persistent_grid(cp, rng, monkeypatch, layout, grid):
     for _ in range(3):
         case, fp8 = fp8_paged(rng, TMA_Q, TMA_KV, hq=8, hk=2, d=128, layout=layout,
                               fmt="fp8_e4m3", scale="heads", fill=TMA_NAN)
-        check_gpu_tma(cp, case, fp8, layout)
+        check_gpu_tma(cp, case, fp8, layout, persistent=True)
 
 
 @pytest.mark.gpu

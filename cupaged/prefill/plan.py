@@ -132,7 +132,7 @@ class WgmmaTile(NamedTuple):
     :data:`TMA_HEAD_DIMS`, :func:`check_tma`); ``slots`` (with ``tma``; an explicit tile,
     ``tma_tile(head_dim, kv=...)``, never a default): from an fp8 cache, the staging slots of
     K or V codes the producer copies by TMA and widens into the 16-bit tiles (0: 16-bit
-    K/V). ``persistent`` (with ``ws``; the default of every warp-specialised tile): a grid
+    K/V). ``persistent`` (with ``ws``; :data:`PERSISTENT` in the default tiles): a grid
     of one CTA an SM (at most one a work item), each CTA running the items it claims from a
     counter, the next item's Q and tiles copied under the last one's tiles and epilogue;
     else one CTA a work item. ``Config`` in prefill_sm90.cu."""
@@ -176,6 +176,11 @@ def ws_producer_regs(head_dim, tma=False):
     return 56 if tma else 72
 
 
+# Whether the warp-specialised tiles run on the persistent grid (WgmmaTile.persistent): off
+# until the GPU tests and the same-run A/B of benchmarks/NOTES.md ("A persistent
+# warp-specialised prefill") have run; tiles with persistent=True take it explicitly.
+PERSISTENT = False
+
 # head sizes the TMA producer takes: core.tma's (rows of whole 128-byte column blocks)
 TMA_HEAD_DIMS = tma.HEAD_DIMS
 # K and V buffers of the TMA tile: three, the stage count the GPU tests ran as the default
@@ -198,10 +203,10 @@ def tma_tile(head_dim, stages=None, kv=None):
     16-bit tiles. The fp8 tile is opt-in: :func:`wgmma_tile` never returns it."""
     if kv is None:
         return WgmmaTile(128, stages or TMA_STAGES, True, ws_producer_regs(head_dim, True), True,
-                         persistent=True)
+                         persistent=PERSISTENT)
     check_choice("kv", kv, KV_DTYPES)
     return WgmmaTile(128, stages or FP8_TMA_STAGES, True, ws_producer_regs(head_dim, True),
-                     True, FP8_TMA_SLOTS, persistent=True)
+                     True, FP8_TMA_SLOTS, persistent=PERSISTENT)
 
 
 class TmaGeometry(NamedTuple):
@@ -296,7 +301,7 @@ def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False, geometr
     if warp_specialised(head_dim, kv, v_transposed, decode_rows):
         if geometry is not None and tma_fits(head_dim, kv, geometry, block_n):
             return tma_tile(head_dim)
-        return WgmmaTile(block_n, 2, True, ws_producer_regs(head_dim), persistent=True)
+        return WgmmaTile(block_n, 2, True, ws_producer_regs(head_dim), persistent=PERSISTENT)
     return WgmmaTile(block_n, 3 if head_dim == 64 else 2)
 
 
