@@ -234,7 +234,6 @@ struct KVRows {
 // rows in order (CH chunks a row).
 template <typename T, int D, typename C, int NT = C::THREADS, typename Prob>
 __device__ __forceinline__ void load_q(const Prob& P, const WorkItem& it, u32 sQ, int tid = threadIdx.x) {
-  static_assert((C::BLOCK_M * C::CH) % NT == 0 || NT % 32 == 0, "warps of loaders");
 #pragma unroll 1
   for (int idx = tid; idx < C::BLOCK_M * C::CH; idx += NT) {
     const int r = idx / C::CH, c = idx % C::CH;

@@ -772,7 +772,7 @@ def test_wgmma_tile_shares_work_list_and_fits():
         if kv is None and vt == "false" and d != 256:
             assert tile.ws and tile.threads == plan_.WS_THREADS
             return (f"cupaged::prefill_ws_kernel<{t}, {t}, {d}, {tile.block_n}, {tile.stages}, {g}, "
-                    f"{plan_.ws_producer_regs(d)}>")
+                    f"{plan_.ws_producer_regs()}>")
         assert not tile.ws and tile.threads == 256
         return (f"cupaged::prefill_wgmma_kernel<{t}, {kv or t}, {d}, {tile.block_n}, {tile.stages}, "
                 f"{vt}, {g}>")
@@ -783,11 +783,11 @@ def test_wgmma_tile_shares_work_list_and_fits():
             for vt in ("false", "true") for g in ("false", "true")}
     tma = plan_.tma_tile(128)
     want |= {f"cupaged::prefill_ws_tma_kernel<{t}, {t}, {d}, {tma.block_n}, {tma.stages}, {g}, "
-             f"{plan_.ws_producer_regs(d, True)}, 0>"
+             f"{plan_.ws_producer_regs(True)}, 0>"
              for t in ("__half", "__nv_bfloat16") for d in plan_.TMA_HEAD_DIMS for g in ("false", "true")}
     fp8 = plan_.tma_tile(128, kv="fp8_e4m3")  # opt-in, compiled for the gate
     want |= {f"cupaged::prefill_ws_tma_kernel<{t}, cupaged::{kv}, {d}, {fp8.block_n}, {fp8.stages}, "
-             f"{g}, {plan_.ws_producer_regs(d, True)}, {plan_.FP8_TMA_SLOTS}>"
+             f"{g}, {plan_.ws_producer_regs(True)}, {plan_.FP8_TMA_SLOTS}>"
              for t in ("__half", "__nv_bfloat16") for kv in ("fp8_e4m3", "fp8_e5m2")
              for d in plan_.TMA_HEAD_DIMS for g in ("false", "true")}
     assert hopper == want

@@ -166,7 +166,7 @@ def cpp() -> str:
     return abi.constants("sm90", dict(WS_THREADS=WS_THREADS, WS_ITEM_WORDS=WS_ITEM_WORDS))
 
 
-def ws_producer_regs(head_dim, tma=False):
+def ws_producer_regs(tma=False):
     """The producer warpgroup's register budget in the warp-specialised kernel (the
     consumers take the rest of the CTA's registers at launch, ``ws_consumer_regs`` in
     prefill_sm90.cu: 504 a thread of each warpgroup, 168 x 3): the largest with which both
@@ -202,10 +202,10 @@ def tma_tile(head_dim, stages=None, kv=None):
     the codes by TMA into :data:`FP8_TMA_SLOTS` staging slots and widens them into the
     16-bit tiles. The fp8 tile is opt-in: :func:`wgmma_tile` never returns it."""
     if kv is None:
-        return WgmmaTile(128, stages or TMA_STAGES, True, ws_producer_regs(head_dim, True), True,
+        return WgmmaTile(128, stages or TMA_STAGES, True, ws_producer_regs(True), True,
                          persistent=PERSISTENT)
     check_choice("kv", kv, KV_DTYPES)
-    return WgmmaTile(128, stages or FP8_TMA_STAGES, True, ws_producer_regs(head_dim, True),
+    return WgmmaTile(128, stages or FP8_TMA_STAGES, True, ws_producer_regs(True),
                      True, FP8_TMA_SLOTS, persistent=PERSISTENT)
 
 
@@ -301,7 +301,7 @@ def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False, geometr
     if warp_specialised(head_dim, kv, v_transposed, decode_rows):
         if geometry is not None and tma_fits(head_dim, kv, geometry, block_n):
             return tma_tile(head_dim)
-        return WgmmaTile(block_n, 2, True, ws_producer_regs(head_dim), persistent=PERSISTENT)
+        return WgmmaTile(block_n, 2, True, ws_producer_regs(), persistent=PERSISTENT)
     return WgmmaTile(block_n, 3 if head_dim == 64 else 2)
 
 
