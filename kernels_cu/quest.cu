@@ -117,23 +117,82 @@ __device__ __forceinline__ u32 page_key(int i, int n, int first, float s) {
   return i == n - 1 ? LAST_KEY : (i < first ? FIRST_KEY : order_key(s));
 }
 
-// grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS;
-// dynamic shared memory group * D floats (the group's queries); bounds TB (float or bf16).
+// Four consecutive bound dims (16 bytes of float, 8 of bfloat16), loaded raw and widened
+// when used.
+template <typename TB> struct Bound4;
+template <> struct Bound4<float> {
+  uint4 raw;
+  __device__ __forceinline__ void load(const float* p) { raw = __ldg(reinterpret_cast<const uint4*>(p)); }
+  __device__ __forceinline__ void load_zero() { raw = make_uint4(0u, 0u, 0u, 0u); }
+  __device__ __forceinline__ void get(float (&x)[4]) const {
+    x[0] = __uint_as_float(raw.x); x[1] = __uint_as_float(raw.y);
+    x[2] = __uint_as_float(raw.z); x[3] = __uint_as_float(raw.w);
+  }
+};
+template <> struct Bound4<__nv_bfloat16> {
+  uint2 raw;
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
+    raw = __ldg(reinterpret_cast<const uint2*>(p));
+  }
+  __device__ __forceinline__ void load_zero() { raw = make_uint2(0u, 0u); }
+  __device__ __forceinline__ void get(float (&x)[4]) const {
+    x[0] = __uint_as_float(raw.x << 16); x[1] = __uint_as_float(raw.x & 0xffff0000u);
+    x[2] = __uint_as_float(raw.y << 16); x[3] = __uint_as_float(raw.y & 0xffff0000u);
+  }
+};
+
+// Sums N values of each lane over the LANES lanes (a power of two >= N) of its aligned lane
+// group, N / 2 values exchanged a step while more than one is left (the lanes whose `off`
+// bit is set keep the upper half): returns the total of value `which` (the same for every
+// lane of a group whose high log2(N) group bits agree).
+template <int N, int LANES>
+__device__ __forceinline__ float group_sums(float (&v)[N], unsigned mask, int& which) {
+  which = 0;
+  int m = N;
+#pragma unroll
+  for (int off = LANES / 2; off >= 1; off >>= 1) {
+    if (m > 1) {
+      const bool up = threadIdx.x & off;
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        if (i < m / 2) {
+          const float send = up ? v[i] : v[i + m / 2];
+          const float keep = up ? v[i + m / 2] : v[i];
+          v[i] = keep + __shfl_xor_sync(mask, send, off);
+        }
+      }
+      if (up) which += m / 2;
+      m /= 2;
+    } else {
+      v[0] += __shfl_xor_sync(mask, v[0], off);
+    }
+  }
+  return v[0];
+}
+
+// grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS.
 // CTA ((b, h), c) scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv
-// head h into scores[b, h, :]: a warp UNROLL pages at a time, their bounds loaded before
-// any is reduced (lane l holds dims l, l + 32, ...); score = max over the group's queries of
-// sum_d (q_d > 0 ? q_d max_d : q_d < 0 ? q_d min_d : 0); -inf past the sequence (and for a
-// sequence with a bad length), +inf for its last page, -inf for a bad block id (reported).
-// (A minimum of one CTA a multiprocessor in the launch bounds: without it ptxas spills some
-// head sizes on sm_80.)
-template <typename T, typename TB, int D, int THREADS, int UNROLL>
+// head h into scores[b, h, :]. A page takes LANES lanes (16 for D = 64, else 32; PAGES =
+// 32 / LANES a warp step), lane l of them dims 4 (l + LANES j) .. + 3 (j < CPL); a warp loads
+// UNROLL steps of pages before it reduces any. The group's query heads go GC at a time
+// (registers: q split into its positive and negative parts), each chunk a pass over the
+// pages: score = max over the group's heads of sum_d (q_d > 0 ? q_d max_d : q_d < 0 ? q_d
+// min_d : 0), computed as q+ max + q- min (two FMAs a dim); where that gives NaN (an infinite
+// bound times a zero part, or +inf - inf) the page is recomputed term by term, and a NaN
+// there makes the page -inf. -inf past the sequence (and for a sequence with a bad length),
+// +inf for its last page, -inf for a bad block id (reported). Passes after the first take
+// the max with what the last one stored (NaN kept until the last pass).
+template <typename T, typename TB, int D, int THREADS, int GC, int UNROLL>
 __global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_QuestScoreArgs) {
   const QuestScoreArgs<T, TB> a{CUPAGED_FIELDS_QuestScoreArgs};
-  constexpr int WARPS = THREADS / 32, DL = (D + 31) / 32;
-  extern __shared__ float s_q[];
+  constexpr int WARPS = THREADS / 32, C = D / 4, LANES = C <= 16 ? 16 : 32;
+  constexpr int CPL = (C + LANES - 1) / LANES, PAGES = 32 / LANES;
+  static_assert(D % 16 == 0 && GC <= LANES, "quest_score_kernel: head size or group chunk");
   const int row_id = blockIdx.x;
   const int b = row_id / a.num_kv_heads, h = row_id - b * a.num_kv_heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane % LANES, slot = lane / LANES;
+  const unsigned mask = LANES == 32 ? 0xffffffffu : 0xffffu << (slot * LANES);
   const int* table = a.block_tables + (i64)b * a.bt_stride;
   float* row_scores = a.scores + (i64)row_id * a.width;
   const int len = __ldg(a.seq_lens + b);
@@ -142,50 +201,129 @@ __global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_
                     ? (int)(((i64)len + a.block_size - 1) / a.block_size) : 0;
   const int begin = blockIdx.y * a.pages_per_cta;
   const int end = min(a.width, begin + a.pages_per_cta);
-  for (int i = threadIdx.x; i < a.group * D; i += THREADS) {
-    const int g = i / D;
-    s_q[i] = to_float<T>(a.q[(i64)b * a.q_stride + (i64)(h * a.group + g) * D + (i - g * D)]);
-  }
-  __syncthreads();
   const int stop = min(end, n);
-  for (int i0 = begin + warp * UNROLL; i0 < stop; i0 += WARPS * UNROLL) {
-    float mx[UNROLL][DL], mn[UNROLL][DL];
-    bool ok[UNROLL];
+  for (int g0 = 0; g0 < a.group; g0 += GC) {
+    const bool first_pass = g0 == 0, last_pass = g0 + GC >= a.group;
+    float qp[GC][CPL][4], qn[GC][CPL][4];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int i = i0 + u;
-      const int blk = i < stop ? __ldg(table + i) : 0;
-      ok[u] = (unsigned)blk < (unsigned)a.num_blocks;
-      if (i < stop && !ok[u] && lane == 0 && h == 0)
-        report_error(a.err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, i, blk, a.num_blocks);
-      const i64 row = ok[u] ? ((i64)blk * a.num_kv_heads + h) * D : 0;
+    for (int g = 0; g < GC; ++g) {
+      const T* qrow = a.q + (i64)b * a.q_stride + (i64)(h * a.group + g0 + g) * D;
 #pragma unroll
-      for (int j = 0; j < DL; ++j) {
-        const int d = lane + 32 * j;
-        const bool load = i < stop && ok[u] && d < D;
-        mx[u][j] = load ? to_float<TB>(__ldg(a.k_max + row + d)) : 0.f;
-        mn[u][j] = load ? to_float<TB>(__ldg(a.k_min + row + d)) : 0.f;
+      for (int j = 0; j < CPL; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int d = 4 * (sub + LANES * j) + e;
+          const float x = g0 + g < a.group && d < D ? to_float<T>(qrow[d]) : 0.f;
+          qp[g][j][e] = x > 0.f ? x : 0.f;
+          qn[g][j][e] = x < 0.f ? x : 0.f;
+        }
       }
     }
+    for (int i0 = begin + warp * UNROLL * PAGES; i0 < stop; i0 += WARPS * UNROLL * PAGES) {
+      Bound4<TB> mx[UNROLL][CPL], mn[UNROLL][CPL];
+      bool ok[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int i = i0 + u;  // the same for the whole warp
-      if (i >= stop) break;
-      float best = neg_inf();
-      for (int g = 0; g < a.group; ++g) {
-        float acc = 0.f;
+      for (int u = 0; u < UNROLL; ++u) {
+        const int i = i0 + u * PAGES + slot;
+        const int blk = i < stop ? __ldg(table + i) : 0;
+        ok[u] = (unsigned)blk < (unsigned)a.num_blocks;
+        if (i < stop && !ok[u] && sub == 0 && h == 0 && first_pass)
+          report_error(a.err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, i, blk, a.num_blocks);
+        const i64 row = ((i64)(ok[u] ? blk : 0) * a.num_kv_heads + h) * D;
 #pragma unroll
-        for (int j = 0; j < DL; ++j) {
-          const int d = lane + 32 * j;
-          const float qd = d < D ? s_q[g * D + d] : 0.f;
-          const float prod = qd * (qd > 0.f ? mx[u][j] : mn[u][j]);
-          acc += qd != 0.f ? prod : 0.f;  // q_d = 0 adds nothing, even against an infinite bound
+        for (int j = 0; j < CPL; ++j) {
+          const int d = 4 * (sub + LANES * j);
+          if (i < stop && ok[u] && d < D) {
+            mx[u][j].load(a.k_max + row + d);
+            mn[u][j].load(a.k_min + row + d);
+          } else {
+            mx[u][j].load_zero();
+            mn[u][j].load_zero();
+          }
         }
-        best = fmaxf(best, warp_sum(acc));
       }
-      if (lane == 0) {
-        const float s = best != best || !ok[u] ? neg_inf() : best;
-        row_scores[i] = i == n - 1 ? __int_as_float(0x7f800000) : s;
+      // a page's score s (NaN kept until the last pass) into its row, by one lane a page
+      const auto store = [&](int i, bool page_ok, float s) {
+        if (sub != 0 || i >= stop) return;
+        if (!first_pass) {
+          const float prev = row_scores[i];
+          s = prev != prev || s != s ? prev + s : fmaxf(prev, s);
+        }
+        if (last_pass) {
+          s = s != s || !page_ok ? neg_inf() : s;
+          s = i == n - 1 ? __int_as_float(0x7f800000) : s;
+        }
+        row_scores[i] = s;
+      };
+      unsigned redo = 0;  // bit u: step u's page gave NaN (the same for a page's lanes)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int i = i0 + u * PAGES + slot;
+        if (i0 + u * PAGES >= stop) continue;  // the same for the whole warp
+        float acc[GC];
+#pragma unroll
+        for (int g = 0; g < GC; ++g) acc[g] = 0.f;
+#pragma unroll
+        for (int j = 0; j < CPL; ++j) {
+          float hi[4], lo[4];
+          mx[u][j].get(hi);
+          mn[u][j].get(lo);
+#pragma unroll
+          for (int g = 0; g < GC; ++g)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              acc[g] = fmaf(qp[g][j][e], hi[e], fmaf(qn[g][j][e], lo[e], acc[g]));
+        }
+        int which;
+        float s = group_sums<GC, LANES>(acc, mask, which);
+        if (__ballot_sync(0xffffffffu, s != s) & mask) {
+          redo |= 1u << u;
+          continue;
+        }
+        s = g0 + which < a.group ? s : neg_inf();
+#pragma unroll
+        for (int off = LANES / 2; off >= LANES / GC; off >>= 1)
+          s = fmaxf(s, __shfl_xor_sync(mask, s, off));
+        store(i, ok[u], s);
+      }
+      // pages whose two-FMA sums gave NaN, term by term as the reference sums them (their
+      // bounds loaded again: rare, kept out of the unrolled steps' registers); a NaN there
+      // makes the page -inf
+#pragma unroll 1
+      for (int u = 0; u < UNROLL; ++u) {
+        if (!(redo >> u & 1)) continue;
+        const int i = i0 + u * PAGES + slot;
+        const i64 row = ((i64)__ldg(table + i) * a.num_kv_heads + h) * D;
+        float s = neg_inf();
+        bool any_nan = false;
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+          float t = 0.f;
+#pragma unroll
+          for (int j = 0; j < CPL; ++j) {
+            const int d = 4 * (sub + LANES * j);
+            if (d >= D) continue;
+            Bound4<TB> bhi, blo;
+            bhi.load(a.k_max + row + d);
+            blo.load(a.k_min + row + d);
+            float hi[4], lo[4];
+            bhi.get(hi);
+            blo.get(lo);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float qd = qp[g][j][e] + qn[g][j][e];
+              const float prod = qd * (qd > 0.f ? hi[e] : lo[e]);
+              t += qd != 0.f ? prod : 0.f;  // q_d = 0 adds nothing, even against an infinite bound
+            }
+          }
+#pragma unroll
+          for (int off = LANES / 2; off >= 1; off >>= 1) t += __shfl_xor_sync(mask, t, off);
+          if (g0 + g < a.group) {
+            any_nan |= t != t;
+            s = fmaxf(s, t);
+          }
+        }
+        store(i, true, any_nan ? __int_as_float(0x7fc00000) : s);
       }
     }
   }
@@ -199,7 +337,8 @@ __global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_
 // equal to it: positions[b, h, :] (-1 past the count), and a block table row of the
 // one-kv-head view (tokens_per_page entries a page: id blk * Hk + h, or (blk * block_size +
 // t) * Hk + h per token t) with its key count. A sequence with a bad length or block id
-// keeps nothing (count 0; the score kernel reported it).
+// keeps nothing (count 0; the score kernel reported it). With cache_keys the row's keys are
+// computed once into dynamic shared memory (width u32s), else on each pass from the scores.
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
   const QuestSelectArgs a{CUPAGED_FIELDS_QuestSelectArgs};
@@ -214,8 +353,16 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
   const int n = table_row_ok<THREADS>(table, used, a.num_blocks, nullptr, b) ? used : 0;
 
   // the top k pages by key (topk.cuh), written in position order
+  extern __shared__ u32 s_keys[];
+  if (a.cache_keys) {
+    for (int i = threadIdx.x; i < n; i += THREADS)
+      s_keys[i] = page_key(i, n, a.first_pages, row_scores[i]);
+    __syncthreads();
+  }
   const int k = min(a.top_k, a.width);
-  const auto key = [&](int i) { return page_key(i, n, a.first_pages, row_scores[i]); };
+  const auto key = [&](int i) {
+    return a.cache_keys ? s_keys[i] : page_key(i, n, a.first_pages, row_scores[i]);
+  };
   const TopK top = radix_select<THREADS>(key, n, k, s_hist);
   const int tpp = a.tokens_per_page;
   int* pos_row = a.positions ? a.positions + (i64)blockIdx.x * k : nullptr;

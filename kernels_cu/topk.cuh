@@ -32,9 +32,14 @@ __device__ __forceinline__ TopK radix_select(const Key& key, int n, int k, int* 
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += THREADS) s_hist[i] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += THREADS) {
-      const u32 x = key(i);
-      if ((x & mask) == prefix) atomicAdd(&s_hist[(x >> shift) & 255], 1);
+    // a warp's keys of one digit added by one lane (keys of a row share their top digits:
+    // one atomic a key would serialise on a few bins)
+    for (int base = 0; base < n; base += THREADS) {
+      const int i = base + threadIdx.x;
+      const u32 x = i < n ? key(i) : 0u;
+      const int digit = i < n && (x & mask) == prefix ? (int)((x >> shift) & 255) : 256;
+      const unsigned peers = __match_any_sync(0xffffffffu, digit);
+      if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&s_hist[digit], __popc(peers));
     }
     __syncthreads();
     if (warp == 0) {  // the digit where the count from the top reaches `want`

@@ -313,6 +313,10 @@ GPU_CASES = [  # layout, dtype, block size, hq, hk, d, lens, top_k
     ("HND", np.float16, 32, 16, 4, 256, [2000, 31, 32, 33], 3),
     ("NHD", bfloat16, 24, 12, 3, 80, [600, 25, 0], 64),
     ("vllm", bfloat16, 32, 4, 4, 128, [1500, 100, 1], 10),
+    # groups of 8 (d 64: two pages a warp), 12 (two passes of 8) and 6 at d 256 (two of 4)
+    ("NHD", np.float16, 16, 16, 2, 64, [900, 77, 0, 16], 7),
+    ("HND", bfloat16, 16, 24, 2, 112, [1200, 33], 9),
+    ("vllm", bfloat16, 16, 6, 1, 256, [700, 5], 4),
 ]
 
 
@@ -381,6 +385,43 @@ def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, len
     pos = got.positions.get()
     for (b, h), kept in pages.items():
         assert pos[b, h].tolist() == kept + [-1] * (kk - len(kept))
+    cupaged.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bounds", [np.float32, bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("hq,hk,d", [(8, 2, 128), (24, 2, 64), (12, 2, 256)])
+def test_gpu_scores_with_infinite_bounds_and_zero_queries(cp, rng, hq, hk, d, bounds):
+    """Infinite bounds against zero, positive and negative query dims, as the reference
+    takes them: a zero dim adds nothing whatever its bounds, +inf - inf makes the page
+    -inf, an infinite product alone makes it +/-inf (the kernel's two-FMA sums give NaN on
+    some of these and must fall back to the term-by-term sum)."""
+    lens = [16 * 40 + 3, 16 * 9]
+    case, dev, nb = _gpu_setup(cp, rng, "HND", bfloat16, 16, hq, hk, d, lens)
+    tables, seq_lens = case["block_tables"], case["seq_lens"]
+    k_min, k_max = _fresh_bounds(nb, hk, d, dtype=bounds)
+    quest.update_page_bounds(case["k_cache"], tables, seq_lens, k_min, k_max, layout="HND")
+    q = case["q"].astype(np.float32)
+    q[:, :, 3] = 0.0                     # a zero dim in every query
+    q[:, :, 5] = np.abs(q[:, :, 5]) + 1  # positive
+    q[:, :, 6] = -np.abs(q[:, :, 6]) - 1  # negative
+    q = q.astype(case["q"].dtype)
+    blk = tables[0]
+    k_min[blk[0], :, 3], k_max[blk[0], :, 3] = -np.inf, np.inf   # zero dim: adds nothing
+    k_max[blk[1], :, 5] = np.inf                                   # +inf
+    k_min[blk[2], :, 6] = -np.inf                                  # +inf (negative q)
+    k_max[blk[3], :, 5] = np.inf                                   # +inf and -inf: -inf
+    k_min[blk[3], :, 6] = k_max[blk[3], :, 6] = np.inf
+    k_max[blk[4], :, 5] = k_min[blk[4], :, 5] = -np.inf            # -inf
+    k_min[blk[5], 0, 3] = np.inf                                   # zero dim, one head only
+    k_min[blk[6], :, 5] = -np.inf                                  # unused side (q > 0)
+    want = quest.page_scores(q, k_min, k_max, tables, seq_lens, 16)
+    got = quest.page_scores(cp.asarray(q), cp.asarray(k_min), cp.asarray(k_max),
+                            dev["block_tables"], dev["seq_lens"], 16).get()
+    finite = np.isfinite(want)
+    assert not finite[0, :, 3].any() and not finite[0, :, 1].any() and finite[0, :, 0].all()
+    np.testing.assert_array_equal(got[~finite], want[~finite])
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-4)
     cupaged.check_errors()
 
 

@@ -40,9 +40,12 @@ from ..core.layouts import (CacheGeometry, block_stride, check_dense_blocks, k_a
 
 BOUNDS_THREADS = 128
 SCORE_THREADS = 256
-SCORE_PAGES = 128            # pages a quest_score_kernel CTA scores
-SCORE_DIMS_IN_FLIGHT = 512   # bound dims a score warp loads before reducing (score_unroll)
-SELECT_THREADS = 256
+SCORE_PAGES = 512            # pages a quest_score_kernel CTA scores
+SCORE_BYTES_IN_FLIGHT = 4096  # bound bytes a score warp loads before reducing (score_unroll)
+SCORE_MAX_UNROLL = 8         # its most steps of pages at once (registers)
+SCORE_GROUP_CHUNKS = (1, 4, 8)  # query heads a score pass holds in registers (score_group_chunk)
+SELECT_THREADS = 512
+SELECT_CACHED_PAGES = 16384  # widest table whose page keys the select kernel keeps in shared memory
 SINK_THREADS = 128
 MAX_GRID_Y = 65535  # CUDA's limit on grid.y
 MAX_BATCH = MAX_GRID_Y  # grid.y of quest_bounds_kernel
@@ -270,24 +273,25 @@ def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first, t
                         xp.empty(batch * hk, np.int32), xp.empty((batch, hk, width), np.float32))
     group = hq // hk
     if batch * hk and width:
-        score = launcher("quest", score_expr(q.dtype, d, k_min.dtype), abi.QUEST_SCORE,
-                         smem=4 * group * d)
+        score = launcher("quest", score_expr(q.dtype, d, k_min.dtype, group), abi.QUEST_SCORE)
         if -(-width // SCORE_PAGES) > MAX_GRID_Y:
             raise ValueError(f"block_tables: expected at most {MAX_GRID_Y * SCORE_PAGES} "
                              f"pages per sequence, got {width}")
-        score((batch * hk, -(-width // SCORE_PAGES)), SCORE_THREADS, 4 * group * d, q=ptr(q),
+        score((batch * hk, -(-width // SCORE_PAGES)), SCORE_THREADS, q=ptr(q),
               k_min=ptr(k_min), k_max=ptr(k_max), block_tables=ptr(block_tables),
               seq_lens=ptr(seq_lens), scores=ptr(out.scores), err=ptr(errors.error_word()),
               q_stride=token_stride("q", q), bt_stride=table_stride(block_tables),
               width=width, block_size=bs, num_blocks=nb, num_kv_heads=hk, group=group,
               pages_per_cta=SCORE_PAGES)
     if batch * hk and top_k:
-        launcher("quest", select_expr(), abi.QUEST_SELECT)(
-            batch * hk, SELECT_THREADS, block_tables=ptr(block_tables), seq_lens=ptr(seq_lens),
+        cached = width <= SELECT_CACHED_PAGES
+        smem = 4 * width if cached else 0
+        launcher("quest", select_expr(), abi.QUEST_SELECT, smem=smem)(
+            batch * hk, SELECT_THREADS, smem, block_tables=ptr(block_tables), seq_lens=ptr(seq_lens),
             scores=ptr(out.scores), positions=ptr(out.positions), sel_tables=ptr(out.tables),
             sel_lens=ptr(out.lens), bt_stride=table_stride(block_tables), width=width,
             block_size=bs, num_blocks=nb, num_kv_heads=hk, top_k=k,
-            first_pages=min(first, INT32_MAX), tokens_per_page=tpp)
+            first_pages=min(first, INT32_MAX), tokens_per_page=tpp, cache_keys=int(cached))
     return out
 
 
@@ -299,9 +303,9 @@ def _reference_scores(q, k_min, k_max, bt, lens, bs):
     ids = np.clip(bt, 0, max(nb - 1, 0))
     mx = k_max[ids].astype(np.float64).transpose(0, 2, 1, 3)[:, :, None]   # [B, Hk, 1, W, D]
     mn = k_min[ids].astype(np.float64).transpose(0, 2, 1, 3)[:, :, None]
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"):  # 0 * inf, +inf - inf: NaN, made -inf below
         terms = np.where(qg > 0, qg * mx, np.where(qg < 0, qg * mn, 0.0))
-    ub = terms.sum(axis=-1).max(axis=2)                                     # [B, Hk, W]
+        ub = terms.sum(axis=-1).max(axis=2)                                 # [B, Hk, W]
     ub = np.where(np.isnan(ub), -np.inf, ub)
     used = -(-lens.astype(np.int64) // bs)
     pos = np.arange(bt.shape[1])[None, None, :]
@@ -372,15 +376,32 @@ def bounds_expr(dtype, bound_dtype):
             f"{BOUNDS_THREADS}>")
 
 
-def score_unroll(head_dim):
-    """Pages a score warp loads at once: SCORE_DIMS_IN_FLIGHT dims of each bound (the loads
-    of one page alone leave the warp waiting on memory latency)."""
-    return max(1, SCORE_DIMS_IN_FLIGHT // int(head_dim))
+def score_lanes(head_dim):
+    """Lanes a page takes in the score kernel (four dims a lane): 16 for D = 64, else 32."""
+    return 16 if int(head_dim) // 4 <= 16 else 32
 
 
-def score_expr(dtype, head_dim, bound_dtype):
+def score_unroll(head_dim, bound_dtype):
+    """Steps of pages (32 / score_lanes a step) a score warp loads before reducing any:
+    SCORE_BYTES_IN_FLIGHT of bounds (the loads of one page alone leave the warp waiting on
+    memory latency), at most SCORE_MAX_UNROLL."""
+    pages = 32 // score_lanes(head_dim)
+    step = 2 * int(head_dim) * np.dtype(bound_dtype).itemsize * pages
+    return max(1, min(SCORE_MAX_UNROLL, SCORE_BYTES_IN_FLIGHT // step))
+
+
+def score_group_chunk(head_dim, group):
+    """Query heads a score pass holds in registers (q split in two a head): the smallest of
+    SCORE_GROUP_CHUNKS at least ``group``, at most 4 for D = 256 (eight dims a lane); larger
+    groups take several passes over the pages."""
+    cap = 4 if int(head_dim) > 128 else SCORE_GROUP_CHUNKS[-1]
+    return min([c for c in SCORE_GROUP_CHUNKS if c >= min(group, cap)])
+
+
+def score_expr(dtype, head_dim, bound_dtype, group):
     return (f"cupaged::quest::quest_score_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
-            f"{head_dim}, {SCORE_THREADS}, {score_unroll(head_dim)}>")
+            f"{head_dim}, {SCORE_THREADS}, {score_group_chunk(head_dim, group)}, "
+            f"{score_unroll(head_dim, bound_dtype)}>")
 
 
 def select_expr():
@@ -393,11 +414,12 @@ def sinks_expr(dtype):
 
 def kernel_specializations():
     """Every Quest kernel: select; sinks per dtype; bounds per dtype and bound dtype; scores
-    per dtype, head size and bound dtype."""
+    per dtype, head size, bound dtype and group chunk."""
     specs = [Spec("quest", select_expr())]
     for dt in FLOAT_DTYPES:
         specs.append(Spec("quest", sinks_expr(dt)))
         for bt in BOUND_DTYPES:
             specs.append(Spec("quest", bounds_expr(dt, bt)))
-            specs += [Spec("quest", score_expr(dt, d, bt)) for d in HEAD_DIMS]
+            specs += [Spec("quest", e) for e in dict.fromkeys(
+                score_expr(dt, d, bt, g) for d in HEAD_DIMS for g in SCORE_GROUP_CHUNKS)]
     return specs
