@@ -494,8 +494,16 @@ struct Rows {
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        s[4 * i + e] = epi.at<CAP, true>(s[4 * i + e]) + fmaf(slope[e / 2], (float)(8 * i + (e & 1)), base[e / 2]);
+      for (int e = 0; e < 4; e += 2) {  // keys j and j + 1 of one row
+        if constexpr (sm90::PACKED_TANH) {
+          epi.at_pair<CAP>(s[4 * i + e], s[4 * i + e + 1]);
+        } else {
+          s[4 * i + e] = epi.at<CAP, true>(s[4 * i + e]);
+          s[4 * i + e + 1] = epi.at<CAP, true>(s[4 * i + e + 1]);
+        }
+        s[4 * i + e] += fmaf(slope[e / 2], (float)(8 * i), base[e / 2]);
+        s[4 * i + e + 1] += fmaf(slope[e / 2], (float)(8 * i + 1), base[e / 2]);
+      }
   }
 };
 

@@ -163,7 +163,8 @@ WS_ITEM_WORDS = 4
 
 def cpp() -> str:
     """C++ of the prefill kernels' constants for the generated ``abi.cuh``."""
-    return abi.constants("sm90", dict(WS_THREADS=WS_THREADS, WS_ITEM_WORDS=WS_ITEM_WORDS))
+    return abi.constants("sm90", dict(WS_THREADS=WS_THREADS, WS_ITEM_WORDS=WS_ITEM_WORDS,
+                                      PACKED_TANH=PACKED_TANH))
 
 
 def ws_producer_regs(tma=False):
@@ -175,6 +176,11 @@ def ws_producer_regs(tma=False):
     consumers' 224."""
     return 56 if tma else 72
 
+
+# Whether the wgmma kernels' soft-cap takes two scores a tanh (tanh.approx.f16x2, score.cuh
+# ScoreEpilogue::at_pair) rather than one (tanh.approx.f32): off until the soft-cap tests
+# and the same-run A/B of benchmarks/NOTES.md have run on a GPU.
+PACKED_TANH = False
 
 # Whether the warp-specialised tiles run on the persistent grid (WgmmaTile.persistent): off
 # until the GPU tests and the same-run A/B of benchmarks/NOTES.md ("A persistent
