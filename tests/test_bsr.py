@@ -556,7 +556,7 @@ def test_bsr_launches_pack_their_records(rng, recorded, paged, wgmma):
     bound = -(-377 // rows) + 3
     assert g0 == 1 and b0 == launch.PREP_THREADS and g1 == (8, bound)
     if wgmma:
-        assert b1 == 384 and smem == launch.ws_smem(128)
+        assert b1 == 384 and smem == launch.ws_smem(128, "bsr_attention")
     else:
         assert b1 == launch.attention_tile(128, 64).threads and smem == launch.attention_smem(128, 64)
     assert f0["cta_bound"] == f1["cta_bound"] == bound and f0["cta_rows"] == rows

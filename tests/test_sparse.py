@@ -271,7 +271,7 @@ def test_wgmma_kernels_fit_one_cta_an_sm():
     for every head size, and each (dtype, head size, kind, score path) is a spec."""
     from cupaged.core.arrays import HEAD_DIMS
     from cupaged.sparse import launch
-    assert all(launch.ws_smem(d) <= 232448 for d in HEAD_DIMS)
+    assert all(launch.ws_smem(d, kind) <= 232448 for d in HEAD_DIMS for kind in launch.WS_KERNELS)
     specs = [s for s in launch.kernel_specializations() if s.stem == "sparse_sm90"]
     assert all(s.hopper for s in specs)
     kinds = len(HEAD_DIMS) + len(launch.WS_TMA_HEAD_DIMS)   # cp.async, and TMA where it fits

@@ -66,7 +66,7 @@ def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS, ge
     flag = "true" if general else "false"
     if wgmma:
         name = (WS_TMA_KERNELS if use_tma else WS_KERNELS)[kernel]
-        return (f"cupaged::{name}<{ctype(dtype)}, {head_dim}, {ws_tile_n(head_dim)}, "
+        return (f"cupaged::{name}<{ctype(dtype)}, {head_dim}, {ws_tile_n(head_dim, kernel)}, "
                 f"{ws_stages(head_dim)}, {flag}, {prefill_plan.ws_producer_regs()}>")
     tile = attention_tile(head_dim, rows)
     return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {tile.cpp()}, {flag}>"
@@ -86,17 +86,20 @@ def ws_stages(head_dim):
     return 2 if head_dim > 128 else 3
 
 
-def ws_tile_n(head_dim):
-    """Keys a tile of the wgmma kernels: 128 up to d128 (the dense kernel's), 64 at d256."""
-    return 64 if head_dim > 128 else 128
+def ws_tile_n(head_dim, kind="sparse_attention"):
+    """Keys a tile of the wgmma kernels of ``kind``: 128 up to d128 for vertical+slash (the
+    dense kernel's), 64 at d256 and for BSR (a block of 64 keys a whole tile: one TMA box
+    over dense rows, every key computed, where 128-key tiles of scattered blocks are half
+    empty and copied by cp.async)."""
+    return 64 if head_dim > 128 or kind == "bsr_attention" else 128
 
 
-def ws_smem(head_dim):
-    """Dynamic shared memory of the wgmma kernels: Q ``[128][D]``, the stages' K and V
-    tiles ``[tile_n][D]`` (16-bit), the mbarriers (Q, per stage K and V full and empty), per
-    stage an 8-byte descriptor slot and its tile's keys (an int a row), and 1024 bytes to
-    align the swizzled tiles."""
-    stages, tile_n = ws_stages(head_dim), ws_tile_n(head_dim)
+def ws_smem(head_dim, kind="sparse_attention"):
+    """Dynamic shared memory of the wgmma kernels of ``kind``: Q ``[128][D]``, the stages'
+    K and V tiles ``[tile_n][D]`` (16-bit), the mbarriers (Q, per stage K and V full and
+    empty), per stage an 8-byte descriptor slot and its tile's keys (an int a row), and 1024
+    bytes to align the swizzled tiles."""
+    stages, tile_n = ws_stages(head_dim), ws_tile_n(head_dim, kind)
     barriers = 8 * (1 + 4 * stages)
     return (2 * (CTA_ROWS + 2 * stages * tile_n) * head_dim + barriers + stages * (8 + 4 * tile_n)
             + 1024)
@@ -147,9 +150,9 @@ def attention_launch(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS, ge
         use_tma = ragged and head_dim in WS_TMA_HEAD_DIMS
         expr = attention_expr(dtype, head_dim, kind, CTA_ROWS, general, True, use_tma)
         record = abi.SPARSE_TMA if use_tma else abi.SPARSE
-        smem = ws_smem(head_dim)
+        smem = ws_smem(head_dim, kind)
         return AttentionLaunch(launcher("sparse_sm90", expr, record, hopper=True, smem=smem),
-                               prefill_plan.WS_THREADS, smem, ws_tile_n(head_dim), use_tma)
+                               prefill_plan.WS_THREADS, smem, ws_tile_n(head_dim, kind), use_tma)
     tile = attention_tile(head_dim, rows)
     return AttentionLaunch(attention_kernel(dtype, head_dim, kind, rows, general), tile.threads,
                            attention_smem(head_dim, rows), tile.block_n)
