@@ -141,26 +141,25 @@ struct KVRows {
     }
     if constexpr (V_T) load_vt(P, j0, blk[RPT], sV);
   }
-  // One part (K: KP, else V rows) of the tile at key j0 -> dst, as `issue` does, by NT
-  // threads (tid < NT: the 16-byte chunks tid, tid + NT, .. of the tile's rows in order),
-  // each row's block-table entry read just before its copy: no entries kept across
-  // prefill_ws's waits for a free stage (its producer runs in few registers).
-  template <bool KP, int NT = C::THREADS, typename Prob>
-  __device__ __forceinline__ void issue_part(const Prob& P, int j0, u32 dst, int tid = threadIdx.x) const {
+  // One part (K: KP, else V rows) of the tile at key j0 -> dst, as `issue` does, each row's
+  // block-table entry read just before its copy: no entries kept across prefill_ws's waits
+  // for a free stage (its producer runs in few registers).
+  template <bool KP, typename Prob>
+  __device__ __forceinline__ void issue_part(const Prob& P, int j0, u32 dst) const {
     static_assert(!V_T && !F::FP8, "V rows of a 16-bit cache");
-    const KV* base = KP ? kb : vb;
+    const int c = threadIdx.x % F::CL, r0 = threadIdx.x / F::CL;
+    if (F::CL != F::CH && c >= F::CH) return;
+    const KV* base = KP ? kb + c * (int)P.k_chunk : vb + c * F::PER * (int)P.v_dim;
     const u32 block = KP ? (u32)P.k_block : (u32)P.v_block, tok = KP ? (u32)P.k_tok : (u32)P.v_tok;
-    const int chunk = KP ? (int)P.k_chunk : F::PER * (int)P.v_dim;
-#pragma unroll 1
-    for (int idx = tid; idx < BN * F::CH; idx += NT) {
-      const int r = idx / F::CH, c = idx % F::CH, jc = min(j0 + r, kv_len - 1);
+#pragma unroll 4
+    for (int i = 0; i < RPT; ++i) {
+      const int r = r0 + i * F::ROW_STEP, jc = key(j0, i);
       int b = 0, off = jc;
       if (table != nullptr) {
         b = block_of(P, jc);
         off = offset_in_block(P, jc);
       }
-      cp_async16(dst + swizzled<BN, C::SW>(r, c), base + c * chunk + wide(b, block) + wide(off, tok),
-                 j0 + r < kv_len ? 16 : 0);
+      cp_async16(dst + swizzled<BN, C::SW>(r, c), base + wide(b, block) + wide(off, tok), j0 + r < kv_len ? 16 : 0);
     }
   }
   // V^T tile of keys [j0, j0 + BN) from the vllm value layout (paged; keys contiguous:
@@ -230,13 +229,13 @@ struct KVRows {
 };
 
 // Q tile: packed rows [0, rows) of the item -> sQ (swizzled [128][D]); the rest zero-filled.
-// NT threads copy, thread tid (< NT) the 16-byte chunks tid, tid + NT, .. of the tile's
-// rows in order (CH chunks a row).
-template <typename T, int D, typename C, int NT = C::THREADS, typename Prob>
-__device__ __forceinline__ void load_q(const Prob& P, const WorkItem& it, u32 sQ, int tid = threadIdx.x) {
-#pragma unroll 1
-  for (int idx = tid; idx < C::BLOCK_M * C::CH; idx += NT) {
-    const int r = idx / C::CH, c = idx % C::CH;
+template <typename T, int D, typename C, typename Prob>
+__device__ __forceinline__ void load_q(const Prob& P, const WorkItem& it, u32 sQ) {
+  const int c = threadIdx.x % C::CL, r0 = threadIdx.x / C::CL;
+  if (C::CL != C::CH && c >= C::CH) return;
+#pragma unroll
+  for (int i = 0; i < C::BLOCK_M / C::ROW_STEP; ++i) {
+    const int r = r0 + i * C::ROW_STEP;
     const u32 dst = sQ + swizzled<C::BLOCK_M, C::SW>(r, c);
     if (r < it.rows) cp_async16(dst, P.q + it.token_row(r) * P.q_tok + (i64)it.head(r) * D + c * 8);
     else cp_async16(dst, P.q, 0);
@@ -293,11 +292,11 @@ __device__ __forceinline__ void mask(float (&s)[BN / 2], const int (&lo)[2], con
 }
 
 // Online softmax step: raw scores s (sc * s in log2 units) update the row max m (raw) and
-// the thread-partial sums l; s -> probabilities exp2(sc * s - sc * m); alpha: the factor the
-// accumulators of the two rows take (see rescale).
-template <int BN>
-__device__ __forceinline__ void softmax_exp(float (&s)[BN / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
-                                            float sc) {
+// the thread-partial sums l; s -> probabilities exp2(sc * s - sc * m) packed as A fragments
+// of P; alpha: the factor the accumulators of the two rows take (see rescale).
+template <typename T, int BN>
+__device__ __forceinline__ void softmax(float (&s)[BN / 2], float (&m)[2], float (&l)[2], u32 (&pf)[BN / 16][4],
+                                        float (&alpha)[2], float sc) {
   float mx[2] = {m[0], m[1]};
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
@@ -318,23 +317,10 @@ __device__ __forceinline__ void softmax_exp(float (&s)[BN / 2], float (&m)[2], f
   }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) l[hr] = fmaf(l[hr], alpha[hr], rs[hr]);
-}
-
-// Probabilities s packed as the A fragments of P.
-template <typename T, int BN>
-__device__ __forceinline__ void pack_p(const float (&s)[BN / 2], u32 (&pf)[BN / 16][4]) {
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
     for (int x = 0; x < 4; ++x) pf[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
-}
-
-// softmax_exp, then the probabilities as the A fragments of P.
-template <typename T, int BN>
-__device__ __forceinline__ void softmax(float (&s)[BN / 2], float (&m)[2], float (&l)[2], u32 (&pf)[BN / 16][4],
-                                        float (&alpha)[2], float sc) {
-  softmax_exp<BN>(s, m, l, alpha, sc);
-  pack_p<T, BN>(s, pf);
 }
 
 template <int D>
@@ -494,16 +480,8 @@ struct Rows {
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {  // keys j and j + 1 of one row
-        if constexpr (sm90::PACKED_TANH) {
-          epi.at_pair<CAP>(s[4 * i + e], s[4 * i + e + 1]);
-        } else {
-          s[4 * i + e] = epi.at<CAP, true>(s[4 * i + e]);
-          s[4 * i + e + 1] = epi.at<CAP, true>(s[4 * i + e + 1]);
-        }
-        s[4 * i + e] += fmaf(slope[e / 2], (float)(8 * i), base[e / 2]);
-        s[4 * i + e + 1] += fmaf(slope[e / 2], (float)(8 * i + 1), base[e / 2]);
-      }
+      for (int e = 0; e < 4; ++e)
+        s[4 * i + e] = epi.at<CAP, true>(s[4 * i + e]) + fmaf(slope[e / 2], (float)(8 * i + (e & 1)), base[e / 2]);
   }
 };
 
@@ -578,16 +556,6 @@ __device__ __forceinline__ void loop_overlap(const Prob& P, Pp& pipe, const Rows
   drain<D>(o, pf);
 }
 
-// Key tiles n_first .. n_last of BN keys hold every key a row of item `it` sees (none:
-// n_last = n_first - 1).
-template <int BN, typename Prob>
-__device__ __forceinline__ void key_tiles(const Prob& P, const WorkItem& it, int& n_first, int& n_last) {
-  const int j_begin = visible_lo(it.position(0), P.window_left);
-  const int j_end = visible_hi(it.position(it.rows - 1), it.kv_len, P.causal);
-  n_first = j_begin / BN;
-  n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
-}
-
 template <typename T, typename KV, typename C>
 __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
   constexpr int D = C::HEAD, BN = C::KEYS;
@@ -610,8 +578,11 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
   const float sm = P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk);
   rows.init<C>(P, it, wg, warp, lane, sm);
 
-  int n_first, n_last;
-  key_tiles<BN>(P, it, n_first, n_last);
+  // key tiles n_first .. n_last hold every key a row of the CTA sees
+  const int j_begin = visible_lo(it.position(0), P.window_left);
+  const int j_end = visible_hi(it.position(it.rows - 1), it.kv_len, P.causal);
+  const int n_first = j_begin / BN;
+  const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
 
   Pp pipe{src, n_first, sKV};
   load_q<T, D, C>(P, it, sQ);  // with tile n_last (stage 0), in the first batch of copies
@@ -642,18 +613,14 @@ __device__ __forceinline__ void prefill_wgmma(const Problem<T, KV>& P) {
 
 // ------------------------------------------------------------ warp-specialised (prefill_ws)
 // Warpgroup 0 produces, warpgroups 1 and 2 consume (WS_THREADS threads, from
-// cupaged.prefill.plan; the producer's register budget PRODUCER_REGS, the consumers' the
-// rest, set by setmaxnreg). A CTA runs work items one after another (WsItems: one item, or
-// on a persistent grid every item it claims), its K/V stages and barrier phases running on
-// from one item to the next, so that the next item's tiles stream in under this one's last
-// tiles and epilogue. Per item, the producer's warps 1-3 (the Q warps) copy Q with cp.async
-// once the consumers are done with the last item's Q; the K/V tiles come by cp.async from all
-// 128 producer threads (KVRows of 128 loaders) into STAGES K and STAGES V buffers, or by TMA;
-// the consumers run the wgmma loop of loop_overlap on them. They meet only at mbarriers: no
-// CTA barrier per tile.
+// cupaged.prefill.plan; the producer's
+// register budget PRODUCER_REGS, the consumers' the rest, set by setmaxnreg). The
+// producer's 128 threads copy Q and the K/V tiles with cp.async (KVRows of 128 loaders)
+// into STAGES K and STAGES V buffers; the consumers run the wgmma loop of loop_overlap on them. They meet only at
+// mbarriers: no CTA barrier per tile.
 // TMA (ragged K/V and NHD / HND caches, head sizes 64 and 128: rows of whole 128-byte
-// column blocks): warp 0 issues each K and V tile as tensor copies (ws_produce_tma) that
-// land in the same swizzled layout.
+// column blocks): the 128 threads copy Q with cp.async as before, then warp 0 issues each
+// K and V tile as tensor copies (ws_produce_tma) that land in the same swizzled layout.
 // From an fp8 cache (NHD / HND, the same head sizes) warp 0's tensor copies bring the codes
 // into staging slots and the producer's four warps widen them into the 16-bit tiles
 // (ws_produce_fp8), so that the consumers' loop is the one of 16-bit caches.
@@ -668,21 +635,20 @@ __host__ __device__ constexpr int ws_consumer_regs(int producer_regs) {
 }
 static_assert(WS_THREADS == 3 * 128, "one producer and two consumer warpgroups");
 
-// The mbarriers (8 bytes each, after the tiles): Q landed (an arrival from each of the QL
-// threads copying it, as its copies land); per stage s, its K and its V tile
+// The mbarriers (8 bytes each, after the tiles): Q landed; per stage s, its K and its V tile
 // landed (full: an arrival from each producer thread as its copies land; TMA: one arrival
 // announcing the tile's bytes, the phase completing as they land; fp8 TMA: an arrival from
 // each widening thread once its part of the tile is widened) and read (empty:
 // an arrival from each consumer thread once its wgmma batch reading the tile is done; every
 // thread arrives, as a branch while a batch is in flight makes ptxas serialise the batches). Tile i
-// of a CTA (the i-th processed over its items) sits in stage i % STAGES as its use
+// of an item (the i-th processed, key tile n_last - i) sits in stage i % STAGES as its use
 // u = i / STAGES: the consumers wait for the full phase of parity u & 1, the producer, before
 // use u > 0, for the empty phase of parity (u - 1) & 1. fp8 TMA: then per staging slot x
 // (SLOTS of them, after the barriers of the stages) its codes landed (s_full) and widened
-// (s_empty); part q of the CTA (the K part of tile i is q = 2 i, its V part 2 i + 1) sits
+// (s_empty); part q of an item (the K part of tile i is q = 2 i, its V part 2 i + 1) sits
 // in slot q % SLOTS as its use q / SLOTS, waited for by the same parities. META: arrivals
 // a K tile's full phase takes besides its fillers' (sparse_sm90.cu: the tile's descriptor).
-template <int STAGES, bool TMA = false, int SLOTS_ = 0, int META = 0, int QL = 128>
+template <int STAGES, bool TMA = false, int SLOTS_ = 0, int META = 0>
 struct WsBarriers {
   static constexpr int SLOTS = SLOTS_, WIDENERS = 128;  // fp8: the producer's warps widen the staged parts
   static constexpr int COUNT = 1 + 4 * STAGES + 2 * SLOTS, PRODUCERS = 128, CONSUMERS = 256;
@@ -698,7 +664,7 @@ struct WsBarriers {
   __device__ __forceinline__ u32 s_full(int x) const { return base + 8 * (1 + 4 * STAGES + x); }
   __device__ __forceinline__ u32 s_empty(int x) const { return base + 8 * (1 + 4 * STAGES + SLOTS + x); }
   __device__ __forceinline__ void init() const {
-    mbar_init(q(), QL);
+    mbar_init(q(), PRODUCERS);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(k_full(s), FILLERS + META);
@@ -724,95 +690,25 @@ struct Turns {
   __device__ __forceinline__ void pass() const { bar_arrive(2 - g, 256); }
 };
 
+// Producer: Q, then per tile its K and its V part, each once the consumers are done with the
+// stage's previous tile.
+// TMA producer: Q as ws_produce, then each tile's K and V part as tensor copies of boxes of
+// 64 dims (the column blocks of swizzled<BN, 128>) x `rows` keys, announced on the part's
+// full barrier by thread 0 first. The maps (cupaged.core.tma) are 4-d over (dim, key in
+// block, kv head, block): ragged K/V is one block of total_k keys and a tile one box at
+// the sequence's first key plus the tile's; a paged cache (NHD or HND) gives each cache
+// block's part of a tile (rows = min(block_size, BN) keys, block sizes of whole 8-row
+// swizzle atoms) its box, issued by lane p of warp 0 for part p from its block-table entry.
+// The tile holding the sequence's last key (the first processed) is copied by the 128
+// threads with cp.async instead when it runs past kv_len, so that its rows past kv_len
+// land as zeros, as in ws_produce: a tensor copy would bring the next sequence's rows, a
+// cache block's unwritten slots or whatever lies past the last sequence in the tensor, and
+// a NaN or inf there would reach the output through P V (0 * inf is NaN). Each thread holds
+// that phase open until its copies land (cp_async_hold), and thread 0 makes the one arrival
+// the phase expects once all 128 have (named barrier PRODUCER_BAR); warps 1-3 then fence
+// their writes against the async proxy and stop, and warp 0, which issues the tensor
+// copies, fences its own and waits for theirs before the buffer's next, tensor, copy.
 constexpr int PRODUCER_BAR = 3;  // the producer warpgroup's named barrier (1, 2: Turns)
-constexpr int Q_WARPS_BAR = 4;   // prefill_ws: the producer's Q warps (3 warps)
-constexpr int Q_LOADERS = 96;    // prefill_ws: the Q warps' threads, 32 .. 127
-
-// The work items of a CTA of prefill_ws (after the WsBarriers, 8-byte words): its own item
-// (blockIdx.x) first, then on a persistent grid (P.sched: a pair of counters, zero before
-// the launch) the unclaimed ones in list order, claim n taking item gridDim.x + n; an index
-// past P.items or at a padding item (the list's tail) ends the run. The publisher (thread
-// 32) hands item k of the run to the CTA's warps in slot k % 2 with one arrival on that
-// slot's barrier (phase k / 2), item k + 1 once the consumers are done with item k - 1's Q
-// tile (q_empty: an arrival from each consumer thread after the item's last S = Q K^T), so
-// that no reader of the slot's last item is left. The publisher claims an item ahead; the
-// CTA whose publisher ends its run last re-arms the counters for the next launch.
-struct WsItems {
-  static_assert(WS_ITEM_WORDS == 4, "q_empty, the two slots' barriers, the two slots");
-  u32 base;
-  __device__ __forceinline__ u32 q_empty() const { return base; }
-  __device__ __forceinline__ u32 full(int k) const { return base + 8 + 8 * (k & 1); }
-  __device__ __forceinline__ u32 slot(int k) const { return base + 24 + 4 * (k & 1); }
-  __device__ __forceinline__ void init() const {
-    mbar_init(q_empty(), 256);
-    mbar_init(full(0), 1);
-    mbar_init(full(1), 1);
-  }
-  // item k's index in the list, -1 past the run's end (blocks until it is published)
-  __device__ __forceinline__ int wait(int k) const {
-    mbar_wait(full(k), (k >> 1) & 1);
-    int idx;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(idx) : "r"(slot(k)) : "memory");
-    return idx;
-  }
-  // item k of the run into `it` with its key tiles (key_tiles); false past the run's end
-  template <int BLOCK_M, int BN, typename Prob>
-  __device__ __forceinline__ bool item(const Prob& P, int k, WorkItem& it, int& n_first, int& n_last) const {
-    const int idx = wait(k);
-    if (idx < 0) return false;
-    it.init(P, P.work[idx], BLOCK_M);
-    key_tiles<BN>(P, it, n_first, n_last);
-    return true;
-  }
-  // publisher: item k is list item idx (or the end); whether it is one
-  template <typename Prob>
-  __device__ __forceinline__ bool publish(const Prob& P, int k, int idx) const {
-    const int v = idx < P.items && __ldg(&P.work[idx].x) >= 0 ? idx : -1;
-    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(slot(k)), "r"(v) : "memory");
-    mbar_arrive(full(k));
-    return v >= 0;
-  }
-  template <typename Prob>
-  __device__ static __forceinline__ int claim(const Prob& P) {
-    return P.sched == nullptr ? P.items : (int)gridDim.x + atomicAdd(P.sched, 1);
-  }
-  // publisher: the run is over (no claim follows)
-  template <typename Prob>
-  __device__ static __forceinline__ void finish(const Prob& P) {
-    if (P.sched != nullptr && atomicAdd(P.sched + 1, 1) == (int)gridDim.x - 1) {
-      atomicExch(P.sched, 0);
-      atomicExch(P.sched + 1, 0);
-    }
-  }
-  // publisher, before the run: item 0 is the CTA's own
-  template <typename Prob>
-  __device__ __forceinline__ int start(const Prob& P) const {
-    const int next = claim(P);
-    if (!publish(P, 0, blockIdx.x)) finish(P);
-    return next;
-  }
-  // the Q warps' part of item k (threads 32 .. 127): Q once the consumers are done with item
-  // k - 1's, then the publisher hands over item k + 1 (its claim made an item before)
-  template <typename T, typename C, typename Bar, typename Prob>
-  __device__ __forceinline__ void load_q_tile(const Prob& P, const WorkItem& it, const Bar& bar, int k, int& next,
-                                              u32 sQ) const {
-    if (k > 0) mbar_wait(q_empty(), (k - 1) & 1);
-    load_q<T, C::HEAD, C, Q_LOADERS>(P, it, sQ, threadIdx.x - 32);
-    cp_async_arrive(bar.q());
-    if (threadIdx.x == 32) {
-      if (publish(P, k + 1, next)) next = claim(P);
-      else finish(P);
-    }
-  }
-};
-
-// The K/V rows of item `it` for a 128-thread copier (KVRows).
-template <typename T, typename KV, typename C, typename Prob>
-__device__ __forceinline__ KVRows<T, KV, C, C::KEYS, false> kv_rows(const Prob& P, const WorkItem& it) {
-  const int bs = P.block_size;
-  return {P.k + it.hk * P.k_head + it.kv_start * P.k_tok, P.v + it.hk * P.v_head + it.kv_start * P.v_tok,
-          it.table, it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
-}
 
 // The tensor copies of a K or V tile: ragged K/V one box of BN keys at the sequence's first
 // key plus the tile's (block 0), a paged cache one box per cache block's part of the tile
@@ -841,232 +737,196 @@ struct TmaParts {
   }
 };
 
-// TMA producer: per item the Q warps copy Q (WsItems::load_q_tile) and the item's first tile
-// (key tile n_last, holding the sequence's last key) when it runs past kv_len: with cp.async,
-// so that its rows past kv_len land as zeros (a tensor copy would bring the next sequence's
-// rows, a cache block's unwritten slots or whatever lies past the last sequence in the tensor,
-// and a NaN or inf there would reach the output through P V: 0 * inf is NaN); each fences
-// its copies against the async proxy once they landed (the stage's next copy may be a tensor
-// copy) and the publisher makes the one arrival each full phase expects. Warp 0 issues every
-// other tile's K and V part as tensor copies of boxes of 64 dims (the column blocks of
-// swizzled<BN, 128>) x `rows` keys, announced on the part's full barrier by thread 0 first.
-// The maps (cupaged.core.tma) are 4-d over (dim, key in block, kv head, block): ragged K/V
-// is one block of total_k keys and a tile one box at the sequence's first key plus the
-// tile's; a paged cache (NHD or HND) gives each cache block's part of a tile (rows =
-// min(block_size, BN) keys, block sizes of whole 8-row swizzle atoms) its box, issued by
-// lane p of warp 0 for part p from its block-table entry (TmaParts).
-template <typename T, typename C, typename Bar, typename Prob>
-__device__ __forceinline__ void ws_produce_tma(const Prob& P, const TensorMap* k_map, const TensorMap* v_map,
-                                               const Bar& bar, const WsItems& items, u32 sQ, u32 sKV) {
+template <typename T, typename C, typename Bar, typename Src, typename Prob>
+__device__ __forceinline__ void ws_produce_tma(const Prob& P, const WorkItem& it, const Src& src,
+                                               const TensorMap* k_map, const TensorMap* v_map,
+                                               const Bar& bar, u32 sQ, u32 sKV, int n_first, int n_last) {
   constexpr int BN = C::KEYS, STAGES = C::BUFFERS, BLOCKS = C::HEAD / 64;
   static_assert(C::SW == 128 && C::HEAD % 64 == 0, "rows of whole 128-byte column blocks");
+  load_q<T, C::HEAD, C>(P, it, sQ);
+  cp_async_arrive(bar.q());
   const int lane = threadIdx.x % 32;
   const bool lead = threadIdx.x == 0;
-  int next = threadIdx.x == 32 ? items.start(P) : 0;
-  int t0 = 0;  // tiles of the CTA's earlier items
-  for (int k = 0;; ++k) {
-    WorkItem it;
-    int n_first, n_last;
-    if (!items.item<C::BLOCK_M, BN>(P, k, it, n_first, n_last)) break;
-    const int tiles = max(n_last - n_first + 1, 0);
-    const bool cut = tiles > 0 && (n_last + 1) * BN > it.kv_len;  // tile n_last runs past kv_len
-    if (threadIdx.x >= 32) {  // the Q warps: Q, then the cut tile
-      items.load_q_tile<T, C>(P, it, bar, k, next, sQ);
-      if (cut) {
-        const int st = t0 % STAGES, u = t0 / STAGES, tid = threadIdx.x - 32;
-        const u32 sK = sKV + 2 * st * C::KV_BYTES;
-        const auto src = kv_rows<T, T, C>(P, it);
-        if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
-        src.template issue_part<true, Q_LOADERS>(P, n_last * BN, sK, tid);
-        if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
-        src.template issue_part<false, Q_LOADERS>(P, n_last * BN, sK + C::KV_BYTES, tid);
-        cp_async_wait_all();
-        fence_proxy_async();
-        bar_sync(Q_WARPS_BAR, Q_LOADERS);
-        if (threadIdx.x == 32) {
-          mbar_arrive(bar.k_full(st));
-          mbar_arrive(bar.v_full(st));
-        }
-      }
-    } else {  // warp 0: the other tiles by TMA
-      if (lead && k == 0 && tiles > 0) {
-        prefetch_tensor_map(k_map);
-        prefetch_tensor_map(v_map);
-      }
-      TmaParts parts;
-      parts.template init<BN>(P, it);
-      for (int n = n_last - cut, i = t0 + cut; n >= n_first; --n, ++i) {
-        const int st = i % STAGES, u = i / STAGES;
-        const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
-        int y, blk;
-        parts.at(P, it, n * BN, lane, y, blk);
-        const u32 dst = lane * parts.rows * 128;
-        if (lead) {
-          if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);  // one waiter, the warp after it
-          mbar_arrive_expect_tx(bar.k_full(st), C::KV_BYTES);
-        }
-        __syncwarp();
-        if (parts.issuer) {
-#pragma unroll
-          for (int b = 0; b < BLOCKS; ++b)
-            tma_load_4d(sK + b * BN * 128 + dst, k_map, 64 * b, y, it.hk, blk, bar.k_full(st));
-        }
-        if (lead) {
-          if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
-          mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
-        }
-        __syncwarp();
-        if (parts.issuer) {
-#pragma unroll
-          for (int b = 0; b < BLOCKS; ++b)
-            tma_load_4d(sV + b * BN * 128 + dst, v_map, 64 * b, y, it.hk, blk, bar.v_full(st));
-        }
-      }
+  if (lead && n_last >= n_first) {
+    prefetch_tensor_map(k_map);
+    prefetch_tensor_map(v_map);
+  }
+  TmaParts parts;
+  parts.template init<BN>(P, it);
+  const int tiles = n_last - n_first + 1;
+  const bool ragged_end = tiles > 0 && (n_last + 1) * BN > it.kv_len;  // tile n_last runs past kv_len
+  if (ragged_end) {  // tile n_last, the first processed: stage 0, use 0
+    const u32 sK = sKV;
+    src.template issue_part<true>(P, n_last * BN, sK);
+    cp_async_hold(bar.k_full(0));
+    src.template issue_part<false>(P, n_last * BN, sK + C::KV_BYTES);
+    cp_async_hold(bar.v_full(0));
+    bar_sync(PRODUCER_BAR, 128);  // every hold counted before the arrival
+    if (lead) {
+      mbar_arrive(bar.k_full(0));
+      mbar_arrive(bar.v_full(0));
     }
-    t0 += tiles;
+  }
+  if (threadIdx.x >= 32) {  // warps 1-3 are done once their copies are fenced for stage 0's reuse
+    cp_async_wait_all();
+    if (ragged_end && tiles > STAGES) {
+      fence_proxy_async();
+      bar_arrive(PRODUCER_BAR, 128);
+    }
+    return;
+  }
+  for (int n = n_last - ragged_end, i = ragged_end; n >= n_first; --n, ++i) {
+    const int st = i % STAGES, u = i / STAGES;
+    const u32 sK = sKV + 2 * st * C::KV_BYTES, sV = sK + C::KV_BYTES;
+    int y, blk;
+    parts.at(P, it, n * BN, lane, y, blk);
+    const u32 dst = lane * parts.rows * 128;
+    if (lead && u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);  // one waiter, the warp after it
+    __syncwarp();
+    if (i == STAGES && ragged_end) {  // stage 0's next copy is a tensor copy
+      cp_async_wait_all();
+      fence_proxy_async();
+      bar_sync(PRODUCER_BAR, 128);  // with warps 1-3's arrivals after their fences
+    }
+    if (lead) mbar_arrive_expect_tx(bar.k_full(st), C::KV_BYTES);
+    __syncwarp();
+    if (parts.issuer) {
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b)
+        tma_load_4d(sK + b * BN * 128 + dst, k_map, 64 * b, y, it.hk, blk, bar.k_full(st));
+    }
+    if (lead) {
+      if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+      mbar_arrive_expect_tx(bar.v_full(st), C::KV_BYTES);
+    }
+    __syncwarp();
+    if (parts.issuer) {
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b)
+        tma_load_4d(sV + b * BN * 128 + dst, v_map, 64 * b, y, it.hk, blk, bar.v_full(st));
+    }
   }
   cp_async_wait_all();
 }
 
-// fp8 TMA producer: per item the Q warps copy Q (WsItems::load_q_tile); then warp 0 brings
-// each tile's K and then its V part (parts 2 i and 2 i + 1 of the CTA's tile i) as tensor
-// copies of the codes (TmaParts' boxes of D bytes x rows keys, unswizzled: row r of a part at
-// r * D bytes) into staging slot q % SLOTS, the first SLOTS parts of an item at once and part
-// q + SLOTS once part q is widened, announcing its bytes on the slot's full barrier. All four
-// warps (WIDENERS threads) widen each landed part, 16-code chunk by chunk, into the stage's
-// 16-bit tile in the swizzled layout the 16-bit tensor copies give (swizzled<BN, 128>,
-// KVRows::land's chunk order), once the consumers are done with the stage's previous tile.
-// Rows past kv_len (the last tile's: the next sequence's rows, a cache block's unwritten
-// slots, zeros past the tensor) become zeros there, so that no NaN or inf code reaches P V.
-// Each widening thread fences its writes against the async proxy (wgmma reads them) and
-// arrives on the stage's full barrier and the slot's empty one; warp 0 waits for a slot's
-// empty phase (every warp's last part there widened) before it copies the next part into it.
+// fp8 TMA producer: Q as ws_produce; then warp 0 brings each tile's K and then its V part
+// (parts 2 i and 2 i + 1 of tile i) as tensor copies of the codes (TmaParts' boxes of D
+// bytes x rows keys, unswizzled: row r of a part at r * D bytes) into staging slot
+// q % SLOTS, the first SLOTS parts at once and part q + SLOTS once part q is widened,
+// announcing its bytes on the slot's full barrier. All four warps (WIDENERS threads) widen
+// each landed part, 16-code chunk by chunk, into the stage's 16-bit tile in the swizzled
+// layout the 16-bit tensor copies give (swizzled<BN, 128>, KVRows::land's chunk order),
+// once the consumers are done with the stage's previous tile. Rows past kv_len (the last
+// tile's: the next sequence's rows, a cache block's unwritten slots, zeros past the tensor)
+// become zeros there, so that no NaN or inf code reaches P V. Each widening thread fences
+// its writes against the async proxy (wgmma reads them) and arrives on the stage's full
+// barrier and the slot's empty one; warp 0 then waits for that empty phase (every warp's
+// part q widened) before it copies part q + SLOTS into the slot.
 template <typename T, typename KV, typename C, typename Bar, typename Prob>
-__device__ __forceinline__ void ws_produce_fp8(const Prob& P, const TensorMap* k_map, const TensorMap* v_map,
-                                               const Bar& bar, const WsItems& items, u32 sQ, u32 sKV, u32 sS) {
+__device__ __forceinline__ void ws_produce_fp8(const Prob& P, const WorkItem& it, const TensorMap* k_map,
+                                               const TensorMap* v_map, const Bar& bar, u32 sQ, u32 sKV,
+                                               u32 sS, int n_first, int n_last) {
   constexpr int BN = C::KEYS, D = C::HEAD, STAGES = C::BUFFERS, SLOTS = Bar::SLOTS;
   constexpr int CR = D / 16;       // 16-code chunks per row
   constexpr u32 PART = BN * D;     // bytes of a part's codes
   static_assert(SLOTS >= 2 && C::SW == 128 && D % 64 == 0, "a slot per K and V part, rows of whole 128-byte blocks");
   static_assert(Bar::WIDENERS == 128, "the producer warpgroup widens");
   using F = KVChunks<KV, D, BN, 128>;
+  load_q<T, D, C>(P, it, sQ);
+  cp_async_arrive(bar.q());
+  const int parts = 2 * max(n_last - n_first + 1, 0);
   const int lane = threadIdx.x % 32;
   const bool copier = threadIdx.x < 32, lead = threadIdx.x == 0;
-  int next = threadIdx.x == 32 ? items.start(P) : 0;
-  int q0 = 0;  // parts of the CTA's earlier items
-  for (int k = 0;; ++k) {
-    WorkItem it;
-    int n_first, n_last;
-    if (!items.item<C::BLOCK_M, BN>(P, k, it, n_first, n_last)) break;
-    const int parts = 2 * max(n_last - n_first + 1, 0);
-    if (!copier) items.load_q_tile<T, C>(P, it, bar, k, next, sQ);
-    TmaParts boxes;
-    boxes.template init<BN>(P, it);
-    // part p of the item's codes into its slot (warp 0) once the slot's last part is widened,
-    // lane's box at key y of block blk (TmaParts::at)
-    auto copy = [&](int p, int y, int blk) {
-      const int q = q0 + p, x = q % SLOTS;
-      if (lead) {
-        if (q >= SLOTS) mbar_wait(bar.s_empty(x), (q / SLOTS - 1) & 1);  // one waiter, the warp after it
-        mbar_arrive_expect_tx(bar.s_full(x), PART);
-      }
-      __syncwarp();
-      if (boxes.issuer)
-        tma_load_4d(sS + x * PART + lane * boxes.rows * D, p & 1 ? v_map : k_map, 0, y, it.hk, blk, bar.s_full(x));
-    };
-    if (copier) {
-      if (lead && k == 0 && parts > 0) {
-        prefetch_tensor_map(k_map);
-        prefetch_tensor_map(v_map);
-      }
-      for (int p = 0; p < min(parts, SLOTS); ++p) {
-        int y, blk;
-        boxes.at(P, it, (n_last - p / 2) * BN, lane, y, blk);
-        copy(p, y, blk);
-      }
+  TmaParts boxes;
+  boxes.template init<BN>(P, it);
+  // part p's codes into its slot (warp 0; the slot's previous part is widened), lane's box
+  // at key y of block blk (TmaParts::at)
+  auto copy = [&](int p, int y, int blk) {
+    const int x = p % SLOTS;
+    if (lead) mbar_arrive_expect_tx(bar.s_full(x), PART);
+    __syncwarp();
+    if (boxes.issuer)
+      tma_load_4d(sS + x * PART + lane * boxes.rows * D, p & 1 ? v_map : k_map, 0, y, it.hk, blk, bar.s_full(x));
+  };
+  if (copier) {
+    if (lead && parts > 0) {
+      prefetch_tensor_map(k_map);
+      prefetch_tensor_map(v_map);
     }
-    for (int p = 0; p < parts; ++p) {
-      const int q = q0 + p, x = q % SLOTS, i = q / 2, st = i % STAGES, u = i / STAGES;
-      const int j0 = (n_last - p / 2) * BN;
-      const bool vp = q & 1;
-      const u32 from = sS + x * PART, to = sKV + (2 * st + vp) * C::KV_BYTES;
-      mbar_wait(bar.s_full(x), (q / SLOTS) & 1);
-      if (u > 0) mbar_wait(vp ? bar.v_empty(st) : bar.k_empty(st), (u - 1) & 1);
+    for (int p = 0; p < min(parts, SLOTS); ++p) {
+      int y, blk;
+      boxes.at(P, it, (n_last - p / 2) * BN, lane, y, blk);
+      copy(p, y, blk);
+    }
+  }
+  for (int q = 0; q < parts; ++q) {
+    const int x = q % SLOTS, i = q / 2, st = i % STAGES, u = i / STAGES, j0 = (n_last - i) * BN;
+    const bool vp = q & 1;
+    const u32 from = sS + x * PART, to = sKV + (2 * st + vp) * C::KV_BYTES;
+    mbar_wait(bar.s_full(x), (q / SLOTS) & 1);
+    if (u > 0) mbar_wait(vp ? bar.v_empty(st) : bar.k_empty(st), (u - 1) & 1);
 #pragma unroll 2
-      for (int id = threadIdx.x; id < BN * CR; id += Bar::WIDENERS) {
-        const int r = id / CR, c = id % CR;
-        widen_chunk_shared<T, KV>(from + r * D + 16 * c, to + swizzled<BN, 128>(r, 2 * c),
-                                  to + swizzled<BN, 128>(r, 2 * c + 1), F::hi_first(c), j0 + r < it.kv_len);
-      }
-      fence_proxy_async();
-      mbar_arrive(vp ? bar.v_full(st) : bar.k_full(st));
-      mbar_arrive(bar.s_empty(x));
-      if (copier && p + SLOTS < parts) {
-        int y, blk;  // the block id's load under the wait
-        boxes.at(P, it, (n_last - (p + SLOTS) / 2) * BN, lane, y, blk);
-        copy(p + SLOTS, y, blk);
-      }
+    for (int idx = threadIdx.x; idx < BN * CR; idx += Bar::WIDENERS) {
+      const int r = idx / CR, c = idx % CR;
+      widen_chunk_shared<T, KV>(from + r * D + 16 * c, to + swizzled<BN, 128>(r, 2 * c),
+                                to + swizzled<BN, 128>(r, 2 * c + 1), F::hi_first(c), j0 + r < it.kv_len);
     }
-    q0 += parts;
+    fence_proxy_async();
+    mbar_arrive(vp ? bar.v_full(st) : bar.k_full(st));
+    mbar_arrive(bar.s_empty(x));
+    if (copier && q + SLOTS < parts) {
+      int y, blk;  // the block id's load under the wait
+      boxes.at(P, it, (n_last - (q + SLOTS) / 2) * BN, lane, y, blk);
+      if (lead) mbar_wait(bar.s_empty(x), (q / SLOTS) & 1);  // one waiter, the warp after it
+      __syncwarp();
+      copy(q + SLOTS, y, blk);
+    }
   }
   cp_async_wait_all();
 }
 
-// cp.async producer: per item the Q warps copy Q (WsItems::load_q_tile), then all 128
-// threads copy each tile's K and its V part, each once the consumers are done with the
-// stage's previous tile.
-template <typename T, typename KV, typename C, typename Bar, typename Prob>
-__device__ __forceinline__ void ws_produce(const Prob& P, const Bar& bar, const WsItems& items, u32 sQ, u32 sKV) {
+template <typename T, typename KV, typename C, typename Src, typename Prob>
+__device__ __forceinline__ void ws_produce(const Prob& P, const WorkItem& it, const Src& src,
+                                           const WsBarriers<C::BUFFERS>& bar, u32 sQ, u32 sKV, int n_first,
+                                           int n_last) {
   constexpr int BN = C::KEYS, STAGES = C::BUFFERS;
-  int next = threadIdx.x == 32 ? items.start(P) : 0;
-  int t0 = 0;  // tiles of the CTA's earlier items
-  for (int k = 0;; ++k) {
-    WorkItem it;
-    int n_first, n_last;
-    if (!items.item<C::BLOCK_M, BN>(P, k, it, n_first, n_last)) break;
-    if (threadIdx.x >= 32) items.load_q_tile<T, C>(P, it, bar, k, next, sQ);
-    const auto src = kv_rows<T, KV, C>(P, it);
-    for (int n = n_last, i = t0; n >= n_first; --n, ++i) {
-      const int st = i % STAGES, u = i / STAGES;
-      const u32 sK = sKV + 2 * st * C::KV_BYTES;
-      if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
-      src.template issue_part<true>(P, n * BN, sK);
-      cp_async_arrive(bar.k_full(st));
-      if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
-      src.template issue_part<false>(P, n * BN, sK + C::KV_BYTES);
-      cp_async_arrive(bar.v_full(st));
-    }
-    t0 += max(n_last - n_first + 1, 0);
+  load_q<T, C::HEAD, C>(P, it, sQ);
+  cp_async_arrive(bar.q());
+  for (int n = n_last, i = 0; n >= n_first; --n, ++i) {
+    const int st = i % STAGES, u = i / STAGES;
+    const u32 sK = sKV + 2 * st * C::KV_BYTES;
+    if (u > 0) mbar_wait(bar.k_empty(st), (u - 1) & 1);
+    src.template issue_part<true>(P, n * BN, sK);
+    cp_async_arrive(bar.k_full(st));
+    if (u > 0) mbar_wait(bar.v_empty(st), (u - 1) & 1);
+    src.template issue_part<false>(P, n * BN, sK + C::KV_BYTES);
+    cp_async_arrive(bar.v_full(st));
   }
   cp_async_wait_all();
 }
 
-// Consumer g (rows 64 g .. 64 g + 63 of the tile) over one item's tiles, the CTA's tiles
-// t0 .. : loop_overlap's order (S = Q K^T of tile i with O += P V of tile i - 1, the softmax
-// of tile i under the P V batch), each batch pair issued in the warpgroup's turn; each stage
-// released once the batch reading it is done, the Q tile once the item's last S = Q K^T is.
+// Consumer g (rows 64 g .. 64 g + 63 of the tile): loop_overlap's order (S = Q K^T of tile
+// i with O += P V of tile i - 1, the softmax of tile i under the P V batch), each batch pair
+// issued in the warpgroup's turn; each stage released once the batch reading it is done.
 template <typename T, typename C, typename Bar, typename Prob>
-__device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const Bar& bar, const WsItems& items,
-                                           const Turns& turn, u32 sQg, u32 sKV, int n_first, int n_last, int t0,
+__device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const Bar& bar,
+                                           const Turns& turn, u32 sQg, u32 sKV, int n_first, int n_last,
                                            float (&o)[C::HEAD / 2], float (&m)[2], float (&l)[2]) {
   constexpr int D = C::HEAD, BN = C::KEYS, STAGES = C::BUFFERS;
-  if (n_last < n_first) {
-    mbar_arrive(items.q_empty());
-    return;
-  }
+  mbar_wait(bar.q(), 0);  // also before an item without keys: the epilogue stages rows in sQ
+  if (n_last < n_first) return;
   float s[BN / 2], alpha[2];
   u32 pf[BN / 16][4];
-  const int s0 = t0 % STAGES;
-  mbar_wait(bar.k_full(s0), (t0 / STAGES) & 1);
+  mbar_wait(bar.k_full(0), 0);
   turn.wait();
-  qk<T, C>(s, sQg, sKV + 2 * s0 * C::KV_BYTES);
+  qk<T, C>(s, sQg, sKV);
   turn.pass();
   wgmma_wait<0>();
   fence_operands(s);
-  mbar_arrive(bar.k_empty(s0));
+  mbar_arrive(bar.k_empty(0));
   rw.template scores<C>(s, n_last * BN);
   softmax<T, BN>(s, m, l, pf, alpha, rw.sc);  // o is still 0: nothing to rescale
-  int i = t0 + 1;
+  int i = 1;
   for (int n = n_last - 1; n >= n_first; --n, ++i) {
     const int sk = i % STAGES, sv = (i - 1) % STAGES;
     mbar_wait(bar.k_full(sk), (i / STAGES) & 1);
@@ -1079,44 +939,22 @@ __device__ __forceinline__ void ws_consume(const Prob& P, const Rows& rw, const 
     fence_operands(s);
     mbar_arrive(bar.k_empty(sk));
     rw.template scores<C>(s, n * BN);
-    softmax_exp<BN>(s, m, l, alpha, rw.sc);
+    u32 pn[BN / 16][4];
+    softmax<T, BN>(s, m, l, pn, alpha, rw.sc);
     drain<D>(o, pf);
     mbar_arrive(bar.v_empty(sv));
     rescale<D>(o, alpha);
-    pack_p<T, BN>(s, pf);  // P of tile i, once P V of tile i - 1 is done with pf
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) pf[kk][x] = pn[kk][x];
   }
-  fence_proxy_async();
-  mbar_arrive(items.q_empty());  // every S = Q K^T of the item is done
   const int sv = (i - 1) % STAGES;
   mbar_wait(bar.v_full(sv), ((i - 1) / STAGES) & 1);
   turn.wait();
   pv<T, C>(o, pf, sKV + (2 * sv + 1) * C::KV_BYTES);
-  turn.pass();
+  if (turn.g == 0) turn.pass();  // consumer 1's last turn is nobody's to wait for
   drain<D>(o, pf);
-  mbar_arrive(bar.v_empty(sv));
-}
-
-// Epilogue of one warp's 16 rows of a warp-specialised item (tile rows first .. first + 15),
-// straight from the registers: normalise (times out_scale: an fp8 cache's v_scale), write
-// LSE, store each row's pairs of columns (a lane's 4-byte pairs, the row's 4 lanes 16
-// contiguous bytes a store). Shared memory is left alone: the next item's Q may be landing.
-template <typename T, typename C, typename Prob>
-__device__ __forceinline__ void store_rows_direct(const Prob& P, const WorkItem& it, int first,
-                                                  const float (&o)[C::HEAD / 2], const float (&m)[2], float (&l)[2],
-                                                  float sc, float out_scale, int lane) {
-  constexpr int D = C::HEAD;
-  float inv[2];
-  const float m2[2] = {m[0] * sc, m[1] * sc};
-  finish_warp_rows(it, first, m2, l, P.sinks, P.lse, P.num_q_heads, inv, lane);
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = first + lane / 4 + 8 * hr;
-    if (r >= it.rows) continue;
-    const float f = inv[hr] * out_scale;
-    u32* dst = reinterpret_cast<u32*>(P.out + (it.token_row(r) * P.num_q_heads + it.head(r)) * D) + lane % 4;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) dst[4 * i] = pack2<T>(o[4 * i + 2 * hr] * f, o[4 * i + 2 * hr + 1] * f);
-  }
 }
 
 // TMA: the K/V tiles from the tensor maps k_map and v_map (ragged K/V, NHD and HND caches).
@@ -1127,51 +965,54 @@ __device__ __forceinline__ void prefill_ws(const Problem<T, KV>& P, const Tensor
   constexpr bool FP8 = Fp8Traits<KV>::FP8;
   static_assert(!C::TRANSPOSED_V && FP8 == (TMA && SLOTS > 0),
                 "V rows; fp8 caches by TMA with staging slots, 16-bit caches without (else prefill_wgmma)");
+  constexpr int BN = C::KEYS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
   const u32 sKV = sQ + C::Q_BYTES;  // stage s: K at sKV + 2 s KV_BYTES, V right after
   const u32 sS = sKV + 2 * C::BUFFERS * C::KV_BYTES;  // fp8: SLOTS slots of BN x D codes
-  using Bar = WsBarriers<C::BUFFERS, TMA, SLOTS, 0, Q_LOADERS>;
-  const Bar bar{sS + SLOTS * C::KEYS * C::HEAD};
-  const WsItems items{bar.base + 8 * Bar::COUNT};
+  using Bar = WsBarriers<C::BUFFERS, TMA, SLOTS>;
+  const Bar bar{sS + SLOTS * BN * C::HEAD};
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    bar.init();
-    items.init();
-  }
+
+  WorkItem it;
+  it.init(P, P.work[blockIdx.x], C::BLOCK_M);
+  // key tiles n_first .. n_last hold every key a row of the CTA sees
+  const int j_begin = visible_lo(it.position(0), P.window_left);
+  const int j_end = visible_hi(it.position(it.rows - 1), it.kv_len, P.causal);
+  const int n_first = j_begin / BN;
+  const int n_last = j_end > j_begin ? (j_end - 1) / BN : n_first - 1;
+  if (threadIdx.x == 0) bar.init();
   __syncthreads();
 
   if (wg == 0) {
     static_assert(PRODUCER_REGS + 2 * ws_consumer_regs(PRODUCER_REGS) <= 3 * WS_ENTRY_REGS,
                   "the consumers' increase fits in what the producer's decrease frees");
     setmaxnreg_dec<PRODUCER_REGS>();
-    if constexpr (FP8) ws_produce_fp8<T, KV, C>(P, k_map, v_map, bar, items, sQ, sKV, sS);
-    else if constexpr (TMA) ws_produce_tma<T, C>(P, k_map, v_map, bar, items, sQ, sKV);
-    else ws_produce<T, KV, C>(P, bar, items, sQ, sKV);
+    if constexpr (FP8) {
+      ws_produce_fp8<T, KV, C>(P, it, k_map, v_map, bar, sQ, sKV, sS, n_first, n_last);
+    } else {
+      const int bs = P.block_size;
+      const KVRows<T, KV, C, BN, C::TRANSPOSED_V> src{P.k + it.hk * P.k_head + it.kv_start * P.k_tok,
+                                                     P.v + it.hk * P.v_head + it.kv_start * P.v_tok, it.table,
+                                                     it.kv_len, (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1, 0u};
+      if constexpr (TMA) ws_produce_tma<T, C>(P, it, src, k_map, v_map, bar, sQ, sKV, n_first, n_last);
+      else ws_produce<T, KV, C>(P, it, src, bar, sQ, sKV, n_first, n_last);
+    }
   } else {
     setmaxnreg_inc<ws_consumer_regs(PRODUCER_REGS)>();
     const int g = wg - 1, warp = (threadIdx.x / 32) % 4;
-    const Turns turn{g};
-    if (g == 1) turn.pass();  // consumer 0 takes the first turn
-    int t0 = 0;  // tiles of the CTA's earlier items
-    for (int k = 0;; ++k) {
-      WorkItem it;
-      int n_first, n_last;
-      if (!items.item<C::BLOCK_M, C::KEYS>(P, k, it, n_first, n_last)) break;
-      Rows rows;
-      // the kv head's k_scale joins the score scale, its v_scale scales the output (as prefill_wgmma)
-      rows.init<C>(P, it, g, warp, lane,
-                   P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk));
-      float o[C::HEAD / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+    Rows rows;
+    // the kv head's k_scale joins the score scale, its v_scale scales the output (as prefill_wgmma)
+    rows.init<C>(P, it, g, warp, lane,
+                 P.sm_scale * kv_scale(P.k_scale, P.k_scale_stride, P.k_scale_value, it.hk));
+    float o[C::HEAD / 2], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
-      for (int i = 0; i < C::HEAD / 2; ++i) o[i] = 0.f;
-      mbar_wait(bar.q(), k & 1);
-      ws_consume<T, C>(P, rows, bar, items, turn, sQ + g * 64 * C::SW, sKV, n_first, n_last, t0, o, m, l);
-      const float vs = kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, it.hk);
-      store_rows_direct<T, C>(P, it, 64 * g + 16 * warp, o, m, l, rows.sc, vs, lane);
-      t0 += max(n_last - n_first + 1, 0);
-    }
-    if (g == 0) turn.wait();  // consumer 1's last pass
+    for (int i = 0; i < C::HEAD / 2; ++i) o[i] = 0.f;
+    const Turns turn{g};
+    if (g == 1 && n_last >= n_first) turn.pass();  // consumer 0 takes the first turn
+    ws_consume<T, C>(P, rows, bar, turn, sQ + g * 64 * C::SW, sKV, n_first, n_last, o, m, l);
+    const float vs = kv_scale(P.v_scale, P.v_scale_stride, P.v_scale_value, it.hk);
+    store_rows<T, C>(P, it, 64 * g + 16 * warp, o, m, l, rows.sc, vs, sQ, lane);
   }
 }
 
@@ -1198,16 +1039,15 @@ __global__ void __launch_bounds__(256, 1) prefill_wgmma_kernel(CUPAGED_PARAMS_Pr
 }  // namespace cupaged
 
 namespace cupaged {
-// Grid: one CTA per work item, as prefill_wgmma_kernel, or with P.sched a persistent grid
-// (any number of CTAs, each running the items it claims: WsItems); block: WS_THREADS = 3
-// warpgroups (warpgroup 0 copies, 1 and 2 compute: prefill_ws); dynamic smem: Q [128][D],
-// then STAGES K [BN][D] and V [BN][D] tiles, all swizzled, 1024-byte aligned, then the
-// WsBarriers and the WsItems words (prefill.plan.wgmma_smem_bytes). 16-bit caches with V rows (not the vllm value
+// Grid: one CTA per work item, as prefill_wgmma_kernel; block: WS_THREADS = 3 warpgroups
+// (warpgroup 0 copies, 1 and 2 compute: prefill_ws); dynamic smem: Q [128][D], then
+// STAGES K [BN][D] and V [BN][D] tiles, all swizzled, 1024-byte aligned, then the
+// WsBarriers (prefill.plan.wgmma_smem_bytes). 16-bit caches with V rows (not the vllm value
 // layout: its V^T copies need more producer registers than it can spare).
 template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS>
 __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_kernel(CUPAGED_PARAMS_Problem) {
   const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
-  if (P.sched == nullptr && item_is_padding(P)) return;
+  if (item_is_padding(P)) return;
   sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>, PRODUCER_REGS>(P);
 }
 
@@ -1220,7 +1060,7 @@ __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_kernel(CUPAGED
 template <typename T, typename KV, int D, int BN, int STAGES, bool GENERAL, int PRODUCER_REGS, int SLOTS>
 __global__ void __launch_bounds__(sm90::WS_THREADS, 1) prefill_ws_tma_kernel(CUPAGED_PARAMS_ProblemTma) {
   const Problem<T, KV> P{CUPAGED_FIELDS_Problem};
-  if (P.sched == nullptr && item_is_padding(P)) return;
+  if (item_is_padding(P)) return;
   sm90::prefill_ws<T, KV, sm90::Config<T, KV, D, BN, STAGES, false, GENERAL, 128>, PRODUCER_REGS, true, SLOTS>(
       P, &k_map, &v_map);
 }

@@ -54,24 +54,6 @@ struct ScoreEpilogue {
     for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-d, r, 1.f), r);
     return cap_log2 * fmaf(-2.f, r, 1.f);
   }
-  // Two scores at once on the FAST path: tanh.approx.f16x2 takes both (their arguments
-  // rounded to fp16, relative 2^-11 like the f32 form's own error; beyond fp16's range they
-  // saturate to +-1), one multi-function op for two where the softmax's exp2 already takes one
-  // a score.
-  template <bool CAP>
-  __device__ __forceinline__ void at_pair(float& a, float& b) const {
-    if constexpr (!CAP) {
-      a *= scale_log2;
-      b *= scale_log2;
-    } else {
-      __half2 x = __floats2half2_rn(a * scale_over_cap, b * scale_over_cap);
-      u32 t;
-      asm("tanh.approx.f16x2 %0, %1;\n" : "=r"(t) : "r"(*reinterpret_cast<u32*>(&x)));
-      const __half2 y = *reinterpret_cast<const __half2*>(&t);
-      a = cap_log2 * __low2float(y);
-      b = cap_log2 * __high2float(y);
-    }
-  }
   __device__ __forceinline__ float operator()(float dot) const {
     return softcap ? at<true>(dot) : at<false>(dot);
   }

@@ -772,7 +772,7 @@ def test_wgmma_tile_shares_work_list_and_fits():
         if kv is None and vt == "false" and d != 256:
             assert tile.ws and tile.threads == plan_.WS_THREADS
             return (f"cupaged::prefill_ws_kernel<{t}, {t}, {d}, {tile.block_n}, {tile.stages}, {g}, "
-                    f"{plan_.ws_producer_regs()}>")
+                    f"{plan_.ws_producer_regs(d)}>")
         assert not tile.ws and tile.threads == 256
         return (f"cupaged::prefill_wgmma_kernel<{t}, {kv or t}, {d}, {tile.block_n}, {tile.stages}, "
                 f"{vt}, {g}>")
@@ -783,11 +783,11 @@ def test_wgmma_tile_shares_work_list_and_fits():
             for vt in ("false", "true") for g in ("false", "true")}
     tma = plan_.tma_tile(128)
     want |= {f"cupaged::prefill_ws_tma_kernel<{t}, {t}, {d}, {tma.block_n}, {tma.stages}, {g}, "
-             f"{plan_.ws_producer_regs(True)}, 0>"
+             f"{plan_.ws_producer_regs(d)}, 0>"
              for t in ("__half", "__nv_bfloat16") for d in plan_.TMA_HEAD_DIMS for g in ("false", "true")}
     fp8 = plan_.tma_tile(128, kv="fp8_e4m3")  # opt-in, compiled for the gate
     want |= {f"cupaged::prefill_ws_tma_kernel<{t}, cupaged::{kv}, {d}, {fp8.block_n}, {fp8.stages}, "
-             f"{g}, {plan_.ws_producer_regs(True)}, {plan_.FP8_TMA_SLOTS}>"
+             f"{g}, {plan_.ws_producer_regs(d)}, {plan_.FP8_TMA_SLOTS}>"
              for t in ("__half", "__nv_bfloat16") for kv in ("fp8_e4m3", "fp8_e5m2")
              for d in plan_.TMA_HEAD_DIMS for g in ("false", "true")}
     assert hopper == want
@@ -949,29 +949,6 @@ def test_gpu_tma_features(cp, hopper, rng, head_dim, feature, stages):
     fo = _feature_opts(rng, feature, 8)
     q = (q.astype(np.float32) * fo.pop("q_scale", 1.0)).astype(bfloat16)
     gpu_tile_varlen(cp, q, k, v, cu_q, cu_k, plan_.tma_tile(head_dim, stages), fo)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("grid", [1, 3, 7])
-@pytest.mark.parametrize("tma, d, general", [(True, 64, False), (True, 128, False),
-                                              (True, 128, True), (False, 96, True),
-                                              (False, 112, False)])
-def test_gpu_persistent_grid_runs_every_item(cp, hopper, rng, monkeypatch, tma, d, general, grid):
-    """A warp-specialised tile on a persistent grid of a few CTAs, each running many of the
-    items it claims (odd lengths, empty rows, cut last tiles, GQA), launched three times in
-    a row: every output row written and right each time (the claim counters re-armed by
-    each launch's last CTA, the stages' and Q's barrier phases running on across items)."""
-    from cupaged.prefill import launch
-    facts = launch.current()
-    monkeypatch.setattr(launch, "current", lambda: facts._replace(sms=grid))
-    tile = (plan_.tma_tile(d) if tma else plan_.wgmma_tile(d))._replace(persistent=True)
-    assert tile.ws and tile.tma == tma
-    for causal in (True, False, True):
-        fo = _feature_opts(rng, "all", 8) if general else {}
-        fo["causal"] = causal
-        q, k, v, cu_q, cu_k = ragged(rng, TMA_Q_LENS, TMA_KV_LENS, 8, 2, d, bfloat16)
-        q = (q.astype(np.float32) * fo.pop("q_scale", 1.0)).astype(bfloat16)
-        gpu_tile_varlen(cp, q, k, v, cu_q, cu_k, tile, fo)
 
 
 @pytest.mark.gpu

@@ -345,16 +345,16 @@ def test_fp8_tma_tile_is_opt_in_and_fits():
                                                                 plan_.FP8_TMA_SLOTS)
         assert tile.block_m == plan_.default_tile(d).block_m  # one work list
         want = (2 * (128 * d + 2 * 2 * 128 * d) + plan_.FP8_TMA_SLOTS * 128 * d
-                + 8 * (1 + 4 * 2 + 2 * plan_.FP8_TMA_SLOTS + plan_.WS_ITEM_WORDS) + 1024)
+                + 8 * (1 + 4 * 2 + 2 * plan_.FP8_TMA_SLOTS) + 1024)
         assert plan_.wgmma_smem_bytes(d, tile, "fp8_e4m3") == want <= SM90_SMEM_PER_CTA
         assert plan_.tma_tile(d).slots == 0
         for kv in FORMATS:
             assert plan_.wgmma_tile(d, kv, geometry=geo) != tile
             for general in (False, True):
                 assert _expr_wgmma(bfloat16, d, tile, False, general, kv) in exprs
-    assert plan_.wgmma_smem_bytes(128, plan_.tma_tile(128, kv="fp8_e4m3"), "fp8_e4m3") == 230568
+    assert plan_.wgmma_smem_bytes(128, plan_.tma_tile(128, kv="fp8_e4m3"), "fp8_e4m3") == 230536
     assert (_expr_wgmma(np.float16, 64, plan_.tma_tile(64, kv="fp8_e5m2"), False, True, "fp8_e5m2")
-            == "cupaged::prefill_ws_tma_kernel<__half, cupaged::fp8_e5m2, 64, 128, 2, true, 56, 4>")
+            == "cupaged::prefill_ws_tma_kernel<__half, cupaged::fp8_e5m2, 64, 128, 2, true, 72, 4>")
 
 
 def _tma_geo(layout, block_size, d=128):
@@ -368,7 +368,7 @@ def _tma_geo(layout, block_size, d=128):
     (plan_.tma_tile(128, kv="fp8_e4m3"), 128, None, _tma_geo("NHD", 16),
      r"expects slots 0 \(16-bit K/V\); got kv None, slots 4"),
     (plan_.tma_tile(128, 3, kv="fp8_e4m3"), 128, "fp8_e4m3", _tma_geo("NHD", 16),
-     r"expected at most 232448 bytes of shared memory, got 296136 \(head_dim 128, stages 3"),
+     r"expected at most 232448 bytes of shared memory, got 296104 \(head_dim 128, stages 3"),
     (plan_.tma_tile(128, kv="fp8_e5m2"), 128, "fp8_e5m2", _tma_geo("vllm", 16),
      "contiguous dims.*got kv fp8_e5m2"),
     (plan_.tma_tile(128, kv="fp8_e4m3"), 128, "fp8_e4m3", _tma_geo("HND", 24),
@@ -437,15 +437,11 @@ def test_fp8_tma_launch_record(monkeypatch, rng):
     from cupaged.core.fp8 import fp8_format, kernel_scales
     from cupaged.core.layouts import cache_strides
     from cupaged.prefill import launch
-    from cupaged.core.device import DeviceFacts
     monkeypatch.setattr(launch, "launcher", _Kernel)
     monkeypatch.setattr(launch, "ptr", lambda a: 0 if a is None else id(a))
-    # the persistent grid: a CTA an SM of a 3-SM device, the claim counters from the scratch
-    monkeypatch.setattr(launch, "current", lambda: DeviceFacts(0, "90", 3, 50 << 20))
-    monkeypatch.setattr(launch, "scratch", lambda name, n, zero=False: np.zeros(n, np.int32))
     case, fp8 = fp8_paged(rng, [5, 70], [9, 300], layout="HND", fmt="fp8_e5m2", scale="float")
     geo = _cache_geometry(case, "HND", "fp8_e5m2")
-    tile = plan_.tma_tile(128, kv="fp8_e5m2")._replace(persistent=True)
+    tile = plan_.tma_tile(128, kv="fp8_e5m2")
     opts = check_options(np, 8, 128)
     scales = kernel_scales(fp8_format("fp8_e5m2"), 0.05, 0.04, 2, False)
     work = np.zeros((4, 4), np.int32)
@@ -454,10 +450,9 @@ def test_fp8_tma_launch_record(monkeypatch, rng):
                           2, strides, opts, True, False, "wgmma", tile=tile, work=work,
                           kv="fp8_e5m2", scales=scales)
     assert run.kernel.expr == ("cupaged::prefill_ws_tma_kernel<__nv_bfloat16, cupaged::fp8_e5m2, "
-                               "128, 128, 2, false, 56, 4>")
+                               "128, 128, 2, false, 72, 4>")
     assert run.kernel.record is abi.PREFILL_TMA and run.kernel.kw["hopper"]
-    assert (run.go.grid, run.go.threads, run.threads) == (3, plan_.WS_THREADS, plan_.WS_THREADS)
-    assert run.args._fixed["items"] == 4 and run.args._fixed["sched"] != 0
+    assert (run.go.grid, run.go.threads, run.threads) == (4, plan_.WS_THREADS, plan_.WS_THREADS)
     assert run.go.smem == run.smem == plan_.wgmma_smem_bytes(128, tile, "fp8_e5m2")
     k_geo = run._maps._geo[0]
     assert k_geo.box == (128, 16, 1, 1) and k_geo.dtype == tma._UINT8
@@ -470,10 +465,9 @@ def test_fp8_tma_launch_record(monkeypatch, rng):
                         True, True, "wgmma", tile=tile, work=work, kv="fp8_e5m2", scales=scales)
 
 
-def check_gpu_tma(cp, case, fp8, layout, causal=True, persistent=None, **opts):
-    """The fp8 TMA tile (explicit, a host work list; ``persistent``: its grid, None the
-    default) on the device, out and LSE NaN-poisoned, against the reference on the same
-    bytes; scales as device arrays."""
+def check_gpu_tma(cp, case, fp8, layout, causal=True, **opts):
+    """The fp8 TMA tile (explicit, a host work list) on the device, out and LSE
+    NaN-poisoned, against the reference on the same bytes; scales as device arrays."""
     from cupaged.core.checks import check_options
     from cupaged.core.fp8 import fp8_format, kernel_scales
     from cupaged.core.layouts import cache_strides
@@ -483,8 +477,6 @@ def check_gpu_tma(cp, case, fp8, layout, causal=True, persistent=None, **opts):
     q, hq, d, fmt = case["q"], case["q"].shape[1], case["q"].shape[2], fp8["kv_dtype"]
     geo = _cache_geometry(case, layout, fmt)
     tile = plan_.tma_tile(d, kv=fmt)
-    if persistent is not None:
-        tile = tile._replace(persistent=persistent)
     want, want_lse = ref.paged_prefill(**case, layout=layout, return_lse=True, causal=causal,
                                        **fp8, **opts)
     ho = check_options(np, hq, d, **opts)
@@ -528,21 +520,6 @@ def test_gpu_fp8_tma_layouts(cp, rng, layout, fmt, scale, block_size, head_dim, 
     case, fp8 = fp8_paged(rng, TMA_Q, TMA_KV, d=head_dim, dtype=dtype, layout=layout,
                           block_size=block_size, fmt=fmt, scale=scale, fill=TMA_NAN)
     check_gpu_tma(cp, case, fp8, layout, causal=causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("grid", [1, 4])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_gpu_fp8_tma_persistent_grid(cp, rng, monkeypatch, layout, grid):
-    """The fp8 TMA tile on a persistent grid of a few CTAs, each running many items (its
-    staging slots' phases running on from item to item), three launches in a row."""
-    from cupaged.prefill import launch
-    facts = launch.current()
-    monkeypatch.setattr(launch, "current", lambda: facts._replace(sms=grid))
-    for _ in range(3):
-        case, fp8 = fp8_paged(rng, TMA_Q, TMA_KV, hq=8, hk=2, d=128, layout=layout,
-                              fmt="fp8_e4m3", scale="heads", fill=TMA_NAN)
-        check_gpu_tma(cp, case, fp8, layout, persistent=True)
 
 
 @pytest.mark.gpu

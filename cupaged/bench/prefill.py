@@ -67,7 +67,7 @@ VARIANTS = {
 # cp.async producer, and prefill_wgmma_kernel with 2 stages (plain) and 3 stages
 # (overlapped): plan_.wgmma_tile(d, geometry=...) names the default of each head size and call.
 WGMMA_VARIANTS = [plan_.tma_tile(128), plan_.tma_tile(128, 2),
-                  plan_.WgmmaTile(128, 2, True, plan_.ws_producer_regs()), plan_.WgmmaTile(128, 2),
+                  plan_.WgmmaTile(128, 2, True, plan_.ws_producer_regs(128)), plan_.WgmmaTile(128, 2),
                   plan_.WgmmaTile(128, 3)]
 
 

@@ -123,7 +123,7 @@ PREFILL = Record("Problem", [
     ("const float* __restrict__", "alibi", NULL), ("const float* __restrict__", "sinks", NULL),
     ("int", "num_q_heads"), ("int", "num_kv_heads"), ("float", "sm_scale"),
     ("float", "soft_cap"), ("int", "window_left"), ("int", "causal"), ("i64", "q_tok"),
-    *SCALES, ("int* __restrict__", "sched", NULL), ("int", "items", 0),
+    *SCALES,
 ], template="typename T, typename KV")
 
 # The TMA-fed warp-specialised prefill kernel (prefill_ws_tma_kernel): Problem's fields, then

@@ -216,12 +216,7 @@ class Launches:
                 window_left=_window(opts), capacity=capacity, rows=ptr(rows),
                 section_heads=self.section_heads))
         self.work = work
-        # a persistent tile: a CTA an SM (at most one an item) over the scheduler's counters
-        sched, grid = None, work.shape[0]
-        if getattr(self.tile, "persistent", False):
-            sched = scratch(f"{name}.sched", 2, zero=True)
-            grid = max(min(grid, current().sms), 1)
-        self.go = self.kernel.at(grid, self.threads, self.smem)
+        self.go = self.kernel.at(work.shape[0], self.threads, self.smem)
         # TMA: the K/V tensor maps, made per call from the addresses (core.tma)
         self._maps = None
         if self.tile.tma:
@@ -235,7 +230,7 @@ class Launches:
             v_head=strides.v_head, v_dim=strides.v_dim, v_tok=strides.v_tok, num_q_heads=hq,
             num_kv_heads=num_kv_heads, sm_scale=opts.sm_scale, soft_cap=opts.logits_soft_cap,
             window_left=_window(opts), causal=int(causal), q_tok=token_stride("q", q),
-            sched=ptr(sched), items=work.shape[0], **(scales or {}))
+            **(scales or {}))
         # positional packers of the launches' per-call addresses
         maps = ("k_map", "v_map") if self.tile.tma else ()
         self._pack = self.args.packer("q", "k", "v", "out", "lse", "cu_q", "kv_info",

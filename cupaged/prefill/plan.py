@@ -132,17 +132,13 @@ class WgmmaTile(NamedTuple):
     :data:`TMA_HEAD_DIMS`, :func:`check_tma`); ``slots`` (with ``tma``; an explicit tile,
     ``tma_tile(head_dim, kv=...)``, never a default): from an fp8 cache, the staging slots of
     K or V codes the producer copies by TMA and widens into the 16-bit tiles (0: 16-bit
-    K/V). ``persistent`` (with ``ws``; :data:`PERSISTENT` in the default tiles): a grid
-    of one CTA an SM (at most one a work item), each CTA running the items it claims from a
-    counter, the next item's Q and tiles copied under the last one's tiles and epilogue;
-    else one CTA a work item. ``Config`` in prefill_sm90.cu."""
+    K/V). ``Config`` in prefill_sm90.cu."""
     block_n: int
     stages: int
     ws: bool = False
     producer_regs: int = 0  # ws: the producer warpgroup's setmaxnreg budget
     tma: bool = False
     slots: int = 0
-    persistent: bool = False  # ws: a grid of one CTA an SM running the items each claims
 
     @property
     def block_m(self):
@@ -156,36 +152,21 @@ class WgmmaTile(NamedTuple):
 # threads of the warp-specialised kernel: a producer and two consumer warpgroups (namespace
 # sm90 of the generated abi.cuh: cpp())
 WS_THREADS = 384
-# 8-byte words of the warp-specialised kernel's item hand-over after its barriers (WsItems:
-# the Q tile's empty barrier, two slots' barriers, the two slots)
-WS_ITEM_WORDS = 4
 
 
 def cpp() -> str:
     """C++ of the prefill kernels' constants for the generated ``abi.cuh``."""
-    return abi.constants("sm90", dict(WS_THREADS=WS_THREADS, WS_ITEM_WORDS=WS_ITEM_WORDS,
-                                      PACKED_TANH=PACKED_TANH))
+    return abi.constants("sm90", dict(WS_THREADS=WS_THREADS))
 
 
-def ws_producer_regs(tma=False):
+def ws_producer_regs(head_dim):
     """The producer warpgroup's register budget in the warp-specialised kernel (the
     consumers take the rest of the CTA's registers at launch, ``ws_consumer_regs`` in
     prefill_sm90.cu: 504 a thread of each warpgroup, 168 x 3): the largest with which both
-    compile without spilling, 72 (consumers 216) for the cp.async producer, 56 (consumers
-    224) for the TMA producer (``tma``), whose d128 general score path needs the
-    consumers' 224."""
-    return 56 if tma else 72
+    compile without spilling, 72 (consumers 216), and 56 (consumers 224) at d112, whose
+    general score path needs more."""
+    return 56 if head_dim == 112 else 72
 
-
-# Whether the wgmma kernels' soft-cap takes two scores a tanh (tanh.approx.f16x2, score.cuh
-# ScoreEpilogue::at_pair) rather than one (tanh.approx.f32): off until the soft-cap tests
-# and the same-run A/B of benchmarks/NOTES.md have run on a GPU.
-PACKED_TANH = False
-
-# Whether the warp-specialised tiles run on the persistent grid (WgmmaTile.persistent): off
-# until the GPU tests and the same-run A/B of benchmarks/NOTES.md ("A persistent
-# warp-specialised prefill") have run; tiles with persistent=True take it explicitly.
-PERSISTENT = False
 
 # head sizes the TMA producer takes: core.tma's (rows of whole 128-byte column blocks)
 TMA_HEAD_DIMS = tma.HEAD_DIMS
@@ -208,11 +189,10 @@ def tma_tile(head_dim, stages=None, kv=None):
     the codes by TMA into :data:`FP8_TMA_SLOTS` staging slots and widens them into the
     16-bit tiles. The fp8 tile is opt-in: :func:`wgmma_tile` never returns it."""
     if kv is None:
-        return WgmmaTile(128, stages or TMA_STAGES, True, ws_producer_regs(True), True,
-                         persistent=PERSISTENT)
+        return WgmmaTile(128, stages or TMA_STAGES, True, ws_producer_regs(head_dim), True)
     check_choice("kv", kv, KV_DTYPES)
-    return WgmmaTile(128, stages or FP8_TMA_STAGES, True, ws_producer_regs(True),
-                     True, FP8_TMA_SLOTS, persistent=PERSISTENT)
+    return WgmmaTile(128, stages or FP8_TMA_STAGES, True, ws_producer_regs(head_dim), True,
+                     FP8_TMA_SLOTS)
 
 
 class TmaGeometry(NamedTuple):
@@ -307,7 +287,7 @@ def wgmma_tile(head_dim, kv=None, v_transposed=False, decode_rows=False, geometr
     if warp_specialised(head_dim, kv, v_transposed, decode_rows):
         if geometry is not None and tma_fits(head_dim, kv, geometry, block_n):
             return tma_tile(head_dim)
-        return WgmmaTile(block_n, 2, True, ws_producer_regs(), persistent=PERSISTENT)
+        return WgmmaTile(block_n, 2, True, ws_producer_regs(head_dim))
     return WgmmaTile(block_n, 3 if head_dim == 64 else 2)
 
 
@@ -316,14 +296,13 @@ def wgmma_smem_bytes(head_dim, tile, kv=None):
     ``[block_n][D]`` (16-bit; V^T ``[D][block_n]`` takes as much), from an fp8 cache
     (format ``kv``) the staging of one tile (:func:`fp8_staging_bytes`) or, for the fp8 TMA
     tile, its ``slots`` slots of ``[block_n][D]`` codes, the warp-specialised kernel's
-    mbarriers (8 bytes each: Q, per stage K and V full and empty, per slot full and empty)
-    and its item words (``WsItems``: :data:`WS_ITEM_WORDS` of 8 bytes), plus 1024 bytes to
-    align the swizzled tiles."""
+    mbarriers (8 bytes each: Q, per stage K and V full and empty, per slot full and empty),
+    plus 1024 bytes to align the swizzled tiles."""
     if tile.slots:
         staging = tile.slots * tile.block_n * head_dim
     else:
         staging = 0 if kv is None else fp8_staging_bytes(head_dim, tile.block_n, tile.threads)
-    barriers = 8 * (1 + 4 * tile.stages + 2 * tile.slots + WS_ITEM_WORDS) if tile.ws else 0
+    barriers = 8 * (1 + 4 * tile.stages + 2 * tile.slots) if tile.ws else 0
     return (2 * (tile.block_m * head_dim + 2 * tile.stages * tile.block_n * head_dim) + staging
             + barriers + 1024)
 

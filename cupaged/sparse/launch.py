@@ -67,7 +67,7 @@ def attention_expr(dtype, head_dim, kernel="sparse_attention", rows=CTA_ROWS, ge
     if wgmma:
         name = (WS_TMA_KERNELS if use_tma else WS_KERNELS)[kernel]
         return (f"cupaged::{name}<{ctype(dtype)}, {head_dim}, {ws_tile_n(head_dim, kernel)}, "
-                f"{ws_stages(head_dim)}, {flag}, {prefill_plan.ws_producer_regs()}>")
+                f"{ws_stages(head_dim)}, {flag}, {prefill_plan.ws_producer_regs(head_dim)}>")
     tile = attention_tile(head_dim, rows)
     return f"cupaged::{kernel}<{ctype(dtype)}, {head_dim}, {tile.cpp()}, {flag}>"
 
