@@ -543,6 +543,38 @@ def test_gpu_decoder_graph_replay_follows_new_keys_and_lengths(cp, rng, layout):
 
 
 @pytest.mark.gpu
+def test_gpu_torch_tensors_match_cupy(cp, rng):
+    """QuestDecoder (plan, update_bounds, run) and quest_decode take torch tensors zero-copy
+    and give torch tensors back, equal to the same calls on CuPy arrays."""
+    torch = pytest.importorskip("torch")
+    bs, hk, hq, d, k = 16, 2, 8, 128, 4
+    lens = [300, 17, 0, 160]
+    case, dev, nb = _gpu_setup(cp, rng, "HND", bfloat16, bs, hq, hk, d, lens)
+    t = {n: torch.from_dlpack(a) for n, a in dev.items() if hasattr(a, "__cuda_array_interface__")}
+    results = []
+    for kind, arr in (("cupy", dev), ("torch", t)):
+        k_min, k_max = _fresh_bounds(nb, hk, d, cp)
+        if kind == "torch":
+            k_min, k_max = torch.from_dlpack(k_min), torch.from_dlpack(k_max)
+        dec = sparse.QuestDecoder(hq, hk, d, bs, k, dtype=bfloat16, layout="HND", max_batch=4)
+        dec.plan(arr["block_tables"], arr["seq_lens"])
+        dec.update_bounds(arr["k_cache"], k_min, k_max, last_page_only=False)
+        out, lse = dec.run(arr["q"], arr["k_cache"], arr["v_cache"], k_min, k_max,
+                           return_lse=True)
+        once = sparse.quest_decode(arr["q"], arr["k_cache"], arr["v_cache"], k_min, k_max,
+                                   arr["block_tables"], arr["seq_lens"], k, layout="HND")
+        if kind == "torch":
+            assert all(isinstance(x, torch.Tensor) and x.is_cuda for x in (out, lse, once))
+            results.append([x.float().cpu().numpy() for x in (out, lse, once)])
+        else:
+            results.append([x.astype(cp.float32).get() for x in (out, lse, once)])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(results[0][0]).all() and (results[0][0] != 0).any()
+    cupaged.check_errors()
+
+
+@pytest.mark.gpu
 def test_gpu_quest_calls_do_not_sync(cp, rng):
     from test_no_sync import assert_no_sync_cupy
     bs, hk, hq, d = 16, 8, 32, 128

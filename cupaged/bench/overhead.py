@@ -4,7 +4,8 @@ For each op (``paged_decode`` at B64 x L8K and B1 x L2K, ``paged_attention`` on 
 batch, ``varlen_prefill`` B2 x S8K causal, ``paged_prefill`` B2 x S8K causal from a bf16 and
 an fp8 cache (device metadata), ``write_kv_cache`` of 64K tokens, ``apply_rope``
 of 16K tokens, ``PagedDecoder.plan`` from host and from device metadata and
-``PagedDecoder.run``) and each kind of caller array (``cupy``; ``torch`` tensors and ``jax``
+``PagedDecoder.run``, ``QuestDecoder.run`` at B8 x L128K, top 256 pages, bf16 bounds) and
+each kind of caller array (``cupy``; ``torch`` tensors and ``jax``
 arrays where they are importable), one row gives:
 
 - ``host_us``: host time of one call (median of ``perf_counter`` around each call, calls
@@ -214,6 +215,35 @@ def _decode_rows(batch, length, kinds):
     return rows
 
 
+def _quest_rows(kinds, batch=8, length=131072, top_k=256):
+    """``QuestDecoder.run`` (bf16 bounds, NHD) beside the dense planned decode of the same
+    cache replayed (``dense_graph_us``): issue 22's Quest row as a caller sees it."""
+    import cupy
+    from ..sparse import QuestDecoder, quest
+    case = _paged(batch, length)
+    case["q"] = _rand((batch, HQ, D), 3)
+    nb = case["kc"].shape[0]
+    case["k_min"], case["k_max"] = (cupy.empty((nb, HK, D), bfloat16) for _ in range(2))
+    quest.update_page_bounds(case["kc"], case["tables"], case["lens"], case["k_min"],
+                             case["k_max"], layout="NHD")
+    dense = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy,
+                                layout="NHD").plan(case["tables"], case["lens"])
+    out = cupy.empty(case["q"].shape, bfloat16)
+    dense_graph = _graph_us(lambda: dense.run(case["q"], case["kc"], case["vc"], out=out))
+    dec = QuestDecoder(HQ, HK, D, PAGE, top_k, dtype=bfloat16, layout="NHD", max_batch=batch)
+    planned = dec.plan(case["tables"], case["lens"])
+    graph = lambda: planned.run(case["q"], case["kc"], case["vc"], case["k_min"],
+                                case["k_max"], out=out)
+    rows = []
+    for kind in kinds:
+        a = _as(kind, case)
+        dec.plan(a["tables"], a["lens"])
+        run = lambda: dec.run(a["q"], a["kc"], a["vc"], a["k_min"], a["k_max"])
+        rows.append(_row("QuestDecoder.run", f"B{batch} x L{length} top {top_k}", kind, run,
+                         graph, extra={"dense_graph_us": dense_graph}))
+    return rows
+
+
 def _plan_rows(batch, length, kinds):
     import cupy
     case = _paged(batch, length)
@@ -375,11 +405,14 @@ def run(quick=False):
     if not quick:
         rows += _mixed_rows(kinds)
     rows += _write_rows(kinds) + _rope_rows(kinds)
+    if not quick:
+        rows += _quest_rows(kinds)
     return rows
 
 
 COLUMNS = ["op", "shape", "arrays", "host_us", "gpu_us", "graph_us", "planned_graph_us",
-           "host_planned_graph_us", "vs_graph", "peer_us", "TFLOP/s", "frac_copy"]
+           "host_planned_graph_us", "vs_graph", "peer_us", "dense_graph_us", "TFLOP/s",
+           "frac_copy"]
 
 
 def main(argv=None):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import errors
-from ..core.arrays import array_module, as_dtype, check_array, check_choice, check_head_dim, empty
+from ..core.arrays import (accepts_dlpack, array_module, as_dtype, check_array, check_choice,
+                           check_head_dim, empty)
 from ..core.checks import (INT32_MAX, check_block_tables, check_gqa, check_int, check_out,
                            check_query, table_stride)
 from ..core.layouts import LAYOUTS, CacheGeometry, key_geometry
@@ -28,6 +29,7 @@ def _group_rows(q, num_kv_heads):
     return q.reshape(batch * num_kv_heads, hq // num_kv_heads, d)
 
 
+@accepts_dlpack
 def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_k, *, layout,
                  first_pages=0, sm_scale=None, sinks=None, out=None, return_lse=False,
                  backend="auto", validate=None):
@@ -154,6 +156,7 @@ class QuestDecoder:
         self._buffers = None  # (tables, lens, Selection, lse) of max_batch rows, device
         self._step = None     # (batch, width, tables, lens, Selection or None)
 
+    @accepts_dlpack
     def plan(self, block_tables, seq_lens, *, validate=None):
         """Take a step's int32 ``block_tables [B, max_blocks]`` and ``seq_lens [B]``
         (NumPy or CuPy, ``B <= max_batch``); returns the decoder."""
@@ -218,6 +221,7 @@ class QuestDecoder:
             raise ValueError("QuestDecoder: expected a plan() first, got none")
         return self._step
 
+    @accepts_dlpack
     def update_bounds(self, k_cache, k_min, k_max, *, last_page_only=True):
         """Recompute a layer's page bounds (``[num_blocks, Hk, D]``, in place) over
         the planned tables and lengths: each sequence's last page (default), or every page."""
@@ -225,6 +229,7 @@ class QuestDecoder:
         quest.update_page_bounds(k_cache, tables, lens, k_min, k_max, layout=self.layout,
                                  last_page_only=last_page_only)
 
+    @accepts_dlpack
     def run(self, q, k_cache, v_cache, k_min, k_max, *, sinks=None, out=None, lse=None,
             return_lse=False):
         """Decode the planned step for one layer over each kv head's selected pages.
