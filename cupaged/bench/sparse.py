@@ -42,9 +42,10 @@ Batched BSR rows (``budget`` "bsr"): ``varlen_block_sparse_attention`` over B 4 
 (random q/k/v, same heads and dtype), 64 x 64 blocks, one pattern per kv head keeping the
 diagonal block of every block row and random causal blocks besides, beside dense causal
 ``varlen_prefill`` of the same batch: ``kept`` (kept blocks over the causal blocks),
-``bsr_ms`` (the public op: checks, ``bsr_prepare`` and the kernel; on sm_90 the wgmma
-kernel, 128-row CTAs whose halves compute apart), ``bsr_mma_ms`` (the same with
-``backend="mma"``: 64-row CTAs), ``bsr128_ms`` (the mma.sync launches on 128-row CTAs, whose
+``bsr_ms`` (the public op: checks, ``bsr_prepare`` and the kernel "auto" takes),
+``bsr_mma_ms`` (the same with ``backend="mma"``: 64-row CTAs), ``bsr_wgmma_ms``
+(``backend="wgmma"``, sm_90: 128-row CTAs whose halves compute apart, 64-key tiles),
+``bsr128_ms`` (the mma.sync launches on 128-row CTAs, whose
 two halves are two block rows), ``dense_ms``, ``mma_ms``, ``vs_dense`` (dense over
 ``bsr_ms``), ``block_ratio`` (kept blocks per second over the default dense kernel's causal
 blocks per second; issue 22's goal: >= 0.8), ``mma_block_ratio`` (mma.sync against
@@ -300,9 +301,9 @@ def bench_bsr(keep, reps):
                                               BSR_BLOCK, HK, keep)
     indptr, indices = cupy.asarray(indptr), cupy.asarray(indices)
     out = cupy.empty_like(q)
-    t_bsr, t_bsr_mma = (time_gpu(lambda: cupaged.varlen_block_sparse_attention(
+    t_bsr, t_bsr_mma, t_bsr_wgmma = (time_gpu(lambda: cupaged.varlen_block_sparse_attention(
         q, k, v, cu, cu, indptr, indices, BSR_BLOCK, BSR_BLOCK, pattern_heads=HK, out=out,
-        backend=b), warmup=1, reps=reps) for b in ("auto", "mma"))
+        backend=b), warmup=1, reps=reps) for b in ("auto", "mma", "wgmma"))
     # the same pattern on 128-row CTAs (two block rows a CTA) instead of the op's 64
     from ..core.checks import check_options
     from ..sparse import bsr, launch as kernels
@@ -314,7 +315,8 @@ def bench_bsr(keep, reps):
                                                               backend=b), warmup=1, reps=reps)
                       for b in ("auto", "mma"))
     return dict(S=BSR_LEN, budget="bsr", B=BSR_BATCH, kept=kept, busy=busy, bsr_ms=t_bsr * 1e3,
-                bsr_mma_ms=t_bsr_mma * 1e3, bsr128_ms=t_128 * 1e3, dense_ms=t_dense * 1e3,
+                bsr_mma_ms=t_bsr_mma * 1e3, bsr_wgmma_ms=t_bsr_wgmma * 1e3,
+                bsr128_ms=t_128 * 1e3, dense_ms=t_dense * 1e3,
                 mma_ms=t_mma * 1e3, vs_dense=t_dense / t_bsr,
                 block_ratio=(kept / t_bsr) / (1 / t_dense),
                 mma_block_ratio=(kept / t_bsr_mma) / (1 / t_mma))
@@ -404,8 +406,8 @@ def run(quick=False, long=False):
 COLUMNS = ["S", "inputs", "budget", "nv", "ns", "diag_frac", "kept", "est_ms", "index_ms",
            "kernel_ms", "sparse_ms", "est_share", "op_ms", "dense_ms", "vs_dense", "mma_ms",
            "cudnn_ms", "vs_cudnn", "pair_ratio", "mma_kernel_ms", "mma_pair_ratio", "mass",
-           "checked", "B", "busy", "bsr_ms", "bsr_mma_ms", "bsr128_ms", "block_ratio",
-           "mma_block_ratio", "bounds_ms", "bounds_last_ms", "select_ms", "quest_ms", "step_vs_dense"]
+           "checked", "B", "busy", "bsr_ms", "bsr_mma_ms", "bsr_wgmma_ms", "bsr128_ms",
+           "block_ratio", "mma_block_ratio", "bounds_ms", "bounds_last_ms", "select_ms", "quest_ms", "step_vs_dense"]
 
 
 def main(argv=None):
