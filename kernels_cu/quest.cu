@@ -316,8 +316,9 @@ __global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_
               t += qd != 0.f ? prod : 0.f;  // q_d = 0 adds nothing, even against an infinite bound
             }
           }
-#pragma unroll
-          for (int off = LANES / 2; off >= 1; off >>= 1) t += __shfl_xor_sync(mask, t, off);
+          float one[1] = {t};
+          int which_one;
+          t = group_sums<1, LANES>(one, mask, which_one);
           if (g0 + g < a.group) {
             any_nan |= t != t;
             s = fmaxf(s, t);
