@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_
 // 256-bin histogram) and keeps, in position order, every page above it and the first pages
 // equal to it: positions[b, h, :] (-1 past the count), and a block table row of the
 // one-kv-head view (tokens_per_page entries a page: id blk * Hk + h, or (blk * block_size +
-// t) * Hk + h per token t) with its key count. A sequence with a bad length or block id
+// t) * Hk + h per token t; rows sel_stride entries apart) with its key count. A sequence with a bad length or block id
 // keeps nothing (count 0; the score kernel reported it). With cache_keys the row's keys are
 // computed once into dynamic shared memory (width u32s), else on each pass from the scores.
 template <int THREADS>
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
   const TopK top = radix_select<THREADS>(key, n, k, s_hist);
   const int tpp = a.tokens_per_page;
   int* pos_row = a.positions ? a.positions + (i64)blockIdx.x * k : nullptr;
-  int* tab_row = a.sel_tables + (i64)blockIdx.x * k * tpp;
+  int* tab_row = a.sel_tables + (i64)blockIdx.x * a.sel_stride;
   keep_in_order<THREADS>(key, n, top, s_warp, [&](int slot, int i) {
     const int blk = __ldg(table + i);
     if (pos_row) pos_row[slot] = i;

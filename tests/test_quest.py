@@ -484,6 +484,64 @@ def test_gpu_decode_matches_oracle(cp, rng, layout, dtype, bs, hq, hk, d, lens, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout,dtype,bs,hq,hk,d,lens,k", [GPU_CASES[i] for i in (0, 1, 2, 9)])
+def test_gpu_decoder_steps_over_layers_match_oracle(cp, rng, layout, dtype, bs, hq, hk, d,
+                                                     lens, k):
+    """One decoder over two layers' caches, two runs each (the second a hot run: launches
+    set up by the first), in each output form; then a plan of fewer, shorter sequences and
+    the same again. Every run is compared with the oracle over the pages it selected."""
+    case, dev, nb = _gpu_setup(cp, rng, layout, dtype, bs, hq, hk, d, lens)
+    layers = []
+    for i in range(2):
+        k_c = case["k_cache"] if i == 0 else rng.standard_normal(case["k_cache"].shape)
+        v_c = case["v_cache"] if i == 0 else rng.standard_normal(case["v_cache"].shape)
+        k_c, v_c = k_c.astype(dtype), v_c.astype(dtype)
+        layers.append((k_c, v_c, cp.asarray(k_c), cp.asarray(v_c), *_fresh_bounds(nb, hk, d, cp)))
+    sinks_h = rng.standard_normal(hq).astype(np.float32)
+    dec = sparse.QuestDecoder(hq, hk, d, bs, k, dtype=dtype, layout=layout,
+                              max_batch=len(lens))
+    tpp = quest.tokens_per_page(layout, hk, bs)
+    tables = case["block_tables"]
+    for step_lens in (np.array(lens, np.int32), np.array(lens[:-1], np.int32) // 2 + 1):
+        batch = len(step_lens)
+        step_tables = np.ascontiguousarray(tables[:batch])
+        dec.plan(cp.asarray(step_tables), cp.asarray(step_lens))
+        q_h = rng.standard_normal((batch, hq, d)).astype(dtype)
+        q = cp.asarray(q_h)
+        for form in ("out", "out+lse+sinks", "return_lse"):
+            for k_h, v_h, kc, vc, k_min, k_max in layers * 2:
+                dec.update_bounds(kc, k_min, k_max, last_page_only=False)
+                out = cp.full(q.shape, np.nan, dtype)
+                lse = cp.full(q.shape[:2], np.nan, np.float32)
+                sinks = cp.asarray(sinks_h) if form == "out+lse+sinks" else None
+                if form == "return_lse":
+                    out, lse = dec.run(q, kc, vc, k_min, k_max, return_lse=True)
+                else:
+                    dec.run(q, kc, vc, k_min, k_max, out=out, sinks=sinks,
+                            lse=lse if sinks is not None else None)
+                sel = dec.selection
+                want_min, want_max = _fresh_bounds(nb, hk, d)
+                quest.update_page_bounds(k_h, step_tables, step_lens, want_min, want_max,
+                                         layout=layout)
+                scores = quest.page_scores(q_h, want_min, want_max, step_tables, step_lens, bs)
+                pages = check_selection(sel.tables.get(), sel.lens.get(), scores, step_tables,
+                                        step_lens, k, hk, bs, tpp, tol=1e-5)
+                one = {"q": q_h, "k_cache": k_h, "v_cache": v_h, "seq_lens": step_lens,
+                       "block_tables": step_tables}
+                want, want_lse = _oracle(one, layout, pages, bs, d ** -0.5,
+                                         sinks_h if sinks is not None else None)
+                got = out.get()
+                if form == "out":
+                    assert np.isfinite(got.astype(np.float64)).all()
+                    err = np.linalg.norm(got.astype(np.float64) - want) / max(
+                        np.linalg.norm(want), 1e-30)
+                    assert err < TOL[np.dtype(dtype)], f"relative error {err:.3g}"
+                else:
+                    _assert_close(got, lse.get(), want, want_lse, dtype)
+    cupaged.check_errors()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_decoder_graph_replay_follows_new_keys_and_lengths(cp, rng, layout):
     """Capture a whole step (last-page bounds update, select, decode, sinks); then append a

@@ -287,7 +287,7 @@ QUEST_SELECT = Record("QuestSelectArgs", [
     ("int* __restrict__", "sel_tables"), ("int* __restrict__", "sel_lens"),
     ("int", "bt_stride"), ("int", "width"), ("int", "block_size"), ("int", "num_blocks"),
     ("int", "num_kv_heads"), ("int", "top_k"), ("int", "first_pages"),
-    ("int", "tokens_per_page"), ("int", "cache_keys", 0),
+    ("int", "tokens_per_page"), ("int", "sel_stride"), ("int", "cache_keys", 0),
 ])
 
 QUEST_SINKS = Record("QuestSinksArgs", [

@@ -10,7 +10,8 @@
   to grow is replaced, and the old one is kept alive (a CUDA graph captured earlier may
   still point at it).
 - :class:`Uploader` - host-to-device copies of host plans through pinned staging memory,
-  so that an upload never waits for the device.
+  so that an upload never waits for the device (and a step's tables and lengths copied
+  into a plan's buffers, from either side).
 """
 from __future__ import annotations
 
@@ -165,6 +166,23 @@ class Uploader:
         event = self._events[i] or cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         self._events[i] = event
+
+    def copy_step(self, tables, pitch, lens, block_tables, seq_lens):
+        """A step's int32 ``block_tables [B, W]`` and ``seq_lens [B]`` into device memory at
+        ``tables`` (rows ``pitch`` bytes apart) and ``lens``, on the current stream without
+        waiting: host arrays uploaded (one staged copy), device arrays copied on the
+        device."""
+        from .checks import table_stride
+        if isinstance(block_tables, np.ndarray):
+            self.upload_rows([(tables, pitch, block_tables), (lens, seq_lens.nbytes, seq_lens)])
+            return
+        import cupy
+        batch, width = block_tables.shape
+        stream = cupy.cuda.get_current_stream().ptr
+        rt = cupy.cuda.runtime
+        rt.memcpy2DAsync(tables, pitch, block_tables.data.ptr, table_stride(block_tables) * 4,
+                         width * 4, batch, rt.memcpyDeviceToDevice, stream)
+        rt.memcpyAsync(lens, seq_lens.data.ptr, batch * 4, rt.memcpyDeviceToDevice, stream)
 
 
 _SHARED = []

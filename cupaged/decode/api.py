@@ -22,7 +22,7 @@ from ..core import errors
 from . import checks, plan
 from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module, as_dtype,
                            check_array, check_choice, check_head_dim, empty, host, hot)
-from ..core.checks import check_gqa, check_options, check_int, table_stride
+from ..core.checks import check_gqa, check_options, check_int
 from ..core.device import Uploader
 from ..core.fp8 import fp8_format, given_kv_dtype, scale_parts
 from ..core.launch import current_stream, ptr
@@ -378,7 +378,6 @@ class PagedDecoder:
             # plans own their arrays; a device plan keeps only its uploaded copy of the tables
             bt = np.array(bt, np.int32) if xp is np or host_planned else None
             sl = np.array(sl, np.int32)
-        self._xp = xp
         batch = block_tables.shape[0]
         work = device = None
         if xp is not np:
@@ -391,13 +390,34 @@ class PagedDecoder:
             else:
                 device = self._take(launch, block_tables, seq_lens if sl is None else sl,
                                     merge, append)
-        self._step = plan.Step(batch, bt, sl, bool(append), max_block, work, merge, device)
+        self._set_step(xp, plan.Step(batch, bt, sl, bool(append), max_block, work, merge,
+                                     device))
+        return self
+
+    def _set_step(self, xp, step):
+        """Make ``step`` the current plan; runs checked against an earlier plan stay checked
+        while the module, batch, append and largest block id are the same."""
+        self._xp, self._step = xp, step
         self._planned_blocks = None
-        checked = (xp, batch, bool(append), max_block)  # what runs are checked against
+        checked = (xp, step.batch, step.append, step.max_block)  # what runs are checked against
         if checked != self._checked_for:
             self._runs.clear()
             self._checked_for = checked
-        return self
+
+    def _plan_written(self, batch, width):
+        """A device plan of ``batch`` sequences whose block tables (``width`` blocks wide) and
+        lengths the caller writes into the returned views of the decoder's buffers on the
+        current stream before the next run (Quest's select kernel does): ``(tables
+        [batch, width] with rows the buffer's width apart, lens [batch])``, at addresses
+        kept while the batch and width are. The plan kernel checks and cuts them at the
+        next run, so the lengths must then stay until the next plan; the tables' block ids
+        may change between runs (unchecked then: the writer keeps them in range)."""
+        import cupy
+        launch = self._geometry(batch)
+        merge = plan.resolve_merge(None, launch)
+        device = self._device_step(launch, batch, width, merge, False)
+        self._set_step(cupy, plan.Step(batch, None, None, False, -1, None, merge, device))
+        return device.tables[:, :width], device.lens
 
     @property
     def kernel(self):
@@ -478,12 +498,20 @@ class PagedDecoder:
                                 own_lens=idx[:batch])
 
     def _take(self, launch, block_tables, seq_lens, merge, append):
-        """A device plan: the tables and lengths copied into the decoder's buffers (after
-        the device plan's index; device arrays copied on the device, host ones uploaded),
-        to be cut by the plan kernel at the first run. The step's packed arguments depend
-        only on the batch's shape and the buffers, so they are made once per shape."""
+        """A device plan: the tables and lengths copied into the decoder's buffers (device
+        arrays copied on the device, host ones uploaded), to be cut by the plan kernel at
+        the first run."""
         import cupy
         batch, width = block_tables.shape
+        step = self._device_step(launch, batch, width, merge, append)
+        self._uploader.copy_step(ptr(step.tables), self._layout.width * 4, ptr(step.lens),
+                                 block_tables, seq_lens)
+        return step
+
+    def _device_step(self, launch, batch, width, merge, append):
+        """The device plan of a ``batch`` x ``width`` step on the decoder's buffers: its
+        tables and lengths after the device plan's index. Its packed arguments depend only
+        on the batch's shape and the buffers, so it is made once per shape."""
         device_index = plan.DeviceIndex(self.max_batch, launch.columns)
         lay = self._buffers(launch, 0, width,
                             device_index.pieces * launch.row_groups * launch.heads_per_group)
@@ -499,17 +527,6 @@ class PagedDecoder:
                 launch, self.dtype, self.num_q_heads, self.head_dim, self._opts, merge,
                 bool(append), batch, width, lay.width, device_index, idx, self._counters,
                 self._part_out, self._part_lse, tables=tables, own_lens=lens))
-        tables, lens = ptr(step.tables), ptr(step.lens)
-        if isinstance(block_tables, np.ndarray):
-            self._uploader.upload_rows([(tables, lay.width * 4, block_tables),
-                                        (lens, batch * 4, seq_lens)])
-        else:
-            stream = cupy.cuda.get_current_stream().ptr
-            rt = cupy.cuda.runtime
-            rt.memcpy2DAsync(tables, lay.width * 4, block_tables.data.ptr,
-                             table_stride(block_tables) * 4, width * 4, batch,
-                             rt.memcpyDeviceToDevice, stream)
-            rt.memcpyAsync(lens, seq_lens.data.ptr, batch * 4, rt.memcpyDeviceToDevice, stream)
         return step
 
     @accepts_cache(2, owner=True)
@@ -565,11 +582,18 @@ class PagedDecoder:
         if xp is np:
             return self._run_reference(q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new,
                                        out, return_lse, lse, opts, k_scale, v_scale)
-        strides = call_strides(q, k_cache, v_cache, k_new, v_new, scales)
-        self._runs.put(cache_key, strides)
+        strides = self._runs.put(cache_key, call_strides(q, k_cache, v_cache, k_new, v_new,
+                                                         scales))
         ptrs = [ptr(a) for a in (q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks,
                                  *scale_parts(k_scale, v_scale)[0], out, lse)]
         return self._launch(step, strides, ptrs, out, lse, return_lse, None)
+
+    def _check_views(self, q, k_cache, v_cache, out, lse):
+        """run's checks of a device call without sinks, ALiBi, appended keys or scales
+        against the plan; its strides (for :meth:`_enqueue`)."""
+        checks.check_run(self, self._step, q, k_cache, v_cache, None, None, None, None, out,
+                         lse)
+        return call_strides(q, k_cache, v_cache, None, None)
 
     def _launch(self, step, strides, ptrs, out, lse, return_lse, call):
         """Outputs allocated (in the caller's kind: by ``call``, else by :func:`empty`),
@@ -583,18 +607,24 @@ class PagedDecoder:
             lse, lse_ptr = (call.empty(shape[:2], np.float32) if call is not None else
                             _with_ptr(empty(sys.modules["cupy"], shape[:2], np.float32)))
         if step.batch:
-            device = step.device
-            stream = call.stream if call is not None else current_stream()
-            # planned at an earlier run, unless captured: a captured run plans at each
-            # replay, so that it follows later plans
-            replan = (device.plan_args is not None
-                      and (self._planned_blocks != strides.num_blocks
-                           or sys.modules["cupy"].cuda.runtime.streamIsCapturing(stream)))
-            launch_decode(device, strides, ptrs, out_ptr, lse_ptr, ptr(device.tables),
-                          ptr(device.lens), stream, plan=replan)
-            self._planned_blocks = strides.num_blocks
+            self._enqueue(step, strides, ptrs, out_ptr, lse_ptr,
+                          call.stream if call is not None else current_stream())
         result = _result(out, lse, return_lse)
         return result if call is None else call.done(result)
+
+    def _enqueue(self, step, strides, ptrs, out_ptr, lse_ptr, stream):
+        """A device step's launches on ``stream`` (raw) for a run checked to ``strides``:
+        ``ptrs`` the addresses of q, k_cache, v_cache, k_new, v_new, alibi_slopes, sinks,
+        k_scale and v_scale (0: none), then those of the outputs."""
+        device = step.device
+        # planned at an earlier run, unless captured: a captured run plans at each replay,
+        # so that it follows later plans
+        replan = (device.plan_args is not None
+                  and (self._planned_blocks != strides.num_blocks
+                       or sys.modules["cupy"].cuda.runtime.streamIsCapturing(stream)))
+        launch_decode(device, strides, ptrs, out_ptr, lse_ptr, ptr(device.tables),
+                      ptr(device.lens), stream, plan=replan)
+        self._planned_blocks = strides.num_blocks
 
     def _run_reference(self, q, k_cache, v_cache, sinks, alibi_slopes, k_new, v_new, out,
                        return_lse, lse, opts, k_scale, v_scale):

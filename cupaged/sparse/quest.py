@@ -29,12 +29,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core import abi, errors
-from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, array_module, bfloat16, check_array,
-                           check_head_dim)
+from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, array_module, bfloat16,
+                           check_array, check_head_dim)
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_gqa, check_int,
                            check_query, table_stride, token_stride)
 from ..core.compile import Spec, ctype, launcher
-from ..core.launch import ptr
+from ..core.launch import current_stream, ptr
 from ..core.layouts import (CacheGeometry, block_stride, check_dense_blocks, k_as_nhd,
                             key_geometry, layout_strides)
 
@@ -160,17 +160,41 @@ def update_page_bounds(k_cache, block_tables, seq_lens, k_min, k_max, *, layout,
     if batch > MAX_BATCH:
         raise ValueError(f"block_tables: expected at most {MAX_BATCH} sequences, got {batch}")
     check_aligned(k_cache=k_cache)
-    s = layout_strides(layout, *geo[1:], k_cache.itemsize)
-    kernel = launcher("quest", bounds_expr(k_cache.dtype, k_min.dtype), abi.QUEST_BOUNDS)
-    if batch and width:
-        kernel((1 if last_page_only else width, batch), BOUNDS_THREADS,
-               k_cache=ptr(k_cache), block_tables=ptr(block_tables), seq_lens=ptr(seq_lens),
-               k_min=ptr(k_min), k_max=ptr(k_max), err=ptr(errors.error_word()),
-               k_block=block_stride(k_cache), k_head=s.k_head, k_chunk=s.k_chunk,
-               k_tok=s.k_tok, bt_stride=table_stride(block_tables), width=width,
-               block_size=geo.block_size, num_blocks=geo.num_blocks,
-               num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
-               last_page_only=int(bool(last_page_only)))
+    bounds_launch(k_cache, layout, block_tables, k_min.dtype, last_page_only)(
+        current_stream(), ptr(k_cache), ptr(block_tables), ptr(seq_lens), ptr(k_min),
+        ptr(k_max))
+
+
+_BOUNDS = CallCache()  # bounds_launch's setups by call shape
+
+
+def bounds_launch(k_cache, layout, block_tables, bound_dtype, last_page_only):
+    """quest_bounds_kernel for checked device arrays ``k_cache`` (in ``layout``) and
+    ``block_tables``, made once per shape, dtype, stride and device: ``launch(stream,
+    k_cache, block_tables, seq_lens, k_min, k_max)`` on device addresses."""
+    import cupy
+    batch, width = block_tables.shape
+    key = (k_cache.dtype, k_cache.shape, k_cache.strides, layout, batch, width,
+           table_stride(block_tables), np.dtype(bound_dtype), bool(last_page_only),
+           cupy.cuda.runtime.getDevice())
+    launch = _BOUNDS.get(key)
+    if launch is None:
+        geo = key_geometry(k_cache, layout)
+        s = layout_strides(layout, *geo[1:], k_cache.itemsize)
+        go = launcher("quest", bounds_expr(k_cache.dtype, bound_dtype), abi.QUEST_BOUNDS).at(
+            (1 if last_page_only else width, batch if width else 0), BOUNDS_THREADS)
+        args = abi.QUEST_BOUNDS.bind(
+            err=ptr(errors.error_word()), k_block=block_stride(k_cache), k_head=s.k_head,
+            k_chunk=s.k_chunk, k_tok=s.k_tok, bt_stride=table_stride(block_tables),
+            width=width, block_size=geo.block_size, num_blocks=geo.num_blocks,
+            num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+            last_page_only=int(bool(last_page_only)))
+
+        def launch(stream, k_cache, block_tables, seq_lens, k_min, k_max):
+            go(args.pack(k_cache=k_cache, block_tables=block_tables, seq_lens=seq_lens,
+                         k_min=k_min, k_max=k_max), stream)
+        _BOUNDS.put(key, launch)
+    return launch
 
 
 def _reference_bounds(k_cache, layout, bs, bt, lens, k_min, k_max, last_page_only):
@@ -271,28 +295,77 @@ def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first, t
         out = Selection(xp.empty((batch, hk, k), np.int32) if top_k else None,
                         xp.empty((batch * hk, k * tpp), np.int32),
                         xp.empty(batch * hk, np.int32), xp.empty((batch, hk, width), np.float32))
-    group = hq // hk
+    launch = select_launch(q, k_min, block_tables, bs, top_k, first, tpp,
+                           table_stride(out.tables))
+    launch(current_stream(), ptr(q), ptr(k_min), ptr(k_max), ptr(block_tables), ptr(seq_lens),
+           ptr(out.scores), ptr(out.positions), ptr(out.tables), ptr(out.lens))
+    return out
+
+
+class SelectLaunch(NamedTuple):
+    """The score and select kernels of one call shape (:func:`select_launch`), launched by
+    ``launch(stream, q, k_min, k_max, block_tables, seq_lens, scores, positions, sel_tables,
+    sel_lens)`` on device addresses (positions 0: not written)."""
+    score: object        # Kernel.at(...) of quest_score_kernel
+    score_args: object   # its Bound record, None: no launch
+    select: object       # Kernel.at(...) of quest_select_kernel
+    select_args: object  # its Bound record, None: no launch (page_scores)
+
+    def __call__(self, stream, q, k_min, k_max, block_tables, seq_lens, scores, positions,
+                 sel_tables, sel_lens):
+        if self.score_args is not None:
+            self.score(self.score_args.pack(q=q, k_min=k_min, k_max=k_max,
+                                            block_tables=block_tables, seq_lens=seq_lens,
+                                            scores=scores), stream)
+        if self.select_args is not None:
+            self.select(self.select_args.pack(block_tables=block_tables, seq_lens=seq_lens,
+                                              scores=scores, positions=positions,
+                                              sel_tables=sel_tables, sel_lens=sel_lens), stream)
+
+
+_SELECTS = CallCache()  # SelectLaunch by call shape
+
+
+def select_launch(q, k_min, block_tables, block_size, top_k, first_pages, tokens_per_page,
+                  sel_stride):
+    """The :class:`SelectLaunch` of checked device arrays ``q [B, Hq, D]``, ``k_min
+    [num_blocks, Hk, D]`` and ``block_tables [B, W]`` keeping ``top_k`` pages (0: scores
+    only) into a table whose rows are ``sel_stride`` entries apart; made once per shape,
+    dtype, stride and device."""
+    import cupy
+    batch, hq, d = q.shape
+    nb, hk, _ = k_min.shape
+    width = block_tables.shape[1]
+    key = (q.dtype, q.shape, token_stride("q", q), k_min.dtype, k_min.shape, width,
+           table_stride(block_tables), block_size, top_k, first_pages, tokens_per_page,
+           sel_stride, cupy.cuda.runtime.getDevice())
+    launch = _SELECTS.get(key)
+    if launch is not None:
+        return launch
+    k = min(top_k, width)
+    score = select = score_args = select_args = None
+    fixed = dict(bt_stride=table_stride(block_tables), width=width, block_size=block_size,
+                 num_blocks=nb, num_kv_heads=hk)
     if batch * hk and width:
-        score = launcher("quest", score_expr(q.dtype, d, k_min.dtype, group), abi.QUEST_SCORE)
         if -(-width // SCORE_PAGES) > MAX_GRID_Y:
             raise ValueError(f"block_tables: expected at most {MAX_GRID_Y * SCORE_PAGES} "
                              f"pages per sequence, got {width}")
-        score((batch * hk, -(-width // SCORE_PAGES)), SCORE_THREADS, q=ptr(q),
-              k_min=ptr(k_min), k_max=ptr(k_max), block_tables=ptr(block_tables),
-              seq_lens=ptr(seq_lens), scores=ptr(out.scores), err=ptr(errors.error_word()),
-              q_stride=token_stride("q", q), bt_stride=table_stride(block_tables),
-              width=width, block_size=bs, num_blocks=nb, num_kv_heads=hk, group=group,
-              pages_per_cta=SCORE_PAGES)
+        score = launcher("quest", score_expr(q.dtype, d, k_min.dtype, hq // hk),
+                         abi.QUEST_SCORE).at((batch * hk, -(-width // SCORE_PAGES)),
+                                             SCORE_THREADS)
+        score_args = abi.QUEST_SCORE.bind(err=ptr(errors.error_word()),
+                                          q_stride=token_stride("q", q), group=hq // hk,
+                                          pages_per_cta=SCORE_PAGES, **fixed)
     if batch * hk and top_k:
         cached = width <= SELECT_CACHED_PAGES
         smem = 4 * width if cached else 0
-        launcher("quest", select_expr(), abi.QUEST_SELECT, smem=smem)(
-            batch * hk, SELECT_THREADS, smem, block_tables=ptr(block_tables), seq_lens=ptr(seq_lens),
-            scores=ptr(out.scores), positions=ptr(out.positions), sel_tables=ptr(out.tables),
-            sel_lens=ptr(out.lens), bt_stride=table_stride(block_tables), width=width,
-            block_size=bs, num_blocks=nb, num_kv_heads=hk, top_k=k,
-            first_pages=min(first, INT32_MAX), tokens_per_page=tpp, cache_keys=int(cached))
-    return out
+        select = launcher("quest", select_expr(), abi.QUEST_SELECT, smem=smem).at(
+            batch * hk, SELECT_THREADS, smem)
+        select_args = abi.QUEST_SELECT.bind(top_k=k, first_pages=min(first_pages, INT32_MAX),
+                                            tokens_per_page=tokens_per_page,
+                                            sel_stride=sel_stride, cache_keys=int(cached),
+                                            **fixed)
+    return _SELECTS.put(key, SelectLaunch(score, score_args, select, select_args))
 
 
 def _reference_scores(q, k_min, k_max, bt, lens, bs):
@@ -362,12 +435,28 @@ def fold_sinks(out, lse, sinks, num_q_heads):
         out[...] = (out.astype(np.float64) * scale[:, None]).astype(out.dtype)
         lse[...] = np.logaddexp(l64, s)
         return
-    rows = lse.shape[0]
-    warps = SINK_THREADS // 32
-    if rows:
-        launcher("quest", sinks_expr(out.dtype), abi.QUEST_SINKS)(
-            -(-rows // warps), SINK_THREADS, out=ptr(out), lse=ptr(lse), sinks=ptr(sinks),
-            rows=rows, num_q_heads=num_q_heads, head_dim=out.shape[-1])
+    sinks_launch(out.dtype, lse.shape[0], num_q_heads, out.shape[-1])(
+        current_stream(), ptr(out), ptr(lse), ptr(sinks))
+
+
+_SINKS = CallCache()  # sinks_launch's setups by call shape
+
+
+def sinks_launch(dtype, rows, num_q_heads, head_dim):
+    """fold_sinks' kernel for ``rows`` rows of ``dtype`` output, made once per shape and
+    device: ``launch(stream, out, lse, sinks)`` on device addresses."""
+    import cupy
+    key = (np.dtype(dtype), rows, num_q_heads, head_dim, cupy.cuda.runtime.getDevice())
+    launch = _SINKS.get(key)
+    if launch is None:
+        go = launcher("quest", sinks_expr(dtype), abi.QUEST_SINKS).at(
+            -(-rows // (SINK_THREADS // 32)), SINK_THREADS)
+        args = abi.QUEST_SINKS.bind(rows=rows, num_q_heads=num_q_heads, head_dim=head_dim)
+
+        def launch(stream, out, lse, sinks):
+            go(args.pack(out=out, lse=lse, sinks=sinks), stream)
+        _SINKS.put(key, launch)
+    return launch
 
 
 # ----------------------------------------------------------------------------- kernels

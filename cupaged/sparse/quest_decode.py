@@ -4,15 +4,23 @@ paged decode, functional (:func:`quest_decode`) and planned once per step
 ``cupaged.sparse.quest``."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..core import errors
-from ..core.arrays import (accepts_dlpack, array_module, as_dtype, check_array, check_choice,
-                           check_head_dim, empty)
+from ..core.arrays import (CallCache, accepts_dlpack, array_module, as_dtype, check_array,
+                           check_choice, check_head_dim, empty, hot)
 from ..core.checks import (INT32_MAX, check_block_tables, check_gqa, check_int, check_out,
                            check_query, table_stride)
+from ..core.device import Uploader
+from ..core.launch import current_stream, ptr
 from ..core.layouts import LAYOUTS, CacheGeometry, key_geometry
 from . import quest
+
+
+def _with_ptr(a):
+    return a, ptr(a)
 
 
 def _check_sinks(sinks, num_q_heads, xp):
@@ -79,6 +87,7 @@ def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_
     geo = key_geometry(k_cache, layout)
     batch, hq, d = check_query("q", q, xp)
     _check_sinks(sinks, hq, xp)
+    quest.check_bounds(k_min, k_max, (geo.num_blocks, geo.num_kv_heads, d), xp)
     if out is None:
         out = empty(xp, q.shape, q.dtype)
     check_out(out, q.shape, q.dtype, xp)
@@ -98,17 +107,28 @@ def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_
     return (out, lse) if return_lse else out
 
 
+class _RunSetup(NamedTuple):
+    """A checked run's launches on the current plan (QuestDecoder's hot path)."""
+    select: object   # quest.SelectLaunch
+    strides: object  # the inner decoder's call strides (decode.launch.Strides)
+    sinks: object    # quest.sinks_launch's launch, or None
+    lse: int         # address of the decoder's own LSE rows (sinks without a caller's LSE)
+
+
 class QuestDecoder:
     """Quest decode planned once per batch step and run once per layer.
 
     ``plan`` copies the step's block tables and lengths into buffers the decoder owns (on the
-    device for CuPy; no host read of device arrays outside strict mode). ``update_bounds``
+    device for CuPy; no host read of device arrays outside strict mode) and plans the inner
+    :class:`cupaged.PagedDecoder` over the one-kv-head view once for the step (the number
+    of keys each (sequence, kv head) selects depends only on the lengths). ``update_bounds``
     refreshes a layer's page bounds for the step (by default its last pages, after the
-    step's key was written); ``run`` selects each (sequence, kv head)'s pages into buffers
-    at fixed addresses and decodes them with an inner :class:`cupaged.PagedDecoder` over the
-    one-kv-head view. No host sync, no allocation with ``out`` (and ``lse``) given: a
-    ``update_bounds`` + ``run`` captured in a CUDA graph stays valid for later plans of the
-    same batch size and table width, whatever the lengths, tables, keys or queries.
+    step's key was written); ``run`` selects each (sequence, kv head)'s pages straight into
+    the inner decoder's block table and decodes them. A run (or ``update_bounds``) on
+    arrays of a signature checked before in the plan's shape launches without checking
+    again. No host sync, no allocation with ``out`` (and ``lse``) given: a ``update_bounds``
+    + ``run`` captured in a CUDA graph stays valid for later plans of the same batch size and
+    table width, whatever the lengths, tables, keys or queries.
 
     Parameters
     ----------
@@ -152,9 +172,13 @@ class QuestDecoder:
         self._decoder = cupaged.PagedDecoder(
             num_q_heads // num_kv_heads, 1, head_dim, view_bs, dtype=self.dtype, layout=layout,
             sm_scale=sm_scale, max_batch=max_batch * num_kv_heads, backend=backend)
+        self._uploader = Uploader()
         self._width = 0
-        self._buffers = None  # (tables, lens, Selection, lse) of max_batch rows, device
+        self._buffers = None  # (tables, lens, scores, lse) of max_batch rows, device
         self._step = None     # (batch, width, tables, lens, Selection or None)
+        self._runs = CallCache()    # _RunSetup of checked run signatures, on the current plan
+        self._bounds = CallCache()  # update_bounds' launches of checked signatures
+        self._plan_key = None       # the step shape and buffers those are for
 
     @accepts_dlpack
     def plan(self, block_tables, seq_lens, *, validate=None):
@@ -163,8 +187,8 @@ class QuestDecoder:
         xp = self._xp or array_module(block_tables, seq_lens)
         geo = CacheGeometry(INT32_MAX, self.block_size, self.num_kv_heads, self.head_dim)
         src = array_module(block_tables, seq_lens)
-        check_block_tables(block_tables, seq_lens, geo, src,
-                           contents=src is np or errors.strict(validate), ids=False)
+        bt, sl = check_block_tables(block_tables, seq_lens, geo, src,
+                                    contents=src is np or errors.strict(validate), ids=False)
         batch, width = block_tables.shape
         if batch > self.max_batch:
             raise ValueError(f"block_tables: expected at most max_batch={self.max_batch} "
@@ -174,37 +198,29 @@ class QuestDecoder:
             self._step = (batch, width, np.array(block_tables, np.int32),
                           np.array(seq_lens, np.int32), None)
             return self
-        tables, lens, sel = self._grow(width)
-        tables, lens = tables[:batch], lens[:batch]
-        if src is np:
-            tables.set(np.ascontiguousarray(block_tables, np.int32), stream=_stream())
-            lens.set(np.ascontiguousarray(seq_lens, np.int32), stream=_stream())
-        else:
-            rt = xp.cuda.runtime
-            rt.memcpy2DAsync(tables.data.ptr, width * 4, block_tables.data.ptr,
-                             table_stride(block_tables) * 4, width * 4, batch,
-                             rt.memcpyDeviceToDevice, _stream().ptr)
-            lens[...] = seq_lens
-        rows = batch * self.num_kv_heads
-        k = min(self.top_k_pages, width)
-        view = quest.Selection(None, sel.tables[:rows * k * self.tokens_per_page]
-                               .reshape(rows, k * self.tokens_per_page),
-                               sel.lens[:rows], sel.scores[:rows * width]
-                               .reshape(batch, self.num_kv_heads, width))
-        self._step = (batch, width, tables, lens, view)
+        tables, lens, scores = self._grow(width)
+        self._uploader.copy_step(ptr(tables), width * 4, ptr(lens), block_tables,
+                                 seq_lens if sl is None else sl)
+        rows, k = batch * self.num_kv_heads, min(self.top_k_pages, width)
+        sel_tables, sel_lens = self._decoder._plan_written(rows, k * self.tokens_per_page)
+        view = quest.Selection(None, sel_tables, sel_lens,
+                               scores[:rows * width].reshape(batch, self.num_kv_heads, width))
+        self._step = (batch, width, tables[:batch], lens[:batch], view)
+        key = (batch, width, ptr(tables), ptr(sel_tables))
+        if key != self._plan_key:
+            self._runs.clear()
+            self._bounds.clear()
+            self._plan_key = key
         return self
 
     def _grow(self, width):
-        """Device buffers for ``max_batch`` sequences of tables ``width`` wide (kept while
-        the width stays: captured graphs point into them)."""
+        """Device tables, lengths and scores for ``max_batch`` sequences of tables ``width``
+        wide (kept while the width stays: captured graphs point into them)."""
         import cupy
         if self._buffers is None or width != self._width:
-            rows = self.max_batch * self.num_kv_heads
-            k = min(self.top_k_pages, width)
             self._buffers = (
                 cupy.empty((self.max_batch, width), np.int32), cupy.empty(self.max_batch, np.int32),
-                quest.Selection(None, cupy.empty(rows * k * self.tokens_per_page, np.int32),
-                                cupy.empty(rows, np.int32), cupy.empty(rows * width, np.float32)),
+                cupy.empty(self.max_batch * self.num_kv_heads * width, np.float32),
                 cupy.empty(self.max_batch * self.num_q_heads, np.float32))
             self._width = width
         return self._buffers[:3]
@@ -221,15 +237,30 @@ class QuestDecoder:
             raise ValueError("QuestDecoder: expected a plan() first, got none")
         return self._step
 
-    @accepts_dlpack
     def update_bounds(self, k_cache, k_min, k_max, *, last_page_only=True):
         """Recompute a layer's page bounds (``[num_blocks, Hk, D]``, in place) over
         the planned tables and lengths: each sequence's last page (default), or every page."""
-        _, _, tables, lens, _ = self._planned()
-        quest.update_page_bounds(k_cache, tables, lens, k_min, k_max, layout=self.layout,
-                                 last_page_only=last_page_only)
+        step = self._step
+        call = None
+        if step is not None and step[4] is not None:
+            call = hot(False, (k_cache, k_min, k_max), bool(last_page_only))
+            launch = self._bounds.get(call.key) if call is not None else None
+            if launch is not None:  # checked against the plan by an earlier call
+                kc, k_min_p, k_max_p = call.ptrs
+                launch(call.stream, kc, ptr(step[2]), ptr(step[3]), k_min_p, k_max_p)
+                return
+        self._update_bounds_checked(k_cache, k_min, k_max, last_page_only,
+                                    call.key if call is not None else None)
 
     @accepts_dlpack
+    def _update_bounds_checked(self, k_cache, k_min, k_max, last_page_only, cache_key):
+        _, _, tables, lens, sel = self._planned()
+        quest.update_page_bounds(k_cache, tables, lens, k_min, k_max, layout=self.layout,
+                                 last_page_only=last_page_only)
+        if sel is not None:
+            self._bounds.put(cache_key, quest.bounds_launch(k_cache, self.layout, tables,
+                                                            k_min.dtype, last_page_only))
+
     def run(self, q, k_cache, v_cache, k_min, k_max, *, sinks=None, out=None, lse=None,
             return_lse=False):
         """Decode the planned step for one layer over each kv head's selected pages.
@@ -238,7 +269,8 @@ class QuestDecoder:
         ----------
         q : array
             ``[B, Hq, D]`` in the decoder's dtype; strided rows are copied first (an
-            allocation: give dense rows to a run captured in a CUDA graph).
+            allocation, and checked at every call: give dense rows to a run captured in a
+            CUDA graph or issued often).
         k_cache, v_cache : array
             The layer's caches (the decoder's layout, block size and kv heads).
         k_min, k_max : array
@@ -255,6 +287,22 @@ class QuestDecoder:
         -------
         out, or ``(out, lse)`` with ``return_lse``.
         """
+        step = self._step
+        call = None
+        if step is not None and step[4] is not None:
+            call = hot(False, (q, k_cache, v_cache, k_min, k_max, sinks, out, lse),
+                       bool(return_lse))
+            setup = self._runs.get(call.key) if call is not None else None
+            if setup is not None:  # checked against the plan by an earlier run
+                return self._launch(setup, call.ptrs, out, lse, return_lse, call)
+        return self._run_checked(q, k_cache, v_cache, k_min, k_max, sinks, out, lse,
+                                 return_lse, call.key if call is not None else None)
+
+    @accepts_dlpack
+    def _run_checked(self, q, k_cache, v_cache, k_min, k_max, sinks, out, lse, return_lse,
+                     cache_key):
+        """run's checks against the plan (its launches remembered under ``cache_key``) and
+        its launches."""
         batch, width, tables, lens, sel = self._planned()
         xp = array_module(q, k_cache, v_cache, k_min, k_max, sinks, out, lse)
         if xp is not self._xp:
@@ -273,30 +321,61 @@ class QuestDecoder:
         _check_sinks(sinks, self.num_q_heads, xp)
         if lse is not None:
             check_array("lse", lse, shape=shape[:2], dtypes=np.float32, xp=xp)
-        out = empty(xp, shape, self.dtype) if out is None else check_out(out, shape, self.dtype, xp)
+        if out is not None:
+            check_out(out, shape, self.dtype, xp)
         k_view, v_view, _, _ = quest.decode_view(k_cache, v_cache, self.layout)
         geo = key_geometry(k_cache, self.layout)
         if (geo.block_size, geo.num_kv_heads) != (self.block_size, self.num_kv_heads):
             raise ValueError(f"k_cache: expected block_size {self.block_size} and "
                              f"{self.num_kv_heads} kv heads like the decoder, got "
                              f"{geo.block_size} and {geo.num_kv_heads}")
-        quest.select_pages(q, k_min, k_max, tables, lens, self.block_size, self.top_k_pages,
-                           first_pages=self.first_pages, tokens_per_page=self.tokens_per_page,
-                           out=sel)
-        want_lse = lse is not None or return_lse or sinks is not None
-        if want_lse and lse is None:
-            lse = self._buffers[3][:batch * self.num_q_heads].reshape(shape[:2])
+        quest.check_bounds(k_min, k_max, (geo.num_blocks, geo.num_kv_heads, self.head_dim), xp)
+        if not q.flags.c_contiguous:  # a copy each call: nothing to remember
+            q, cache_key = xp.ascontiguousarray(q), None
         rows, group = batch * self.num_kv_heads, self.num_q_heads // self.num_kv_heads
-        self._decoder.plan(sel.tables, sel.lens)
-        self._decoder.run(_group_rows(q, self.num_kv_heads), k_view, v_view,
-                          out=out.reshape(rows, group, self.head_dim),
-                          lse=lse.reshape(rows, group) if want_lse else None)
-        if sinks is not None:
-            quest.fold_sinks(out.reshape(-1, self.head_dim), lse.reshape(-1), sinks,
-                             self.num_q_heads)
-        return (out, lse) if return_lse else out
+        own_lse = self._buffers[3][:batch * self.num_q_heads]
+        lse_view = None
+        if lse is not None or return_lse or sinks is not None:
+            lse_view = (own_lse if lse is None else lse).reshape(rows, group)
+        strides = self._decoder._check_views(
+            q.reshape(rows, group, self.head_dim), k_view, v_view,
+            None if out is None else out.reshape(rows, group, self.head_dim), lse_view)
+        setup = self._runs.put(cache_key, _RunSetup(
+            quest.select_launch(q, k_min, tables, self.block_size, self.top_k_pages,
+                                self.first_pages, self.tokens_per_page,
+                                table_stride(sel.tables)),
+            strides,
+            None if sinks is None else quest.sinks_launch(self.dtype, batch * self.num_q_heads,
+                                                          self.num_q_heads, self.head_dim),
+            ptr(own_lse)))
+        ptrs = [ptr(a) for a in (q, k_cache, v_cache, k_min, k_max, sinks, out, lse)]
+        return self._launch(setup, ptrs, out, lse, return_lse, None)
+
+    def _launch(self, setup, ptrs, out, lse, return_lse, call):
+        """Outputs allocated where not given (in the caller's kind: by ``call``, else by
+        :func:`empty`), then the selection, the decode and the sinks' fold on the caller's
+        stream."""
+        import cupy
+        q, kc, vc, k_min, k_max, sinks, out_ptr, lse_ptr = ptrs
+        batch, _, tables, lens, sel = self._step
+        shape = (batch, self.num_q_heads, self.head_dim)
+        if out is None:
+            out, out_ptr = (call.empty(shape, self.dtype) if call is not None else
+                            _with_ptr(empty(cupy, shape, self.dtype)))
+        if lse is None and return_lse:
+            lse, lse_ptr = (call.empty(shape[:2], np.float32) if call is not None else
+                            _with_ptr(empty(cupy, shape[:2], np.float32)))
+        elif lse is None and setup.sinks is not None:
+            lse_ptr = setup.lse
+        stream = call.stream if call is not None else current_stream()
+        setup.select(stream, q, k_min, k_max, ptr(tables), ptr(lens), ptr(sel.scores), 0,
+                     ptr(sel.tables), ptr(sel.lens))
+        if batch:
+            self._decoder._enqueue(self._decoder._step, setup.strides,
+                                   (q, kc, vc, 0, 0, 0, 0, 0, 0), out_ptr, lse_ptr, stream)
+        if setup.sinks is not None:
+            setup.sinks(stream, out_ptr, lse_ptr, sinks)
+        result = (out, lse) if return_lse else out
+        return result if call is None else call.done(result)
 
 
-def _stream():
-    import cupy
-    return cupy.cuda.get_current_stream()
