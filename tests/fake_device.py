@@ -81,6 +81,8 @@ class FakeDevice:
     """What the code under :func:`fake_device` launched and copied, in order."""
 
     def __init__(self):
+        self.record = True  # False: launches counted only (host-cost timing)
+        self.count = 0
         self.launches = []
         self.copies = []
         self._next = 1 << 36
@@ -100,6 +102,9 @@ class FakeDevice:
         size = record.size
 
         def launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            self.count += 1
+            if not self.record:
+                return
             base = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0]
             self.launches.append(Launch(expr, (gx, gy, gz), (bx, by, bz), smem, stream,
                                         ctypes.string_at(base, size), record))
@@ -114,6 +119,12 @@ class FakeDevice:
         import cupy
         dtype = np.dtype(dtype)
         return cupy.ndarray(shape, dtype, memptr=self.alloc(int(np.prod(shape)) * dtype.itemsize))
+
+
+def _encode_tensor_map(at, dtype, rank, address, dims, strides, box, elem_strides, *flags):
+    """cuTensorMapEncodeTiled's stand-in: the map's first 8 bytes hold the tensor's address."""
+    ctypes.memmove(at, ctypes.byref(ctypes.c_uint64(address)), 8)
+    return 0
 
 
 def _clear_library_caches():
@@ -138,7 +149,7 @@ def fake_device():
     from cupy_backends.cuda.api import driver, runtime
     import cupaged.core.compile as compile_
     import cupaged.core.device as device
-    from cupaged.core import errors
+    from cupaged.core import errors, tma
     fake = FakeDevice()
     saved = []
 
@@ -161,6 +172,8 @@ def fake_device():
     patch(cupyx, "empty_pinned", lambda n, dtype: np.empty(n, dtype))
     patch(compile_, "_launcher", fake.launcher)
     patch(device, "facts", lambda device_id: device.DeviceFacts(0, "90", 132, 50 << 20))
+    patch(device, "owned_array", lambda size, dtype, zero=False: cupy.empty(size, dtype))
+    patch(tma, "_ENCODE", [_encode_tensor_map])
     _clear_library_caches()
     errors._WORDS[0] = cupy.empty(errors.ERROR_WORDS, np.int64)
     try:
