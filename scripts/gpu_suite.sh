@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU suite for a CUDA machine: the GPU tests (optionally under compute-sanitizer), the
-# kernel compile report for the local GPU, and the benchmarks. Logs go to $OUT; a short
-# summary (pass/fail/skip per test file, sanitizer errors, spills, bench headlines) is
-# printed last and saved as $OUT/summary.txt. Needs no install: runs `$PYTHON -m cupaged.cli`
-# from this checkout.
+# kernel compile report for the local GPU, and the benchmarks. Logs go to $OUT (with PACK=1
+# to a scratch folder, packed into $OUT/logs.tgz after every step); a short summary
+# (pass/fail/skip per test file, sanitizer errors, spills, bench headlines) is printed last
+# and saved as $OUT/summary.txt. Needs no install: runs `$PYTHON -m cupaged.cli` from this
+# checkout.
 #
 #   OUT=/tmp/out scripts/gpu_suite.sh
 #   QUICK=1 TESTS="tests/test_decode.py" BENCHES="decode" scripts/gpu_suite.sh
@@ -13,6 +14,9 @@
 #   PYTHON           the interpreter (default: python3 on PATH), e.g. .venv/bin/python for a
 #                    virtual environment that is not activated
 #   OUT              output directory (default: $TMPDIR/cupaged-gpu-suite)
+#   PACK=1           leave two files in $OUT: logs.tgz (every log so far, re-packed after each
+#                    step, so a call stopped at its time limit still returns them) and
+#                    summary.txt (for a device tool that returns only a few files)
 #   TESTS            pytest paths or node ids (default: tests)
 #   PYTEST_ARGS      extra pytest arguments, e.g. "-x -k decode", or "--shard 1/2" (half
 #                    the tests, each by its node id; then "--shard 2/2": the suite in two calls),
@@ -34,6 +38,21 @@ set -u
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-${TMPDIR:-/tmp}/cupaged-gpu-suite}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # absolute: the suite runs from the repo root
+LOGS=$OUT
+[ "${PACK:-0}" = 1 ] && LOGS=$(mktemp -d)
+# pack: with PACK=1, every log so far into $OUT/logs.tgz (also every minute meanwhile, so
+# that a call killed mid-step still returns the step's log so far)
+pack() {
+  [ "$LOGS" = "$OUT" ] && return 0
+  local part="$OUT/.logs.tgz.$BASHPID"  # one per packer: the background one may overlap
+  tar czf "$part" -C "$LOGS" . 2>/dev/null && mv -f "$part" "$OUT/logs.tgz"
+  return 0
+}
+if [ "$LOGS" != "$OUT" ]; then
+  ( while sleep 60; do pack; done ) &
+  packer=$!
+  trap 'kill $packer 2>/dev/null' EXIT
+fi
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
 BENCHES=${BENCHES-decode prefill cache sparse rope overhead}
@@ -54,15 +73,16 @@ run() {
   return "${PIPESTATUS[0]}"
 }
 
-"$PYTHON" -m cupaged.cli info > "$OUT/info.txt" 2>&1
-cat "$OUT/info.txt"
+"$PYTHON" -m cupaged.cli info > "$LOGS/info.txt" 2>&1
+cat "$LOGS/info.txt"
 
 if [ "${RUN_TESTS:-1}" != 0 ]; then
-  rm -f "$OUT/timeline.txt"
-  CUPAGED_TEST_TIMELINE="$OUT/timeline.txt" run "$OUT/pytest.log" "${TEST_TIMEOUT:-900}" \
-    "$PYTHON" -m pytest -m gpu -q -rfE --durations=30 --junitxml="$OUT/junit-gpu.xml" \
+  rm -f "$LOGS/timeline.txt"
+  CUPAGED_TEST_TIMELINE="$LOGS/timeline.txt" run "$LOGS/pytest.log" "${TEST_TIMEOUT:-900}" \
+    "$PYTHON" -m pytest -m gpu -q -rfE --durations=30 --junitxml="$LOGS/junit-gpu.xml" \
     "${pytest_args[@]}" "${tests[@]}" || status=1
-  "$PYTHON" scripts/suite_timeline.py "$OUT/timeline.txt" > "$OUT/timeline-summary.txt" 2>&1
+  "$PYTHON" scripts/suite_timeline.py "$LOGS/timeline.txt" > "$LOGS/timeline-summary.txt" 2>&1
+  pack
 fi
 
 if [ "${SANITIZE:-0}" = 1 ]; then
@@ -73,39 +93,43 @@ if [ "${SANITIZE:-0}" = 1 ]; then
       if [ $tool = memcheck ]; then eval "files=(${SANITIZE_TESTS:-${TESTS:-tests}})"
       else eval "files=(${RACECHECK_TESTS:-$racecheck_default})"; fi
       [ ${#files[@]} -gt 0 ] || continue
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "$OUT/sanitize-$tool.log" "${SANITIZE_TIMEOUT:-1800}" \
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "$LOGS/sanitize-$tool.log" "${SANITIZE_TIMEOUT:-1800}" \
         "$sanitizer" --tool $tool --error-exitcode 99 \
-        "$PYTHON" -m pytest -m gpu -q -p sanitize_plugin --junitxml="$OUT/junit-$tool.xml" \
+        "$PYTHON" -m pytest -m gpu -q -p sanitize_plugin --junitxml="$LOGS/junit-$tool.xml" \
         "${pytest_args[@]}" "${sanitize_args[@]}" "${files[@]}" || status=1
+      pack
     done
   else
     echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin, \$SANITIZER)" \
-      | tee "$OUT/sanitize-missing.log"
+      | tee "$LOGS/sanitize-missing.log"
     status=1
   fi
 fi
 
 if [ "${CHECK:-1}" != 0 ]; then
-  run "$OUT/check-kernels.log" 900 "$PYTHON" -m cupaged.cli check-kernels --table || status=1
+  run "$LOGS/check-kernels.log" 900 "$PYTHON" -m cupaged.cli check-kernels --table || status=1
 fi
 
 for name in $BENCHES; do
   if ! "$PYTHON" -c "import importlib.util, sys; \
 sys.exit(importlib.util.find_spec('cupaged.bench.$name') is None)" 2>/dev/null; then
-    echo "missing" > "$OUT/bench-$name.status"
+    echo "missing" > "$LOGS/bench-$name.status"
     continue
   fi
   # shellcheck disable=SC2086
-  if run "$OUT/bench-$name.log" "${BENCH_TIMEOUT:-600}" "$PYTHON" -m cupaged.cli bench "$name" \
-       $quick_flag --json "$OUT/bench-$name.json"; then
-    echo "ok" > "$OUT/bench-$name.status"
+  if run "$LOGS/bench-$name.log" "${BENCH_TIMEOUT:-600}" "$PYTHON" -m cupaged.cli bench "$name" \
+       $quick_flag --json "$LOGS/bench-$name.json"; then
+    echo "ok" > "$LOGS/bench-$name.status"
   else
-    echo "failed (exit $?, see bench-$name.log)" > "$OUT/bench-$name.status"
+    echo "failed (exit $?, see bench-$name.log)" > "$LOGS/bench-$name.status"
     status=1
   fi
+  pack
 done
 
 echo
 echo "================================ summary ================================"
-"$PYTHON" scripts/suite_summary.py "$OUT" | tee "$OUT/summary.txt"
+"$PYTHON" scripts/suite_summary.py "$LOGS" | tee "$LOGS/summary.txt"
+[ "$LOGS" = "$OUT" ] || cp "$LOGS/summary.txt" "$OUT/summary.txt"
+pack
 exit $status

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import types
 from pathlib import Path
 
@@ -469,21 +470,31 @@ def test_scripts_run_from_a_checkout(script):
     assert res.returncode == 0 and "Usage" in res.stdout
 
 
-def test_gpu_suite_degrades_gracefully(tmp_path):
+@pytest.mark.parametrize("pack", [False, True], ids=["logs", "packed"])
+def test_gpu_suite_degrades_gracefully(tmp_path, pack):
     """Tests of one file, a missing benchmark, no kernel check: summary last, status 0. The
-    suite runs this interpreter (PYTHON), whatever python3 is first on PATH."""
+    suite runs this interpreter (PYTHON), whatever python3 is first on PATH. With PACK=1 the
+    output folder holds the summary and one archive of the logs."""
     stub = tmp_path / "bin" / "python3"
     stub.parent.mkdir()
     stub.write_text("#!/bin/sh\necho 'not the interpreter of the tests' >&2\nexit 1\n")
     stub.chmod(0o755)
+    out = tmp_path / "out"
     res = _script("bash", "scripts/gpu_suite.sh", env={
-        "OUT": str(tmp_path), "TESTS": "tests/test_interop.py", "CHECK": "0",
+        "OUT": str(out), "TESTS": "tests/test_interop.py", "CHECK": "0",
         "BENCHES": "no_such_bench", "QUICK": "1", "PYTHON": sys.executable,
-        "PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}"})
+        "PACK": "1" if pack else "0", "PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}"})
     assert res.returncode == 0, res.stdout + res.stderr
     summary = res.stdout.split("summary")[-1]
     assert "tests/test_interop.py" in summary and "no_such_bench  missing" in summary
-    assert (tmp_path / "junit-gpu.xml").exists() and (tmp_path / "summary.txt").exists()
+    assert (out / "summary.txt").exists()
+    if not pack:
+        assert (out / "junit-gpu.xml").exists()
+        return
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "summary.txt"]
+    with tarfile.open(out / "logs.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"junit-gpu.xml", "pytest.log", "summary.txt", "bench-no_such_bench.status"} <= names
 
 
 def test_suite_summary_counts_outcomes(tmp_path):
