@@ -85,6 +85,7 @@ class FakeDevice:
         self.count = 0
         self.launches = []
         self.copies = []
+        self._saved = []
         self._next = 1 << 36
 
     def alloc(self, size):
@@ -110,6 +111,11 @@ class FakeDevice:
                                         ctypes.string_at(base, size), record))
         kernel._launch = launch
         return kernel
+
+    def patch(self, obj, name, value):
+        """Set ``obj.name`` to ``value`` until the stand-in device is left."""
+        self._saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
 
     def copy(self, *args):
         self.copies.append(args)
@@ -151,11 +157,7 @@ def fake_device():
     import cupaged.core.device as device
     from cupaged.core import errors, tma
     fake = FakeDevice()
-    saved = []
-
-    def patch(obj, name, value):
-        saved.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
+    patch = fake.patch
     allocator = cupy.cuda.get_allocator()
     cupy.cuda.set_allocator(fake.alloc)
     for name in ("memcpyAsync", "memcpy2DAsync", "memsetAsync"):
@@ -179,7 +181,7 @@ def fake_device():
     try:
         yield fake
     finally:
-        for obj, name, value in reversed(saved):
+        for obj, name, value in reversed(fake._saved):
             setattr(obj, name, value)
         cupy.cuda.set_allocator(allocator)
         _clear_library_caches()

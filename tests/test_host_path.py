@@ -1,7 +1,9 @@
 """The CuPy host path without a GPU (tests/fake_device.py): what the planned ops would
 launch, compared between their checked first call and their hot later calls, and where each
 launch reads what another wrote. The GPU tests check the results; these check, on any
-machine, that the hot path skips the checks and launches exactly what the checked path does.
+machine, that the hot path skips the checks and launches exactly what the checked path does,
+and that a call does nothing the stand-in cannot do (a read of device data, a CuPy kernel of
+its own: both need a driver and raise here).
 """
 import numpy as np
 import pytest
@@ -177,3 +179,80 @@ def test_paged_decoder_hot_runs_launch_what_the_checked_run_does(fake):
     assert runs[0][0][0].startswith("cupaged::plan::decode_plan_kernel") or \
         "decode_plan_kernel" in runs[0][0][0]
     assert runs[1] == runs[2] == runs[0][1:]
+
+
+# ----------------------------------------------------------------------------- every hot path
+def _calls(fake, call, n=3):
+    """The launches of ``n`` calls of ``call``, each a list of (expr, grid, block, smem, args)."""
+    runs = []
+    for _ in range(n):
+        fake.launches.clear()
+        call()
+        runs.append([(l.expr, l.grid, l.block, l.smem, l.args) for l in fake.launches])
+    return runs
+
+
+def _hot_op(fake, op):
+    """A public call with a hot path, on dense outputs given (nothing allocated a call), and
+    whether its first call also plans for the later ones (a planned object's first run after
+    a plan)."""
+    a = fake.array
+    batch, hq, hk, d, bs, length, s = 4, 16, 4, 128, 16, 1000, 300
+    width = -(-length // bs)
+    kc, vc = (a((batch * width, bs, hk, d), bfloat16) for _ in range(2))
+    q, out = a((batch, hq, d), bfloat16), a((batch, hq, d), bfloat16)
+    tables, lens = a((batch, width), np.int32), a((batch,), np.int32)
+    qp, op_out = a((batch * s, hq, d), bfloat16), a((batch * s, hq, d), bfloat16)
+    kp, vp = a((batch * s, hk, d), bfloat16), a((batch * s, hk, d), bfloat16)
+    cu = a((batch + 1,), np.int32)
+    if op == "paged_decode":
+        return lambda: cupaged.paged_decode(q, kc, vc, tables, lens, layout="NHD", out=out), False
+    if op == "PagedDecoder.run":
+        dec = cupaged.PagedDecoder(hq, hk, d, bs, dtype=bfloat16, layout="NHD", max_batch=8,
+                                   xp=cupy).plan(tables, lens)
+        return lambda: dec.run(q, kc, vc, out=out), True
+    if op == "varlen_prefill":
+        return lambda: cupaged.varlen_prefill(qp, kp, vp, cu, cu, s, s, out=op_out), False
+    if op == "paged_prefill":
+        return lambda: cupaged.paged_prefill(qp, kc, vc, cu, tables, lens, layout="NHD",
+                                             out=op_out), False
+    if op == "paged_attention":
+        return lambda: cupaged.paged_attention(qp, kc, vc, cu, tables, lens, layout="NHD",
+                                               out=op_out), False
+    if op == "PagedPrefiller.run":  # host metadata: its device form pads on the device
+        pre = cupaged.PagedPrefiller(hq, hk, d, bs, dtype=bfloat16, layout="NHD", max_batch=8)
+        pre.plan(np.arange(batch + 1, dtype=np.int32) * s,
+                 np.arange(batch * width, dtype=np.int32).reshape(batch, width),
+                 np.full(batch, length, np.int32))
+        return lambda: pre.run(qp, kc, vc, out=op_out), True
+    tokens = batch * s
+    if op == "write_kv_cache":
+        key, value, slots = (a((tokens, hk, d), bfloat16), a((tokens, hk, d), bfloat16),
+                             a((tokens,), np.int64))
+        return lambda: cupaged.write_kv_cache(key, value, kc, vc, slots, layout="NHD"), False
+    assert op == "apply_rope"
+    pos = a((tokens,), np.int64)
+    # the frequency table, made once per device by a host copy, stood in
+    from cupaged.rope import api as rope_api
+    rope_api._FREQUENCIES.clear()
+    fake.patch(rope_api, "frequencies", lambda plan: a((plan.rotary_dim // 2,), np.float64))
+    return lambda: cupaged.apply_rope(pos, qp, kp, max_position=8192, inplace=True), False
+
+
+HOT_OPS = ["paged_decode", "PagedDecoder.run", "varlen_prefill", "paged_prefill",
+           "paged_attention", "PagedPrefiller.run", "write_kv_cache", "apply_rope"]
+
+
+@pytest.mark.parametrize("op", HOT_OPS)
+def test_hot_calls_launch_what_the_checked_call_does(fake, op):
+    """The first call of a signature is checked and sets up; later calls take the hot path
+    and launch the same kernels with the same argument bytes (device arrays only: a host
+    read of device data would fail on the stand-in device)."""
+    call, plans_first = _hot_op(fake, op)
+    first, *later = _calls(fake, call)
+    assert first, f"{op}: launched nothing"
+    if plans_first:  # the plan kernel runs at the first run after a plan only
+        first = [l for l in first if "plan_kernel" not in l[0]]
+    for run in later:
+        assert [l[0] for l in run] == [l[0] for l in first]
+        assert run == first
