@@ -151,11 +151,13 @@ def test_decoder_plan_from_host_tables_past_the_cache(rng, cp):
     want = ref.paged_decode(case["q"][good], case["k_cache"], case["v_cache"],
                             case["block_tables"][good], case["seq_lens"][good])
     np.testing.assert_allclose(out[good], np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
-    dec.plan(tables, case["seq_lens"], validate=True)
     poisoned = cp.full(case["q"].shape, np.nan, bfloat16)
-    with pytest.raises(ValueError, match="block_tables: expected block ids below"):
-        dec.run(dev["q"], dev["k_cache"], dev["v_cache"], out=poisoned)
-    assert bool(cp.isnan(poisoned.astype(cp.float32)).all())  # nothing ran
+    for metadata in (tables, cp.asarray(tables)):  # host or device tables, read in strict mode
+        lens = case["seq_lens"] if metadata is tables else cp.asarray(case["seq_lens"])
+        dec.plan(metadata, lens, validate=True)
+        with pytest.raises(ValueError, match="block_tables: expected block ids below"):
+            dec.run(dev["q"], dev["k_cache"], dev["v_cache"], out=poisoned)
+        assert bool(cp.isnan(poisoned.astype(cp.float32)).all())  # nothing ran
     cupaged.check_errors()
 
 

@@ -388,8 +388,7 @@ class PagedDecoder:
                                       schedule, num_splits, merge)
                 device = self._upload(launch, bt, sl, work, merge, append)
             else:
-                device = self._take(launch, block_tables, seq_lens if sl is None else sl,
-                                    merge, append)
+                device = self._take(launch, block_tables, seq_lens, merge, append)
         self._set_step(xp, plan.Step(batch, bt, sl, bool(append), max_block, work, merge,
                                      device))
         return self

@@ -187,8 +187,8 @@ class QuestDecoder:
         xp = self._xp or array_module(block_tables, seq_lens)
         geo = CacheGeometry(INT32_MAX, self.block_size, self.num_kv_heads, self.head_dim)
         src = array_module(block_tables, seq_lens)
-        bt, sl = check_block_tables(block_tables, seq_lens, geo, src,
-                                    contents=src is np or errors.strict(validate), ids=False)
+        check_block_tables(block_tables, seq_lens, geo, src,
+                           contents=src is np or errors.strict(validate), ids=False)
         batch, width = block_tables.shape
         if batch > self.max_batch:
             raise ValueError(f"block_tables: expected at most max_batch={self.max_batch} "
@@ -199,8 +199,7 @@ class QuestDecoder:
                           np.array(seq_lens, np.int32), None)
             return self
         tables, lens, scores = self._grow(width)
-        self._uploader.copy_step(ptr(tables), width * 4, ptr(lens), block_tables,
-                                 seq_lens if sl is None else sl)
+        self._uploader.copy_step(ptr(tables), width * 4, ptr(lens), block_tables, seq_lens)
         rows, k = batch * self.num_kv_heads, min(self.top_k_pages, width)
         sel_tables, sel_lens = self._decoder._plan_written(rows, k * self.tokens_per_page)
         view = quest.Selection(None, sel_tables, sel_lens,
