@@ -170,39 +170,31 @@ __device__ __forceinline__ float group_sums(float (&v)[N], unsigned mask, int& w
   return v[0];
 }
 
-// grid (B * Hk / heads_per_cta, ceil(width / pages_per_cta)); block THREADS. CTA ((b, hc), c)
-// scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv heads hc
-// heads_per_cta .. + heads_per_cta - 1 into scores[b, h, :]: warp w takes head w %
-// heads_per_cta, the CTA's warps a page's heads together (their bound rows one run of
-// memory), and the WARPS / heads_per_cta warps of a head every such warp's step of pages.
-// A page takes LANES lanes (16 for D = 64, else 32; PAGES = 32 / LANES a warp step), lane l
-// of them dims 4 (l + LANES j) .. + 3 (j < CPL); a warp loads UNROLL steps of pages before it
-// reduces any. The group's query heads go GC at a time (registers: q split into its
-// positive and negative parts), each chunk a pass over the pages: score = max over the
-// group's heads of sum_d (q_d > 0 ? q_d max_d : q_d < 0 ? q_d min_d : 0), computed as q+ max
-// + q- min (two FMAs a dim); where that gives NaN (an infinite bound times a zero part, or
-// +inf - inf) the page is recomputed term by term, and a NaN there makes the page -inf.
-// -inf past the sequence (and for a sequence with a bad length), +inf for its last page,
-// -inf for a bad block id (reported). Passes after the first take the max with what the
-// last one stored (NaN kept until the last pass). Two CTAs an SM for bf16 bounds up to D 128
-// and up to four heads a pass (their registers fit 128: twice the warps, twice the bounds in
-// flight); the others take the registers they need.
+// grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS.
+// CTA ((b, h), c) scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv
+// head h into scores[b, h, :]. A page takes LANES lanes (16 for D = 64, else 32; PAGES =
+// 32 / LANES a warp step), lane l of them dims 4 (l + LANES j) .. + 3 (j < CPL); a warp loads
+// UNROLL steps of pages before it reduces any. The group's query heads go GC at a time
+// (registers: q split into its positive and negative parts), each chunk a pass over the
+// pages: score = max over the group's heads of sum_d (q_d > 0 ? q_d max_d : q_d < 0 ? q_d
+// min_d : 0), computed as q+ max + q- min (two FMAs a dim); where that gives NaN (an infinite
+// bound times a zero part, or +inf - inf) the page is recomputed term by term, and a NaN
+// there makes the page -inf. -inf past the sequence (and for a sequence with a bad length),
+// +inf for its last page, -inf for a bad block id (reported). Passes after the first take
+// the max with what the last one stored (NaN kept until the last pass).
 template <typename T, typename TB, int D, int THREADS, int GC, int UNROLL>
-__global__ void __launch_bounds__(THREADS, GC <= 4 && D <= 128 && sizeof(TB) == 2 ? 2 : 1)
-    quest_score_kernel(CUPAGED_PARAMS_QuestScoreArgs) {
+__global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_QuestScoreArgs) {
   const QuestScoreArgs<T, TB> a{CUPAGED_FIELDS_QuestScoreArgs};
   constexpr int WARPS = THREADS / 32, C = D / 4, LANES = C <= 16 ? 16 : 32;
   constexpr int CPL = (C + LANES - 1) / LANES, PAGES = 32 / LANES;
   static_assert(D % 16 == 0 && GC <= LANES, "quest_score_kernel: head size or group chunk");
+  const int row_id = blockIdx.x;
+  const int b = row_id / a.num_kv_heads, h = row_id - b * a.num_kv_heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int hpc = a.heads_per_cta, slots = WARPS / hpc, wslot = warp / hpc;
-  if (wslot >= slots) return;  // warps past a whole number of the CTA's heads
-  const int ctas_b = a.num_kv_heads / hpc;
-  const int b = blockIdx.x / ctas_b, h = (blockIdx.x - b * ctas_b) * hpc + warp % hpc;
   const int sub = lane % LANES, slot = lane / LANES;
   const unsigned mask = LANES == 32 ? 0xffffffffu : 0xffffu << (slot * LANES);
   const int* table = a.block_tables + (i64)b * a.bt_stride;
-  float* row_scores = a.scores + ((i64)b * a.num_kv_heads + h) * a.width;
+  float* row_scores = a.scores + (i64)row_id * a.width;
   const int len = __ldg(a.seq_lens + b);
   const bool report = threadIdx.x == 0 && blockIdx.y == 0 && h == 0;
   const int n = length_ok(len, a.width, a.block_size, report ? a.err : nullptr, b)
@@ -227,7 +219,7 @@ __global__ void __launch_bounds__(THREADS, GC <= 4 && D <= 128 && sizeof(TB) == 
         }
       }
     }
-    for (int i0 = begin + wslot * UNROLL * PAGES; i0 < stop; i0 += slots * UNROLL * PAGES) {
+    for (int i0 = begin + warp * UNROLL * PAGES; i0 < stop; i0 += WARPS * UNROLL * PAGES) {
       Bound4<TB> mx[UNROLL][CPL], mn[UNROLL][CPL];
       bool ok[UNROLL];
 #pragma unroll
@@ -336,8 +328,7 @@ __global__ void __launch_bounds__(THREADS, GC <= 4 && D <= 128 && sizeof(TB) == 
       }
     }
   }
-  for (int i = max(begin, n) + wslot * 32 + lane; i < end; i += slots * 32)
-    row_scores[i] = neg_inf();
+  for (int i = max(begin, n) + threadIdx.x; i < end; i += THREADS) row_scores[i] = neg_inf();
 }
 
 // grid B * Hk (CTA (b, h) = blockIdx.x = b * Hk + h); block THREADS. From the scores of

@@ -141,7 +141,7 @@ def test_quest_decoder_follows_layers_and_new_plans(fake):
                 fake.launches.clear()
                 dec.run(q, kc, vc, k_min, k_max, out=out)
                 f = {l.name: (l.grid, l.fields()) for l in fake.launches}
-                assert f["quest_score_kernel"][0][0] == batch * hk // quest.score_heads(hk)
+                assert f["quest_score_kernel"][0][0] == batch * hk
                 assert f["quest_score_kernel"][1]["k_min"] == k_min.data.ptr
                 assert f["quest_score_kernel"][1]["width"] == width
                 assert f["quest_select_kernel"][1]["top_k"] == min(k, width)

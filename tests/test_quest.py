@@ -304,16 +304,6 @@ def test_bad_quest_arguments(rng):
         sparse.QuestDecoder(4, 2, 64, 8, 0)
 
 
-def test_score_kernel_shapes():
-    """A score CTA's kv heads divide the kv heads (its warps at most); a pass's query heads
-    cover the group where registers allow; the lanes of a page hold whole 16-byte chunks."""
-    assert [quest.score_heads(h) for h in (1, 2, 3, 8, 12, 16, 32, 7)] == [1, 2, 3, 8, 6, 8, 8, 7]
-    assert [quest.score_group_chunk(128, g) for g in (1, 2, 4, 5, 8, 12)] == [1, 4, 4, 8, 8, 8]
-    assert quest.score_group_chunk(256, 8) == 4
-    assert [quest.score_lanes(d) for d in (64, 80, 128, 256)] == [16, 32, 32, 32]
-    assert quest.score_unroll(128, bfloat16) == 8 and quest.score_unroll(128, np.float32) == 4
-
-
 # ----------------------------------------------------------------------------- GPU
 GPU_CASES = [  # layout, dtype, block size, hq, hk, d, lens, top_k
     ("NHD", np.float16, 16, 8, 2, 128, [300, 40, 129, 0, 16], 4),

@@ -278,7 +278,7 @@ QUEST_SCORE = Record("QuestScoreArgs", [
     ("const int* __restrict__", "seq_lens"), ("float* __restrict__", "scores"),
     ("long long* __restrict__", "err", NULL), ("i64", "q_stride"), ("int", "bt_stride"),
     ("int", "width"), ("int", "block_size"), ("int", "num_blocks"), ("int", "num_kv_heads"),
-    ("int", "group"), ("int", "pages_per_cta"), ("int", "heads_per_cta"),
+    ("int", "group"), ("int", "pages_per_cta"),
 ], template="typename T, typename TB")
 
 QUEST_SELECT = Record("QuestSelectArgs", [

@@ -40,7 +40,7 @@ from ..core.layouts import (CacheGeometry, block_stride, check_dense_blocks, k_a
 
 BOUNDS_THREADS = 128
 SCORE_THREADS = 256
-SCORE_PAGES = 128            # pages a quest_score_kernel CTA scores (for each of its heads)
+SCORE_PAGES = 512            # pages a quest_score_kernel CTA scores
 SCORE_BYTES_IN_FLIGHT = 4096  # bound bytes a score warp loads before reducing (score_unroll)
 SCORE_MAX_UNROLL = 8         # its most steps of pages at once (registers)
 SCORE_GROUP_CHUNKS = (1, 4, 8)  # query heads a score pass holds in registers (score_group_chunk)
@@ -350,14 +350,12 @@ def select_launch(q, k_min, block_tables, block_size, top_k, first_pages, tokens
         if -(-width // SCORE_PAGES) > MAX_GRID_Y:
             raise ValueError(f"block_tables: expected at most {MAX_GRID_Y * SCORE_PAGES} "
                              f"pages per sequence, got {width}")
-        hpc = score_heads(hk)
         score = launcher("quest", score_expr(q.dtype, d, k_min.dtype, hq // hk),
-                         abi.QUEST_SCORE).at((batch * hk // hpc, -(-width // SCORE_PAGES)),
+                         abi.QUEST_SCORE).at((batch * hk, -(-width // SCORE_PAGES)),
                                              SCORE_THREADS)
         score_args = abi.QUEST_SCORE.bind(err=ptr(errors.error_word()),
                                           q_stride=token_stride("q", q), group=hq // hk,
-                                          pages_per_cta=SCORE_PAGES, heads_per_cta=hpc,
-                                          **fixed)
+                                          pages_per_cta=SCORE_PAGES, **fixed)
     if batch * hk and top_k:
         cached = width <= SELECT_CACHED_PAGES
         smem = 4 * width if cached else 0
@@ -465,13 +463,6 @@ def sinks_launch(dtype, rows, num_q_heads, head_dim):
 def bounds_expr(dtype, bound_dtype):
     return (f"cupaged::quest::quest_bounds_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
             f"{BOUNDS_THREADS}>")
-
-
-def score_heads(num_kv_heads):
-    """Kv heads a score CTA takes (a warp a head, the page's bound rows of its heads one run
-    of memory: [num_blocks, Hk, D]): the largest divisor of ``num_kv_heads`` up to its
-    SCORE_THREADS / 32 warps."""
-    return max(h for h in range(1, SCORE_THREADS // 32 + 1) if num_kv_heads % h == 0)
 
 
 def score_lanes(head_dim):
