@@ -133,8 +133,9 @@ def varlen_block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, indptr, i
     validate : bool, optional
         Check device lengths and the pattern on the host first (default: ``CUPAGED_STRICT``).
     backend : {"auto", "mma", "wgmma"}
-        The CUDA kernel: "auto" takes the mma.sync one (on sm_90 the wgmma kernel measured
-        slower for BSR patterns: ``sparse.launch.use_wgmma``), "wgmma" the sm_90 kernel.
+        The CUDA kernel: "auto" takes the wgmma kernel on sm_90 for K/V rows of head size 64
+        or 128 (not a paged cache: ``sparse.launch.use_wgmma``), else the mma.sync one;
+        "wgmma" needs sm_90.
         NumPy inputs run the reference whatever it says.
 
     Returns

@@ -109,16 +109,14 @@ def use_wgmma(backend, kind, head_dim, ragged):
     """Whether a CuPy call of ``kind`` asking for ``backend`` (``"auto"``, ``"mma"``,
     ``"wgmma"``) runs the wgmma kernels ("wgmma" off sm_90 is refused). "auto" takes them on
     an sm_90 device where they measured faster than the mma.sync kernel (benchmarks/NOTES.md):
-    vertical+slash over dense K/V rows of :data:`WS_TMA_HEAD_DIMS` (whole tiles by TMA). Not
-    BSR (64-key blocks leave most 128-key tiles part full, copied by cp.async), paged caches
-    or other head sizes (every tile by cp.async, whose issue rate, not the tensor cores, sets
-    the pace)."""
+    vertical+slash and BSR over dense K/V rows of :data:`WS_TMA_HEAD_DIMS` (whole tiles by
+    TMA; BSR on 64-key tiles). Not paged caches or other head sizes (every tile by cp.async,
+    whose issue rate, not the tensor cores, sets the pace)."""
     import cupy
     arch = cupy.cuda.Device().compute_capability
     if prefill_plan.resolve_backend(backend, None, arch) != "wgmma":
         return False
-    return backend == "wgmma" or (kind == "sparse_attention" and ragged and
-                                  head_dim in WS_TMA_HEAD_DIMS)
+    return backend == "wgmma" or (ragged and head_dim in WS_TMA_HEAD_DIMS)
 
 
 class AttentionLaunch(NamedTuple):
