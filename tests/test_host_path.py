@@ -225,6 +225,10 @@ def _hot_op(fake, op):
                  np.arange(batch * width, dtype=np.int32).reshape(batch, width),
                  np.full(batch, length, np.int32))
         return lambda: pre.run(qp, kc, vc, out=op_out), True
+    if op == "quest_decode":
+        k_min, k_max = (a((batch * width, hk, d), bfloat16) for _ in range(2))
+        return lambda: sparse.quest_decode(q, kc, vc, k_min, k_max, tables, lens, 8,
+                                           layout="NHD", out=out), False
     tokens = batch * s
     if op == "write_kv_cache":
         key, value, slots = (a((tokens, hk, d), bfloat16), a((tokens, hk, d), bfloat16),
@@ -240,7 +244,8 @@ def _hot_op(fake, op):
 
 
 HOT_OPS = ["paged_decode", "PagedDecoder.run", "varlen_prefill", "paged_prefill",
-           "paged_attention", "PagedPrefiller.run", "write_kv_cache", "apply_rope"]
+           "paged_attention", "PagedPrefiller.run", "quest_decode", "write_kv_cache",
+           "apply_rope"]
 
 
 @pytest.mark.parametrize("op", HOT_OPS)

@@ -1,7 +1,7 @@
 """Quest decode: the selected pages of each (sequence, kv head) decoded through the public
-paged decode, functional (:func:`quest_decode`) and planned once per step
-(:class:`QuestDecoder`, capturable in a CUDA graph). Selection and views:
-``cupaged.sparse.quest``."""
+paged decode, planned once per step (:class:`QuestDecoder`, capturable in a CUDA graph) and
+functional (:func:`quest_decode`: a decoder kept per call signature, planned each call).
+Selection and views: ``cupaged.sparse.quest``."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -37,11 +37,17 @@ def _group_rows(q, num_kv_heads):
     return q.reshape(batch * num_kv_heads, hq // num_kv_heads, d)
 
 
-@accepts_dlpack
+_DECODERS = CallCache(limit=16)  # quest_decode's QuestDecoder per call signature
+
+
 def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_k, *, layout,
                  first_pages=0, sm_scale=None, sinks=None, out=None, return_lse=False,
                  backend="auto", validate=None):
     """Decode attention of one query per sequence over each kv head's ``top_k`` pages.
+
+    CuPy arrays (and torch tensors) run through a :class:`QuestDecoder` kept per call
+    signature (shapes, strides, dtypes and options), planned at each call: the first call
+    of a signature is checked, later ones plan and launch as the decoder's hot path does.
 
     Parameters
     ----------
@@ -80,21 +86,52 @@ def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_
     lse : array
         float32 ``[B, Hq]``, with ``return_lse``.
     """
+    call = hot(errors.strict(validate), (q, k_cache, v_cache, k_min, k_max, block_tables,
+                                         seq_lens, sinks, out),
+               top_k, layout, first_pages, sm_scale, bool(return_lse), backend)
+    dec = _DECODERS.get(call.key) if call is not None else None
+    if dec is not None:  # checked by an earlier call of this signature
+        return dec.plan(block_tables, seq_lens).run(q, k_cache, v_cache, k_min, k_max,
+                                                    sinks=sinks, out=out,
+                                                    return_lse=return_lse)
+    return _quest_decode_checked(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens,
+                                 top_k, layout, first_pages, sm_scale, sinks, out, return_lse,
+                                 backend, validate, call.key if call is not None else None)
+
+
+@accepts_dlpack
+def _quest_decode_checked(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_k,
+                          layout, first_pages, sm_scale, sinks, out, return_lse, backend,
+                          validate, cache_key):
+    """quest_decode's checks; on the device, its decoder (kept under ``cache_key``) planned
+    and run; on the host, the reference ops composed."""
     import cupaged
     xp = array_module(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, sinks, out)
     check_choice("layout", layout, LAYOUTS)
+    check_int("top_k", top_k)
+    check_int("first_pages", first_pages, minimum=0)
     k_view, v_view, view_layout, _ = quest.decode_view(k_cache, v_cache, layout)
     geo = key_geometry(k_cache, layout)
     batch, hq, d = check_query("q", q, xp)
     _check_sinks(sinks, hq, xp)
     quest.check_bounds(k_min, k_max, (geo.num_blocks, geo.num_kv_heads, d), xp)
+    if out is not None:
+        check_out(out, q.shape, q.dtype, xp)
+    hk = geo.num_kv_heads
+    if xp is not np:
+        check_gqa(hq, hk, "k_cache")
+        dec = QuestDecoder(hq, hk, d, geo.block_size, top_k, first_pages=first_pages,
+                           dtype=q.dtype, layout=layout, sm_scale=sm_scale,
+                           max_batch=max(batch, 1), xp=xp, backend=backend)
+        res = dec.plan(block_tables, seq_lens, validate=validate).run(
+            q, k_cache, v_cache, k_min, k_max, sinks=sinks, out=out, return_lse=return_lse)
+        _DECODERS.put(cache_key, dec)
+        return res
     if out is None:
         out = empty(xp, q.shape, q.dtype)
-    check_out(out, q.shape, q.dtype, xp)
-    tpp = quest.tokens_per_page(layout, geo.num_kv_heads, geo.block_size)
+    tpp = quest.tokens_per_page(layout, hk, geo.block_size)
     sel = quest.select_pages(q, k_min, k_max, block_tables, seq_lens, geo.block_size, top_k,
-                             first_pages=first_pages, tokens_per_page=tpp, validate=validate)
-    hk = geo.num_kv_heads
+                             first_pages=first_pages, tokens_per_page=tpp)
     res = cupaged.paged_decode(_group_rows(q, hk), k_view, v_view, sel.tables, sel.lens,
                                layout=view_layout, sm_scale=sm_scale,
                                out=out.reshape(batch * hk, hq // hk, d),
