@@ -49,7 +49,7 @@ pack() {
   return 0
 }
 if [ "$LOGS" != "$OUT" ]; then
-  ( while sleep 60; do pack; done ) &
+  ( while sleep 60; do pack; done ) >/dev/null 2>&1 &  # not holding the caller's output open
   packer=$!
   trap 'kill $packer 2>/dev/null' EXIT
 fi
