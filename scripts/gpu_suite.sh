@@ -49,7 +49,9 @@ pack() {
   return 0
 }
 if [ "$LOGS" != "$OUT" ]; then
-  ( while sleep 60; do pack; done ) >/dev/null 2>&1 &  # not holding the caller's output open
+  # not holding the caller's output open; its sleep ends with it
+  ( trap 'kill $nap 2>/dev/null; exit 0' TERM
+    while :; do sleep 60 & nap=$!; wait $nap; pack; done ) >/dev/null 2>&1 &
   packer=$!
   trap 'kill $packer 2>/dev/null' EXIT
 fi
