@@ -4,7 +4,8 @@ For each op (``paged_decode`` at B64 x L8K and B1 x L2K, ``paged_attention`` on 
 batch, ``varlen_prefill`` B2 x S8K causal, ``paged_prefill`` B2 x S8K causal from a bf16 and
 an fp8 cache (device metadata), ``write_kv_cache`` of 64K tokens, ``apply_rope``
 of 16K tokens, ``PagedDecoder.plan`` from host and from device metadata and
-``PagedDecoder.run``, ``QuestDecoder.run`` at B8 x L128K, top 256 pages, bf16 bounds) and
+``PagedDecoder.run``, ``QuestDecoder.run`` and ``quest_decode`` at B8 x L128K, top 256
+pages, bf16 bounds) and
 each kind of caller array (``cupy``; ``torch`` tensors and ``jax``
 arrays where they are importable), one row gives:
 
@@ -219,7 +220,7 @@ def _quest_rows(kinds, batch=8, length=131072, top_k=256):
     """``QuestDecoder.run`` (bf16 bounds, NHD) beside the dense planned decode of the same
     cache replayed (``dense_graph_us``): issue 22's Quest row as a caller sees it."""
     import cupy
-    from ..sparse import QuestDecoder, quest
+    from ..sparse import QuestDecoder, quest, quest_decode
     case = _paged(batch, length)
     case["q"] = _rand((batch, HQ, D), 3)
     nb = case["kc"].shape[0]
@@ -234,13 +235,22 @@ def _quest_rows(kinds, batch=8, length=131072, top_k=256):
     # captured on CuPy arrays after each kind's plan (the same step)
     graph = lambda: dec.run(case["q"], case["kc"], case["vc"], case["k_min"], case["k_max"],
                             out=out)
+    # the functional form (QuestPolicy.decode's): its decoder planned at every call
+    once = lambda a, out=None: quest_decode(a["q"], a["kc"], a["vc"], a["k_min"], a["k_max"],
+                                            a["tables"], a["lens"], top_k, layout="NHD",
+                                            out=out)
+    shape = f"B{batch} x L{length} top {top_k}"
     rows = []
     for kind in kinds:
         a = _as(kind, case)
         dec.plan(a["tables"], a["lens"])
         run = lambda: dec.run(a["q"], a["kc"], a["vc"], a["k_min"], a["k_max"])
-        rows.append(_row("QuestDecoder.run", f"B{batch} x L{length} top {top_k}", kind, run,
-                         graph, extra={"dense_graph_us": dense_graph}))
+        rows.append(_row("QuestDecoder.run", shape, kind, run, graph,
+                         extra={"dense_graph_us": dense_graph}))
+    for kind in kinds:
+        a = _as(kind, case)
+        rows.append(_row("quest_decode", shape, kind, lambda: once(a),
+                         lambda: once(case, out), extra={"dense_graph_us": dense_graph}))
     return rows
 
 
