@@ -23,6 +23,7 @@ def measure(settings, reference):
     """One variant in this process: a line of times (microseconds a call); its selections
     saved to ``reference`` (the default's run) or compared with what is there."""
     import cupy
+    from cupaged.bench.timing import back_to_back_us
     from cupaged.core.arrays import bfloat16
     from cupaged.sparse import quest
     for setting in settings:
@@ -36,17 +37,6 @@ def measure(settings, reference):
     tables = rs.permutation(nb).astype(np.int32).reshape(batch, pages)
     lens = cupy.full(batch, length, np.int32)
 
-    def queued_us(fn, reps=30):
-        for _ in range(3):
-            fn()
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(reps):
-            fn()
-        stop.record()
-        stop.synchronize()
-        return cupy.cuda.get_elapsed_time(start, stop) / reps * 1e3
-
     parts, kept = [], {}
     saved = dict(np.load(reference)) if os.path.exists(reference) else None
     for bounds in (bfloat16, np.float32):
@@ -54,9 +44,9 @@ def measure(settings, reference):
         k_max = (k_min.astype(cupy.float32) + 1).astype(bounds)
         first = quest.select_pages(q, k_min, k_max, tables, lens, page, top_k)
         sel = quest.Selection(*(cupy.empty_like(a) for a in first))
-        scores = queued_us(lambda: quest.page_scores(q, k_min, k_max, tables, lens, page))
-        select = queued_us(lambda: quest.select_pages(q, k_min, k_max, tables, lens, page,
-                                                      top_k, out=sel))
+        scores = back_to_back_us(lambda: quest.page_scores(q, k_min, k_max, tables, lens, page))
+        select = back_to_back_us(lambda: quest.select_pages(q, k_min, k_max, tables, lens,
+                                                            page, top_k, out=sel))
         name = np.dtype(bounds).name
         kept[name] = sel.positions.get()
         same = ("" if saved is None else

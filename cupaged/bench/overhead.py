@@ -36,7 +36,7 @@ from ..prefill import api as prefill
 from ..cache_ops import api as cache_ops
 from ..rope import api as rope
 from ..core.arrays import bfloat16
-from .timing import bench_main, copy_bandwidth, torch_or_none
+from .timing import back_to_back_us, bench_main, copy_bandwidth, torch_or_none
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
 
@@ -56,31 +56,6 @@ def _host_us(call, n=200, burst=10):
             times.append(time.perf_counter() - t0)
     cupy.cuda.Device().synchronize()
     return float(np.median(times)) * 1e6
-
-
-def _events_us(call, kind, n=50):
-    """Device microseconds per call of ``n`` calls back to back (events on the caller's
-    stream: torch's for torch calls, CuPy's current one else)."""
-    import cupy
-    for _ in range(3):
-        call()
-    cupy.cuda.Device().synchronize()
-    if kind == "torch":
-        torch = torch_or_none()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            call()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) * 1e3 / n
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(n):
-        call()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / n
 
 
 def _graph_us(call, n=50):
@@ -162,15 +137,15 @@ def _floor_row():
         driver.launchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0)
         driver.launchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0)
     return {"op": "floor: 2 empty launches + 1 output", "shape": "", "arrays": "cupy",
-            "host_us": _host_us(call), "gpu_us": _events_us(call, "cupy")}
+            "host_us": _host_us(call), "gpu_us": back_to_back_us(call, "cupy")}
 
 
 def _row(op, shape, kind, call, graph_call, peer=None, extra=None):
     row = {"op": op, "shape": shape, "arrays": kind, "host_us": _host_us(call),
-           "gpu_us": _events_us(call, kind), "graph_us": _graph_us(graph_call)}
+           "gpu_us": back_to_back_us(call, kind), "graph_us": _graph_us(graph_call)}
     row["vs_graph"] = row["graph_us"] / row["gpu_us"]
     if peer is not None:
-        row["peer_us"] = _events_us(peer, "torch")
+        row["peer_us"] = back_to_back_us(peer, "torch")
     row.update(extra or {})
     return row
 

@@ -43,6 +43,32 @@ def time_gpu(fn, *, warmup=3, reps=20):
     return statistics.median(times)
 
 
+def back_to_back_us(call, kind="cupy", n=50):
+    """Device microseconds per call of ``n`` calls issued back to back (events on the
+    caller's stream: torch's for torch calls, CuPy's current one else), after three warm-up
+    calls: what a caller's loop sustains, the larger of host and device time."""
+    import cupy
+    for _ in range(3):
+        call()
+    cupy.cuda.Device().synchronize()
+    if kind == "torch":
+        torch = torch_or_none()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            call()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) * 1e3 / n
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(n):
+        call()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / n
+
+
 @functools.lru_cache(maxsize=None)
 def copy_bandwidth(nbytes=2 << 30):
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""

@@ -500,7 +500,6 @@ class PagedDecoder:
         """A device plan: the tables and lengths copied into the decoder's buffers (device
         arrays copied on the device, host ones uploaded), to be cut by the plan kernel at
         the first run."""
-        import cupy
         batch, width = block_tables.shape
         step = self._device_step(launch, batch, width, merge, append)
         self._uploader.copy_step(ptr(step.tables), self._layout.width * 4, ptr(step.lens),
