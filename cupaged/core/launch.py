@@ -294,6 +294,12 @@ def ptr(a):
     return 0 if a is None else a.data.ptr
 
 
+def with_ptr(a):
+    """``(a, ptr(a))``: an output allocated by the library, in the form ``Hot.empty``
+    gives a caller's."""
+    return a, ptr(a)
+
+
 def current_stream():
     """CuPy's current stream as a raw pointer (what :meth:`Kernel.at` launches take)."""
     import cupy

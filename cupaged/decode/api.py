@@ -25,7 +25,7 @@ from ..core.arrays import (FLOAT_DTYPES, CallCache, accepts_dlpack, array_module
 from ..core.checks import check_gqa, check_options, check_int
 from ..core.device import Uploader
 from ..core.fp8 import fp8_format, given_kv_dtype, scale_parts
-from ..core.launch import current_stream, ptr
+from ..core.launch import current_stream, ptr, with_ptr
 from ..core.layouts import LAYOUTS, accepts_cache, resolve_layout
 from ..reference import attention as ref
 from .launch import (call_step, call_strides, current_geometry, launch_decode, launch_merge,
@@ -33,10 +33,6 @@ from .launch import (call_step, call_strides, current_geometry, launch_decode, l
 
 
 _CALLS = CallCache()  # paged_decode's device-planned calls by signature
-
-
-def _with_ptr(a):
-    return a, ptr(a)
 
 
 def _result(out, lse, return_lse):
@@ -600,10 +596,10 @@ class PagedDecoder:
         shape = (step.batch, self.num_q_heads, self.head_dim)
         if out is None:
             out, out_ptr = (call.empty(shape, self.dtype) if call is not None else
-                            _with_ptr(empty(sys.modules["cupy"], shape, self.dtype)))
+                            with_ptr(empty(sys.modules["cupy"], shape, self.dtype)))
         if lse is None and return_lse:
             lse, lse_ptr = (call.empty(shape[:2], np.float32) if call is not None else
-                            _with_ptr(empty(sys.modules["cupy"], shape[:2], np.float32)))
+                            with_ptr(empty(sys.modules["cupy"], shape[:2], np.float32)))
         if step.batch:
             self._enqueue(step, strides, ptrs, out_ptr, lse_ptr,
                           call.stream if call is not None else current_stream())

@@ -14,13 +14,9 @@ from ..core.arrays import (CallCache, accepts_dlpack, array_module, as_dtype, ch
 from ..core.checks import (INT32_MAX, check_block_tables, check_gqa, check_int, check_out,
                            check_query, table_stride)
 from ..core.device import Uploader
-from ..core.launch import current_stream, ptr
+from ..core.launch import current_stream, ptr, with_ptr
 from ..core.layouts import LAYOUTS, CacheGeometry, key_geometry
 from . import quest
-
-
-def _with_ptr(a):
-    return a, ptr(a)
 
 
 def _check_sinks(sinks, num_q_heads, xp):
@@ -397,10 +393,10 @@ class QuestDecoder:
         shape = (batch, self.num_q_heads, self.head_dim)
         if out is None:
             out, out_ptr = (call.empty(shape, self.dtype) if call is not None else
-                            _with_ptr(empty(cupy, shape, self.dtype)))
+                            with_ptr(empty(cupy, shape, self.dtype)))
         if lse is None and return_lse:
             lse, lse_ptr = (call.empty(shape[:2], np.float32) if call is not None else
-                            _with_ptr(empty(cupy, shape[:2], np.float32)))
+                            with_ptr(empty(cupy, shape[:2], np.float32)))
         elif lse is None and setup.sinks is not None:
             lse_ptr = setup.lse
         stream = call.stream if call is not None else current_stream()
