@@ -305,22 +305,21 @@ def _select(q, k_min, k_max, block_tables, seq_lens, block_size, top_k, first, t
 class SelectLaunch(NamedTuple):
     """The score and select kernels of one call shape (:func:`select_launch`), launched by
     ``launch(stream, q, k_min, k_max, block_tables, seq_lens, scores, positions, sel_tables,
-    sel_lens)`` on device addresses (positions 0: not written)."""
+    sel_lens)`` on device addresses (positions 0: not written); an empty grid (no rows, no
+    pages, or no select for ``page_scores``) launches nothing."""
     score: object        # Kernel.at(...) of quest_score_kernel
-    score_args: object   # its Bound record, None: no launch
+    score_args: object   # its Bound record
     select: object       # Kernel.at(...) of quest_select_kernel
-    select_args: object  # its Bound record, None: no launch (page_scores)
+    select_args: object  # its Bound record
 
     def __call__(self, stream, q, k_min, k_max, block_tables, seq_lens, scores, positions,
                  sel_tables, sel_lens):
-        if self.score_args is not None:
-            self.score(self.score_args.pack(q=q, k_min=k_min, k_max=k_max,
-                                            block_tables=block_tables, seq_lens=seq_lens,
-                                            scores=scores), stream)
-        if self.select_args is not None:
-            self.select(self.select_args.pack(block_tables=block_tables, seq_lens=seq_lens,
-                                              scores=scores, positions=positions,
-                                              sel_tables=sel_tables, sel_lens=sel_lens), stream)
+        self.score(self.score_args.pack(q=q, k_min=k_min, k_max=k_max,
+                                        block_tables=block_tables, seq_lens=seq_lens,
+                                        scores=scores), stream)
+        self.select(self.select_args.pack(block_tables=block_tables, seq_lens=seq_lens,
+                                          scores=scores, positions=positions,
+                                          sel_tables=sel_tables, sel_lens=sel_lens), stream)
 
 
 _SELECTS = CallCache()  # SelectLaunch by call shape
@@ -342,29 +341,25 @@ def select_launch(q, k_min, block_tables, block_size, top_k, first_pages, tokens
     launch = _SELECTS.get(key)
     if launch is not None:
         return launch
-    k = min(top_k, width)
-    score = select = score_args = select_args = None
+    if -(-width // SCORE_PAGES) > MAX_GRID_Y:
+        raise ValueError(f"block_tables: expected at most {MAX_GRID_Y * SCORE_PAGES} "
+                         f"pages per sequence, got {width}")
+    rows = batch * hk
     fixed = dict(bt_stride=table_stride(block_tables), width=width, block_size=block_size,
                  num_blocks=nb, num_kv_heads=hk)
-    if batch * hk and width:
-        if -(-width // SCORE_PAGES) > MAX_GRID_Y:
-            raise ValueError(f"block_tables: expected at most {MAX_GRID_Y * SCORE_PAGES} "
-                             f"pages per sequence, got {width}")
-        score = launcher("quest", score_expr(q.dtype, d, k_min.dtype, hq // hk),
-                         abi.QUEST_SCORE).at((batch * hk, -(-width // SCORE_PAGES)),
-                                             SCORE_THREADS)
-        score_args = abi.QUEST_SCORE.bind(err=ptr(errors.error_word()),
-                                          q_stride=token_stride("q", q), group=hq // hk,
-                                          pages_per_cta=SCORE_PAGES, **fixed)
-    if batch * hk and top_k:
-        cached = width <= SELECT_CACHED_PAGES
-        smem = 4 * width if cached else 0
-        select = launcher("quest", select_expr(), abi.QUEST_SELECT, smem=smem).at(
-            batch * hk, SELECT_THREADS, smem)
-        select_args = abi.QUEST_SELECT.bind(top_k=k, first_pages=min(first_pages, INT32_MAX),
-                                            tokens_per_page=tokens_per_page,
-                                            sel_stride=sel_stride, cache_keys=int(cached),
-                                            **fixed)
+    score = launcher("quest", score_expr(q.dtype, d, k_min.dtype, hq // hk),
+                     abi.QUEST_SCORE).at((rows, -(-width // SCORE_PAGES)), SCORE_THREADS)
+    score_args = abi.QUEST_SCORE.bind(err=ptr(errors.error_word()),
+                                      q_stride=token_stride("q", q), group=hq // hk,
+                                      pages_per_cta=SCORE_PAGES, **fixed)
+    cached = width <= SELECT_CACHED_PAGES
+    smem = 4 * width if cached else 0
+    select = launcher("quest", select_expr(), abi.QUEST_SELECT, smem=smem).at(
+        rows if top_k else 0, SELECT_THREADS, smem)
+    select_args = abi.QUEST_SELECT.bind(top_k=min(top_k, width),
+                                        first_pages=min(first_pages, INT32_MAX),
+                                        tokens_per_page=tokens_per_page, sel_stride=sel_stride,
+                                        cache_keys=int(cached), **fixed)
     return _SELECTS.put(key, SelectLaunch(score, score_args, select, select_args))
 
 
