@@ -117,37 +117,56 @@ __device__ __forceinline__ u32 page_key(int i, int n, int first, float s) {
   return i == n - 1 ? LAST_KEY : (i < first ? FIRST_KEY : order_key(s));
 }
 
-// Four consecutive bound dims (16 bytes of float, 8 of bfloat16), loaded raw and widened
-// when used.
-template <typename TB> struct Bound4;
-template <> struct Bound4<float> {
-  uint4 raw;
-  __device__ __forceinline__ void load(const float* p) { raw = __ldg(reinterpret_cast<const uint4*>(p)); }
-  __device__ __forceinline__ void load_zero() { raw = make_uint4(0u, 0u, 0u, 0u); }
-  __device__ __forceinline__ void get(float (&x)[4]) const {
-    x[0] = __uint_as_float(raw.x); x[1] = __uint_as_float(raw.y);
-    x[2] = __uint_as_float(raw.z); x[3] = __uint_as_float(raw.w);
+// X consecutive bound dims in one load (4 floats: 16 bytes; 4 or 8 bfloat16: 8 or 16 bytes),
+// kept raw and widened when used.
+template <typename TB, int X>
+struct BoundChunk {
+  static constexpr int WORDS = X * (int)sizeof(TB) / 4;
+  static_assert(WORDS == 2 || WORDS == 4, "8- or 16-byte chunks");
+  u32 w[WORDS];
+  __device__ __forceinline__ void load(const TB* p) {
+    if constexpr (WORDS == 4) {
+      const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+      w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
+    } else {
+      const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+      w[0] = r.x; w[1] = r.y;
+    }
   }
-};
-template <> struct Bound4<__nv_bfloat16> {
-  uint2 raw;
-  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
-    raw = __ldg(reinterpret_cast<const uint2*>(p));
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) w[i] = 0u;
   }
-  __device__ __forceinline__ void load_zero() { raw = make_uint2(0u, 0u); }
-  __device__ __forceinline__ void get(float (&x)[4]) const {
-    x[0] = __uint_as_float(raw.x << 16); x[1] = __uint_as_float(raw.x & 0xffff0000u);
-    x[2] = __uint_as_float(raw.y << 16); x[3] = __uint_as_float(raw.y & 0xffff0000u);
+  __device__ __forceinline__ void get(float (&x)[X]) const {
+#pragma unroll
+    for (int e = 0; e < X; ++e) {
+      if constexpr (sizeof(TB) == 4) x[e] = __uint_as_float(w[e]);
+      else x[e] = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
+    }
   }
 };
 
+// The index of the total group_sums<N, LANES> leaves to lane `sub` of a group (its `which`).
+template <int N, int LANES>
+__device__ __forceinline__ int sum_index(int sub) {
+  int which = 0, m = N;
+#pragma unroll
+  for (int off = LANES / 2; off >= 1; off >>= 1) {
+    if (m > 1) {
+      if (sub & off) which += m / 2;
+      m /= 2;
+    }
+  }
+  return which;
+}
+
 // Sums N values of each lane over the LANES lanes (a power of two >= N) of its aligned lane
 // group, N / 2 values exchanged a step while more than one is left (the lanes whose `off`
-// bit is set keep the upper half): returns the total of value `which` (the same for every
+// bit is set keep the upper half): returns the total of value sum_index (the same for every
 // lane of a group whose high log2(N) group bits agree).
 template <int N, int LANES>
-__device__ __forceinline__ float group_sums(float (&v)[N], unsigned mask, int& which) {
-  which = 0;
+__device__ __forceinline__ float group_sums(float (&v)[N], unsigned mask) {
+  static_assert(N <= LANES, "one total a lane");
   int m = N;
 #pragma unroll
   for (int off = LANES / 2; off >= 1; off >>= 1) {
@@ -161,7 +180,6 @@ __device__ __forceinline__ float group_sums(float (&v)[N], unsigned mask, int& w
           v[i] = keep + __shfl_xor_sync(mask, send, off);
         }
       }
-      if (up) which += m / 2;
       m /= 2;
     } else {
       v[0] += __shfl_xor_sync(mask, v[0], off);
@@ -172,27 +190,33 @@ __device__ __forceinline__ float group_sums(float (&v)[N], unsigned mask, int& w
 
 // grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS.
 // CTA ((b, h), c) scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv
-// head h into scores[b, h, :]. A page takes LANES lanes (16 for D = 64, else 32; PAGES =
-// 32 / LANES a warp step), lane l of them dims 4 (l + LANES j) .. + 3 (j < CPL); a warp loads
-// UNROLL steps of pages before it reduces any. The group's query heads go GC at a time
-// (registers: q split into its positive and negative parts), each chunk a pass over the
-// pages: score = max over the group's heads of sum_d (q_d > 0 ? q_d max_d : q_d < 0 ? q_d
-// min_d : 0), computed as q+ max + q- min (two FMAs a dim); where that gives NaN (an infinite
-// bound times a zero part, or +inf - inf) the page is recomputed term by term, and a NaN
-// there makes the page -inf. -inf past the sequence (and for a sequence with a bad length),
-// +inf for its last page, -inf for a bad block id (reported). Passes after the first take
-// the max with what the last one stored (NaN kept until the last pass).
-template <typename T, typename TB, int D, int THREADS, int GC, int UNROLL>
-__global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_QuestScoreArgs) {
+// head h into scores[b, h, :]. A page takes LANES lanes (D / X rounded up to a power of two,
+// at most 32; PAGES = 32 / LANES pages a warp step), lane l of them dims X (l + LANES j) ..
+// + X - 1 (j < CPL), loaded X at a time. A warp takes its pages a batch of UNROLL steps: the
+// bounds of a batch loaded together, the block ids of the next batch loaded with them. The
+// group's query heads go GC at a time (registers: q split into its positive and negative
+// parts), each chunk a pass over the pages: score = max over the group's heads of sum_d (q_d
+// > 0 ? q_d max_d : q_d < 0 ? q_d min_d : 0), computed as q+ max + q- min (two FMAs a dim).
+// A lane's UNROLL x GC partial sums of a batch are summed across the page's lanes in one
+// exchange (group_sums: a lane ends with the total of one (step, head) of its index), then
+// the max over the heads' lanes. Where a sum gives NaN (an infinite bound times a zero
+// part, or +inf - inf) the page is recomputed term by term, and a NaN there makes the page
+// -inf. -inf past the sequence (and for a sequence with a bad length), +inf for its last
+// page, -inf for a bad block id (reported). Passes after the first take the max with what
+// the last one stored (NaN kept until the last pass).
+template <typename T, typename TB, int D, int X, int THREADS, int GC, int UNROLL>
+__global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_QuestScoreArgs) {
   const QuestScoreArgs<T, TB> a{CUPAGED_FIELDS_QuestScoreArgs};
-  constexpr int WARPS = THREADS / 32, C = D / 4, LANES = C <= 16 ? 16 : 32;
-  constexpr int CPL = (C + LANES - 1) / LANES, PAGES = 32 / LANES;
-  static_assert(D % 16 == 0 && GC <= LANES, "quest_score_kernel: head size or group chunk");
+  constexpr int WARPS = THREADS / 32, C = D / X;
+  constexpr int LANES = C <= 8 ? 8 : C <= 16 ? 16 : 32;
+  constexpr int CPL = (C + LANES - 1) / LANES, PAGES = 32 / LANES, N = UNROLL * GC;
+  constexpr int KEEPER = LANES / UNROLL;  // lanes a batch's page score is held by (one stores)
+  static_assert(D % X == 0 && N <= LANES, "quest_score_kernel: head size, group chunk or unroll");
   const int row_id = blockIdx.x;
   const int b = row_id / a.num_kv_heads, h = row_id - b * a.num_kv_heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane % LANES, slot = lane / LANES;
-  const unsigned mask = LANES == 32 ? 0xffffffffu : 0xffffu << (slot * LANES);
+  const unsigned mask = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << (slot * LANES);
   const int* table = a.block_tables + (i64)b * a.bt_stride;
   float* row_scores = a.scores + (i64)row_id * a.width;
   const int len = __ldg(a.seq_lens + b);
@@ -202,49 +226,62 @@ __global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_
   const int begin = blockIdx.y * a.pages_per_cta;
   const int end = min(a.width, begin + a.pages_per_cta);
   const int stop = min(end, n);
+  // the lane's total after group_sums: step u_mine of the batch, head g_mine of the chunk
+  const int mine = sum_index<N, LANES>(sub), u_mine = mine / GC, g_mine = mine % GC;
+  constexpr int BATCH = UNROLL * PAGES, STRIDE = WARPS * BATCH;  // pages a warp batch, a CTA pass
   for (int g0 = 0; g0 < a.group; g0 += GC) {
     const bool first_pass = g0 == 0, last_pass = g0 + GC >= a.group;
-    float qp[GC][CPL][4], qn[GC][CPL][4];
+    float qp[GC][CPL][X], qn[GC][CPL][X];
 #pragma unroll
     for (int g = 0; g < GC; ++g) {
       const T* qrow = a.q + (i64)b * a.q_stride + (i64)(h * a.group + g0 + g) * D;
 #pragma unroll
       for (int j = 0; j < CPL; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int d = 4 * (sub + LANES * j) + e;
+        for (int e = 0; e < X; ++e) {
+          const int d = X * (sub + LANES * j) + e;
           const float x = g0 + g < a.group && d < D ? to_float<T>(qrow[d]) : 0.f;
           qp[g][j][e] = x > 0.f ? x : 0.f;
           qn[g][j][e] = x < 0.f ? x : 0.f;
         }
       }
     }
-    for (int i0 = begin + warp * UNROLL * PAGES; i0 < stop; i0 += WARPS * UNROLL * PAGES) {
-      Bound4<TB> mx[UNROLL][CPL], mn[UNROLL][CPL];
-      bool ok[UNROLL];
+    // block ids of the warp's next batch (a page's lanes all load its id)
+    int next[UNROLL];
+    const auto lookup = [&](int i0) {
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int i = i0 + u * PAGES + slot;
-        const int blk = i < stop ? __ldg(table + i) : 0;
+        next[u] = i < stop ? __ldg(table + i) : 0;
+      }
+    };
+    lookup(begin + warp * BATCH);
+    for (int i0 = begin + warp * BATCH; i0 < stop; i0 += STRIDE) {
+      BoundChunk<TB, X> mx[UNROLL][CPL], mn[UNROLL][CPL];
+      bool ok[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int i = i0 + u * PAGES + slot, blk = next[u];
         ok[u] = (unsigned)blk < (unsigned)a.num_blocks;
         if (i < stop && !ok[u] && sub == 0 && h == 0 && first_pass)
           report_error(a.err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), b, i, blk, a.num_blocks);
         const i64 row = ((i64)(ok[u] ? blk : 0) * a.num_kv_heads + h) * D;
 #pragma unroll
         for (int j = 0; j < CPL; ++j) {
-          const int d = 4 * (sub + LANES * j);
+          const int d = X * (sub + LANES * j);
           if (i < stop && ok[u] && d < D) {
             mx[u][j].load(a.k_max + row + d);
             mn[u][j].load(a.k_min + row + d);
           } else {
-            mx[u][j].load_zero();
-            mn[u][j].load_zero();
+            mx[u][j].zero();
+            mn[u][j].zero();
           }
         }
       }
+      lookup(i0 + STRIDE);
       // a page's score s (NaN kept until the last pass) into its row, by one lane a page
       const auto store = [&](int i, bool page_ok, float s) {
-        if (sub != 0 || i >= stop) return;
+        if (i >= stop) return;
         if (!first_pass) {
           const float prev = row_scores[i];
           s = prev != prev || s != s ? prev + s : fmaxf(prev, s);
@@ -255,76 +292,76 @@ __global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_
         }
         row_scores[i] = s;
       };
-      unsigned redo = 0;  // bit u: step u's page gave NaN (the same for a page's lanes)
+      float acc[N];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int i = i0 + u * PAGES + slot;
-        if (i0 + u * PAGES >= stop) continue;  // the same for the whole warp
-        float acc[GC];
 #pragma unroll
-        for (int g = 0; g < GC; ++g) acc[g] = 0.f;
+        for (int g = 0; g < GC; ++g) acc[u * GC + g] = 0.f;
 #pragma unroll
         for (int j = 0; j < CPL; ++j) {
-          float hi[4], lo[4];
+          float hi[X], lo[X];
           mx[u][j].get(hi);
           mn[u][j].get(lo);
 #pragma unroll
           for (int g = 0; g < GC; ++g)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              acc[g] = fmaf(qp[g][j][e], hi[e], fmaf(qn[g][j][e], lo[e], acc[g]));
+            for (int e = 0; e < X; ++e)
+              acc[u * GC + g] = fmaf(qp[g][j][e], hi[e], fmaf(qn[g][j][e], lo[e], acc[u * GC + g]));
         }
-        int which;
-        float s = group_sums<GC, LANES>(acc, mask, which);
-        if (__ballot_sync(0xffffffffu, s != s) & mask) {
-          redo |= 1u << u;
-          continue;
-        }
-        s = g0 + which < a.group ? s : neg_inf();
+      }
+      float s = group_sums<N, LANES>(acc, mask);
+      s = g0 + g_mine < a.group ? s : neg_inf();
+      // steps whose sums gave NaN (rare; the same bits for a page's lanes)
+      unsigned redo = 0;
+      for (unsigned nan = __ballot_sync(0xffffffffu, s != s) & mask; nan; nan &= nan - 1)
+        redo |= 1u << (sum_index<N, LANES>((__ffs(nan) - 1) % LANES) / GC);
 #pragma unroll
-        for (int off = LANES / 2; off >= LANES / GC; off >>= 1)
-          s = fmaxf(s, __shfl_xor_sync(mask, s, off));
-        store(i, ok[u], s);
+      for (int off = LANES / N; off < LANES / N * GC; off <<= 1)
+        s = fmaxf(s, __shfl_xor_sync(mask, s, off));
+      if (sub % KEEPER == 0 && !(redo >> u_mine & 1)) {
+        bool page_ok = false;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) page_ok = u == u_mine ? ok[u] : page_ok;
+        store(i0 + u_mine * PAGES + slot, page_ok, s);
       }
       // pages whose two-FMA sums gave NaN, term by term as the reference sums them (their
-      // bounds loaded again: rare, kept out of the unrolled steps' registers); a NaN there
-      // makes the page -inf
+      // bounds loaded again: rare, kept out of the batch's registers); a NaN there makes
+      // the page -inf
 #pragma unroll 1
       for (int u = 0; u < UNROLL; ++u) {
         if (!(redo >> u & 1)) continue;
         const int i = i0 + u * PAGES + slot;
         const i64 row = ((i64)__ldg(table + i) * a.num_kv_heads + h) * D;
-        float s = neg_inf();
+        float best = neg_inf();
         bool any_nan = false;
 #pragma unroll
         for (int g = 0; g < GC; ++g) {
           float t = 0.f;
 #pragma unroll
           for (int j = 0; j < CPL; ++j) {
-            const int d = 4 * (sub + LANES * j);
+            const int d = X * (sub + LANES * j);
             if (d >= D) continue;
-            Bound4<TB> bhi, blo;
+            BoundChunk<TB, X> bhi, blo;
             bhi.load(a.k_max + row + d);
             blo.load(a.k_min + row + d);
-            float hi[4], lo[4];
+            float hi[X], lo[X];
             bhi.get(hi);
             blo.get(lo);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
+            for (int e = 0; e < X; ++e) {
               const float qd = qp[g][j][e] + qn[g][j][e];
               const float prod = qd * (qd > 0.f ? hi[e] : lo[e]);
               t += qd != 0.f ? prod : 0.f;  // q_d = 0 adds nothing, even against an infinite bound
             }
           }
           float one[1] = {t};
-          int which_one;
-          t = group_sums<1, LANES>(one, mask, which_one);
+          t = group_sums<1, LANES>(one, mask);
           if (g0 + g < a.group) {
             any_nan |= t != t;
-            s = fmaxf(s, t);
+            best = fmaxf(best, t);
           }
         }
-        store(i, true, any_nan ? __int_as_float(0x7fc00000) : s);
+        if (sub == 0) store(i, true, any_nan ? __int_as_float(0x7fc00000) : best);
       }
     }
   }
@@ -337,12 +374,15 @@ __global__ void __launch_bounds__(THREADS, 1) quest_score_kernel(CUPAGED_PARAMS_
 // 256-bin histogram) and keeps, in position order, every page above it and the first pages
 // equal to it: positions[b, h, :] (-1 past the count), and a block table row of the
 // one-kv-head view (tokens_per_page entries a page: id blk * Hk + h, or (blk * block_size +
-// t) * Hk + h per token t; rows sel_stride entries apart) with its key count. A sequence with a bad length or block id
-// keeps nothing (count 0; the score kernel reported it). With cache_keys the row's keys are
-// computed once into dynamic shared memory (width u32s), else on each pass from the scores.
+// t) * Hk + h per token t; rows sel_stride entries apart) with its key count. A sequence
+// with a bad length or block id keeps nothing (count 0; the score kernel reported it).
+// Dynamic shared memory: with stage_positions the kept positions (k ints; the table row is
+// written from them by all threads at once, its block ids read together), then with
+// cache_keys the row's keys (width u32s, computed once; else on each pass from the scores).
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
   const QuestSelectArgs a{CUPAGED_FIELDS_QuestSelectArgs};
+  constexpr int LOADS = 4;  // score loads in flight a thread while the keys are cached
   __shared__ int s_hist[256];
   __shared__ int s_warp[THREADS / 32 + 1];
   const int b = blockIdx.x / a.num_kv_heads, h = blockIdx.x - b * a.num_kv_heads;
@@ -352,32 +392,57 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
   const bool len_ok = length_ok(len, a.width, a.block_size, nullptr, b);
   const int used = len_ok ? (int)(((i64)len + a.block_size - 1) / a.block_size) : 0;
   const int n = table_row_ok<THREADS>(table, used, a.num_blocks, nullptr, b) ? used : 0;
+  const int k = min(a.top_k, a.width);
 
-  // the top k pages by key (topk.cuh), written in position order
-  extern __shared__ u32 s_keys[];
+  extern __shared__ u32 s_dyn[];
+  int* s_pos = reinterpret_cast<int*>(s_dyn);
+  u32* s_keys = s_dyn + (a.stage_positions ? k : 0);
   if (a.cache_keys) {
-    for (int i = threadIdx.x; i < n; i += THREADS)
-      s_keys[i] = page_key(i, n, a.first_pages, row_scores[i]);
+    for (int base = 0; base < n; base += LOADS * THREADS) {
+      float sc[LOADS];
+#pragma unroll
+      for (int u = 0; u < LOADS; ++u) {
+        const int i = base + u * THREADS + threadIdx.x;
+        sc[u] = i < n ? row_scores[i] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < LOADS; ++u) {
+        const int i = base + u * THREADS + threadIdx.x;
+        if (i < n) s_keys[i] = page_key(i, n, a.first_pages, sc[u]);
+      }
+    }
     __syncthreads();
   }
-  const int k = min(a.top_k, a.width);
   const auto key = [&](int i) {
     return a.cache_keys ? s_keys[i] : page_key(i, n, a.first_pages, row_scores[i]);
   };
+  // the top k pages by key (topk.cuh), written in position order
   const TopK top = radix_select<THREADS>(key, n, k, s_hist);
   const int tpp = a.tokens_per_page;
   int* pos_row = a.positions ? a.positions + (i64)blockIdx.x * k : nullptr;
   int* tab_row = a.sel_tables + (i64)blockIdx.x * a.sel_stride;
+  // entry t of kept page `slot` (position i, block blk) of the table row, and the position
+  const auto write = [&](int slot, int t, int i, int blk) {
+    if (pos_row && t == 0) pos_row[slot] = i;
+    tab_row[slot * tpp + t] =
+        tpp == 1 ? blk * a.num_kv_heads + h : (blk * a.block_size + t) * a.num_kv_heads + h;
+  };
   keep_in_order<THREADS>(key, n, top, s_warp, [&](int slot, int i) {
-    const int blk = __ldg(table + i);
-    if (pos_row) pos_row[slot] = i;
-    if (tpp == 1) {
-      tab_row[slot] = blk * a.num_kv_heads + h;
+    if (a.stage_positions) {
+      s_pos[slot] = i;
     } else {
-      for (int t = 0; t < tpp; ++t) tab_row[slot * tpp + t] = (blk * a.block_size + t) * a.num_kv_heads + h;
+      const int blk = __ldg(table + i);
+      for (int t = 0; t < tpp; ++t) write(slot, t, i, blk);
     }
   });
   const int count = min(n, k);
+  if (a.stage_positions) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < count * tpp; e += THREADS) {
+      const int slot = e / tpp, i = s_pos[slot];
+      write(slot, e - slot * tpp, i, __ldg(table + i));
+    }
+  }
   for (int s = count + threadIdx.x; s < k; s += THREADS) {
     if (pos_row) pos_row[s] = -1;
     for (int t = 0; t < tpp; ++t) tab_row[s * tpp + t] = -1;

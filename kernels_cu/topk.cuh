@@ -81,21 +81,38 @@ __device__ __forceinline__ TopK radix_select(const Key& key, int n, int k, int* 
 }
 
 // The kept keys in position order: emit(slot, i) for key i, slot its rank among the kept
-// (0 .. min(n, k) - 1). Every thread calls; s_warp holds THREADS / 32 + 1 ints.
+// (0 .. min(n, k) - 1). Warp w takes the positions [w span, (w + 1) span) (span: n over the
+// warps, whole warp steps), 32 a step: it counts its keys above and at the threshold
+// (ballots), two CTA scans of the warps' counts give its first slots, and a second walk
+// emits its kept keys (ranks within a step from the ballots). Every thread calls; s_warp
+// holds THREADS / 32 + 1 ints.
 template <int THREADS, typename Key, typename Emit>
 __device__ __forceinline__ void keep_in_order(const Key& key, int n, TopK top, int* s_warp, const Emit& emit) {
-  int carry_gt = 0, carry_eq = 0;
-  for (int base = 0; base < n; base += THREADS) {
-    const int i = base + threadIdx.x;
-    const u32 x = i < n ? key(i) : 0u;
-    const int gt = i < n && x > top.threshold, eq = i < n && x == top.threshold;
-    int total;
-    const int incl = block_scan<THREADS>(gt | eq << 16, s_warp, total) + (gt | eq << 16);
-    const int gt_before = carry_gt + (incl & 0xffff) - gt;
-    const int eq_before = carry_eq + (incl >> 16) - eq;
-    if (gt || (eq && eq_before < top.ties)) emit(gt_before + min(eq_before, top.ties), i);
-    carry_gt += total & 0xffff;
-    carry_eq += total >> 16;
+  constexpr int WARPS = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned below = (1u << lane) - 1;
+  const int span = (n + 32 * WARPS - 1) / (32 * WARPS) * 32;
+  const int lo = min(n, warp * span), hi = min(n, lo + span);
+  int gt = 0, eq = 0;
+  for (int base = lo; base < hi; base += 32) {
+    const int i = base + lane;
+    const u32 x = i < hi ? key(i) : 0u;
+    gt += __popc(__ballot_sync(0xffffffffu, i < hi && x > top.threshold));
+    eq += __popc(__ballot_sync(0xffffffffu, i < hi && x == top.threshold));
+  }
+  int total;  // counts before the warp: lane 0 holds the warp's, the others nothing
+  int g = __shfl_sync(0xffffffffu, block_scan<THREADS>(lane == 0 ? gt : 0, s_warp, total), 0);
+  int e = __shfl_sync(0xffffffffu, block_scan<THREADS>(lane == 0 ? eq : 0, s_warp, total), 0);
+  for (int base = lo; base < hi; base += 32) {
+    const int i = base + lane;
+    const u32 x = i < hi ? key(i) : 0u;
+    const bool is_gt = i < hi && x > top.threshold, is_eq = i < hi && x == top.threshold;
+    const unsigned bg = __ballot_sync(0xffffffffu, is_gt), be = __ballot_sync(0xffffffffu, is_eq);
+    const int gi = g + __popc(bg & below), ei = e + __popc(be & below);
+    if (is_gt) emit(gi + min(ei, top.ties), i);
+    if (is_eq && ei < top.ties) emit(gi + ei, i);
+    g += __popc(bg);
+    e += __popc(be);
   }
 }
 

@@ -288,6 +288,7 @@ QUEST_SELECT = Record("QuestSelectArgs", [
     ("int", "bt_stride"), ("int", "width"), ("int", "block_size"), ("int", "num_blocks"),
     ("int", "num_kv_heads"), ("int", "top_k"), ("int", "first_pages"),
     ("int", "tokens_per_page"), ("int", "sel_stride"), ("int", "cache_keys", 0),
+    ("int", "stage_positions", 0),
 ])
 
 QUEST_SINKS = Record("QuestSinksArgs", [

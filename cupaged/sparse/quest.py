@@ -42,10 +42,12 @@ BOUNDS_THREADS = 128
 SCORE_THREADS = 256
 SCORE_PAGES = 512            # pages a quest_score_kernel CTA scores
 SCORE_BYTES_IN_FLIGHT = 4096  # bound bytes a score warp loads before reducing (score_unroll)
-SCORE_MAX_UNROLL = 8         # its most steps of pages at once (registers)
+SCORE_MAX_UNROLL = 8         # its most steps of pages a batch (registers)
+SCORE_MAX_SUMS = 16          # partial sums a score lane holds a batch (steps x group chunk)
 SCORE_GROUP_CHUNKS = (1, 4, 8)  # query heads a score pass holds in registers (score_group_chunk)
 SELECT_THREADS = 512
 SELECT_CACHED_PAGES = 16384  # widest table whose page keys the select kernel keeps in shared memory
+SELECT_STAGED_PAGES = 8192   # most kept pages whose positions it gathers there before writing
 SINK_THREADS = 128
 MAX_GRID_Y = 65535  # CUDA's limit on grid.y
 MAX_BATCH = MAX_GRID_Y  # grid.y of quest_bounds_kernel
@@ -352,14 +354,16 @@ def select_launch(q, k_min, block_tables, block_size, top_k, first_pages, tokens
     score_args = abi.QUEST_SCORE.bind(err=ptr(errors.error_word()),
                                       q_stride=token_stride("q", q), group=hq // hk,
                                       pages_per_cta=SCORE_PAGES, **fixed)
-    cached = width <= SELECT_CACHED_PAGES
-    smem = 4 * width if cached else 0
+    k = min(top_k, width)
+    cached, staged = width <= SELECT_CACHED_PAGES, k <= SELECT_STAGED_PAGES
+    smem = 4 * (k * staged + width * cached)
     select = launcher("quest", select_expr(), abi.QUEST_SELECT, smem=smem).at(
         rows if top_k else 0, SELECT_THREADS, smem)
-    select_args = abi.QUEST_SELECT.bind(top_k=min(top_k, width),
+    select_args = abi.QUEST_SELECT.bind(top_k=k,
                                         first_pages=min(first_pages, INT32_MAX),
                                         tokens_per_page=tokens_per_page, sel_stride=sel_stride,
-                                        cache_keys=int(cached), **fixed)
+                                        cache_keys=int(cached), stage_positions=int(staged),
+                                        **fixed)
     return _SELECTS.put(key, SelectLaunch(score, score_args, select, select_args))
 
 
@@ -460,32 +464,50 @@ def bounds_expr(dtype, bound_dtype):
             f"{BOUNDS_THREADS}>")
 
 
-def score_lanes(head_dim):
-    """Lanes a page takes in the score kernel (four dims a lane): 16 for D = 64, else 32."""
-    return 16 if int(head_dim) // 4 <= 16 else 32
+def score_chunk(head_dim, bound_dtype, group):
+    """Bound dims a score lane loads at once: 16 bytes (4 floats, 8 bfloat16), but 4
+    bfloat16 where a pass holds more than 4 query heads (q takes 2 registers a dim a head)
+    and where ``head_dim / 8`` is no power of two (lanes past the head cost registers)."""
+    d = int(head_dim)
+    if (np.dtype(bound_dtype).itemsize == 4 or score_group_chunk(d, group) > 4
+            or (d // 8) & (d // 8 - 1)):
+        return 4
+    return 8
 
 
-def score_unroll(head_dim, bound_dtype):
-    """Steps of pages (32 / score_lanes a step) a score warp loads before reducing any:
+def score_lanes(head_dim, chunk):
+    """Lanes a page takes in the score kernel: its ``head_dim / chunk`` loads rounded up to
+    a power of two, 8 to 32 (more than 32 loads: several a lane)."""
+    loads = int(head_dim) // chunk
+    return 8 if loads <= 8 else 16 if loads <= 16 else 32
+
+
+def score_unroll(head_dim, bound_dtype, group):
+    """Steps of pages (32 / score_lanes a step) a score warp loads as a batch: about
     SCORE_BYTES_IN_FLIGHT of bounds (the loads of one page alone leave the warp waiting on
-    memory latency), at most SCORE_MAX_UNROLL."""
-    pages = 32 // score_lanes(head_dim)
-    step = 2 * int(head_dim) * np.dtype(bound_dtype).itemsize * pages
-    return max(1, min(SCORE_MAX_UNROLL, SCORE_BYTES_IN_FLIGHT // step))
+    memory latency), at most SCORE_MAX_UNROLL, and with the group chunk at most
+    SCORE_MAX_SUMS partial sums a lane and one total a lane once they are summed, a power of
+    two."""
+    chunk = score_chunk(head_dim, bound_dtype, group)
+    lanes = score_lanes(head_dim, chunk)
+    step = 2 * int(head_dim) * np.dtype(bound_dtype).itemsize * (32 // lanes)
+    most = min(SCORE_MAX_UNROLL, max(1, SCORE_BYTES_IN_FLIGHT // step),
+               min(lanes, SCORE_MAX_SUMS) // score_group_chunk(head_dim, group))
+    return 1 << (most.bit_length() - 1)
 
 
 def score_group_chunk(head_dim, group):
     """Query heads a score pass holds in registers (q split in two a head): the smallest of
-    SCORE_GROUP_CHUNKS at least ``group``, at most 4 for D = 256 (eight dims a lane); larger
-    groups take several passes over the pages."""
+    SCORE_GROUP_CHUNKS at least ``group``, at most 4 for D = 256; larger groups take several
+    passes over the pages."""
     cap = 4 if int(head_dim) > 128 else SCORE_GROUP_CHUNKS[-1]
     return min([c for c in SCORE_GROUP_CHUNKS if c >= min(group, cap)])
 
 
 def score_expr(dtype, head_dim, bound_dtype, group):
     return (f"cupaged::quest::quest_score_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
-            f"{head_dim}, {SCORE_THREADS}, {score_group_chunk(head_dim, group)}, "
-            f"{score_unroll(head_dim, bound_dtype)}>")
+            f"{head_dim}, {score_chunk(head_dim, bound_dtype, group)}, {SCORE_THREADS}, "
+            f"{score_group_chunk(head_dim, group)}, {score_unroll(head_dim, bound_dtype, group)}>")
 
 
 def select_expr():
