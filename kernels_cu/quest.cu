@@ -49,10 +49,10 @@ template <> __device__ __forceinline__ __nv_bfloat16 bound_up<__nv_bfloat16>(flo
 // grid (pages, batch): pages = width (every page) or 1 (each sequence's last page); block
 // THREADS. CTA (i, b) takes page i (or the last) of sequence b; thread t takes the 16-byte
 // key chunks t, t + THREADS, ... of the page's kv heads (chunk c: head c / (D / X), dims
-// X (c % (D / X)) ...) and folds its valid tokens into min and max, written as TB [num_blocks,
+// X (c % (D / X)) ...) and folds its valid tokens, TOKENS loads at a time, into min and max, written as TB [num_blocks,
 // Hk, D] (bound_down, bound_up). Key element (h, token, d) of block blk sits at blk * k_block +
 // h * k_head + (d / X) * k_chunk + d % X + token * k_tok (X = 16 / sizeof(T)).
-template <typename T, typename TB, int THREADS>
+template <typename T, typename TB, int THREADS, int TOKENS>
 __global__ void __launch_bounds__(THREADS) quest_bounds_kernel(CUPAGED_PARAMS_QuestBoundsArgs) {
   const QuestBoundsArgs<T, TB> a{CUPAGED_FIELDS_QuestBoundsArgs};
   constexpr int X = 16 / sizeof(T);
@@ -78,13 +78,20 @@ __global__ void __launch_bounds__(THREADS) quest_bounds_kernel(CUPAGED_PARAMS_Qu
     load16_float(p, lo);
 #pragma unroll
     for (int e = 0; e < X; ++e) hi[e] = lo[e];
-    for (int t = 1; t < fill; ++t) {
-      float v[X];
-      load16_float(p + (i64)t * a.k_tok, v);
+    // TOKENS rows in flight at once (a page's rows one after another would wait a memory
+    // latency each)
+    for (int t0 = 1; t0 < fill; t0 += TOKENS) {
+      float v[TOKENS][X];
 #pragma unroll
-      for (int e = 0; e < X; ++e) {
-        lo[e] = fminf(lo[e], v[e]);
-        hi[e] = fmaxf(hi[e], v[e]);
+      for (int u = 0; u < TOKENS; ++u)
+        if (t0 + u < fill) load16_float(p + (i64)(t0 + u) * a.k_tok, v[u]);
+#pragma unroll
+      for (int u = 0; u < TOKENS; ++u) {
+#pragma unroll
+        for (int e = 0; e < X; ++e) {
+          lo[e] = t0 + u < fill ? fminf(lo[e], v[u][e]) : lo[e];
+          hi[e] = t0 + u < fill ? fmaxf(hi[e], v[u][e]) : hi[e];
+        }
       }
     }
     const i64 out = ((i64)blk * a.num_kv_heads + h) * a.head_dim + cc * X;

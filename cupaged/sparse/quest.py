@@ -39,6 +39,7 @@ from ..core.layouts import (CacheGeometry, block_stride, check_dense_blocks, k_a
                             key_geometry, layout_strides)
 
 BOUNDS_THREADS = 128
+BOUNDS_TOKENS = 8            # key rows a bounds thread loads at once
 SCORE_THREADS = 256
 SCORE_PAGES = 512            # pages a quest_score_kernel CTA scores
 SCORE_BYTES_IN_FLIGHT = 4096  # bound bytes a score warp loads before reducing (score_unroll)
@@ -461,7 +462,7 @@ def sinks_launch(dtype, rows, num_q_heads, head_dim):
 # ----------------------------------------------------------------------------- kernels
 def bounds_expr(dtype, bound_dtype):
     return (f"cupaged::quest::quest_bounds_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
-            f"{BOUNDS_THREADS}>")
+            f"{BOUNDS_THREADS}, {BOUNDS_TOKENS}>")
 
 
 def score_chunk(head_dim, bound_dtype, group):
