@@ -49,9 +49,10 @@ template <> __device__ __forceinline__ __nv_bfloat16 bound_up<__nv_bfloat16>(flo
 // grid (pages, batch): pages = width (every page) or 1 (each sequence's last page); block
 // THREADS. CTA (i, b) takes page i (or the last) of sequence b; thread t takes the 16-byte
 // key chunks t, t + THREADS, ... of the page's kv heads (chunk c: head c / (D / X), dims
-// X (c % (D / X)) ...) and folds its valid tokens, TOKENS loads at a time, into min and max, written as TB [num_blocks,
-// Hk, D] (bound_down, bound_up). Key element (h, token, d) of block blk sits at blk * k_block +
-// h * k_head + (d / X) * k_chunk + d % X + token * k_tok (X = 16 / sizeof(T)).
+// X (c % (D / X)) ...) and folds its valid tokens, TOKENS loads at a time, into min and max,
+// written as TB [num_blocks, Hk, D] (bound_down, bound_up). Key element (h, token, d) of
+// block blk sits at blk * k_block + h * k_head + (d / X) * k_chunk + d % X + token * k_tok
+// (X = 16 / sizeof(T)).
 template <typename T, typename TB, int THREADS, int TOKENS>
 __global__ void __launch_bounds__(THREADS) quest_bounds_kernel(CUPAGED_PARAMS_QuestBoundsArgs) {
   const QuestBoundsArgs<T, TB> a{CUPAGED_FIELDS_QuestBoundsArgs};
