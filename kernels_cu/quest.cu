@@ -378,19 +378,20 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_
 
 // grid B * Hk (CTA (b, h) = blockIdx.x = b * Hk + h); block THREADS. From the scores of
 // quest_score_kernel the CTA finds the key (page_key: the last page, then the first_pages
-// first ones, then by score) of the k-th best page by a radix select (8 bits a pass, a
-// 256-bin histogram) and keeps, in position order, every page above it and the first pages
-// equal to it: positions[b, h, :] (-1 past the count), and a block table row of the
+// first ones, then by score) of the k-th best page (KPT > 0: the row's keys in registers,
+// page t + j THREADS as key j of thread t, and a bisection; else a radix select, 8 bits a
+// pass) and keeps, in position order, every page above it and the first pages equal to it: positions[b, h, :] (-1 past the count), and a block table row of the
 // one-kv-head view (tokens_per_page entries a page: id blk * Hk + h, or (blk * block_size +
 // t) * Hk + h per token t; rows sel_stride entries apart) with its key count. A sequence
 // with a bad length or block id keeps nothing (count 0; the score kernel reported it).
 // Dynamic shared memory: with stage_positions the kept positions (k ints; the table row is
 // written from them by all threads at once, its block ids read together), then with
-// cache_keys the row's keys (width u32s, computed once; else on each pass from the scores).
-template <int THREADS>
+// cache_keys the row's keys (width u32s, computed once; else on each pass from the scores;
+// always with KPT > 0).
+template <int THREADS, int KPT>
 __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
   const QuestSelectArgs a{CUPAGED_FIELDS_QuestSelectArgs};
-  constexpr int LOADS = 4;  // score loads in flight a thread while the keys are cached
+  constexpr int LOADS = KPT > 0 ? KPT : 4;  // score loads in flight a thread while the keys are cached
   __shared__ int s_hist[256];
   __shared__ int s_warp[THREADS / 32 + 1];
   const int b = blockIdx.x / a.num_kv_heads, h = blockIdx.x - b * a.num_kv_heads;
@@ -405,6 +406,7 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
   extern __shared__ u32 s_dyn[];
   int* s_pos = reinterpret_cast<int*>(s_dyn);
   u32* s_keys = s_dyn + (a.stage_positions ? k : 0);
+  u32 kept[LOADS] = {};  // KPT > 0: the thread's keys (0 past n)
   if (a.cache_keys) {
     for (int base = 0; base < n; base += LOADS * THREADS) {
       float sc[LOADS];
@@ -416,7 +418,8 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
 #pragma unroll
       for (int u = 0; u < LOADS; ++u) {
         const int i = base + u * THREADS + threadIdx.x;
-        if (i < n) s_keys[i] = page_key(i, n, a.first_pages, sc[u]);
+        kept[u] = i < n ? page_key(i, n, a.first_pages, sc[u]) : 0u;
+        if (i < n) s_keys[i] = kept[u];
       }
     }
     __syncthreads();
@@ -425,7 +428,12 @@ __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_Qu
     return a.cache_keys ? s_keys[i] : page_key(i, n, a.first_pages, row_scores[i]);
   };
   // the top k pages by key (topk.cuh), written in position order
-  const TopK top = radix_select<THREADS>(key, n, k, s_hist);
+  TopK top;
+  if constexpr (KPT > 0) {
+    top = bisect_select<THREADS, KPT>(kept, n, k, s_hist);
+  } else {
+    top = radix_select<THREADS>(key, n, k, s_hist);
+  }
   const int tpp = a.tokens_per_page;
   int* pos_row = a.positions ? a.positions + (i64)blockIdx.x * k : nullptr;
   int* tab_row = a.sel_tables + (i64)blockIdx.x * a.sel_stride;

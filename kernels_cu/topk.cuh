@@ -1,8 +1,10 @@
-// The top k of a row of scores, by one CTA: the k-th largest key by a radix select (8 bits
-// a pass from the top, a 256-bin shared histogram), then one pass in position order that
-// keeps every entry above it and the first `ties` equal to it (ties to the earlier
-// position). Quest's page selection (quest.cu) and the vertical+slash estimate's top
-// verticals and slashes (sparse_estimate.cu) run on it.
+// The top k of a row of scores, by one CTA: the k-th largest key, then one pass in position
+// order that keeps every entry above it and the first `ties` equal to it (ties to the
+// earlier position). The k-th key comes from a radix select (8 bits a pass from the top, a
+// 256-bin shared histogram: keys read from anywhere, four passes) or, for rows whose keys
+// fit in the CTA's registers, a bisection (a bit a step from the top, each step a CTA-wide
+// count: no atomics, no shared keys). Quest's page selection (quest.cu) and the
+// vertical+slash estimate's top verticals and slashes (sparse_estimate.cu) run on them.
 #pragma once
 #include "common.cuh"
 #include "block_scan.cuh"
@@ -78,6 +80,36 @@ __device__ __forceinline__ TopK radix_select(const Key& key, int n, int k, int* 
     __syncthreads();
   }
   return TopK{prefix, want};
+}
+
+// The k-th largest of the n keys the CTA holds in registers (KPT a thread, 0 past n: below
+// every key, as order_key never gives 0 to a score callers pass) and how many equal to it
+// the top k takes, as radix_select. The threshold is found a bit at a time from the top: a
+// candidate stays when at least k keys are at or above it (a CTA-wide count: a warp sum,
+// then the warps' sums from shared memory, two buffers of THREADS / 32 ints in s_count
+// taken in turn so one barrier a step suffices). Every thread calls.
+template <int THREADS, int KPT>
+__device__ __forceinline__ TopK bisect_select(const u32 (&x)[KPT], int n, int k, int* s_count) {
+  constexpr int WARPS = THREADS / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (n <= k) return TopK{0u, n};
+  const auto at_least = [&](u32 t, int* s) {
+    int c = 0;
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) c += x[j] >= t;
+    c = __reduce_add_sync(0xffffffffu, c);
+    if (lane == 0) s[warp] = c;
+    __syncthreads();
+    return __reduce_add_sync(0xffffffffu, lane < WARPS ? s[lane] : 0);
+  };
+  u32 t = 0;
+#pragma unroll 1
+  for (int bit = 31; bit >= 0; --bit) {
+    const u32 cand = t | 1u << bit;
+    if (at_least(cand, s_count + (bit & 1) * WARPS) >= k) t = cand;
+  }
+  const int above = t == 0xffffffffu ? 0 : at_least(t + 1, s_count + WARPS);
+  return TopK{t, k - above};
 }
 
 // The kept keys in position order: emit(slot, i) for key i, slot its rank among the kept

@@ -428,15 +428,16 @@ def test_gpu_scores_with_infinite_bounds_and_zero_queries(cp, rng, hq, hk, d, bo
 @pytest.mark.gpu
 @pytest.mark.parametrize("in_smem", [True, False], ids=["smem", "global"])
 def test_gpu_select_many_pages_and_ties(cp, rng, monkeypatch, in_smem):
-    """Thousands of pages, top-64: the radix select on long rows, and ties resolved to the
-    earlier pages exactly as the reference does; with the keys and kept positions in
-    shared memory, and (as for rows and budgets too long for it) without."""
+    """Thousands of pages, top-64: the select on long rows, and ties resolved to the
+    earlier pages exactly as the reference does; with the keys in registers and shared
+    memory (the bisection) and the kept positions staged there, and (as for rows and
+    budgets too long for that) with the keys read from global memory (the radix select)."""
     if not in_smem:
         monkeypatch.setattr(quest, "SELECT_CACHED_PAGES", 0)
         monkeypatch.setattr(quest, "SELECT_STAGED_PAGES", 0)
         monkeypatch.setattr(quest, "_SELECTS", quest.CallCache())  # launches set up afresh
     bs, hk, hq, d = 16, 2, 8, 128
-    lens = [40000, 3000, 16 * 64 + 5, 16 * 64]
+    lens = [16 * 8192 - 5, 3000, 16 * 64 + 5, 16 * 64]  # 8192 pages: 16 keys a select thread
     case, dev, nb = _gpu_setup(cp, rng, "HND", bfloat16, bs, hq, hk, d, lens)
     tables, seq_lens = case["block_tables"], case["seq_lens"]
     kc = case["k_cache"]

@@ -49,6 +49,7 @@ SCORE_GROUP_CHUNKS = (1, 4, 8)  # query heads a score pass holds in registers (s
 SELECT_THREADS = 512
 SELECT_CACHED_PAGES = 16384  # widest table whose page keys the select kernel keeps in shared memory
 SELECT_STAGED_PAGES = 8192   # most kept pages whose positions it gathers there before writing
+SELECT_MAX_KEYS_PER_THREAD = 32  # most page keys a select thread holds in registers (bisection)
 SINK_THREADS = 128
 MAX_GRID_Y = 65535  # CUDA's limit on grid.y
 MAX_BATCH = MAX_GRID_Y  # grid.y of quest_bounds_kernel
@@ -358,7 +359,7 @@ def select_launch(q, k_min, block_tables, block_size, top_k, first_pages, tokens
     k = min(top_k, width)
     cached, staged = width <= SELECT_CACHED_PAGES, k <= SELECT_STAGED_PAGES
     smem = 4 * (k * staged + width * cached)
-    select = launcher("quest", select_expr(), abi.QUEST_SELECT, smem=smem).at(
+    select = launcher("quest", select_expr(width), abi.QUEST_SELECT, smem=smem).at(
         rows if top_k else 0, SELECT_THREADS, smem)
     select_args = abi.QUEST_SELECT.bind(top_k=k,
                                         first_pages=min(first_pages, INT32_MAX),
@@ -511,8 +512,19 @@ def score_expr(dtype, head_dim, bound_dtype, group):
             f"{score_group_chunk(head_dim, group)}, {score_unroll(head_dim, bound_dtype, group)}>")
 
 
-def select_expr():
-    return f"cupaged::quest::quest_select_kernel<{SELECT_THREADS}>"
+def select_keys_per_thread(width):
+    """Page keys a select thread holds in registers for rows of ``width`` pages (a power of
+    two, at most SELECT_MAX_KEYS_PER_THREAD), or 0 for rows too wide (the radix select on
+    keys in shared or global memory)."""
+    per = -(-int(width) // SELECT_THREADS)
+    if per > SELECT_MAX_KEYS_PER_THREAD or int(width) > SELECT_CACHED_PAGES:
+        return 0
+    return 1 << max(0, per - 1).bit_length()
+
+
+def select_expr(width):
+    return (f"cupaged::quest::quest_select_kernel<{SELECT_THREADS}, "
+            f"{select_keys_per_thread(width)}>")
 
 
 def sinks_expr(dtype):
@@ -520,9 +532,10 @@ def sinks_expr(dtype):
 
 
 def kernel_specializations():
-    """Every Quest kernel: select; sinks per dtype; bounds per dtype and bound dtype; scores
-    per dtype, head size, bound dtype and group chunk."""
-    specs = [Spec("quest", select_expr())]
+    """Every Quest kernel: select per keys a thread; sinks per dtype; bounds per dtype and
+    bound dtype; scores per dtype, head size, bound dtype and group chunk."""
+    widths = [SELECT_THREADS << j for j in range(SELECT_MAX_KEYS_PER_THREAD.bit_length() + 1)]
+    specs = [Spec("quest", e) for e in dict.fromkeys(select_expr(w) for w in widths)]
     for dt in FLOAT_DTYPES:
         specs.append(Spec("quest", sinks_expr(dt)))
         for bt in BOUND_DTYPES:
