@@ -15,6 +15,7 @@
 #include "index_checks.cuh"
 #include "block_scan.cuh"
 #include "topk.cuh"
+#include "fp8.cuh"
 
 namespace cupaged {
 namespace quest {
@@ -44,6 +45,27 @@ template <> __device__ __forceinline__ __nv_bfloat16 bound_down<__nv_bfloat16>(f
 }
 template <> __device__ __forceinline__ __nv_bfloat16 bound_up<__nv_bfloat16>(float x) {
   return __float2bfloat16_ru(x);
+}
+
+// e4m3 codes (no infinity): the code nearest x (saturated), moved one code outward where it
+// lies on the wrong side of x. Past the largest finite value that step reaches the NaN code
+// (sign | 0x7F): "unknown", read by the score kernel as an infinite bound. Zero steps to
+// the smallest subnormal of the direction's sign.
+template <bool UP>
+__device__ __forceinline__ fp8_e4m3 e4m3_outward(float x) {
+  u32 c = fp8_encode<fp8_e4m3>(x, 1.f);
+  if (x == x) {
+    const float v = __half2float(__ushort_as_half((unsigned short)(fp8x2_to_half2<fp8_e4m3>(c) & 0xFFFFu)));
+    if (UP ? v < x : v > x)
+      c = (c & 0x7Fu) == 0u ? (UP ? 0x01u : 0x81u) : ((c >> 7) == (UP ? 0u : 1u) ? c + 1 : c - 1);
+  }
+  return fp8_e4m3{(unsigned char)c};
+}
+template <> __device__ __forceinline__ fp8_e4m3 bound_down<fp8_e4m3>(float x) {
+  return e4m3_outward<false>(x);
+}
+template <> __device__ __forceinline__ fp8_e4m3 bound_up<fp8_e4m3>(float x) {
+  return e4m3_outward<true>(x);
 }
 
 // grid (pages, batch): pages = width (every page) or 1 (each sequence's last page); block
@@ -125,20 +147,23 @@ __device__ __forceinline__ u32 page_key(int i, int n, int first, float s) {
   return i == n - 1 ? LAST_KEY : (i < first ? FIRST_KEY : order_key(s));
 }
 
-// X consecutive bound dims in one load (4 floats: 16 bytes; 4 or 8 bfloat16: 8 or 16 bytes),
-// kept raw and widened when used.
+// X consecutive bound dims in one load (4, 8 or 16 bytes: 4 floats, 4 or 8 bfloat16, 4 or
+// 8 e4m3 codes), kept raw and widened when used. An e4m3 NaN code (an unknown bound) widens
+// to NaN, which sends its page to the score kernel's term-by-term path (unknown()).
 template <typename TB, int X>
 struct BoundChunk {
   static constexpr int WORDS = X * (int)sizeof(TB) / 4;
-  static_assert(WORDS == 2 || WORDS == 4, "8- or 16-byte chunks");
+  static_assert(WORDS == 1 || WORDS == 2 || WORDS == 4, "4-, 8- or 16-byte chunks");
   u32 w[WORDS];
   __device__ __forceinline__ void load(const TB* p) {
     if constexpr (WORDS == 4) {
       const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
       w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
-    } else {
+    } else if constexpr (WORDS == 2) {
       const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
       w[0] = r.x; w[1] = r.y;
+    } else {
+      w[0] = __ldg(reinterpret_cast<const unsigned*>(p));
     }
   }
   __device__ __forceinline__ void zero() {
@@ -146,11 +171,51 @@ struct BoundChunk {
     for (int i = 0; i < WORDS; ++i) w[i] = 0u;
   }
   __device__ __forceinline__ void get(float (&x)[X]) const {
+    if constexpr (Fp8Traits<TB>::FP8) {
 #pragma unroll
-    for (int e = 0; e < X; ++e) {
-      if constexpr (sizeof(TB) == 4) x[e] = __uint_as_float(w[e]);
-      else x[e] = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
+      for (int i = 0; i < WORDS; ++i) {
+        u32 lo, hi;
+        fp8x4_to_half2<TB>(w[i], lo, hi);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+        x[4 * i] = a.x; x[4 * i + 1] = a.y; x[4 * i + 2] = b.x; x[4 * i + 3] = b.y;
+#if __CUDA_ARCH__ < 890
+#pragma unroll
+        for (int e = 0; e < 4; ++e)  // widened by bits here: the NaN code as a number
+          x[4 * i + e] = (w[i] >> (8 * e) & 0x7Fu) == 0x7Fu ? __int_as_float(0x7fc00000) : x[4 * i + e];
+#endif
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < X; ++e) {
+        if constexpr (sizeof(TB) == 4) x[e] = __uint_as_float(w[e]);
+        else x[e] = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
+      }
     }
+  }
+  // Dims 2i and 2i + 1 (widened where used: fewer values live at once than get's X).
+  __device__ __forceinline__ float2 pair(int i) const {
+    if constexpr (Fp8Traits<TB>::FP8) {
+      const u32 h2 = fp8x2_to_half2<TB>(i % 2 ? w[i / 2] >> 16 : w[i / 2]);
+      float2 r = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+#if __CUDA_ARCH__ < 890
+      const u32 c = w[i / 2] >> (16 * (i % 2));  // widened by bits here: the NaN code as a number
+      r.x = (c & 0x7Fu) == 0x7Fu ? __int_as_float(0x7fc00000) : r.x;
+      r.y = (c >> 8 & 0x7Fu) == 0x7Fu ? __int_as_float(0x7fc00000) : r.y;
+#endif
+      return r;
+    } else if constexpr (sizeof(TB) == 4) {
+      return make_float2(__uint_as_float(w[2 * i]), __uint_as_float(w[2 * i + 1]));
+    } else {
+      return make_float2(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));
+    }
+  }
+  // A bound as the term-by-term sums read it: an e4m3 NaN code (unknown) is infinite, +inf
+  // for a max (UP), -inf for a min; other types' values as they are.
+  template <bool UP>
+  __device__ __forceinline__ static float unknown(float x) {
+    if constexpr (Fp8Traits<TB>::FP8) return x != x ? (UP ? 1.f : -1.f) * __int_as_float(0x7f800000) : x;
+    else return x;
   }
 };
 
@@ -208,8 +273,8 @@ __device__ __forceinline__ float group_sums(float (&v)[N], unsigned mask) {
 // A lane's UNROLL x GC partial sums of a batch are summed across the page's lanes in one
 // exchange (group_sums: a lane ends with the total of one (step, head) of its index), then
 // the max over the heads' lanes. Where a sum gives NaN (an infinite bound times a zero
-// part, or +inf - inf) the page is recomputed term by term, and a NaN there makes the page
-// -inf. -inf past the sequence (and for a sequence with a bad length), +inf for its last
+// part, +inf - inf, or an unknown e4m3 bound) the page is recomputed term by term (an
+// unknown bound infinite there: BoundChunk::unknown), and a NaN there makes the page -inf. -inf past the sequence (and for a sequence with a bad length), +inf for its last
 // page, -inf for a bad block id (reported). Passes after the first take the max with what
 // the last one stored (NaN kept until the last pass).
 template <typename T, typename TB, int D, int X, int THREADS, int GC, int UNROLL>
@@ -307,14 +372,16 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_
         for (int g = 0; g < GC; ++g) acc[u * GC + g] = 0.f;
 #pragma unroll
         for (int j = 0; j < CPL; ++j) {
-          float hi[X], lo[X];
-          mx[u][j].get(hi);
-          mn[u][j].get(lo);
 #pragma unroll
-          for (int g = 0; g < GC; ++g)
+          for (int e = 0; e < X; e += 2) {  // a pair of dims' bounds used by every head at once
+            const float2 hi = mx[u][j].pair(e / 2), lo = mn[u][j].pair(e / 2);
 #pragma unroll
-            for (int e = 0; e < X; ++e)
-              acc[u * GC + g] = fmaf(qp[g][j][e], hi[e], fmaf(qn[g][j][e], lo[e], acc[u * GC + g]));
+            for (int g = 0; g < GC; ++g) {
+              float& t = acc[u * GC + g];
+              t = fmaf(qp[g][j][e], hi.x, fmaf(qn[g][j][e], lo.x, t));
+              t = fmaf(qp[g][j][e + 1], hi.y, fmaf(qn[g][j][e + 1], lo.y, t));
+            }
+          }
         }
       }
       float s = group_sums<N, LANES>(acc, mask);
@@ -358,7 +425,8 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_
 #pragma unroll
             for (int e = 0; e < X; ++e) {
               const float qd = qp[g][j][e] + qn[g][j][e];
-              const float prod = qd * (qd > 0.f ? hi[e] : lo[e]);
+              const float prod = qd * (qd > 0.f ? BoundChunk<TB, X>::template unknown<true>(hi[e])
+                                                : BoundChunk<TB, X>::template unknown<false>(lo[e]));
               t += qd != 0.f ? prod : 0.f;  // q_d = 0 adds nothing, even against an infinite bound
             }
           }

@@ -3,7 +3,7 @@
 variant (``NAME=VALUE`` settings of ``cupaged.sparse.quest``'s module constants, e.g.
 ``SELECT_THREADS=1024`` or ``SCORE_PAGES=256 SCORE_BYTES_IN_FLIGHT=2048``), the queued
 time of ``page_scores`` and of ``select_pages`` at B8 x L128K (Hq32/Hk8 d128, pages of 16,
-top 256) with bf16 and float32 bounds, and whether its selection equals the default
+top 256) with bf16, float32 and e4m3 bounds, and whether its selection equals the default
 constants' (run first). Each variant runs in its own process (the constants are read when
 a launch is first set up).
 
@@ -39,9 +39,14 @@ def measure(settings, reference):
 
     parts, kept = [], {}
     saved = dict(np.load(reference)) if os.path.exists(reference) else None
-    for bounds in (bfloat16, np.float32):
-        k_min = rs.standard_normal((nb, hk, d), dtype=cupy.float32).astype(bounds)
-        k_max = (k_min.astype(cupy.float32) + 1).astype(bounds)
+    for bounds in (bfloat16, np.float32, quest.E4M3):
+        k_min = rs.standard_normal((nb, hk, d), dtype=cupy.float32)
+        k_max = k_min + 1
+        if bounds == quest.E4M3:  # its codes (CuPy has no float8 dtype), made on the host
+            k_min, k_max = (cupy.asarray(a.get().astype(bounds).view(np.uint8))
+                            for a in (k_min, k_max))
+        else:
+            k_min, k_max = k_min.astype(bounds), k_max.astype(bounds)
         first = quest.select_pages(q, k_min, k_max, tables, lens, page, top_k)
         sel = quest.Selection(*(cupy.empty_like(a) for a in first))
         scores = back_to_back_us(lambda: quest.page_scores(q, k_min, k_max, tables, lens, page))

@@ -15,8 +15,39 @@ from test_decode import from_nhd, make_case
 TOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float16): 3e-3, np.dtype(bfloat16): 2e-2}
 
 
+E4M3 = quest.E4M3
+BOUNDS = [np.float32, bfloat16, E4M3]
+BOUND_IDS = ["f32", "bf16", "e4m3"]
+
+
 def _fresh_bounds(nb, hk, d, xp=np, fill=np.nan, dtype=np.float32):
+    """Two bound arrays filled with ``fill`` (e4m3 on the device: its uint8 codes)."""
+    if np.dtype(dtype) == E4M3:
+        a = np.full((nb, hk, d), fill, np.float32).astype(E4M3)
+        return tuple(a.copy() if xp is np else xp.asarray(a.view(np.uint8)) for _ in range(2))
     return xp.full((nb, hk, d), fill, dtype), xp.full((nb, hk, d), fill, dtype)
+
+
+def _dev(cp, bounds):
+    """Host bounds on the device (e4m3 as uint8 codes)."""
+    return cp.asarray(bounds.view(np.uint8) if bounds.dtype == E4M3 else bounds)
+
+
+def _codes(bounds):
+    """Bounds (host or device) as host bits to compare exactly: e4m3 codes, else float32."""
+    a = bounds.get() if hasattr(bounds, "get") else bounds
+    return a.view(np.uint8) if a.dtype in (E4M3, np.dtype(np.uint8)) else a.astype(np.float32)
+
+
+def _e4m3_outward(x, up):
+    """Oracle: the nearest e4m3 value at or above (up) / below ``x``, NaN past +-448."""
+    grid = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)
+    grid = np.unique(grid[np.isfinite(grid)])                 # ascending, -448 .. 448
+    if up:
+        i = np.searchsorted(grid, x, side="left")
+        return np.where(i < len(grid), grid[np.minimum(i, len(grid) - 1)], np.nan)
+    i = np.searchsorted(grid, x, side="right") - 1
+    return np.where(i >= 0, grid[np.maximum(i, 0)], np.nan)
 
 
 def _loop_bounds(k_nhd, tables, lens, bs):
@@ -123,12 +154,15 @@ def _oracle(case, layout, pages, bs, sm_scale, sinks=None):
 
 
 # ----------------------------------------------------------------------------- reference
-@pytest.mark.parametrize("bounds", [np.float32, bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bounds", BOUNDS, ids=BOUND_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_reference_bounds_match_loops(rng, layout, bounds):
     bs, hk, d = 8, 2, 64
     case = make_case(rng, lens=[30, 17, 0, 8, 1], hk=hk, d=d, bs=bs, layout=layout,
                      dtype=np.float32)
+    if bounds is E4M3:  # keys past e4m3's range (unknown bounds), and below its subnormals
+        case["k_cache"][..., 0] *= 1000.0
+        case["k_cache"][..., 1] *= 1e-4
     tables, lens = case["block_tables"], case["seq_lens"]
     nb = k_as_nhd(case["k_cache"], layout).shape[0]
     k_min, k_max = _fresh_bounds(nb, hk, d, dtype=bounds)
@@ -140,11 +174,19 @@ def test_reference_bounds_match_loops(rng, layout, bounds):
             np.testing.assert_array_equal(got_lo, lo)
             np.testing.assert_array_equal(got_hi, hi)
             continue
+        if bounds is E4M3:
+            np.testing.assert_array_equal(got_lo, _e4m3_outward(lo, up=False))
+            np.testing.assert_array_equal(got_hi, _e4m3_outward(hi, up=True))
+            continue
         # outward: the nearest bfloat16 at or below the min, at or above the max
         assert (got_lo <= lo).all() and (got_hi >= hi).all()
         up = np.nextafter(k_min[blk], np.asarray(np.inf, bounds)).astype(np.float64)
         down = np.nextafter(k_max[blk], np.asarray(-np.inf, bounds)).astype(np.float64)
         assert (up > lo).all() and (down < hi).all()
+    if bounds is E4M3:  # past the range: the NaN code, unknown
+        touched = list(want)
+        assert np.isnan(k_min[touched].astype(np.float32)).any()
+        assert np.isnan(k_max[touched].astype(np.float32)).any()
     untouched = np.setdiff1d(np.arange(nb), list(want))
     assert np.isnan(k_min[untouched]).all() and np.isnan(k_max[untouched]).all()
     # last pages only: those pages recomputed, the others left as they were
@@ -328,34 +370,41 @@ def _gpu_setup(cp, rng, layout, dtype, bs, hq, hk, d, lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bounds", [np.float32, bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bounds", BOUNDS, ids=BOUND_IDS)
 @pytest.mark.parametrize("layout,dtype,bs,hq,hk,d,lens,k", GPU_CASES)
 def test_gpu_bounds_match_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens, k, bounds):
     case, dev, nb = _gpu_setup(cp, rng, layout, dtype, bs, hq, hk, d, lens)
+    if bounds is E4M3:  # some keys past e4m3's range: unknown (NaN) bounds, both signs
+        kc = case["k_cache"]
+        kc[kc.shape[0] // 2:] = (kc[kc.shape[0] // 2:].astype(np.float32) * 300).astype(dtype)
+        dev["k_cache"] = cp.asarray(kc)
     want_min, want_max = _fresh_bounds(nb, hk, d, dtype=bounds)
     got_min, got_max = _fresh_bounds(nb, hk, d, cp, dtype=bounds)
     args = (case["block_tables"], case["seq_lens"])
     quest.update_page_bounds(case["k_cache"], *args, want_min, want_max, layout=layout)
     quest.update_page_bounds(dev["k_cache"], dev["block_tables"], dev["seq_lens"], got_min,
                              got_max, layout=layout)
-    # exact (NaN where no page was computed; bf16 rounded outward on both sides)
-    np.testing.assert_array_equal(got_min.get().astype(np.float32), want_min.astype(np.float32))
-    np.testing.assert_array_equal(got_max.get().astype(np.float32), want_max.astype(np.float32))
+    # exact (NaN where no page was computed; bf16 and e4m3 rounded outward on both sides;
+    # e4m3 bit for bit, its NaN codes' signs included)
+    np.testing.assert_array_equal(_codes(got_min), _codes(want_min))
+    np.testing.assert_array_equal(_codes(got_max), _codes(want_max))
+    five = np.full((), 5.0, np.float32).astype(bounds)
     for a, b in ((got_min, want_min), (got_max, want_max)):
-        a.fill(5.0)
-        b[...] = 5.0
+        a.fill(five.view(np.uint8) if bounds is E4M3 else five)
+        b[...] = five
     quest.update_page_bounds(case["k_cache"], *args, want_min, want_max, layout=layout,
                              last_page_only=True)
     quest.update_page_bounds(dev["k_cache"], dev["block_tables"], dev["seq_lens"], got_min,
                              got_max, layout=layout, last_page_only=True)
-    np.testing.assert_array_equal(got_min.get().astype(np.float32), want_min.astype(np.float32))
-    np.testing.assert_array_equal(got_max.get().astype(np.float32), want_max.astype(np.float32))
+    np.testing.assert_array_equal(_codes(got_min), _codes(want_min))
+    np.testing.assert_array_equal(_codes(got_max), _codes(want_max))
     cupaged.check_errors()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("first,bounds", [(0, np.float32), (2, np.float32), (0, bfloat16)],
-                         ids=["f32", "f32-first2", "bf16"])
+@pytest.mark.parametrize("first,bounds", [(0, np.float32), (2, np.float32), (0, bfloat16),
+                                          (0, E4M3)],
+                         ids=["f32", "f32-first2", "bf16", "e4m3"])
 @pytest.mark.parametrize("layout,dtype,bs,hq,hk,d,lens,k", GPU_CASES)
 def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens, k, first,
                                       bounds):
@@ -372,7 +421,7 @@ def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, len
                           cp.full((len(lens) * hk, kk * tpp), -7, np.int32),
                           cp.full(len(lens) * hk, -7, np.int32),
                           cp.full((len(lens), hk, width), np.nan, np.float32))
-    got = quest.select_pages(dev["q"], cp.asarray(k_min), cp.asarray(k_max),
+    got = quest.select_pages(dev["q"], _dev(cp, k_min), _dev(cp, k_max),
                              dev["block_tables"], dev["seq_lens"], bs, k, first_pages=first,
                              tokens_per_page=tpp, out=out)
     scores = got.scores.get()
@@ -389,13 +438,14 @@ def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, len
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bounds", [np.float32, bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bounds", BOUNDS, ids=BOUND_IDS)
 @pytest.mark.parametrize("hq,hk,d", [(8, 2, 128), (24, 2, 64), (12, 2, 256)])
 def test_gpu_scores_with_infinite_bounds_and_zero_queries(cp, rng, hq, hk, d, bounds):
     """Infinite bounds against zero, positive and negative query dims, as the reference
     takes them: a zero dim adds nothing whatever its bounds, +inf - inf makes the page
     -inf, an infinite product alone makes it +/-inf (the kernel's two-FMA sums give NaN on
-    some of these and must fall back to the term-by-term sum)."""
+    some of these and must fall back to the term-by-term sum). e4m3 has no infinity: its
+    unknown bound (NaN) stands in for each, and reads as +inf for a max, -inf for a min."""
     lens = [16 * 40 + 3, 16 * 9]
     case, dev, nb = _gpu_setup(cp, rng, "HND", bfloat16, 16, hq, hk, d, lens)
     tables, seq_lens = case["block_tables"], case["seq_lens"]
@@ -415,8 +465,8 @@ def test_gpu_scores_with_infinite_bounds_and_zero_queries(cp, rng, hq, hk, d, bo
     k_max[blk[4], :, 5] = k_min[blk[4], :, 5] = -np.inf            # -inf
     k_min[blk[5], 0, 3] = np.inf                                   # zero dim, one head only
     k_min[blk[6], :, 5] = -np.inf                                  # unused side (q > 0)
-    want = quest.page_scores(q, k_min, k_max, tables, seq_lens, 16)
-    got = quest.page_scores(cp.asarray(q), cp.asarray(k_min), cp.asarray(k_max),
+    want = quest.page_scores(q, k_min, k_max, tables, seq_lens, 16)  # e4m3: the infs are NaN
+    got = quest.page_scores(cp.asarray(q), _dev(cp, k_min), _dev(cp, k_max),
                             dev["block_tables"], dev["seq_lens"], 16).get()
     finite = np.isfinite(want)
     assert not finite[0, :, 3].any() and not finite[0, :, 1].any() and finite[0, :, 0].all()
@@ -731,10 +781,11 @@ def _check_retrieval(case, planted, pages, out, bs):
             assert np.abs(out[b, qh].astype(np.float64) - dense).max() <= bound
 
 
-def test_reference_retrieval_finds_planted_keys(rng):
+@pytest.mark.parametrize("bounds", BOUNDS, ids=BOUND_IDS)
+def test_reference_retrieval_finds_planted_keys(rng, bounds):
     bs, hk, hq, d, k = 16, 2, 8, 64, 8
     case, planted = _retrieval_case(rng, 2, 1024, hq, hk, d, bs, 3, np.float32)
-    k_min, k_max = _fresh_bounds(case["k_cache"].shape[0], hk, d)
+    k_min, k_max = _fresh_bounds(case["k_cache"].shape[0], hk, d, dtype=bounds)
     tables, lens = case["block_tables"], case["seq_lens"]
     quest.update_page_bounds(case["k_cache"], tables, lens, k_min, k_max, layout="NHD")
     out = sparse.quest_decode(case["q"], case["k_cache"], case["v_cache"], k_min, k_max,
@@ -746,14 +797,15 @@ def test_reference_retrieval_finds_planted_keys(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bounds", BOUNDS, ids=BOUND_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_gpu_retrieval_finds_planted_keys(cp, rng, layout):
+def test_gpu_retrieval_finds_planted_keys(cp, rng, layout, bounds):
     bs, hk, hq, d, k = 16, 8, 32, 128, 64
     case, planted = _retrieval_case(rng, 2, 32768, hq, hk, d, bs, 4, bfloat16)
     kc, vc = from_nhd(case["k_cache"], case["v_cache"], layout)
     tables, lens = cp.asarray(case["block_tables"]), cp.asarray(case["seq_lens"])
     kd, vd, q = cp.asarray(kc), cp.asarray(vc), cp.asarray(case["q"])
-    k_min, k_max = _fresh_bounds(kc.shape[0], hk, d, cp)
+    k_min, k_max = _fresh_bounds(kc.shape[0], hk, d, cp, dtype=bounds)
     dec = sparse.QuestDecoder(hq, hk, d, bs, k, dtype=bfloat16, layout=layout, max_batch=2)
     dec.plan(tables, lens).update_bounds(kd, k_min, k_max, last_page_only=False)
     out = dec.run(q, kd, vd, k_min, k_max).get()

@@ -436,6 +436,29 @@ def test_quest_bounds_and_upper_bound(rng):
                 assert scores[b, h, p] >= true_max - 1e-4
 
 
+@pytest.mark.parametrize("bounds", ["bfloat16", "fp8_e4m3"])
+def test_quest_policy_narrow_bounds_still_bound(rng, bounds):
+    """bfloat16 and e4m3 bounds are rounded outward: the scores still bound every key's,
+    by no more than the float32 bounds' scores plus the rounding."""
+    q, k, _, tables, lens = _quest_setup(rng, [30, 17])
+    k[..., 0] *= 1000.0                       # past e4m3's range: unknown, scored as infinite
+    wide, narrow = sparse.QuestPolicy(2), sparse.QuestPolicy(2, bounds_dtype=bounds)
+    for pol in (wide, narrow):
+        pol.update_bounds(k, tables, lens, layout="NHD")
+    assert narrow.k_min.dtype == sparse.quest.BOUND_NAMES[bounds]
+    exact, scores = wide.page_scores(q, tables, lens), narrow.page_scores(q, tables, lens)
+    for b in range(2):
+        for h in range(2):
+            for p in range(-(-lens[b] // 8)):
+                keys = k[tables[b, p], :max(1, min(8, lens[b] - 8 * p)), h]
+                assert scores[b, h, p] >= (q[b, 2 * h:2 * h + 2] @ keys.T).max() - 1e-3
+    assert (scores >= exact - 1e-3).all()
+    if bounds == "fp8_e4m3":
+        assert np.isposinf(scores).sum() > np.isposinf(exact).sum()
+    with pytest.raises(ValueError, match="bounds_dtype"):
+        sparse.QuestPolicy(2, bounds_dtype="fp8_e5m2")
+
+
 def test_quest_select_keeps_last_page_in_order(rng):
     q, k, _, tables, lens = _quest_setup(rng, [60, 20])
     pol = sparse.QuestPolicy(3)

@@ -191,15 +191,16 @@ def _decode_rows(batch, length, kinds):
     return rows
 
 
-def _quest_rows(kinds, batch=8, length=131072, top_k=256):
-    """``QuestDecoder.run`` (bf16 bounds, NHD) beside the dense planned decode of the same
-    cache replayed (``dense_graph_us``): issue 22's Quest row as a caller sees it."""
+def _quest_rows(kinds, batch=8, length=131072, top_k=256, bounds="bfloat16"):
+    """``QuestDecoder.run`` (NHD, bounds of dtype ``bounds``: a name in
+    ``quest.BOUND_NAMES``) beside the dense planned decode of the same cache replayed
+    (``dense_graph_us``): issue 22's Quest row as a caller sees it."""
     import cupy
     from ..sparse import QuestDecoder, quest, quest_decode
     case = _paged(batch, length)
     case["q"] = _rand((batch, HQ, D), 3)
     nb = case["kc"].shape[0]
-    case["k_min"], case["k_max"] = (cupy.empty((nb, HK, D), bfloat16) for _ in range(2))
+    case["k_min"], case["k_max"] = quest.empty_bounds((nb, HK, D), bounds, cupy)
     quest.update_page_bounds(case["kc"], case["tables"], case["lens"], case["k_min"],
                              case["k_max"], layout="NHD")
     dense = decode.PagedDecoder(HQ, HK, D, PAGE, dtype=bfloat16, max_batch=batch, xp=cupy,
@@ -214,7 +215,7 @@ def _quest_rows(kinds, batch=8, length=131072, top_k=256):
     once = lambda a, out=None: quest_decode(a["q"], a["kc"], a["vc"], a["k_min"], a["k_max"],
                                             a["tables"], a["lens"], top_k, layout="NHD",
                                             out=out)
-    shape = f"B{batch} x L{length} top {top_k}"
+    shape = f"B{batch} x L{length} top {top_k} {bounds} bounds"
     rows = []
     for kind in kinds:
         a = _as(kind, case)
@@ -391,7 +392,7 @@ def run(quick=False):
         rows += _mixed_rows(kinds)
     rows += _write_rows(kinds) + _rope_rows(kinds)
     if not quick:
-        rows += _quest_rows(kinds)
+        rows += _quest_rows(kinds) + _quest_rows(kinds, bounds="fp8_e4m3")
     return rows
 
 

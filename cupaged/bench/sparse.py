@@ -334,7 +334,7 @@ QUEST_LAYOUTS = ("NHD", "HND", "vllm")
 
 
 def bench_quest(layout, batch, seq_len, top_k, reps):
-    """Quest decode rows of one layout and shape (float32 and bfloat16 bounds): ``batch``
+    """Quest decode rows of one layout and shape (float32, bfloat16 and e4m3 bounds): ``batch``
     sequences of ``seq_len`` keys, ``top_k`` pages of 16 per (sequence, kv head), beside
     dense ``paged_decode`` of the same cache and batch."""
     import cupaged
@@ -355,8 +355,8 @@ def bench_quest(layout, batch, seq_len, top_k, reps):
                                                     out=out), reps=reps)
     want = cupaged.paged_decode(q, k, v, tables, lens, layout=layout).astype(cupy.float32)
     rows = []
-    for bounds in quest.BOUND_DTYPES:
-        k_min, k_max = (cupy.empty((nb, HK, D), bounds) for _ in range(2))
+    for bounds in quest.BOUND_NAMES:
+        k_min, k_max = quest.empty_bounds((nb, HK, D), bounds, cupy)
         dec = QuestDecoder(HQ, HK, D, QUEST_PAGE, top_k, dtype=bfloat16, layout=layout,
                            max_batch=batch).plan(tables, lens)
         t_bounds = time_gpu(lambda: dec.update_bounds(k, k_min, k_max, last_page_only=False),
@@ -373,7 +373,7 @@ def bench_quest(layout, batch, seq_len, top_k, reps):
         got = full.run(q, k, v, k_min, k_max).astype(cupy.float32)
         err = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
         rows.append(dict(
-            S=seq_len, budget=f"quest {layout} {np.dtype(bounds).name}", B=batch,
+            S=seq_len, budget=f"quest {layout} {bounds}", B=batch,
             kept=top_k / pages, bounds_ms=t_bounds * 1e3, bounds_last_ms=t_last * 1e3,
             select_ms=t_select * 1e3, quest_ms=t_quest * 1e3, dense_ms=t_dense * 1e3,
             vs_dense=t_dense / t_quest, step_vs_dense=t_dense / (t_quest + t_last),

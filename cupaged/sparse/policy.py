@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core.arrays import array_module, bfloat16, check_choice, host
+from ..core.arrays import array_module, check_choice, host
 from ..core.checks import check_int
 from ..core.layouts import key_geometry, resolve_layout
 from . import quest
@@ -134,8 +134,10 @@ class QuestPolicy(SparsePolicy):
         Pages read per (sequence, kv head).
     first_pages : int
         Pages at the start of each sequence always read (attention sinks).
-    bounds_dtype : {"float32", "bfloat16"}
-        Of the bounds (bfloat16: rounded outward, half the bytes a decode step reads).
+    bounds_dtype : {"float32", "bfloat16", "fp8_e4m3"}
+        Of the bounds (bfloat16 and fp8 e4m3 rounded outward: a half or a quarter of the
+        bytes a decode step reads, looser scores; e4m3 bounds past +-448 are unknown and
+        score as infinite).
     """
     supports_prefill = False
     supports_decode = True
@@ -143,8 +145,8 @@ class QuestPolicy(SparsePolicy):
     def __init__(self, top_k_pages, first_pages=0, bounds_dtype="float32"):
         self.top_k_pages = check_int("top_k_pages", top_k_pages)
         self.first_pages = check_int("first_pages", first_pages, minimum=0)
-        check_choice("bounds_dtype", str(bounds_dtype), ("float32", "bfloat16"))
-        self.bounds_dtype = np.dtype(np.float32) if str(bounds_dtype) == "float32" else bfloat16
+        check_choice("bounds_dtype", str(bounds_dtype), tuple(quest.BOUND_NAMES))
+        self.bounds_dtype = str(bounds_dtype)
         self.reset()
 
     def reset(self):
@@ -174,8 +176,7 @@ class QuestPolicy(SparsePolicy):
         geo = key_geometry(k_cache, layout)
         shape = (geo.num_blocks, geo.num_kv_heads, geo.head_dim)
         if self.k_min is None or self.k_min.shape != shape or array_module(self.k_min) is not xp:
-            k_min = xp.full(shape, np.inf, dtype=self.bounds_dtype)
-            k_max = xp.full(shape, -np.inf, dtype=self.bounds_dtype)
+            k_min, k_max = quest.empty_bounds(shape, self.bounds_dtype, xp)
         else:
             k_min, k_max = self.k_min, self.k_max
         quest.update_page_bounds(k_cache, block_tables, seq_lens, k_min, k_max, layout=layout,

@@ -3,8 +3,9 @@ of each (sequence, kv head), and decode over them.
 
 For every cache page and kv head the bounds are the elementwise min and max of its keys
 (``[num_blocks, Hk, D]`` each, tokens below the sequence's length only), float32, or
-bfloat16 rounded outward (a min down, a max up: still bounds, in half the bytes a step
-reads). A decode
+bfloat16 or fp8 e4m3 rounded outward (a min down, a max up: still bounds, in a half or a
+quarter of the bytes a step reads; e4m3, which has no infinity, stores a bound past its
+range as NaN, "unknown", which scores as an infinite bound). A decode
 query scores page ``P`` of kv head ``h`` by ``max_g sum_d ub(q_gd, min_d, max_d)`` over the
 group's query heads ``g``, with ``ub = q max`` for ``q > 0``, ``q min`` for ``q < 0`` and 0
 for ``q = 0``: at least ``q . k`` for every key of the page. Each (sequence, kv head) keeps
@@ -26,11 +27,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from ..core import abi, errors
-from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, array_module, bfloat16,
-                           check_array, check_head_dim)
+from ..core.arrays import (FLOAT8_DTYPES, FLOAT_DTYPES, HEAD_DIMS, CallCache, array_module,
+                           bfloat16, check_array, check_head_dim)
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_gqa, check_int,
                            check_query, table_stride, token_stride)
 from ..core.compile import Spec, ctype, launcher
@@ -53,7 +55,13 @@ SELECT_MAX_KEYS_PER_THREAD = 32  # most page keys a select thread holds in regis
 SINK_THREADS = 128
 MAX_GRID_Y = 65535  # CUDA's limit on grid.y
 MAX_BATCH = MAX_GRID_Y  # grid.y of quest_bounds_kernel
-BOUND_DTYPES = (np.dtype(np.float32), bfloat16)
+E4M3 = FLOAT8_DTYPES[0]   # ml_dtypes.float8_e4m3fn
+BOUND_DTYPES = (np.dtype(np.float32), bfloat16, E4M3, np.dtype(np.uint8))
+"""Bound dtypes: float32, bfloat16, and fp8 e4m3 (ml_dtypes' float8_e4m3fn, or uint8 codes:
+CuPy has no float8 dtype, torch's float8_e4m3fn arrives as its bytes)."""
+BOUND_NAMES = {"float32": BOUND_DTYPES[0], "bfloat16": bfloat16, "fp8_e4m3": E4M3}
+_BOUND_CTYPES = {np.dtype(np.float32): "float", bfloat16: "__nv_bfloat16",
+                 E4M3: "cupaged::fp8_e4m3", np.dtype(np.uint8): "cupaged::fp8_e4m3"}
 
 
 class Selection(NamedTuple):
@@ -66,8 +74,8 @@ class Selection(NamedTuple):
 
 # ----------------------------------------------------------------------------- checks
 def check_bounds(k_min, k_max, shape, xp):
-    """``k_min`` and ``k_max``: float32 or bfloat16 (both alike), ``shape`` ``(num_blocks, Hk,
-    D)``, C-contiguous."""
+    """``k_min`` and ``k_max``: float32, bfloat16 or fp8 e4m3 (:data:`BOUND_DTYPES`, both
+    alike), ``shape`` ``(num_blocks, Hk, D)``, C-contiguous."""
     check_array("k_min", k_min, shape=shape, dtypes=BOUND_DTYPES, xp=xp)
     check_array("k_max", k_max, shape=shape, dtypes=k_min.dtype, xp=xp)
     if xp is not np:
@@ -141,8 +149,8 @@ def update_page_bounds(k_cache, block_tables, seq_lens, k_min, k_max, *, layout,
     seq_lens : array
         int32 ``[B]`` keys per sequence (0 allowed).
     k_min, k_max : array
-        float32 or bfloat16 ``[num_blocks, Hk, D]``, written for the pages recomputed only
-        (bfloat16 rounded outward).
+        ``[num_blocks, Hk, D]`` of a :data:`BOUND_DTYPES` dtype, written for the pages
+        recomputed only (bfloat16 and e4m3 rounded outward; e4m3 NaN past +-448).
     layout : {"NHD", "HND", "vllm"}
     last_page_only : bool
         Only each sequence's last page (after a decode step appended a key to it).
@@ -218,8 +226,34 @@ def _reference_bounds(k_cache, layout, bs, bt, lens, k_min, k_max, last_page_onl
     k_max[ids] = outward(np.where(valid, keys, -np.inf).max(axis=1), k_max.dtype, np.inf)
 
 
+def empty_bounds(shape, name, xp):
+    """New ``k_min, k_max`` of ``shape`` in the bound dtype called ``name`` (a key of
+    :data:`BOUND_NAMES`; e4m3 as uint8 codes outside NumPy), before any page is computed:
+    float32 and bfloat16 ``+inf`` and ``-inf`` (the pages score ``-inf``), e4m3 unknown
+    (NaN; they score ``+inf``)."""
+    dtype = BOUND_NAMES[name]
+    if dtype == E4M3:
+        dtype = E4M3 if xp is np else np.dtype(np.uint8)
+        return tuple(xp.full(shape, 0x7F, np.uint8).view(dtype) for _ in range(2))
+    return xp.full(shape, np.inf, dtype=dtype), xp.full(shape, -np.inf, dtype=dtype)
+
+
 def outward(x, dtype, toward):
-    """float64 ``x`` in ``dtype``, rounded toward ``toward`` (-inf or +inf) where inexact."""
+    """float64 ``x`` in ``dtype``, rounded toward ``toward`` (-inf or +inf) where inexact.
+    e4m3 (float8_e4m3fn, or uint8 codes) has no infinity: past its largest finite value the
+    step reaches the NaN code (``sign | 0x7F``), an unknown bound."""
+    dtype = np.dtype(dtype)
+    if dtype in (E4M3, np.dtype(np.uint8)):
+        top = float(ml_dtypes.finfo(E4M3).max)
+        codes = np.clip(x, -top, top).astype(E4M3).view(np.uint8).astype(np.int32)  # nearest, saturated
+        back = codes.astype(np.uint8).view(E4M3).astype(np.float64)
+        off = back > x if toward < 0 else back < x
+        up = toward > 0
+        zero = (codes & 0x7F) == 0
+        away = (codes >> 7) == (0 if up else 1)       # the step moves the magnitude up
+        step = np.where(zero, 0x01 if up else 0x81, np.where(away, codes + 1, codes - 1))
+        out = np.where(off, step, codes).astype(np.uint8)
+        return out if dtype == np.dtype(np.uint8) else out.view(E4M3)
     y = x.astype(dtype)
     back = y.astype(np.float64)
     off = back > x if toward < 0 else back < x
@@ -236,7 +270,8 @@ def page_scores(q, k_min, k_max, block_tables, seq_lens, block_size):
     q : array
         ``[B, Hq, D]`` decode queries (rows may be strided).
     k_min, k_max : array
-        float32 or bfloat16 ``[num_blocks, Hk, D]`` page bounds.
+        ``[num_blocks, Hk, D]`` page bounds (:data:`BOUND_DTYPES`; an e4m3 NaN is an
+        unknown bound: infinite).
     block_tables, seq_lens : array
         int32 ``[B, max_blocks]`` and ``[B]``.
     block_size : int
@@ -375,8 +410,8 @@ def _reference_scores(q, k_min, k_max, bt, lens, bs):
     nb, hk, _ = k_min.shape
     qg = q.astype(np.float64).reshape(batch, hk, hq // hk, 1, d)
     ids = np.clip(bt, 0, max(nb - 1, 0))
-    mx = k_max[ids].astype(np.float64).transpose(0, 2, 1, 3)[:, :, None]   # [B, Hk, 1, W, D]
-    mn = k_min[ids].astype(np.float64).transpose(0, 2, 1, 3)[:, :, None]
+    mx = bound_values(k_max[ids], np.inf).transpose(0, 2, 1, 3)[:, :, None]   # [B, Hk, 1, W, D]
+    mn = bound_values(k_min[ids], -np.inf).transpose(0, 2, 1, 3)[:, :, None]
     with np.errstate(invalid="ignore"):  # 0 * inf, +inf - inf: NaN, made -inf below
         terms = np.where(qg > 0, qg * mx, np.where(qg < 0, qg * mn, 0.0))
         ub = terms.sum(axis=-1).max(axis=2)                                 # [B, Hk, W]
@@ -385,6 +420,15 @@ def _reference_scores(q, k_min, k_max, bt, lens, bs):
     pos = np.arange(bt.shape[1])[None, None, :]
     ub = np.where(pos < used[:, None, None], ub, -np.inf)
     return np.where(pos == used[:, None, None] - 1, np.inf, ub)
+
+
+def bound_values(bounds, unknown):
+    """Host bounds as float64; e4m3 ones (float8_e4m3fn, or uint8 codes) with their NaN
+    code (an unknown bound) as ``unknown`` (+inf for a max, -inf for a min)."""
+    if bounds.dtype in (E4M3, np.dtype(np.uint8)):
+        x = bounds.view(E4M3).astype(np.float64)
+        return np.where(np.isnan(x), unknown, x)
+    return bounds.astype(np.float64)
 
 
 def _reference_select(q, k_min, k_max, bt, lens, bs, k, first, tpp):
@@ -462,14 +506,20 @@ def sinks_launch(dtype, rows, num_q_heads, head_dim):
 
 # ----------------------------------------------------------------------------- kernels
 def bounds_expr(dtype, bound_dtype):
-    return (f"cupaged::quest::quest_bounds_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
+    return (f"cupaged::quest::quest_bounds_kernel<{ctype(dtype)}, {bound_ctype(bound_dtype)}, "
             f"{BOUNDS_THREADS}, {BOUNDS_TOKENS}>")
 
 
+def bound_ctype(bound_dtype):
+    """C type of a bound dtype in kernel templates."""
+    return _BOUND_CTYPES[np.dtype(bound_dtype)]
+
+
 def score_chunk(head_dim, bound_dtype, group):
-    """Bound dims a score lane loads at once: 16 bytes (4 floats, 8 bfloat16), but 4
-    bfloat16 where a pass holds more than 4 query heads (q takes 2 registers a dim a head)
-    and where ``head_dim / 8`` is no power of two (lanes past the head cost registers)."""
+    """Bound dims a score lane loads at once: 4 floats (16 bytes), 8 bfloat16 (16 bytes) or
+    8 e4m3 codes (8 bytes: 16 would double q's registers), but 4 of either where a pass
+    holds more than 4 query heads (q takes 2 registers a dim a head) and where ``head_dim /
+    8`` is no power of two (lanes past the head cost registers)."""
     d = int(head_dim)
     if (np.dtype(bound_dtype).itemsize == 4 or score_group_chunk(d, group) > 4
             or (d // 8) & (d // 8 - 1)):
@@ -489,12 +539,14 @@ def score_unroll(head_dim, bound_dtype, group):
     SCORE_BYTES_IN_FLIGHT of bounds (the loads of one page alone leave the warp waiting on
     memory latency), at most SCORE_MAX_UNROLL, and with the group chunk at most
     SCORE_MAX_SUMS partial sums a lane and one total a lane once they are summed, a power of
-    two."""
+    two; half of both limits for e4m3 bounds (their widening takes registers)."""
     chunk = score_chunk(head_dim, bound_dtype, group)
     lanes = score_lanes(head_dim, chunk)
-    step = 2 * int(head_dim) * np.dtype(bound_dtype).itemsize * (32 // lanes)
-    most = min(SCORE_MAX_UNROLL, max(1, SCORE_BYTES_IN_FLIGHT // step),
-               min(lanes, SCORE_MAX_SUMS) // score_group_chunk(head_dim, group))
+    size = np.dtype(bound_dtype).itemsize
+    step = 2 * int(head_dim) * size * (32 // lanes)
+    cut = 2 if size == 1 else 1
+    most = min(SCORE_MAX_UNROLL // cut, max(1, SCORE_BYTES_IN_FLIGHT // step),
+               min(lanes, SCORE_MAX_SUMS // cut) // score_group_chunk(head_dim, group))
     return 1 << (most.bit_length() - 1)
 
 
@@ -507,7 +559,7 @@ def score_group_chunk(head_dim, group):
 
 
 def score_expr(dtype, head_dim, bound_dtype, group):
-    return (f"cupaged::quest::quest_score_kernel<{ctype(dtype)}, {ctype(bound_dtype)}, "
+    return (f"cupaged::quest::quest_score_kernel<{ctype(dtype)}, {bound_ctype(bound_dtype)}, "
             f"{head_dim}, {score_chunk(head_dim, bound_dtype, group)}, {SCORE_THREADS}, "
             f"{score_group_chunk(head_dim, group)}, {score_unroll(head_dim, bound_dtype, group)}>")
 
@@ -538,7 +590,7 @@ def kernel_specializations():
     specs = [Spec("quest", e) for e in dict.fromkeys(select_expr(w) for w in widths)]
     for dt in FLOAT_DTYPES:
         specs.append(Spec("quest", sinks_expr(dt)))
-        for bt in BOUND_DTYPES:
+        for bt in BOUND_DTYPES[:3]:  # uint8: e4m3's kernels
             specs.append(Spec("quest", bounds_expr(dt, bt)))
             specs += [Spec("quest", e) for e in dict.fromkeys(
                 score_expr(dt, d, bt, g) for d in HEAD_DIMS for g in SCORE_GROUP_CHUNKS)]
