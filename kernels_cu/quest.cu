@@ -486,6 +486,7 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_
         if (sub == 0) store(i, true, any_nan ? __int_as_float(0x7fc00000) : best);
       }
     }
+    __syncwarp();  // a page's stores by one lane before the next pass reads them by another
   }
   for (int i = max(begin, n) + threadIdx.x; i < end; i += THREADS) row_scores[i] = neg_inf();
 }
@@ -693,6 +694,7 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_mma_kernel(CUPAGED_PAR
         }
       }
     }
+    __syncwarp();  // a redo's store (lane 0) before the next pass reads it (the page's quad)
   }
   r.finish(THREADS);
 }
