@@ -16,7 +16,6 @@
 #include "block_scan.cuh"
 #include "topk.cuh"
 #include "fp8.cuh"
-#include "mma.cuh"
 
 namespace cupaged {
 namespace quest {
@@ -148,35 +147,29 @@ __device__ __forceinline__ u32 page_key(int i, int n, int first, float s) {
   return i == n - 1 ? LAST_KEY : (i < first ? FIRST_KEY : order_key(s));
 }
 
-// N words (4, 8 or 16 bytes) of bounds from p, in one read-only load; N zeros.
-template <int N>
-__device__ __forceinline__ void load_words(u32 (&w)[N], const void* p) {
-  static_assert(N == 1 || N == 2 || N == 4, "4-, 8- or 16-byte loads");
-  if constexpr (N == 4) {
-    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
-    w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
-  } else if constexpr (N == 2) {
-    const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
-    w[0] = r.x; w[1] = r.y;
-  } else {
-    w[0] = __ldg(reinterpret_cast<const unsigned*>(p));
-  }
-}
-template <int N>
-__device__ __forceinline__ void zero_words(u32 (&w)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) w[i] = 0u;
-}
-
 // X consecutive bound dims in one load (4, 8 or 16 bytes: 4 floats, 4 or 8 bfloat16, 4 or
 // 8 e4m3 codes), kept raw and widened when used. An e4m3 NaN code (an unknown bound) widens
 // to NaN, which sends its page to the score kernel's term-by-term path (unknown()).
 template <typename TB, int X>
 struct BoundChunk {
   static constexpr int WORDS = X * (int)sizeof(TB) / 4;
+  static_assert(WORDS == 1 || WORDS == 2 || WORDS == 4, "4-, 8- or 16-byte chunks");
   u32 w[WORDS];
-  __device__ __forceinline__ void load(const TB* p) { load_words(w, p); }
-  __device__ __forceinline__ void zero() { zero_words(w); }
+  __device__ __forceinline__ void load(const TB* p) {
+    if constexpr (WORDS == 4) {
+      const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+      w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
+    } else if constexpr (WORDS == 2) {
+      const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+      w[0] = r.x; w[1] = r.y;
+    } else {
+      w[0] = __ldg(reinterpret_cast<const unsigned*>(p));
+    }
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) w[i] = 0u;
+  }
   __device__ __forceinline__ void get(float (&x)[X]) const {
     if constexpr (Fp8Traits<TB>::FP8) {
 #pragma unroll
@@ -268,54 +261,6 @@ __device__ __forceinline__ float group_sums(float (&v)[N], unsigned mask) {
   return v[0];
 }
 
-// The pages a score CTA takes: CTA ((b, h), c) (blockIdx.x = b * Hk + h, blockIdx.y = c)
-// scores pages [begin, end) of sequence b (n pages long: 0 for a bad length, reported)
-// for kv head h into its row of scores; pages [begin, stop) are the sequence's.
-struct ScoreRange {
-  const int* table;
-  float* row_scores;
-  int b, h, n, begin, end, stop;
-  template <typename Args>
-  __device__ __forceinline__ explicit ScoreRange(const Args& a) {
-    b = blockIdx.x / a.num_kv_heads;
-    h = blockIdx.x - b * a.num_kv_heads;
-    table = a.block_tables + (i64)b * a.bt_stride;
-    row_scores = a.scores + (i64)blockIdx.x * a.width;
-    const int len = __ldg(a.seq_lens + b);
-    const bool report = threadIdx.x == 0 && blockIdx.y == 0 && h == 0;
-    n = length_ok(len, a.width, a.block_size, report ? a.err : nullptr, b)
-            ? (int)(((i64)len + a.block_size - 1) / a.block_size) : 0;
-    begin = blockIdx.y * a.pages_per_cta;
-    end = min(a.width, begin + a.pages_per_cta);
-    stop = min(end, n);
-  }
-  // Page i's score s of a pass over the group's heads (NaN kept until the last pass): the
-  // max with what the last pass stored; on the last pass NaN or a bad block id makes it
-  // -inf and the sequence's last page is +inf.
-  __device__ __forceinline__ void store(int i, bool first_pass, bool last_pass, bool page_ok,
-                                        float s) const {
-    put(row_scores, n, stop, i, first_pass, last_pass, page_ok, s);
-  }
-  __device__ __forceinline__ static void put(float* row_scores, int n, int stop, int i,
-                                             bool first_pass, bool last_pass, bool page_ok,
-                                             float s) {
-    if (i >= stop) return;
-    if (!first_pass) {
-      const float prev = row_scores[i];
-      s = prev != prev || s != s ? prev + s : fmaxf(prev, s);
-    }
-    if (last_pass) {
-      s = s != s || !page_ok ? neg_inf() : s;
-      s = i == n - 1 ? __int_as_float(0x7f800000) : s;
-    }
-    row_scores[i] = s;
-  }
-  // -inf past the sequence, by the whole CTA
-  __device__ __forceinline__ void finish(int threads) const {
-    for (int i = max(begin, n) + threadIdx.x; i < end; i += threads) row_scores[i] = neg_inf();
-  }
-};
-
 // grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS.
 // CTA ((b, h), c) scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv
 // head h into scores[b, h, :]. A page takes LANES lanes (D / X rounded up to a power of two,
@@ -340,9 +285,11 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_
   constexpr int CPL = (C + LANES - 1) / LANES, PAGES = 32 / LANES, N = UNROLL * GC;
   constexpr int KEEPER = LANES / UNROLL;  // lanes a batch's page score is held by (one stores)
   static_assert(D % X == 0 && N <= LANES, "quest_score_kernel: head size, group chunk or unroll");
-  // ScoreRange's fields as locals (built through it, this kernel would spill at 128 registers)
   const int row_id = blockIdx.x;
   const int b = row_id / a.num_kv_heads, h = row_id - b * a.num_kv_heads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane % LANES, slot = lane / LANES;
+  const unsigned mask = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << (slot * LANES);
   const int* table = a.block_tables + (i64)b * a.bt_stride;
   float* row_scores = a.scores + (i64)row_id * a.width;
   const int len = __ldg(a.seq_lens + b);
@@ -352,9 +299,6 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_
   const int begin = blockIdx.y * a.pages_per_cta;
   const int end = min(a.width, begin + a.pages_per_cta);
   const int stop = min(end, n);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane % LANES, slot = lane / LANES;
-  const unsigned mask = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << (slot * LANES);
   // the lane's total after group_sums: step u_mine of the batch, head g_mine of the chunk
   const int mine = sum_index<N, LANES>(sub), u_mine = mine / GC, g_mine = mine % GC;
   constexpr int BATCH = UNROLL * PAGES, STRIDE = WARPS * BATCH;  // pages a warp batch, a CTA pass
@@ -408,8 +352,18 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_
         }
       }
       lookup(i0 + STRIDE);
+      // a page's score s (NaN kept until the last pass) into its row, by one lane a page
       const auto store = [&](int i, bool page_ok, float s) {
-        ScoreRange::put(row_scores, n, stop, i, first_pass, last_pass, page_ok, s);
+        if (i >= stop) return;
+        if (!first_pass) {
+          const float prev = row_scores[i];
+          s = prev != prev || s != s ? prev + s : fmaxf(prev, s);
+        }
+        if (last_pass) {
+          s = s != s || !page_ok ? neg_inf() : s;
+          s = i == n - 1 ? __int_as_float(0x7f800000) : s;
+        }
+        row_scores[i] = s;
       };
       float acc[N];
 #pragma unroll
@@ -486,217 +440,8 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_
         if (sub == 0) store(i, true, any_nan ? __int_as_float(0x7fc00000) : best);
       }
     }
-    __syncwarp();  // a page's stores by one lane before the next pass reads them by another
   }
   for (int i = max(begin, n) + threadIdx.x; i < end; i += THREADS) row_scores[i] = neg_inf();
-}
-
-// ---------------------------------------------------------------------------- score (tensor cores)
-// A lane's run of RUN = KC / 4 consecutive dims of one bound row, loaded at once (bf16: 8
-// or 16 bytes; e4m3: 4 or 8), handed to mma.sync as pairs of T (e4m3 widened exactly:
-// fp8.cuh). unknown(): an e4m3 NaN code among them (widened by bits it would read as a
-// number).
-template <typename T, typename TB, int KC>
-struct BoundRun {
-  static constexpr int RUN = KC / 4, RAW = RUN * (int)sizeof(TB) / 4;
-  u32 w[RAW];
-  __device__ __forceinline__ void load(const TB* p) { load_words(w, p); }
-  __device__ __forceinline__ void zero() { zero_words(w); }
-  // dims 2j, 2j + 1 of the run as a T pair (the lower dim low)
-  __device__ __forceinline__ u32 pair(int j) const {
-    if constexpr (Fp8Traits<TB>::FP8) {
-      const u32 codes = w[j / 2] >> (16 * (j % 2));
-      if constexpr (Bits16<T>::MANT == Bits16<__half>::MANT) return fp8x2_to_half2<TB>(codes);
-      else return widen_fp8x2_low<T, TB>(codes);
-    } else {
-      return w[j];
-    }
-  }
-  __device__ __forceinline__ bool unknown() const {
-    bool any = false;
-    if constexpr (Fp8Traits<TB>::FP8) {
-#pragma unroll
-      for (int i = 0; i < RAW; ++i)  // a byte whose low 7 bits are all ones carries into bit 7
-        any |= (((w[i] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) != 0u;
-    }
-    return any;
-  }
-};
-
-// grid and pages as quest_score_kernel; block THREADS; bf16 or f16 q (T) with bounds of T
-// or e4m3 (exact in T). The score as a product on tensor cores: for a tile of 16 pages,
-// A (16 x D) = the pages' max (then min) rows, B (D x 8) = the positive (then negative)
-// parts of q for 8 of the group's heads (a pass: heads g0 .. g0 + 7, zeros past the
-// group), C = A_max B+ + A_min B- (mma.sync m16n8k16, fp32 accumulators; every product
-// exact), then the max over the pass's heads. The dims are permuted within each chunk of
-// KC (16 or 32): lanes with lane % 4 = c own the k slots 2c, 2c + 1, 2c + 8, 2c + 9 of each
-// 16-dim step (mma.cuh), given to dims c RUN .. c RUN + RUN - 1 of the chunk in order, in A
-// and in B alike, so that a lane loads each of its two rows' part of a chunk at once. A
-// warp takes TILES tiles a batch (their block ids loaded with the last batch's bounds),
-// DP dims of them at a time (registers). Pages whose sums gave NaN (an infinite bound
-// times a zero part, +inf - inf) or that hold an unknown e4m3 bound are summed again by
-// the whole warp term by term, as quest_score_kernel does. Writes as quest_score_kernel.
-template <typename T, typename TB, int D, int KC, int THREADS, int TILES, int DP>
-__global__ void __launch_bounds__(THREADS, 2) quest_score_mma_kernel(CUPAGED_PARAMS_QuestScoreArgs) {
-  const QuestScoreArgs<T, TB> a{CUPAGED_FIELDS_QuestScoreArgs};
-  using Run = BoundRun<T, TB, KC>;
-  constexpr int WARPS = THREADS / 32, RUN = KC / 4, CHUNKS = D / KC, SLAB = DP / KC;
-  constexpr int HEADS = 8, BATCH = 16 * TILES, STRIDE = WARPS * BATCH;
-  static_assert(D % DP == 0 && DP % KC == 0 && (KC == 16 || KC == 32), "quest_score_mma_kernel: dims");
-  const ScoreRange r(a);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  for (int g0 = 0; g0 < a.group; g0 += HEADS) {
-    const bool first_pass = g0 == 0, last_pass = g0 + HEADS >= a.group;
-    // B fragments: head g0 + g (column g), this lane's runs; per chunk KC / 8 pairs
-    u32 bp[CHUNKS][KC / 8], bn[CHUNKS][KC / 8];
-    {
-      const bool head_ok = g0 + g < a.group;
-      const T* qrow = a.q + (i64)r.b * a.q_stride + (i64)(r.h * a.group + (head_ok ? g0 + g : 0)) * D;
-#pragma unroll
-      for (int ch = 0; ch < CHUNKS; ++ch) {
-#pragma unroll
-        for (int j = 0; j < KC / 8; ++j) {
-          const int d = ch * KC + c * RUN + 2 * j;
-          const float x0 = head_ok ? to_float<T>(qrow[d]) : 0.f;
-          const float x1 = head_ok ? to_float<T>(qrow[d + 1]) : 0.f;
-          bp[ch][j] = pack2<T>(fmaxf(x0, 0.f), fmaxf(x1, 0.f));  // exact: x0, x1 are T values
-          bn[ch][j] = pack2<T>(fminf(x0, 0.f), fminf(x1, 0.f));
-        }
-      }
-    }
-    int next[TILES][2];  // block ids of the warp's next batch: tile t, rows g and g + 8
-    const auto lookup = [&](int i0) {
-#pragma unroll
-      for (int t = 0; t < TILES; ++t)
-#pragma unroll
-        for (int h8 = 0; h8 < 2; ++h8) {
-          const int i = i0 + 16 * t + g + 8 * h8;
-          next[t][h8] = i < r.stop ? __ldg(r.table + i) : 0;
-        }
-    };
-    lookup(r.begin + warp * BATCH);
-    for (int i0 = r.begin + warp * BATCH; i0 < r.stop; i0 += STRIDE) {
-      bool ok[TILES][2], unknown[TILES][2];
-      i64 row[TILES][2];
-#pragma unroll
-      for (int t = 0; t < TILES; ++t)
-#pragma unroll
-        for (int h8 = 0; h8 < 2; ++h8) {
-          const int i = i0 + 16 * t + g + 8 * h8, blk = next[t][h8];
-          ok[t][h8] = i < r.stop && (unsigned)blk < (unsigned)a.num_blocks;
-          if (i < r.stop && !ok[t][h8] && c == 0 && r.h == 0 && first_pass)
-            report_error(a.err, error_code(ARG_BLOCK_TABLES, CHECK_RANGE), r.b, i, blk, a.num_blocks);
-          row[t][h8] = ((i64)(ok[t][h8] ? blk : 0) * a.num_kv_heads + r.h) * D;
-          unknown[t][h8] = false;
-        }
-      lookup(i0 + STRIDE);
-      float acc[TILES][4] = {};
-#pragma unroll
-      for (int d0 = 0; d0 < D; d0 += DP) {
-        Run mx[TILES][2][SLAB], mn[TILES][2][SLAB];
-#pragma unroll
-        for (int t = 0; t < TILES; ++t)
-#pragma unroll
-          for (int h8 = 0; h8 < 2; ++h8)
-#pragma unroll
-            for (int ch = 0; ch < SLAB; ++ch) {
-              const i64 at = row[t][h8] + d0 + ch * KC + c * RUN;
-              if (ok[t][h8]) {
-                mx[t][h8][ch].load(a.k_max + at);
-                mn[t][h8][ch].load(a.k_min + at);
-              } else {
-                mx[t][h8][ch].zero();
-                mn[t][h8][ch].zero();
-              }
-            }
-#pragma unroll
-        for (int t = 0; t < TILES; ++t)
-#pragma unroll
-          for (int ch = 0; ch < SLAB; ++ch)
-#pragma unroll
-            for (int m = 0; m < KC / 16; ++m) {  // 16-dim steps: pairs 2m (slots 2c..) and 2m + 1 (2c + 8..)
-              const int q = d0 / KC + ch;
-              const u32 amx[4] = {mx[t][0][ch].pair(2 * m), mx[t][1][ch].pair(2 * m),
-                                  mx[t][0][ch].pair(2 * m + 1), mx[t][1][ch].pair(2 * m + 1)};
-              mma_16816<T>(acc[t], amx, bp[q][2 * m], bp[q][2 * m + 1]);
-              const u32 amn[4] = {mn[t][0][ch].pair(2 * m), mn[t][1][ch].pair(2 * m),
-                                  mn[t][0][ch].pair(2 * m + 1), mn[t][1][ch].pair(2 * m + 1)};
-              mma_16816<T>(acc[t], amn, bn[q][2 * m], bn[q][2 * m + 1]);
-            }
-        if constexpr (Fp8Traits<TB>::FP8) {
-#pragma unroll
-          for (int t = 0; t < TILES; ++t)
-#pragma unroll
-            for (int h8 = 0; h8 < 2; ++h8)
-#pragma unroll
-              for (int ch = 0; ch < SLAB; ++ch)
-                unknown[t][h8] |= mx[t][h8][ch].unknown() || mn[t][h8][ch].unknown();
-        }
-      }
-      // rows g and g + 8 of each tile: the max over the pass's heads (lane c holds heads
-      // 2c, 2c + 1), then over the quad; NaN or an unknown bound sends the page to the redo
-#pragma unroll
-      for (int t = 0; t < TILES; ++t) {
-#pragma unroll
-        for (int h8 = 0; h8 < 2; ++h8) {
-          float s = neg_inf();
-          bool redo = unknown[t][h8];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float v = acc[t][2 * h8 + e];
-            if (g0 + 2 * c + e < a.group) {
-              redo |= v != v;
-              s = fmaxf(s, v);
-            }
-          }
-#pragma unroll
-          for (int off = 1; off < 4; off <<= 1) {
-            s = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, off));
-            redo |= __shfl_xor_sync(0xffffffffu, (int)redo, off) != 0;
-          }
-          const int i = i0 + 16 * t + g + 8 * h8;
-          if (c == 0 && !redo) r.store(i, first_pass, last_pass, ok[t][h8], s);
-          // the redo, rare: the warp sums each such page term by term (dims of 4 a lane),
-          // an unknown bound infinite, q_d = 0 adding nothing; a NaN there makes it -inf
-#pragma unroll 1
-          for (unsigned todo = __ballot_sync(0xffffffffu, redo && c == 0); todo; todo &= todo - 1) {
-            const int qd = (__ffs(todo) - 1) >> 2, pi = i0 + 16 * t + qd + 8 * h8;
-            const i64 base = __shfl_sync(0xffffffffu, row[t][h8], qd << 2);
-            const bool pok = __shfl_sync(0xffffffffu, (int)ok[t][h8], qd << 2) != 0;
-            float best = neg_inf();
-            bool any_nan = false;
-#pragma unroll 1
-            for (int gg = g0; gg < min(g0 + HEADS, a.group); ++gg) {
-              const T* qrow = a.q + (i64)r.b * a.q_stride + (i64)(r.h * a.group + gg) * D;
-              float sum = 0.f;
-              for (int d = 4 * lane; d < D; d += 128) {
-                BoundChunk<TB, 4> bhi, blo;
-                bhi.load(a.k_max + base + d);
-                blo.load(a.k_min + base + d);
-                float hi[4], lo[4];
-                bhi.get(hi);
-                blo.get(lo);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  const float x = to_float<T>(qrow[d + e]);
-                  const float prod = x * (x > 0.f ? BoundChunk<TB, 4>::template unknown<true>(hi[e])
-                                                  : BoundChunk<TB, 4>::template unknown<false>(lo[e]));
-                  sum += x != 0.f ? prod : 0.f;
-                }
-              }
-#pragma unroll
-              for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-              any_nan |= sum != sum;
-              best = fmaxf(best, sum);
-            }
-            if (lane == 0) r.store(pi, first_pass, last_pass, pok, any_nan ? __int_as_float(0x7fc00000) : best);
-          }
-        }
-      }
-    }
-    __syncwarp();  // a redo's store (lane 0) before the next pass reads it (the page's quad)
-  }
-  r.finish(THREADS);
 }
 
 // grid B * Hk (CTA (b, h) = blockIdx.x = b * Hk + h); block THREADS. From the scores of

@@ -83,9 +83,7 @@ def test_quest_decoder_hot_runs_launch_what_the_checked_run_does(
         runs.append(list(fake.launches))
     assert len(calls) == 1, "later runs of a checked signature must take the hot path"
     names = [l.name for l in runs[0]]
-    score = "quest_score_mma_kernel" if sparse.quest.score_on_mma(bfloat16, bound_dtype, d) \
-        else "quest_score_kernel"
-    assert names[:4] == ["quest_bounds_kernel", score, "quest_select_kernel",
+    assert names[:4] == ["quest_bounds_kernel", "quest_score_kernel", "quest_select_kernel",
                          "decode_plan_kernel"]
     assert names[-1] == "quest_sinks_kernel" if outputs == "sinks" else "sinks" not in names[-1]
     # the first run after a plan also cuts the selection (the plan kernel); later ones not
@@ -111,13 +109,12 @@ def test_quest_decoder_select_writes_where_the_decode_reads(fake):
     assert fake.copies[0][2] == tables.data.ptr and fake.copies[1][1] == lens.data.ptr
     dec.run(q, kc, vc, k_min, k_max, out=out)
     f = {l.name: l.fields() for l in fake.launches}
-    score = f["quest_score_kernel"]   # float32 bounds: on CUDA cores
-    assert score["block_tables"] == dst_tables
-    assert score["seq_lens"] == dst_lens
-    assert score["q"] == q.data.ptr
+    assert f["quest_score_kernel"]["block_tables"] == dst_tables
+    assert f["quest_score_kernel"]["seq_lens"] == dst_lens
+    assert f["quest_score_kernel"]["q"] == q.data.ptr
     sel = f["quest_select_kernel"]
     assert (sel["block_tables"], sel["seq_lens"]) == (dst_tables, dst_lens)
-    assert sel["scores"] == score["scores"]
+    assert sel["scores"] == f["quest_score_kernel"]["scores"]
     assert f["decode_plan_kernel"]["block_tables"] == sel["sel_tables"]
     assert f["decode_plan_kernel"]["seq_lens"] == sel["sel_lens"]
     decode = next(v for n, v in f.items() if n.startswith("paged_decode"))
@@ -144,10 +141,9 @@ def test_quest_decoder_follows_layers_and_new_plans(fake):
                 fake.launches.clear()
                 dec.run(q, kc, vc, k_min, k_max, out=out)
                 f = {l.name: (l.grid, l.fields()) for l in fake.launches}
-                score = f["quest_score_mma_kernel"]  # bf16 q and bounds, d 128: tensor cores
-                assert score[0][0] == batch * hk
-                assert score[1]["k_min"] == k_min.data.ptr
-                assert score[1]["width"] == width
+                assert f["quest_score_kernel"][0][0] == batch * hk
+                assert f["quest_score_kernel"][1]["k_min"] == k_min.data.ptr
+                assert f["quest_score_kernel"][1]["width"] == width
                 assert f["quest_select_kernel"][1]["top_k"] == min(k, width)
                 decode = next(v for n, v in f.items() if n.startswith("paged_decode"))
                 assert decode[1]["k_cache"] == kc.data.ptr

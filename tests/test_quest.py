@@ -402,18 +402,12 @@ def test_gpu_bounds_match_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("first,bounds,mma", [
-    (0, np.float32, True), (2, np.float32, True), (0, bfloat16, True), (0, E4M3, True),
-    (0, bfloat16, False), (0, E4M3, False)],
-    ids=["f32", "f32-first2", "bf16", "e4m3", "bf16-cuda-cores", "e4m3-cuda-cores"])
+@pytest.mark.parametrize("first,bounds", [(0, np.float32), (2, np.float32), (0, bfloat16),
+                                          (0, E4M3)],
+                         ids=["f32", "f32-first2", "bf16", "e4m3"])
 @pytest.mark.parametrize("layout,dtype,bs,hq,hk,d,lens,k", GPU_CASES)
-def test_gpu_select_matches_reference(cp, rng, monkeypatch, layout, dtype, bs, hq, hk, d, lens,
-                                      k, first, bounds, mma):
-    """On tensor cores where q and the bounds allow it (quest.score_on_mma), and with
-    ``mma`` off on CUDA cores for every pair."""
-    if not mma:
-        monkeypatch.setattr(quest, "SCORE_MMA", False)
-        monkeypatch.setattr(quest, "_SELECTS", quest.CallCache())  # launches set up afresh
+def test_gpu_select_matches_reference(cp, rng, layout, dtype, bs, hq, hk, d, lens, k, first,
+                                      bounds):
     case, dev, nb = _gpu_setup(cp, rng, layout, dtype, bs, hq, hk, d, lens)
     k_min, k_max = _fresh_bounds(nb, hk, d, dtype=bounds)
     tables, seq_lens = case["block_tables"], case["seq_lens"]

@@ -48,9 +48,6 @@ SCORE_BYTES_IN_FLIGHT = 4096  # bound bytes a score warp loads before reducing (
 SCORE_MAX_UNROLL = 8         # its most steps of pages a batch (registers)
 SCORE_MAX_SUMS = 16          # partial sums a score lane holds a batch (steps x group chunk)
 SCORE_GROUP_CHUNKS = (1, 4, 8)  # query heads a score pass holds in registers (score_group_chunk)
-SCORE_MMA = True             # scores on tensor cores where q and the bounds allow (score_on_mma)
-SCORE_MMA_WORDS = 128        # a lane's registers there, for q's fragments and a batch's bounds
-SCORE_MMA_TILES = 2          # most 16-page tiles a warp loads as a batch there
 SELECT_THREADS = 512
 SELECT_CACHED_PAGES = 16384  # widest table whose page keys the select kernel keeps in shared memory
 SELECT_STAGED_PAGES = 8192   # most kept pages whose positions it gathers there before writing
@@ -561,44 +558,7 @@ def score_group_chunk(head_dim, group):
     return min([c for c in SCORE_GROUP_CHUNKS if c >= min(group, cap)])
 
 
-def score_on_mma(dtype, bound_dtype, head_dim):
-    """Whether the scores run on tensor cores (``quest_score_mma_kernel``): q bfloat16 with
-    bfloat16 or e4m3 bounds, q float16 with e4m3 bounds (every product exact in the
-    tensor cores' 16-bit inputs), head sizes up to 128 (q's fragments of a 256 head would
-    take half a lane's registers); with SCORE_MMA."""
-    q, b = np.dtype(dtype), np.dtype(bound_dtype)
-    e4m3 = b in (E4M3, np.dtype(np.uint8))
-    return bool(SCORE_MMA and int(head_dim) <= 128
-                and ((q == bfloat16 and (b == bfloat16 or e4m3))
-                     or (q == np.dtype(np.float16) and e4m3)))
-
-
-def score_mma_shape(head_dim, bound_dtype):
-    """``(KC, TILES, DP)`` of ``quest_score_mma_kernel``: dims a chunk (32, or 16 where
-    ``head_dim`` is no multiple of 32), 16-page tiles a warp batch and dims loaded at once.
-    Of SCORE_MMA_WORDS registers a lane, q's fragments take ``head_dim / 4`` and as many
-    again go to addresses, sums and widening; the batch's bounds (``TILES * DP * itemsize
-    / 4``) get the rest: the largest slab (``head_dim``, halved while a multiple of two
-    chunks), then the most tiles (a power of two, at most SCORE_MMA_TILES; one for chunks
-    of 16, whose runs of 4 dims take more registers a byte)."""
-    d, size = int(head_dim), np.dtype(bound_dtype).itemsize
-    kc = 32 if d % 32 == 0 else 16
-    room = SCORE_MMA_WORDS - 2 * (d // 4)
-    dp = d
-    while dp * size // 4 > room and dp % (2 * kc) == 0:
-        dp //= 2
-    tiles, most = 1, SCORE_MMA_TILES if kc == 32 else 1
-    while tiles < most and 2 * tiles * dp * size // 4 <= room:
-        tiles *= 2
-    return kc, tiles, dp
-
-
-def score_expr(dtype, head_dim, bound_dtype, group, mma=None):
-    """The score kernel: on tensor cores where ``mma`` (default: :func:`score_on_mma`)."""
-    if score_on_mma(dtype, bound_dtype, head_dim) if mma is None else mma:
-        kc, tiles, dp = score_mma_shape(head_dim, bound_dtype)
-        return (f"cupaged::quest::quest_score_mma_kernel<{ctype(dtype)}, "
-                f"{bound_ctype(bound_dtype)}, {head_dim}, {kc}, {SCORE_THREADS}, {tiles}, {dp}>")
+def score_expr(dtype, head_dim, bound_dtype, group):
     return (f"cupaged::quest::quest_score_kernel<{ctype(dtype)}, {bound_ctype(bound_dtype)}, "
             f"{head_dim}, {score_chunk(head_dim, bound_dtype, group)}, {SCORE_THREADS}, "
             f"{score_group_chunk(head_dim, group)}, {score_unroll(head_dim, bound_dtype, group)}>")
@@ -625,8 +585,7 @@ def sinks_expr(dtype):
 
 def kernel_specializations():
     """Every Quest kernel: select per keys a thread; sinks per dtype; bounds per dtype and
-    bound dtype; scores per dtype, head size, bound dtype and group chunk, on CUDA cores
-    (also where tensor cores take them: SCORE_MMA off) and on tensor cores."""
+    bound dtype; scores per dtype, head size, bound dtype and group chunk."""
     widths = [SELECT_THREADS << j for j in range(SELECT_MAX_KEYS_PER_THREAD.bit_length() + 1)]
     specs = [Spec("quest", e) for e in dict.fromkeys(select_expr(w) for w in widths)]
     for dt in FLOAT_DTYPES:
@@ -634,6 +593,5 @@ def kernel_specializations():
         for bt in BOUND_DTYPES[:3]:  # uint8: e4m3's kernels
             specs.append(Spec("quest", bounds_expr(dt, bt)))
             specs += [Spec("quest", e) for e in dict.fromkeys(
-                score_expr(dt, d, bt, g, mma) for d in HEAD_DIMS for g in SCORE_GROUP_CHUNKS
-                for mma in (False, True)[:1 + score_on_mma(dt, bt, d)])]
+                score_expr(dt, d, bt, g) for d in HEAD_DIMS for g in SCORE_GROUP_CHUNKS)]
     return specs
