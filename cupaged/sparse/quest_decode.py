@@ -53,8 +53,8 @@ def quest_decode(q, k_cache, v_cache, k_min, k_max, block_tables, seq_lens, top_
         Caches in ``layout``, blocks dense and one after the other (the one-kv-head view of
         :func:`cupaged.sparse.quest.decode_view`).
     k_min, k_max : array
-        float32 or bfloat16 ``[num_blocks, Hk, D]`` page bounds
-        (:func:`quest.update_page_bounds`).
+        ``[num_blocks, Hk, D]`` page bounds: float32, bfloat16 or e4m3
+        (:data:`quest.BOUND_DTYPES`; :func:`quest.update_page_bounds`).
     block_tables, seq_lens : array
         int32 ``[B, max_blocks]`` and ``[B]``.
     top_k : int
@@ -306,7 +306,7 @@ class QuestDecoder:
         k_cache, v_cache : array
             The layer's caches (the decoder's layout, block size and kv heads).
         k_min, k_max : array
-            The layer's float32 or bfloat16 ``[num_blocks, Hk, D]`` page bounds.
+            The layer's ``[num_blocks, Hk, D]`` page bounds (:data:`quest.BOUND_DTYPES`).
         sinks : array, optional
             float32 ``[Hq]``.
         out : array, optional
