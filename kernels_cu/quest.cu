@@ -170,29 +170,6 @@ struct BoundChunk {
 #pragma unroll
     for (int i = 0; i < WORDS; ++i) w[i] = 0u;
   }
-  __device__ __forceinline__ void get(float (&x)[X]) const {
-    if constexpr (Fp8Traits<TB>::FP8) {
-#pragma unroll
-      for (int i = 0; i < WORDS; ++i) {
-        u32 lo, hi;
-        fp8x4_to_half2<TB>(w[i], lo, hi);
-        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-        x[4 * i] = a.x; x[4 * i + 1] = a.y; x[4 * i + 2] = b.x; x[4 * i + 3] = b.y;
-#if __CUDA_ARCH__ < 890
-#pragma unroll
-        for (int e = 0; e < 4; ++e)  // widened by bits here: the NaN code as a number
-          x[4 * i + e] = (w[i] >> (8 * e) & 0x7Fu) == 0x7Fu ? __int_as_float(0x7fc00000) : x[4 * i + e];
-#endif
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < X; ++e) {
-        if constexpr (sizeof(TB) == 4) x[e] = __uint_as_float(w[e]);
-        else x[e] = __uint_as_float(e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16);
-      }
-    }
-  }
   // Dims 2i and 2i + 1 (widened where used: fewer values live at once than get's X).
   __device__ __forceinline__ float2 pair(int i) const {
     if constexpr (Fp8Traits<TB>::FP8) {
@@ -208,6 +185,14 @@ struct BoundChunk {
       return make_float2(__uint_as_float(w[2 * i]), __uint_as_float(w[2 * i + 1]));
     } else {
       return make_float2(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));
+    }
+  }
+  __device__ __forceinline__ void get(float (&x)[X]) const {
+#pragma unroll
+    for (int i = 0; i < X / 2; ++i) {
+      const float2 p = pair(i);
+      x[2 * i] = p.x;
+      x[2 * i + 1] = p.y;
     }
   }
   // A bound as the term-by-term sums read it: an e4m3 NaN code (unknown) is infinite, +inf
@@ -261,22 +246,23 @@ __device__ __forceinline__ float group_sums(float (&v)[N], unsigned mask) {
   return v[0];
 }
 
-// grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS.
-// CTA ((b, h), c) scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv
-// head h into scores[b, h, :]. A page takes LANES lanes (D / X rounded up to a power of two,
-// at most 32; PAGES = 32 / LANES pages a warp step), lane l of them dims X (l + LANES j) ..
-// + X - 1 (j < CPL), loaded X at a time. A warp takes its pages a batch of UNROLL steps: the
-// bounds of a batch loaded together, the block ids of the next batch loaded with them. The
-// group's query heads go GC at a time (registers: q split into its positive and negative
-// parts), each chunk a pass over the pages: score = max over the group's heads of sum_d (q_d
-// > 0 ? q_d max_d : q_d < 0 ? q_d min_d : 0), computed as q+ max + q- min (two FMAs a dim).
-// A lane's UNROLL x GC partial sums of a batch are summed across the page's lanes in one
-// exchange (group_sums: a lane ends with the total of one (step, head) of its index), then
-// the max over the heads' lanes. Where a sum gives NaN (an infinite bound times a zero
-// part, +inf - inf, or an unknown e4m3 bound) the page is recomputed term by term (an
-// unknown bound infinite there: BoundChunk::unknown), and a NaN there makes the page -inf. -inf past the sequence (and for a sequence with a bad length), +inf for its last
-// page, -inf for a bad block id (reported). Passes after the first take the max with what
-// the last one stored (NaN kept until the last pass).
+// grid (B * Hk, ceil(width / pages_per_cta)) (blockIdx.x = b * Hk + h); block THREADS. CTA
+// ((b, h), c) scores pages [c pages_per_cta, (c + 1) pages_per_cta) of sequence b for kv
+// head h into scores[b, h, :]. A page takes LANES lanes (D / X rounded up to a power of
+// two, at most 32; PAGES = 32 / LANES pages a warp step), lane l of them dims X (l + LANES
+// j) .. + X - 1 (j < CPL), loaded X at a time. A warp takes its pages a batch of UNROLL
+// steps: the bounds of a batch loaded together, the block ids of the next batch loaded with
+// them. The group's query heads go GC at a time (registers: q split into its positive and
+// negative parts), each chunk a pass over the pages: score = max over the group's heads of
+// sum_d (q_d > 0 ? q_d max_d : q_d < 0 ? q_d min_d : 0), computed as q+ max + q- min (two
+// FMAs a dim). A lane's UNROLL x GC partial sums of a batch are summed across the page's
+// lanes in one exchange (group_sums: a lane ends with the total of one (step, head) of its
+// index), then the max over the heads' lanes. Where a sum gives NaN (an infinite bound
+// times a zero part, +inf - inf, or an unknown e4m3 bound) the page is recomputed term by
+// term (an unknown bound infinite there: BoundChunk::unknown), and a NaN there makes the
+// page -inf. -inf past the sequence (and for a sequence with a bad length), +inf for its
+// last page, -inf for a bad block id (reported). Passes after the first take the max with
+// what the last one stored (NaN kept until the last pass).
 template <typename T, typename TB, int D, int X, int THREADS, int GC, int UNROLL>
 __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_QuestScoreArgs) {
   const QuestScoreArgs<T, TB> a{CUPAGED_FIELDS_QuestScoreArgs};
@@ -448,14 +434,14 @@ __global__ void __launch_bounds__(THREADS, 2) quest_score_kernel(CUPAGED_PARAMS_
 // quest_score_kernel the CTA finds the key (page_key: the last page, then the first_pages
 // first ones, then by score) of the k-th best page (KPT > 0: the row's keys in registers,
 // page t + j THREADS as key j of thread t, and a bisection; else a radix select, 8 bits a
-// pass) and keeps, in position order, every page above it and the first pages equal to it: positions[b, h, :] (-1 past the count), and a block table row of the
-// one-kv-head view (tokens_per_page entries a page: id blk * Hk + h, or (blk * block_size +
-// t) * Hk + h per token t; rows sel_stride entries apart) with its key count. A sequence
-// with a bad length or block id keeps nothing (count 0; the score kernel reported it).
-// Dynamic shared memory: with stage_positions the kept positions (k ints; the table row is
-// written from them by all threads at once, its block ids read together), then with
-// cache_keys the row's keys (width u32s, computed once; else on each pass from the scores;
-// always with KPT > 0).
+// pass) and keeps, in position order, every page above it and the first pages equal to it:
+// positions[b, h, :] (-1 past the count), and a block table row of the one-kv-head view
+// (tokens_per_page entries a page: id blk * Hk + h, or (blk * block_size + t) * Hk + h per
+// token t; rows sel_stride entries apart) with its key count. A sequence with a bad length
+// or block id keeps nothing (count 0; the score kernel reported it). Dynamic shared memory:
+// with stage_positions the kept positions (k ints; the table row is written from them by
+// all threads at once, its block ids read together), then with cache_keys the row's keys
+// (width u32s, computed once; else on each pass from the scores; always with KPT > 0).
 template <int THREADS, int KPT>
 __global__ void __launch_bounds__(THREADS) quest_select_kernel(CUPAGED_PARAMS_QuestSelectArgs) {
   const QuestSelectArgs a{CUPAGED_FIELDS_QuestSelectArgs};

@@ -36,7 +36,7 @@ def _dev(cp, bounds):
 def _codes(bounds):
     """Bounds (host or device) as host bits to compare exactly: e4m3 codes, else float32."""
     a = bounds.get() if hasattr(bounds, "get") else bounds
-    return a.view(np.uint8) if a.dtype in (E4M3, np.dtype(np.uint8)) else a.astype(np.float32)
+    return a.view(np.uint8) if a.dtype in quest.E4M3_DTYPES else a.astype(np.float32)
 
 
 def _e4m3_outward(x, up):

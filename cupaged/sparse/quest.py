@@ -56,12 +56,11 @@ SINK_THREADS = 128
 MAX_GRID_Y = 65535  # CUDA's limit on grid.y
 MAX_BATCH = MAX_GRID_Y  # grid.y of quest_bounds_kernel
 E4M3 = FLOAT8_DTYPES[0]   # ml_dtypes.float8_e4m3fn
-BOUND_DTYPES = (np.dtype(np.float32), bfloat16, E4M3, np.dtype(np.uint8))
-"""Bound dtypes: float32, bfloat16, and fp8 e4m3 (ml_dtypes' float8_e4m3fn, or uint8 codes:
-CuPy has no float8 dtype, torch's float8_e4m3fn arrives as its bytes)."""
+E4M3_DTYPES = (E4M3, np.dtype(np.uint8))
+"""e4m3 bounds: ml_dtypes' float8_e4m3fn, or uint8 codes (CuPy has no float8 dtype, torch's
+float8_e4m3fn arrives as its bytes)."""
+BOUND_DTYPES = (np.dtype(np.float32), bfloat16) + E4M3_DTYPES
 BOUND_NAMES = {"float32": BOUND_DTYPES[0], "bfloat16": bfloat16, "fp8_e4m3": E4M3}
-_BOUND_CTYPES = {np.dtype(np.float32): "float", bfloat16: "__nv_bfloat16",
-                 E4M3: "cupaged::fp8_e4m3", np.dtype(np.uint8): "cupaged::fp8_e4m3"}
 
 
 class Selection(NamedTuple):
@@ -243,7 +242,7 @@ def outward(x, dtype, toward):
     e4m3 (float8_e4m3fn, or uint8 codes) has no infinity: past its largest finite value the
     step reaches the NaN code (``sign | 0x7F``), an unknown bound."""
     dtype = np.dtype(dtype)
-    if dtype in (E4M3, np.dtype(np.uint8)):
+    if dtype in E4M3_DTYPES:
         top = float(ml_dtypes.finfo(E4M3).max)
         codes = np.clip(x, -top, top).astype(E4M3).view(np.uint8).astype(np.int32)  # nearest, saturated
         back = codes.astype(np.uint8).view(E4M3).astype(np.float64)
@@ -425,7 +424,7 @@ def _reference_scores(q, k_min, k_max, bt, lens, bs):
 def bound_values(bounds, unknown):
     """Host bounds as float64; e4m3 ones (float8_e4m3fn, or uint8 codes) with their NaN
     code (an unknown bound) as ``unknown`` (+inf for a max, -inf for a min)."""
-    if bounds.dtype in (E4M3, np.dtype(np.uint8)):
+    if bounds.dtype in E4M3_DTYPES:
         x = bounds.view(E4M3).astype(np.float64)
         return np.where(np.isnan(x), unknown, x)
     return bounds.astype(np.float64)
@@ -511,8 +510,8 @@ def bounds_expr(dtype, bound_dtype):
 
 
 def bound_ctype(bound_dtype):
-    """C type of a bound dtype in kernel templates."""
-    return _BOUND_CTYPES[np.dtype(bound_dtype)]
+    """C type of a bound dtype in kernel templates (e4m3: ``fp8.cuh``'s code type)."""
+    return "cupaged::fp8_e4m3" if np.dtype(bound_dtype) in E4M3_DTYPES else ctype(bound_dtype)
 
 
 def score_chunk(head_dim, bound_dtype, group):
@@ -590,7 +589,7 @@ def kernel_specializations():
     specs = [Spec("quest", e) for e in dict.fromkeys(select_expr(w) for w in widths)]
     for dt in FLOAT_DTYPES:
         specs.append(Spec("quest", sinks_expr(dt)))
-        for bt in BOUND_DTYPES[:3]:  # uint8: e4m3's kernels
+        for bt in BOUND_NAMES.values():
             specs.append(Spec("quest", bounds_expr(dt, bt)))
             specs += [Spec("quest", e) for e in dict.fromkeys(
                 score_expr(dt, d, bt, g) for d in HEAD_DIMS for g in SCORE_GROUP_CHUNKS)]
