@@ -77,3 +77,44 @@ def test_script_reports_bad_input(tmp_path):
     bad.write_text("{}")
     res = CliRunner().invoke(_script().main, [str(bad), "--out", "-"])
     assert res.exit_code == 1 and "expected a JSON list of rows" in res.output
+
+
+PEER_ROWS = [
+    {"op": "varlen", "variant": "tiles", "tile": "4w x32r n64 s2 2cta default",
+     "shape": "B2 S8192 H32 d128 causal", "TFLOPs": 316.7, "flash_TFLOPs": 332.8,
+     "cudnn_TFLOPs": 622.7},
+    {"op": "varlen", "variant": "tiles", "tile": "4w x32r n64 s1 2cta",
+     "shape": "B2 S8192 H32 d128 causal", "TFLOPs": 311.4},
+    {"op": "varlen", "variant": "wgmma", "tile": "ws 1+2wg x64r n128 s2 tma",
+     "shape": "B2 S8192 H32 d128 causal", "TFLOPs": 560.0},
+    {"op": "varlen", "variant": "wgmma", "tile": "ws 1+2wg x64r n128 s3 tma default",
+     "shape": "B2 S8192 H32 d128 causal", "TFLOPs": 551.9},
+    {"op": "paged", "variant": "wgmma NHD page16", "tile": "ws 1+2wg x64r n128 s3 tma",
+     "shape": "B2 S8192 H32 d128 causal", "TFLOPs": 473.2, "vs_ragged": 0.857},
+    {"op": "varlen", "variant": "wgmma soft-cap", "tile": "ws 1+2wg x64r n128 s3 tma",
+     "shape": "B2 S8192 H32 d128 causal", "TFLOPs": 437.6, "vs_default": 0.8},
+    {"op": "varlen", "variant": "wgmma sinks", "tile": "ws 1+2wg x64r n128 s3 tma",
+     "shape": "B2 S8192 H32 d128 causal", "TFLOPs": 549.8, "vs_default": 1.0},
+    {"op": "varlen", "variant": "tiles", "tile": "4w x32r n64 s2 2cta default",
+     "shape": "B2 S8192 H32 d96 causal", "TFLOPs": 273.8},
+]
+
+
+def test_peers_table_takes_the_default_rows_and_the_option_costs():
+    text = report.peers(PEER_ROWS)
+    lines = text.splitlines()
+    assert lines[0] == ("| shape | wgmma TFLOP/s | mma.sync TFLOP/s | flash TFLOP/s | cuDNN TFLOP/s "
+                        "| wgmma vs flash | wgmma vs cuDNN |")
+    # the wgmma default row (not the faster 2-stage variant), ratios to the peers of the run
+    assert lines[2] == ("| B2 S8192 H32 d128 causal | 551.9 | 316.7 | 332.8 | 622.7 | "
+                        f"{551.9 / 332.8:.3f} | {551.9 / 622.7:.3f} |")
+    assert lines[3] == "| B2 S8192 H32 d96 causal |  | 273.8 |  |  |  |  |"   # no wgmma row, no peers
+    assert lines[-1] == ("Cost of the score options on the wgmma kernel (B2 S8192 H32 d128 causal): "
+                         "soft-cap +25.0%, sinks +0.0%.")
+    assert report.peers([r for r in PEER_ROWS if "default" not in r["tile"]]) is None
+
+
+def test_page_shows_the_prefill_peers_before_its_rows():
+    text = report.page({"prefill": PEER_ROWS}, command="x")
+    assert text.index("Against the peers") < text.index("| wgmma vs cuDNN |") < text.index("Every row:")
+    assert "Against the peers" not in report.page({"decode": [{"us": 1.0}]}, command="x")

@@ -98,6 +98,48 @@ def summary(rows):
     return "; ".join(parts)
 
 
+def _default(row, variant):
+    """Whether ``row`` is the ragged ``varlen`` row of the kernel "auto" launches, on the
+    mma.sync kernel (``variant`` None: the tile or sweep rows) or on wgmma."""
+    if row.get("op") != "varlen" or not str(row.get("tile", "")).endswith(" default"):
+        return False
+    return row.get("variant") == "wgmma" if variant == "wgmma" else row.get("variant") != "wgmma"
+
+
+def peers(rows):
+    """The prefill headline (issue 20's table): per problem shape, TFLOP/s of the wgmma and the
+    mma.sync kernels "auto" launches, of torch SDPA's flash and cuDNN backends in the same
+    run, and the wgmma kernel's ratio to each peer; then the score options' cost (the wgmma
+    kernel with a soft-cap, ALiBi or sinks against the plain one). Rows the run lacks stay
+    empty; None without any default row."""
+    shapes = {}
+    for r in rows:
+        for variant in ("mma", "wgmma"):
+            if _default(r, variant):
+                shapes.setdefault(r["shape"], {})[variant] = r
+    if not shapes:
+        return None
+    cols = ["shape", "wgmma TFLOP/s", "mma.sync TFLOP/s", "flash TFLOP/s", "cuDNN TFLOP/s",
+            "wgmma vs flash", "wgmma vs cuDNN"]
+    lines = ["| " + " | ".join(cols) + " |", "| " + " | ".join("---" for _ in cols) + " |"]
+    for shape, got in shapes.items():
+        mma, wgmma = got.get("mma", {}), got.get("wgmma", {})
+        ours, flash, cudnn = wgmma.get("TFLOPs"), mma.get("flash_TFLOPs"), mma.get("cudnn_TFLOPs")
+        ratio = lambda peer: None if ours is None or not peer else ours / peer  # noqa: E731
+        cells = [shape, cell("TFLOPs", ours), cell("TFLOPs", mma.get("TFLOPs")),
+                 cell("TFLOPs", flash), cell("TFLOPs", cudnn), cell("vs_flash", ratio(flash)),
+                 cell("vs_cudnn", ratio(cudnn))]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    options = [r for r in rows if r.get("op") == "varlen"
+               and str(r.get("variant", "")).startswith("wgmma ")
+               and isinstance(r.get("vs_default"), (int, float))]
+    if options:
+        lines += ["", f"Cost of the score options on the wgmma kernel ({options[0]['shape']}): "
+                  + ", ".join(f"{r['variant'].removeprefix('wgmma ')} "
+                              f"{1 / r['vs_default'] - 1:+.1%}" for r in options) + "."]
+    return "\n".join(lines)
+
+
 def page(benches, *, command, commit=None, date=None, machine=None):
     """The whole results page (Markdown) of ``{name: rows}``."""
     meta = ", ".join(x for x in (machine, date, f"commit {commit}" if commit else None) if x)
@@ -109,6 +151,10 @@ def page(benches, *, command, commit=None, date=None, machine=None):
     if meta:
         out += [f"Run: {meta}.", ""]
     for name, rows in benches.items():
-        out += [f"## {name} (`cupaged bench {name}`)", "", summary(rows) + ".", "",
-                table(name, rows), ""]
+        out += [f"## {name} (`cupaged bench {name}`)", "", summary(rows) + ".", ""]
+        headline = peers(rows) if name == "prefill" else None
+        if headline:
+            out += ["Against the peers (the kernels \"auto\" launches; ratios of the wgmma one):",
+                    "", headline, "", "Every row:", ""]
+        out += [table(name, rows), ""]
     return "\n".join(out)
