@@ -10,6 +10,7 @@ and Q.K^T tile. Kernels take fp16 or bf16 and every head size of ``HEAD_DIMS``.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -131,11 +132,17 @@ class AttentionLaunch(NamedTuple):
     def __call__(self, grid, kv, **fields):
         """Launch over ``kv`` (:class:`KVSource`, its ``fields()`` given in ``fields``)."""
         if self.tma:
-            _, hk, d = kv.k.shape
-            strides = layout_strides("ragged", 1, hk, d, kv.k.itemsize)
-            maps = tma.KVMaps(hk, d, strides, self.tile_n, kv.k.shape[0])
+            maps = _dense_maps(kv.k.shape, kv.k.itemsize, self.tile_n)
             fields["k_map"], fields["v_map"] = maps(ptr(kv.k), ptr(kv.v))
         self.kernel(grid, self.threads, self.smem, **fields)
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_maps(shape, itemsize, tile_n):
+    """The :class:`cupaged.core.tma.KVMaps` of packed ``[total_k, Hk, D]`` K/V rows (one
+    per call shape: the maps themselves are cached per address by ``tma.encode``)."""
+    total_k, hk, d = shape
+    return tma.KVMaps(hk, d, layout_strides("ragged", 1, hk, d, itemsize), tile_n, total_k)
 
 
 def attention_launch(dtype, head_dim, kind="sparse_attention", rows=CTA_ROWS, general=False,
