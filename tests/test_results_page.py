@@ -118,3 +118,14 @@ def test_page_shows_the_prefill_peers_before_its_rows():
     text = report.page({"prefill": PEER_ROWS}, command="x")
     assert text.index("Against the peers") < text.index("| wgmma vs cuDNN |") < text.index("Every row:")
     assert "Against the peers" not in report.page({"decode": [{"us": 1.0}]}, command="x")
+
+
+def test_sparse_table_reports_the_kept_fraction_mass_and_block_ratio():
+    rows = [{"S": 131072, "inputs": "random", "budget": "fixed 1000/6096", "kept": 0.97,
+             "mass": 0.99, "est_share": 0.05, "sparse_ms": 250.0, "cudnn_ms": 252.0,
+             "vs_cudnn": 1.008, "checked": True, "kernel_ms": 240.0},
+            {"S": 8192, "budget": "bsr", "B": 4, "kept": 0.1, "bsr_ms": 1.4, "dense_ms": 4.0,
+             "vs_dense": 2.86, "block_ratio": 0.286}]
+    header = report.table("sparse", rows).splitlines()[0]
+    assert header == ("| S | inputs | budget | B | kept | mass | est_share | sparse_ms | bsr_ms | "
+                      "dense_ms | vs_dense | block_ratio | cudnn_ms | vs_cudnn | checked |")

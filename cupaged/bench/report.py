@@ -22,9 +22,9 @@ COLUMNS = {
     "cache": ["op", "variant", "shape", "ms", "TB/s", "frac_copy", "matches_ref"],
     "rope": ["op", "variant", "shape", "ms", "TBps", "frac_copy", "TFLOPs", "sink_overhead",
              "checked"],
-    "sparse": ["S", "budget", "B", "density", "kept", "sparse_ms", "bsr_ms", "quest_ms",
-               "select_ms", "dense_ms", "vs_dense", "step_vs_dense", "cudnn_ms", "vs_cudnn",
-               "checked"],
+    "sparse": ["S", "inputs", "budget", "B", "kept", "mass", "est_share", "sparse_ms", "bsr_ms",
+               "quest_ms", "select_ms", "dense_ms", "vs_dense", "block_ratio", "step_vs_dense",
+               "cudnn_ms", "vs_cudnn", "checked"],
     "overhead": ["op", "shape", "arrays", "host_us", "gpu_us", "graph_us", "vs_graph",
                  "peer_us", "TFLOP/s", "frac_copy"],
 }
