@@ -99,8 +99,9 @@ def summary(rows):
 
 
 def _default(row, variant):
-    """Whether ``row`` is the ragged ``varlen`` row of the kernel "auto" launches, on the
-    mma.sync kernel (``variant`` None: the tile or sweep rows) or on wgmma."""
+    """Whether ``row`` is the ragged ``varlen`` row of the kernel "auto" launches: on the
+    mma.sync kernel (``variant`` "mma": the tile, sweep and mixed rows) or on wgmma
+    (``variant`` "wgmma")."""
     if row.get("op") != "varlen" or not str(row.get("tile", "")).endswith(" default"):
         return False
     return row.get("variant") == "wgmma" if variant == "wgmma" else row.get("variant") != "wgmma"
