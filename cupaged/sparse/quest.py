@@ -27,15 +27,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from ..core import abi, errors
-from ..core.arrays import (FLOAT8_DTYPES, FLOAT_DTYPES, HEAD_DIMS, CallCache, array_module,
-                           bfloat16, check_array, check_head_dim)
+from ..core.arrays import (FLOAT_DTYPES, HEAD_DIMS, CallCache, array_module, bfloat16,
+                           check_array, check_head_dim)
 from ..core.checks import (INT32_MAX, check_aligned, check_block_tables, check_gqa, check_int,
                            check_query, table_stride, token_stride)
 from ..core.compile import Spec, ctype, launcher
+from ..core.fp8 import FP8_FORMATS
 from ..core.launch import current_stream, ptr
 from ..core.layouts import (CacheGeometry, block_stride, check_dense_blocks, k_as_nhd,
                             key_geometry, layout_strides)
@@ -55,12 +55,13 @@ SELECT_MAX_KEYS_PER_THREAD = 32  # most page keys a select thread holds in regis
 SINK_THREADS = 128
 MAX_GRID_Y = 65535  # CUDA's limit on grid.y
 MAX_BATCH = MAX_GRID_Y  # grid.y of quest_bounds_kernel
-E4M3 = FLOAT8_DTYPES[0]   # ml_dtypes.float8_e4m3fn
+_E4M3 = FP8_FORMATS["fp8_e4m3"]
+E4M3 = _E4M3.dtype   # ml_dtypes.float8_e4m3fn
 E4M3_DTYPES = (E4M3, np.dtype(np.uint8))
 """e4m3 bounds: ml_dtypes' float8_e4m3fn, or uint8 codes (CuPy has no float8 dtype, torch's
 float8_e4m3fn arrives as its bytes)."""
 BOUND_DTYPES = (np.dtype(np.float32), bfloat16) + E4M3_DTYPES
-BOUND_NAMES = {"float32": BOUND_DTYPES[0], "bfloat16": bfloat16, "fp8_e4m3": E4M3}
+BOUND_NAMES = {"float32": BOUND_DTYPES[0], "bfloat16": bfloat16, _E4M3.name: E4M3}
 
 
 class Selection(NamedTuple):
@@ -243,8 +244,8 @@ def outward(x, dtype, toward):
     step reaches the NaN code (``sign | 0x7F``), an unknown bound."""
     dtype = np.dtype(dtype)
     if dtype in E4M3_DTYPES:
-        top = float(ml_dtypes.finfo(E4M3).max)
-        codes = np.clip(x, -top, top).astype(E4M3).view(np.uint8).astype(np.int32)  # nearest, saturated
+        nearest = np.clip(x, -_E4M3.max, _E4M3.max).astype(E4M3)   # saturated
+        codes = nearest.view(np.uint8).astype(np.int32)
         back = codes.astype(np.uint8).view(E4M3).astype(np.float64)
         off = back > x if toward < 0 else back < x
         up = toward > 0
@@ -511,7 +512,7 @@ def bounds_expr(dtype, bound_dtype):
 
 def bound_ctype(bound_dtype):
     """C type of a bound dtype in kernel templates (e4m3: ``fp8.cuh``'s code type)."""
-    return "cupaged::fp8_e4m3" if np.dtype(bound_dtype) in E4M3_DTYPES else ctype(bound_dtype)
+    return f"cupaged::{_E4M3.name}" if np.dtype(bound_dtype) in E4M3_DTYPES else ctype(bound_dtype)
 
 
 def score_chunk(head_dim, bound_dtype, group):
